@@ -1,0 +1,8 @@
+//! The light half of ferrotron: what a model is (shapes, names, FLOPs, bytes) and what a cluster is.
+//! Pure computation with no heavy dependencies, so planners and other tools can link it cheaply.
+
+pub mod error;
+pub mod model;
+pub mod topology;
+
+pub use error::{ConfigError, Result};

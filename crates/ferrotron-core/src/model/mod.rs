@@ -1,0 +1,10 @@
+//! Architecture description only: which parameters a model has (by their Hugging Face names), their
+//! shapes, and how much work and memory a layer costs. No parallelism and no arithmetic on tensors.
+
+mod config;
+mod params;
+mod presets;
+
+pub use config::{Activation, Arch, ModelConfig, NormKind, PositionKind};
+pub use params::{LayerParamNames, ParamSpec, WeightLayout};
+pub use presets::{preset, PRESET_NAMES};

@@ -1,0 +1,220 @@
+use super::config::{Arch, ModelConfig};
+
+/// How a 2-D weight is stored: Hugging Face `nn.Linear` keeps `[out, in]`, GPT-2's `Conv1D` keeps `[in, out]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLayout {
+    OutIn,
+    InOut,
+    /// Not a matrix used in a matmul: norms, biases, embedding tables.
+    Other,
+}
+
+/// One parameter tensor as Hugging Face names and shapes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub layout: WeightLayout,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The Hugging Face names of one transformer block's parameters.
+#[derive(Debug, Clone)]
+pub struct LayerParamNames {
+    pub norm1_weight: String,
+    pub norm1_bias: Option<String>,
+    pub norm2_weight: String,
+    pub norm2_bias: Option<String>,
+    /// Llama: separate q/k/v projections; GPT-2: one fused `c_attn`.
+    pub qkv: Vec<(String, Option<String>)>,
+    pub attn_out: (String, Option<String>),
+    /// Llama: gate and up; GPT-2: c_fc.
+    pub mlp_in: Vec<(String, Option<String>)>,
+    pub mlp_out: (String, Option<String>),
+}
+
+impl ModelConfig {
+    pub fn embedding_name(&self) -> &'static str {
+        match self.arch {
+            Arch::Llama => "model.embed_tokens.weight",
+            Arch::Gpt2 => "transformer.wte.weight",
+        }
+    }
+    pub fn position_embedding_name(&self) -> Option<&'static str> {
+        match self.arch {
+            Arch::Llama => None,
+            Arch::Gpt2 => Some("transformer.wpe.weight"),
+        }
+    }
+    pub fn final_norm_names(&self) -> (&'static str, Option<&'static str>) {
+        match self.arch {
+            Arch::Llama => ("model.norm.weight", None),
+            Arch::Gpt2 => ("transformer.ln_f.weight", Some("transformer.ln_f.bias")),
+        }
+    }
+    /// The output projection's parameter: `lm_head.weight`, or the input embedding when tied.
+    pub fn lm_head_name(&self) -> &'static str {
+        if self.tie_word_embeddings {
+            self.embedding_name()
+        } else {
+            "lm_head.weight"
+        }
+    }
+
+    pub fn layer_names(&self, i: usize) -> LayerParamNames {
+        match self.arch {
+            Arch::Llama => {
+                let p = format!("model.layers.{i}");
+                let w = |s: &str| (format!("{p}.{s}.weight"), None);
+                LayerParamNames {
+                    norm1_weight: format!("{p}.input_layernorm.weight"),
+                    norm1_bias: None,
+                    norm2_weight: format!("{p}.post_attention_layernorm.weight"),
+                    norm2_bias: None,
+                    qkv: vec![
+                        w("self_attn.q_proj"),
+                        w("self_attn.k_proj"),
+                        w("self_attn.v_proj"),
+                    ],
+                    attn_out: w("self_attn.o_proj"),
+                    mlp_in: vec![w("mlp.gate_proj"), w("mlp.up_proj")],
+                    mlp_out: w("mlp.down_proj"),
+                }
+            }
+            Arch::Gpt2 => {
+                let p = format!("transformer.h.{i}");
+                let wb = |s: &str| (format!("{p}.{s}.weight"), Some(format!("{p}.{s}.bias")));
+                LayerParamNames {
+                    norm1_weight: format!("{p}.ln_1.weight"),
+                    norm1_bias: Some(format!("{p}.ln_1.bias")),
+                    norm2_weight: format!("{p}.ln_2.weight"),
+                    norm2_bias: Some(format!("{p}.ln_2.bias")),
+                    qkv: vec![wb("attn.c_attn")],
+                    attn_out: wb("attn.c_proj"),
+                    mlp_in: vec![wb("mlp.c_fc")],
+                    mlp_out: wb("mlp.c_proj"),
+                }
+            }
+        }
+    }
+
+    /// Every trainable parameter, in Hugging Face order and shape (a tied head appears once).
+    pub fn param_specs(&self) -> Vec<ParamSpec> {
+        let h = self.hidden_size;
+        let f = self.intermediate_size;
+        let mut out = Vec::new();
+        let mut push = |name: String, shape: Vec<usize>, layout| {
+            out.push(ParamSpec {
+                name,
+                shape,
+                layout,
+            })
+        };
+        push(
+            self.embedding_name().into(),
+            vec![self.vocab_size, h],
+            WeightLayout::Other,
+        );
+        if let Some(wpe) = self.position_embedding_name() {
+            push(
+                wpe.into(),
+                vec![self.max_position_embeddings, h],
+                WeightLayout::Other,
+            );
+        }
+        for i in 0..self.num_layers {
+            let n = self.layer_names(i);
+            push(n.norm1_weight.clone(), vec![h], WeightLayout::Other);
+            if let Some(b) = &n.norm1_bias {
+                push(b.clone(), vec![h], WeightLayout::Other);
+            }
+            match self.arch {
+                Arch::Llama => {
+                    let (q, kv) = (self.q_dim(), self.kv_dim());
+                    push(n.qkv[0].0.clone(), vec![q, h], WeightLayout::OutIn);
+                    push(n.qkv[1].0.clone(), vec![kv, h], WeightLayout::OutIn);
+                    push(n.qkv[2].0.clone(), vec![kv, h], WeightLayout::OutIn);
+                    push(n.attn_out.0.clone(), vec![h, q], WeightLayout::OutIn);
+                    push(n.norm2_weight.clone(), vec![h], WeightLayout::Other);
+                    push(n.mlp_in[0].0.clone(), vec![f, h], WeightLayout::OutIn);
+                    push(n.mlp_in[1].0.clone(), vec![f, h], WeightLayout::OutIn);
+                    push(n.mlp_out.0.clone(), vec![h, f], WeightLayout::OutIn);
+                }
+                Arch::Gpt2 => {
+                    let bias = |p: &(String, Option<String>)| p.1.clone().expect("gpt2 has biases");
+                    push(n.qkv[0].0.clone(), vec![h, 3 * h], WeightLayout::InOut);
+                    push(bias(&n.qkv[0]), vec![3 * h], WeightLayout::Other);
+                    push(n.attn_out.0.clone(), vec![h, h], WeightLayout::InOut);
+                    push(bias(&n.attn_out), vec![h], WeightLayout::Other);
+                    push(n.norm2_weight.clone(), vec![h], WeightLayout::Other);
+                    push(
+                        n.norm2_bias.clone().expect("gpt2 has biases"),
+                        vec![h],
+                        WeightLayout::Other,
+                    );
+                    push(n.mlp_in[0].0.clone(), vec![h, f], WeightLayout::InOut);
+                    push(bias(&n.mlp_in[0]), vec![f], WeightLayout::Other);
+                    push(n.mlp_out.0.clone(), vec![f, h], WeightLayout::InOut);
+                    push(bias(&n.mlp_out), vec![h], WeightLayout::Other);
+                }
+            }
+        }
+        let (nw, nb) = self.final_norm_names();
+        push(nw.into(), vec![h], WeightLayout::Other);
+        if let Some(nb) = nb {
+            push(nb.into(), vec![h], WeightLayout::Other);
+        }
+        if !self.tie_word_embeddings {
+            push(
+                "lm_head.weight".into(),
+                vec![self.vocab_size, h],
+                WeightLayout::OutIn,
+            );
+        }
+        out
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.param_specs().iter().map(ParamSpec::numel).sum()
+    }
+
+    /// Parameters that take part in a matmul (everything but the input embedding tables; the output
+    /// head counts even when tied). This is the N of the 6·N·tokens rule.
+    pub fn matmul_params(&self) -> usize {
+        let mut n = self.num_params() - self.vocab_size * self.hidden_size;
+        if let Some(_wpe) = self.position_embedding_name() {
+            n -= self.max_position_embeddings * self.hidden_size;
+        }
+        if self.tie_word_embeddings {
+            n += self.vocab_size * self.hidden_size;
+        }
+        n
+    }
+
+    /// Training FLOPs of one step over `batch` sequences of `seq` tokens: 6·N·tokens for the matmuls
+    /// (forward 2N, backward 4N) plus 12·layers·q_dim·seq·tokens for QKᵀ and PV (full, not causal-halved).
+    /// The same model as `shared/bench/torch_train_bench.py`, so GFLOP/s figures compare.
+    pub fn train_flops(&self, batch: usize, seq: usize) -> f64 {
+        let tokens = (batch * seq) as f64;
+        let dense = 6.0 * self.matmul_params() as f64 * tokens;
+        let attn = 12.0 * self.num_layers as f64 * self.q_dim() as f64 * seq as f64 * tokens;
+        dense + attn
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::model::preset;
+
+    #[test]
+    fn reference_param_counts() {
+        // Counts printed by the reference generator (shared/reference/README.md).
+        assert_eq!(preset("llama-tiny").unwrap().num_params(), 250_432);
+        assert_eq!(preset("gpt2-tiny").unwrap().num_params(), 249_216);
+    }
+}

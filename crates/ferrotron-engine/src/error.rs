@@ -1,0 +1,43 @@
+use std::path::PathBuf;
+
+/// Engine errors. Each names the file (and the tensor or field) it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Config(#[from] ferrotron_core::ConfigError),
+    #[error("{file}: {source}")]
+    Io {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{file}: {msg}")]
+    Format { file: PathBuf, msg: String },
+    #[error("{file}: tensor `{name}` is missing")]
+    MissingTensor { file: PathBuf, name: String },
+    #[error("{file}: tensor `{name}` has shape {found:?}, the model needs {expected:?}")]
+    Shape {
+        file: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl EngineError {
+    pub fn io(file: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            file: file.into(),
+            source,
+        }
+    }
+    pub fn format(file: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Self::Format {
+            file: file.into(),
+            msg: msg.into(),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;

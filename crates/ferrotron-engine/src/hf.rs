@@ -1,0 +1,255 @@
+//! Hugging Face model directories: `config.json` + `model.safetensors` (or a sharded
+//! `model.safetensors.index.json`), read by parameter name in f32, bf16 or f16, and written back in a
+//! form transformers loads.
+
+use crate::error::{EngineError, Result};
+use crate::transformer::ParamStore;
+use ferrotron_core::model::ModelConfig;
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Storage precision of a written checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl StorageDtype {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "f32" | "fp32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "f16" | "fp16" | "float16" => Ok(Self::F16),
+            other => Err(EngineError::Invalid(format!(
+                "unknown dtype `{other}` (f32, bf16, f16)"
+            ))),
+        }
+    }
+}
+
+/// Buffers a model directory carries that are not parameters; skipped on load.
+fn is_known_buffer(name: &str) -> bool {
+    name.ends_with(".attn.bias") && !name.contains("c_attn")
+        || name.ends_with(".attn.masked_bias")
+        || name.ends_with("rotary_emb.inv_freq")
+}
+
+pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    Ok(ModelConfig::from_hf_file(&dir.join("config.json"))?)
+}
+
+/// Loads config and weights of a Hugging Face model directory.
+pub fn load_model(dir: &Path) -> Result<(ModelConfig, ParamStore)> {
+    let cfg = read_config(dir)?;
+    let params = load_params(dir, &cfg)?;
+    Ok((cfg, params))
+}
+
+/// The safetensors files of a model directory, single-file or sharded.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return Err(EngineError::format(
+            dir,
+            "no model.safetensors or model.safetensors.index.json",
+        ));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| EngineError::format(&index, format!("not valid JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| {
+            EngineError::format(&index, "field `weight_map` is missing or not an object")
+        })?;
+    let mut files: Vec<PathBuf> = map
+        .values()
+        .map(|f| f.as_str().map(|f| dir.join(f)))
+        .collect::<Option<_>>()
+        .ok_or_else(|| {
+            EngineError::format(&index, "field `weight_map` has a non-string file name")
+        })?;
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// Converts a stored tensor to f32 (exactly: bf16 and f16 values are representable in f32).
+fn to_f32(view: &TensorView, file: &Path, name: &str) -> Result<Vec<f32>> {
+    let d = view.data();
+    let out = match view.dtype() {
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F64 => d
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+            .collect(),
+        other => {
+            return Err(EngineError::format(
+                file,
+                format!("tensor `{name}` has unsupported dtype {other:?}"),
+            ))
+        }
+    };
+    Ok(out)
+}
+
+/// Reads every tensor of one safetensors file as f32, by name, with its shape.
+pub fn read_tensors_f32(file: &Path) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>> {
+    let bytes = std::fs::read(file).map_err(|e| EngineError::io(file, e))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let data = to_f32(&view, file, &name)?;
+        out.insert(name, (view.shape().to_vec(), data));
+    }
+    Ok(out)
+}
+
+/// Reads the model's parameters by Hugging Face name, checking every shape.
+pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
+    let mut store = ParamStore::zeros(cfg.param_specs());
+    let mut found: HashMap<String, PathBuf> = HashMap::new();
+    for file in weight_files(dir)? {
+        for (name, (shape, data)) in read_tensors_f32(&file)? {
+            let Some(i) = store.id(&name) else {
+                let tied_head = name == "lm_head.weight" && cfg.tie_word_embeddings;
+                if tied_head || is_known_buffer(&name) {
+                    continue;
+                }
+                return Err(EngineError::format(
+                    &file,
+                    format!(
+                        "tensor `{name}` is not a parameter of this {:?} model",
+                        cfg.arch
+                    ),
+                ));
+            };
+            let spec = &store.specs[i];
+            if shape != spec.shape {
+                return Err(EngineError::Shape {
+                    file,
+                    name,
+                    expected: spec.shape.clone(),
+                    found: shape,
+                });
+            }
+            store.tensors[i] = data;
+            found.insert(name, file.clone());
+        }
+    }
+    if let Some(missing) = store.specs.iter().find(|s| !found.contains_key(&s.name)) {
+        let file = weight_files(dir)?.remove(0);
+        return Err(EngineError::MissingTensor {
+            file,
+            name: missing.name.clone(),
+        });
+    }
+    Ok(store)
+}
+
+fn encode(data: &[f32], dtype: StorageDtype) -> (Dtype, Vec<u8>) {
+    match dtype {
+        StorageDtype::F32 => (
+            Dtype::F32,
+            data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
+        StorageDtype::Bf16 => (
+            Dtype::BF16,
+            data.iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        ),
+        StorageDtype::F16 => (
+            Dtype::F16,
+            data.iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+        ),
+    }
+}
+
+/// Writes `tensors` (name, shape, values) as one safetensors file, atomically (temp file + rename).
+pub fn write_tensors(
+    file: &Path,
+    tensors: &[(String, Vec<usize>, &[f32])],
+    dtype: StorageDtype,
+) -> Result<()> {
+    let encoded: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, d)| {
+            let (dt, bytes) = encode(d, dtype);
+            (n.clone(), s.clone(), dt, bytes)
+        })
+        .collect();
+    let views = encoded
+        .iter()
+        .map(|(n, s, dt, b)| {
+            TensorView::new(*dt, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| EngineError::format(file, format!("tensor `{n}`: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let meta = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+    let bytes = safetensors::serialize(views, meta)
+        .map_err(|e| EngineError::format(file, e.to_string()))?;
+    write_atomic(file, &bytes)
+}
+
+/// Writes a file so that readers see either the old content or the complete new one.
+pub fn write_atomic(file: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = file.with_extension(format!(
+        "{}.tmp",
+        file.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    std::fs::write(&tmp, bytes).map_err(|e| EngineError::io(&tmp, e))?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| EngineError::io(&tmp, e))?;
+    std::fs::rename(&tmp, file).map_err(|e| EngineError::io(file, e))
+}
+
+/// Writes a Hugging Face model directory: `config.json` and `model.safetensors`.
+pub fn save_model(
+    dir: &Path,
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    dtype: StorageDtype,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
+    let tensors: Vec<(String, Vec<usize>, &[f32])> = params
+        .specs
+        .iter()
+        .zip(&params.tensors)
+        .map(|(s, t)| (s.name.clone(), s.shape.clone(), t.as_slice()))
+        .collect();
+    write_tensors(&dir.join("model.safetensors"), &tensors, dtype)?;
+    let mut config = cfg.to_hf_json();
+    config["torch_dtype"] = serde_json::json!(match dtype {
+        StorageDtype::F32 => "float32",
+        StorageDtype::Bf16 => "bfloat16",
+        StorageDtype::F16 => "float16",
+    });
+    let text = serde_json::to_string_pretty(&config).expect("config serialises");
+    write_atomic(&dir.join("config.json"), text.as_bytes())
+}

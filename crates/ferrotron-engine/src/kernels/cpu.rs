@@ -1,0 +1,260 @@
+//! The CPU backend: GEMM from the `gemm` crate, element-wise work fused per row and spread over threads.
+
+use rayon::prelude::*;
+
+/// CPU kernels. `threads` is how many cores one device may use: 1 keeps every kernel on the calling
+/// thread (several devices in one process, each on its own thread), more spreads work over rayon.
+#[derive(Debug, Clone)]
+pub struct CpuBackend {
+    pub threads: usize,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+impl CpuBackend {
+    pub fn single_threaded() -> Self {
+        Self { threads: 1 }
+    }
+
+    pub(crate) fn parallelism(&self, work: usize) -> gemm::Parallelism {
+        // Below ~1 MFLOP the fork/join costs more than it saves.
+        if self.threads > 1 && work >= 1 << 20 {
+            gemm::Parallelism::Rayon(self.threads)
+        } else {
+            gemm::Parallelism::None
+        }
+    }
+
+    /// Runs `f(row_index, out_row)` over the rows of `out`, in parallel when worth it.
+    pub(crate) fn for_rows<F>(&self, out: &mut [f32], width: usize, f: F)
+    where
+        F: Fn(usize, &mut [f32]) + Sync + Send,
+    {
+        if width == 0 {
+            return;
+        }
+        if self.threads > 1 && out.len() >= 1 << 14 {
+            let rows_per_task = (out.len() / width).div_ceil(self.threads * 4).max(1);
+            out.par_chunks_mut(rows_per_task * width)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    for (i, row) in chunk.chunks_mut(width).enumerate() {
+                        f(c * rows_per_task + i, row)
+                    }
+                });
+        } else {
+            for (i, row) in out.chunks_mut(width).enumerate() {
+                f(i, row)
+            }
+        }
+    }
+
+    /// Runs `f(task)` for `task in 0..n`, in parallel when `threads > 1`.
+    pub(crate) fn for_tasks<F>(&self, n: usize, f: F)
+    where
+        F: Fn(usize) + Sync + Send,
+    {
+        if self.threads > 1 && n > 1 {
+            (0..n).into_par_iter().for_each(f)
+        } else {
+            (0..n).for_each(f)
+        }
+    }
+}
+
+/// A raw pointer that may cross threads; used only where tasks write provably disjoint elements.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub *mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// Through a method, so closures capture the whole `SendPtr` (not its raw-pointer field).
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+use super::{AttnShape, Backend, LinearShape, RopeTable};
+
+impl Backend for CpuBackend {
+    fn matmul(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: (&[f32], usize, usize),
+        b: (&[f32], usize, usize),
+        c: &mut [f32],
+        c_rs: usize,
+        acc: bool,
+    ) {
+        self.gemm_strided(m, n, k, a, b, c, c_rs, acc, true)
+    }
+    fn linear_forward(
+        &self,
+        s: LinearShape,
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) {
+        self.linear_forward_impl(s, x, w, bias, y)
+    }
+    fn linear_backward_input(
+        &self,
+        s: LinearShape,
+        dy: &[f32],
+        w: &[f32],
+        dx: &mut [f32],
+        acc: bool,
+    ) {
+        self.linear_backward_input_impl(s, dy, w, dx, acc)
+    }
+    fn linear_backward_weight(
+        &self,
+        s: LinearShape,
+        dy: &[f32],
+        x: &[f32],
+        dw: &mut [f32],
+        db: Option<&mut [f32]>,
+    ) {
+        self.linear_backward_weight_impl(s, dy, x, dw, db)
+    }
+    fn embedding_forward(
+        &self,
+        ids: &[u32],
+        table: &[f32],
+        dim: usize,
+        out: &mut [f32],
+        acc: bool,
+    ) {
+        self.embedding_forward_impl(ids, table, dim, out, acc)
+    }
+    fn embedding_backward_weight(&self, ids: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]) {
+        self.embedding_backward_weight_impl(ids, dout, dim, dtable)
+    }
+    fn rmsnorm_forward(&self, x: &[f32], w: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
+        self.rmsnorm_forward_impl(x, w, eps, y, rstd)
+    }
+    fn rmsnorm_backward_input(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+        dx: &mut [f32],
+        acc: bool,
+    ) {
+        self.rmsnorm_backward_input_impl(dy, x, w, rstd, dx, acc)
+    }
+    fn rmsnorm_backward_weight(&self, dy: &[f32], x: &[f32], rstd: &[f32], dw: &mut [f32]) {
+        self.rmsnorm_backward_weight_impl(dy, x, rstd, dw)
+    }
+    fn layernorm_forward(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        eps: f32,
+        y: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) {
+        self.layernorm_forward_impl(x, w, b, eps, y, mean, rstd)
+    }
+    fn layernorm_backward_input(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        w: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        dx: &mut [f32],
+        acc: bool,
+    ) {
+        self.layernorm_backward_input_impl(dy, x, w, mean, rstd, dx, acc)
+    }
+    fn layernorm_backward_weight(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        dw: &mut [f32],
+        db: &mut [f32],
+    ) {
+        self.layernorm_backward_weight_impl(dy, x, mean, rstd, dw, db)
+    }
+    fn rope_forward(&self, table: &RopeTable, positions: &[u32], heads: usize, x: &mut [f32]) {
+        self.rope_impl(table, positions, heads, x, false)
+    }
+    fn rope_backward(&self, table: &RopeTable, positions: &[u32], heads: usize, dx: &mut [f32]) {
+        self.rope_impl(table, positions, heads, dx, true)
+    }
+    fn attention_forward(
+        &self,
+        s: AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        probs: &mut [f32],
+    ) {
+        self.attention_forward_impl(s, q, k, v, out, probs)
+    }
+    fn attention_backward(
+        &self,
+        s: AttnShape,
+        dout: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        probs: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
+        self.attention_backward_impl(s, dout, q, k, v, probs, dq, dk, dv)
+    }
+    fn swiglu_forward(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        self.swiglu_forward_impl(gate, up, out)
+    }
+    fn swiglu_backward(
+        &self,
+        dout: &[f32],
+        gate: &[f32],
+        up: &[f32],
+        dgate: &mut [f32],
+        dup: &mut [f32],
+    ) {
+        self.swiglu_backward_impl(dout, gate, up, dgate, dup)
+    }
+    fn gelu_forward(&self, x: &[f32], out: &mut [f32]) {
+        self.gelu_forward_impl(x, out)
+    }
+    fn gelu_backward(&self, dout: &[f32], x: &[f32], dx: &mut [f32]) {
+        self.gelu_backward_impl(dout, x, dx)
+    }
+    fn cross_entropy(
+        &self,
+        logits: &mut [f32],
+        vocab: usize,
+        targets: &[Option<u32>],
+        scale: f32,
+    ) -> f64 {
+        self.cross_entropy_impl(logits, vocab, targets, scale)
+    }
+    fn add_assign(&self, y: &mut [f32], x: &[f32]) {
+        assert_eq!(y.len(), x.len(), "add_assign: lengths");
+        self.for_rows(y, 4096, |c, yc| {
+            yc.iter_mut().zip(&x[c * 4096..]).for_each(|(y, x)| *y += x)
+        });
+    }
+}

@@ -1,0 +1,210 @@
+//! Forward and backward of every op the models use, as explicit functions over flat row-major `f32`
+//! buffers. Each op's backward is split into the input-gradient part and the weight-gradient part so
+//! zero-bubble pipeline schedules can run them at different times.
+//!
+//! [`Backend`] is the narrow interface the model executor calls; [`CpuBackend`] implements it with a
+//! GEMM crate and fused, threaded element-wise loops. A CUDA backend implements the same trait.
+
+mod activation;
+mod attention;
+mod cpu;
+mod embedding;
+mod linear;
+mod loss;
+mod norm;
+mod rope;
+
+pub use cpu::CpuBackend;
+pub use rope::RopeTable;
+
+use ferrotron_core::model::WeightLayout;
+
+/// Shape of one attention call: `batch` sequences of `seq` tokens, `heads` query heads sharing
+/// `kv_heads` key/value heads (grouped-query attention), each `head_dim` wide.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    pub fn probs_len(&self) -> usize {
+        self.batch * self.heads * self.seq * self.seq
+    }
+}
+
+/// A linear map `y = x·Wᵀ (+ b)` over `rows` rows, with the weight in either storage layout.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearShape {
+    pub rows: usize,
+    pub in_dim: usize,
+    pub out_dim: usize,
+    pub layout: WeightLayout,
+}
+
+/// The ops a device must provide. Buffers are row-major; `accumulate` means `+=` instead of `=`.
+/// Weight-gradient methods always accumulate, so micro-batches sum into one gradient.
+pub trait Backend: Sync {
+    /// `c[m×n] (+)= a[m×k] · b[k×n]` with arbitrary row/column strides for `a` and `b`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: (&[f32], usize, usize),
+        b: (&[f32], usize, usize),
+        c: &mut [f32],
+        c_row_stride: usize,
+        accumulate: bool,
+    );
+
+    fn linear_forward(
+        &self,
+        s: LinearShape,
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    );
+    fn linear_backward_input(
+        &self,
+        s: LinearShape,
+        dy: &[f32],
+        w: &[f32],
+        dx: &mut [f32],
+        accumulate: bool,
+    );
+    fn linear_backward_weight(
+        &self,
+        s: LinearShape,
+        dy: &[f32],
+        x: &[f32],
+        dw: &mut [f32],
+        dbias: Option<&mut [f32]>,
+    );
+
+    /// `out[t] (+)= table[ids[t]]`, rows of width `dim`.
+    fn embedding_forward(
+        &self,
+        ids: &[u32],
+        table: &[f32],
+        dim: usize,
+        out: &mut [f32],
+        accumulate: bool,
+    );
+    /// `dtable[ids[t]] += dout[t]`.
+    fn embedding_backward_weight(&self, ids: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]);
+
+    /// RMSNorm; saves the per-row reciprocal RMS for backward.
+    fn rmsnorm_forward(&self, x: &[f32], w: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]);
+    fn rmsnorm_backward_input(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+        dx: &mut [f32],
+        accumulate: bool,
+    );
+    fn rmsnorm_backward_weight(&self, dy: &[f32], x: &[f32], rstd: &[f32], dw: &mut [f32]);
+
+    /// LayerNorm; saves per-row mean and reciprocal standard deviation.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        eps: f32,
+        y: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    );
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward_input(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        w: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        dx: &mut [f32],
+        accumulate: bool,
+    );
+    fn layernorm_backward_weight(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        dw: &mut [f32],
+        db: &mut [f32],
+    );
+
+    /// Rotates each head of `x` (rows are tokens, `positions[row]` their positions) in place.
+    fn rope_forward(&self, table: &RopeTable, positions: &[u32], heads: usize, x: &mut [f32]);
+    /// The transpose rotation, applied in place to a gradient.
+    fn rope_backward(&self, table: &RopeTable, positions: &[u32], heads: usize, dx: &mut [f32]);
+
+    /// Causal softmax attention; `probs` keeps the attention weights for backward.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward(
+        &self,
+        s: AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        probs: &mut [f32],
+    );
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        s: AttnShape,
+        dout: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        probs: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    );
+
+    /// `out = silu(gate) · up`.
+    fn swiglu_forward(&self, gate: &[f32], up: &[f32], out: &mut [f32]);
+    fn swiglu_backward(
+        &self,
+        dout: &[f32],
+        gate: &[f32],
+        up: &[f32],
+        dgate: &mut [f32],
+        dup: &mut [f32],
+    );
+    /// GPT-2's tanh-approximated GELU.
+    fn gelu_forward(&self, x: &[f32], out: &mut [f32]);
+    fn gelu_backward(&self, dout: &[f32], x: &[f32], dx: &mut [f32]);
+
+    /// Cross-entropy of each row of `logits` (width `vocab`) against `targets` (`None`: row ignored).
+    /// Replaces `logits` with `scale · ∂loss/∂logits` and returns the sum of the row losses.
+    fn cross_entropy(
+        &self,
+        logits: &mut [f32],
+        vocab: usize,
+        targets: &[Option<u32>],
+        scale: f32,
+    ) -> f64;
+
+    /// `y += x`.
+    fn add_assign(&self, y: &mut [f32], x: &[f32]);
+}

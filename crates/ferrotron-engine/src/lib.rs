@@ -1,0 +1,9 @@
+//! The engine: kernels, the single-device model executor, optimizer, data pipeline, Hugging Face I/O
+//! and the training loop.
+
+pub mod error;
+pub mod hf;
+pub mod kernels;
+pub mod transformer;
+
+pub use error::{EngineError, Result};

@@ -1,0 +1,362 @@
+//! One transformer block: forward (keeping what backward needs) and backward.
+
+use super::{ParamStore, TokenBatch, Transformer};
+use crate::kernels::{AttnShape, Backend, LinearShape};
+use ferrotron_core::model::{Arch, ModelConfig, NormKind, WeightLayout};
+
+/// A linear layer's parameters, by index into the store.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lin {
+    pub w: usize,
+    pub b: Option<usize>,
+    pub in_dim: usize,
+    pub out_dim: usize,
+    pub layout: WeightLayout,
+}
+
+impl Lin {
+    pub fn shape(&self, rows: usize) -> LinearShape {
+        LinearShape {
+            rows,
+            in_dim: self.in_dim,
+            out_dim: self.out_dim,
+            layout: self.layout,
+        }
+    }
+
+    fn forward(&self, be: &dyn Backend, p: &ParamStore, x: &[f32], rows: usize) -> Vec<f32> {
+        let mut y = vec![0f32; rows * self.out_dim];
+        let bias = self.b.map(|b| p.tensors[b].as_slice());
+        be.linear_forward(self.shape(rows), x, &p.tensors[self.w], bias, &mut y);
+        y
+    }
+
+    /// Input gradient into `dx` (overwrite or accumulate), weight (and bias) gradient into `grads`.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        be: &dyn Backend,
+        p: &ParamStore,
+        g: &mut ParamStore,
+        dy: &[f32],
+        x: &[f32],
+        dx: &mut [f32],
+        acc: bool,
+    ) {
+        let s = self.shape(dy.len() / self.out_dim);
+        be.linear_backward_input(s, dy, &p.tensors[self.w], dx, acc);
+        self.backward_weight(be, g, dy, x);
+    }
+
+    fn backward_weight(&self, be: &dyn Backend, g: &mut ParamStore, dy: &[f32], x: &[f32]) {
+        let s = self.shape(dy.len() / self.out_dim);
+        match self.b {
+            Some(b) => {
+                let [dw, db] = g
+                    .tensors
+                    .get_disjoint_mut([self.w, b])
+                    .expect("distinct weight and bias");
+                be.linear_backward_weight(s, dy, x, dw, Some(db));
+            }
+            None => be.linear_backward_weight(s, dy, x, &mut g.tensors[self.w], None),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NormIds {
+    pub kind: NormKind,
+    pub w: usize,
+    pub b: Option<usize>,
+}
+
+/// A norm's output and the per-row statistics its backward needs.
+#[derive(Debug, Default)]
+pub(crate) struct NormStash {
+    pub out: Vec<f32>,
+    pub mean: Vec<f32>,
+    pub rstd: Vec<f32>,
+}
+
+impl NormIds {
+    pub fn forward(&self, be: &dyn Backend, p: &ParamStore, x: &[f32], eps: f32) -> NormStash {
+        let w = &p.tensors[self.w];
+        let rows = x.len() / w.len();
+        let mut s = NormStash {
+            out: vec![0f32; x.len()],
+            mean: Vec::new(),
+            rstd: vec![0f32; rows],
+        };
+        match self.kind {
+            NormKind::RmsNorm => be.rmsnorm_forward(x, w, eps, &mut s.out, &mut s.rstd),
+            NormKind::LayerNorm => {
+                s.mean = vec![0f32; rows];
+                let b = &p.tensors[self.b.expect("layernorm has a bias")];
+                be.layernorm_forward(x, w, b, eps, &mut s.out, &mut s.mean, &mut s.rstd)
+            }
+        }
+        s
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        be: &dyn Backend,
+        p: &ParamStore,
+        g: &mut ParamStore,
+        dy: &[f32],
+        x: &[f32],
+        s: &NormStash,
+        dx: &mut [f32],
+        acc: bool,
+    ) {
+        let w = &p.tensors[self.w];
+        match self.kind {
+            NormKind::RmsNorm => {
+                be.rmsnorm_backward_input(dy, x, w, &s.rstd, dx, acc);
+                be.rmsnorm_backward_weight(dy, x, &s.rstd, &mut g.tensors[self.w]);
+            }
+            NormKind::LayerNorm => {
+                be.layernorm_backward_input(dy, x, w, &s.mean, &s.rstd, dx, acc);
+                let b = self.b.expect("layernorm has a bias");
+                let [dw, db] = g
+                    .tensors
+                    .get_disjoint_mut([self.w, b])
+                    .expect("distinct weight and bias");
+                be.layernorm_backward_weight(dy, x, &s.mean, &s.rstd, dw, db);
+            }
+        }
+    }
+}
+
+/// Parameter indices of one block.
+pub(crate) struct LayerIds {
+    norm1: NormIds,
+    /// Llama: q, k, v; GPT-2: the fused c_attn.
+    qkv: Vec<Lin>,
+    attn_out: Lin,
+    norm2: NormIds,
+    /// Llama: gate, up; GPT-2: c_fc.
+    mlp_in: Vec<Lin>,
+    mlp_out: Lin,
+}
+
+impl LayerIds {
+    pub fn resolve(cfg: &ModelConfig, i: usize, id: &dyn Fn(&str) -> usize) -> Self {
+        let n = cfg.layer_names(i);
+        let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let layout = match cfg.arch {
+            Arch::Llama => WeightLayout::OutIn,
+            Arch::Gpt2 => WeightLayout::InOut,
+        };
+        let lin = |names: &(String, Option<String>), in_dim, out_dim| Lin {
+            w: id(&names.0),
+            b: names.1.as_deref().map(id),
+            in_dim,
+            out_dim,
+            layout,
+        };
+        let norm = |w: &String, b: &Option<String>| NormIds {
+            kind: cfg.norm(),
+            w: id(w),
+            b: b.as_deref().map(id),
+        };
+        let qkv = match cfg.arch {
+            Arch::Llama => vec![
+                lin(&n.qkv[0], h, cfg.q_dim()),
+                lin(&n.qkv[1], h, cfg.kv_dim()),
+                lin(&n.qkv[2], h, cfg.kv_dim()),
+            ],
+            Arch::Gpt2 => vec![lin(&n.qkv[0], h, 3 * h)],
+        };
+        Self {
+            norm1: norm(&n.norm1_weight, &n.norm1_bias),
+            qkv,
+            attn_out: lin(&n.attn_out, cfg.q_dim(), h),
+            norm2: norm(&n.norm2_weight, &n.norm2_bias),
+            mlp_in: n.mlp_in.iter().map(|m| lin(m, h, f)).collect(),
+            mlp_out: lin(&n.mlp_out, f, h),
+        }
+    }
+}
+
+/// What one block keeps from forward for backward.
+pub(crate) struct LayerActs {
+    x_in: Vec<f32>,
+    n1: NormStash,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    probs: Vec<f32>,
+    attn: Vec<f32>,
+    x_mid: Vec<f32>,
+    n2: NormStash,
+    /// Llama: gate and up pre-activations; GPT-2: the c_fc output.
+    mlp_pre: Vec<Vec<f32>>,
+    mlp_act: Vec<f32>,
+}
+
+fn attn_shape(cfg: &ModelConfig, batch: usize, seq: usize) -> AttnShape {
+    AttnShape {
+        batch,
+        seq,
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+    }
+}
+
+/// Splits GPT-2's fused `[rows, 3h]` projection into contiguous q, k, v.
+fn split_qkv(qkv: &[f32], h: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = qkv.len() / (3 * h);
+    let (mut q, mut k, mut v) = (
+        Vec::with_capacity(rows * h),
+        Vec::with_capacity(rows * h),
+        Vec::with_capacity(rows * h),
+    );
+    for r in qkv.chunks_exact(3 * h) {
+        q.extend_from_slice(&r[..h]);
+        k.extend_from_slice(&r[h..2 * h]);
+        v.extend_from_slice(&r[2 * h..]);
+    }
+    (q, k, v)
+}
+
+pub(crate) fn forward(
+    m: &Transformer,
+    be: &dyn Backend,
+    p: &ParamStore,
+    ids: &LayerIds,
+    x: Vec<f32>,
+    batch: &TokenBatch,
+    positions: &[u32],
+) -> (Vec<f32>, LayerActs) {
+    let cfg = &m.cfg;
+    let rows = x.len() / cfg.hidden_size;
+    let eps = cfg.norm_eps as f32;
+    let n1 = ids.norm1.forward(be, p, &x, eps);
+    let (mut q, mut k, v) = match cfg.arch {
+        Arch::Llama => (
+            ids.qkv[0].forward(be, p, &n1.out, rows),
+            ids.qkv[1].forward(be, p, &n1.out, rows),
+            ids.qkv[2].forward(be, p, &n1.out, rows),
+        ),
+        Arch::Gpt2 => split_qkv(&ids.qkv[0].forward(be, p, &n1.out, rows), cfg.hidden_size),
+    };
+    if let Some(rope) = &m.rope {
+        be.rope_forward(rope, positions, cfg.num_heads, &mut q);
+        be.rope_forward(rope, positions, cfg.num_kv_heads, &mut k);
+    }
+    let shape = attn_shape(cfg, batch.batch, batch.seq);
+    let mut attn = vec![0f32; rows * cfg.q_dim()];
+    let mut probs = vec![0f32; shape.probs_len()];
+    be.attention_forward(shape, &q, &k, &v, &mut attn, &mut probs);
+    let mut x_mid = ids.attn_out.forward(be, p, &attn, rows);
+    be.add_assign(&mut x_mid, &x);
+    let n2 = ids.norm2.forward(be, p, &x_mid, eps);
+    let mlp_pre: Vec<Vec<f32>> = ids
+        .mlp_in
+        .iter()
+        .map(|l| l.forward(be, p, &n2.out, rows))
+        .collect();
+    let mut mlp_act = vec![0f32; rows * cfg.intermediate_size];
+    match cfg.arch {
+        Arch::Llama => be.swiglu_forward(&mlp_pre[0], &mlp_pre[1], &mut mlp_act),
+        Arch::Gpt2 => be.gelu_forward(&mlp_pre[0], &mut mlp_act),
+    }
+    let mut out = ids.mlp_out.forward(be, p, &mlp_act, rows);
+    be.add_assign(&mut out, &x_mid);
+    let acts = LayerActs {
+        x_in: x,
+        n1,
+        q,
+        k,
+        v,
+        probs,
+        attn,
+        x_mid,
+        n2,
+        mlp_pre,
+        mlp_act,
+    };
+    (out, acts)
+}
+
+/// Turns `dx` (the gradient at the block's output) into the gradient at its input, in place.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    m: &Transformer,
+    be: &dyn Backend,
+    p: &ParamStore,
+    g: &mut ParamStore,
+    ids: &LayerIds,
+    a: LayerActs,
+    dx: &mut [f32],
+    positions: &[u32],
+    (batch, seq): (usize, usize),
+) {
+    let cfg = &m.cfg;
+    let (rows, h, f) = (
+        dx.len() / cfg.hidden_size,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    );
+    // MLP branch: out = x_mid + down(act(in(norm2(x_mid))))
+    let mut dact = vec![0f32; rows * f];
+    ids.mlp_out
+        .backward(be, p, g, dx, &a.mlp_act, &mut dact, false);
+    drop(a.mlp_act);
+    let mut dn2 = vec![0f32; rows * h];
+    match cfg.arch {
+        Arch::Llama => {
+            let (mut dgate, mut dup) = (vec![0f32; rows * f], vec![0f32; rows * f]);
+            be.swiglu_backward(&dact, &a.mlp_pre[0], &a.mlp_pre[1], &mut dgate, &mut dup);
+            ids.mlp_in[0].backward(be, p, g, &dgate, &a.n2.out, &mut dn2, false);
+            ids.mlp_in[1].backward(be, p, g, &dup, &a.n2.out, &mut dn2, true);
+        }
+        Arch::Gpt2 => {
+            let mut dpre = vec![0f32; rows * f];
+            be.gelu_backward(&dact, &a.mlp_pre[0], &mut dpre);
+            ids.mlp_in[0].backward(be, p, g, &dpre, &a.n2.out, &mut dn2, false);
+        }
+    }
+    ids.norm2
+        .backward(be, p, g, &dn2, &a.x_mid, &a.n2, dx, true);
+
+    // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
+    let mut dattn = vec![0f32; rows * cfg.q_dim()];
+    ids.attn_out
+        .backward(be, p, g, dx, &a.attn, &mut dattn, false);
+    let shape = attn_shape(cfg, batch, seq);
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f32; a.q.len()],
+        vec![0f32; a.k.len()],
+        vec![0f32; a.v.len()],
+    );
+    be.attention_backward(
+        shape, &dattn, &a.q, &a.k, &a.v, &a.probs, &mut dq, &mut dk, &mut dv,
+    );
+    drop(a.probs);
+    if let Some(rope) = &m.rope {
+        be.rope_backward(rope, positions, cfg.num_heads, &mut dq);
+        be.rope_backward(rope, positions, cfg.num_kv_heads, &mut dk);
+    }
+    let mut dn1 = vec![0f32; rows * h];
+    match cfg.arch {
+        Arch::Llama => {
+            ids.qkv[0].backward(be, p, g, &dq, &a.n1.out, &mut dn1, false);
+            ids.qkv[1].backward(be, p, g, &dk, &a.n1.out, &mut dn1, true);
+            ids.qkv[2].backward(be, p, g, &dv, &a.n1.out, &mut dn1, true);
+        }
+        Arch::Gpt2 => {
+            let mut dqkv = Vec::with_capacity(rows * 3 * h);
+            for r in 0..rows {
+                for part in [&dq, &dk, &dv] {
+                    dqkv.extend_from_slice(&part[r * h..(r + 1) * h]);
+                }
+            }
+            ids.qkv[0].backward(be, p, g, &dqkv, &a.n1.out, &mut dn1, false);
+        }
+    }
+    ids.norm1.backward(be, p, g, &dn1, &a.x_in, &a.n1, dx, true);
+}

@@ -1,0 +1,69 @@
+//! Named parameter tensors (Hugging Face names and shapes), held as f32 for compute.
+
+use ferrotron_core::model::{ModelConfig, ParamSpec};
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+use std::collections::HashMap;
+
+/// One tensor per parameter, in the order of [`ModelConfig::param_specs`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamStore {
+    pub specs: Vec<ParamSpec>,
+    pub tensors: Vec<Vec<f32>>,
+    index: HashMap<String, usize>,
+}
+
+impl ParamStore {
+    pub fn zeros(specs: Vec<ParamSpec>) -> Self {
+        let tensors = specs.iter().map(|s| vec![0.0; s.numel()]).collect();
+        let index = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.clone(), i))
+            .collect();
+        Self {
+            specs,
+            tensors,
+            index,
+        }
+    }
+
+    pub fn zeros_like(&self) -> Self {
+        Self::zeros(self.specs.clone())
+    }
+
+    /// Fresh weights as Hugging Face initialises these models: normal(0, 0.02) matrices and
+    /// embeddings, unit norm weights, zero biases. Deterministic in `seed`.
+    pub fn init_random(cfg: &ModelConfig, seed: u64) -> Self {
+        let mut store = Self::zeros(cfg.param_specs());
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let normal = Normal::new(0.0f32, 0.02).expect("valid normal");
+        for (spec, t) in store.specs.iter().zip(store.tensors.iter_mut()) {
+            let is_norm = spec.name.contains("norm") || spec.name.contains(".ln_");
+            if spec.name.ends_with(".bias") {
+                continue;
+            } else if is_norm {
+                t.fill(1.0);
+            } else {
+                t.iter_mut().for_each(|x| *x = normal.sample(&mut rng));
+            }
+        }
+        store
+    }
+
+    pub fn id(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&[f32]> {
+        self.id(name).map(|i| self.tensors[i].as_slice())
+    }
+
+    pub fn numel(&self) -> usize {
+        self.tensors.iter().map(Vec::len).sum()
+    }
+
+    pub fn zero_(&mut self) {
+        self.tensors.iter_mut().for_each(|t| t.fill(0.0));
+    }
+}

@@ -1,0 +1,115 @@
+#![allow(dead_code)]
+//! Shared helpers for the engine's integration tests.
+
+use ferrotron_engine::hf;
+use ferrotron_engine::transformer::{ParamStore, TokenBatch};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+pub struct Reference {
+    pub tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    pub batch: TokenBatch,
+}
+
+impl Reference {
+    pub fn load(model: &str) -> Self {
+        let path = fixture(model).join("reference_grads.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let ids_view = st.tensor("input_ids").unwrap();
+        let shape = ids_view.shape().to_vec();
+        let ids: Vec<u32> = ids_view
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect();
+        let mut tensors = BTreeMap::new();
+        for (name, view) in st.tensors() {
+            if name == "input_ids" {
+                continue;
+            }
+            let data: Vec<f32> = match view.dtype() {
+                safetensors::Dtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect(),
+                safetensors::Dtype::F64 => view
+                    .data()
+                    .chunks_exact(8)
+                    .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32)
+                    .collect(),
+                d => panic!("unexpected dtype {d:?}"),
+            };
+            tensors.insert(name, (view.shape().to_vec(), data));
+        }
+        let _ = hf::read_tensors_f32; // keep the public reader in use for other tests
+        Reference {
+            tensors,
+            batch: TokenBatch {
+                ids,
+                batch: shape[0],
+                seq: shape[1],
+            },
+        }
+    }
+
+    pub fn get(&self, name: &str) -> &[f32] {
+        &self
+            .tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("reference lacks {name}"))
+            .1
+    }
+
+    /// The f64 reference values, read at full precision.
+    pub fn get_f64(&self, model: &str, name: &str) -> Vec<f64> {
+        let path = fixture(model).join("reference_grads.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let v = st.tensor(name).unwrap();
+        v.data()
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+}
+
+/// ‖a − b‖ / ‖b‖ in f64.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+pub fn rel_err_f64(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|&y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Worst per-tensor relative gradient error of `grads` against `grad_f32.<name>` in the reference.
+pub fn worst_grad_err(grads: &ParamStore, reference: &Reference) -> (String, f64) {
+    grads
+        .specs
+        .iter()
+        .zip(&grads.tensors)
+        .map(|(s, g)| {
+            (
+                s.name.clone(),
+                rel_err(g, reference.get(&format!("grad_f32.{}", s.name))),
+            )
+        })
+        .fold((String::new(), 0.0), |a, b| if b.1 > a.1 { b } else { a })
+}
