@@ -2,6 +2,7 @@
 //! Pure computation with no heavy dependencies, so planners and other tools can link it cheaply.
 
 pub mod error;
+pub mod layout;
 pub mod model;
 pub mod topology;
 

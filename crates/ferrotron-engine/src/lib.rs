@@ -7,3 +7,6 @@ pub mod kernels;
 pub mod transformer;
 
 pub use error::{EngineError, Result};
+pub mod data;
+pub mod optim;
+pub mod runtime;

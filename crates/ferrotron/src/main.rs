@@ -1,1 +1,53 @@
-fn main() {}
+//! `ferrotron`: plan, train, verify and profile transformer training runs that do not fit on one device.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "ferrotron",
+    version,
+    about = "Train transformers that do not fit on one device"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (with no arguments: the embedded default run on the bundled corpus).
+    Train(cmd::train::TrainArgs),
+    /// One forward/backward of a fixed batch; writes the loss and every gradient by Hugging Face name.
+    Grads(cmd::grads::GradsArgs),
+    /// Benchmarks that print a table.
+    #[command(subcommand)]
+    Bench(cmd::bench::BenchCommand),
+}
+
+/// Training frees and reallocates the same large activation buffers every step. glibc would hand
+/// them back to the kernel and fault every page in again; keep them in the heap instead.
+fn keep_freed_memory_in_process() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning parameters; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        libc::mallopt(libc::M_TOP_PAD, 256 << 20);
+    }
+}
+
+fn main() {
+    keep_freed_memory_in_process();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(a) => cmd::train::run(a),
+        Command::Grads(a) => cmd::grads::run(a),
+        Command::Bench(b) => cmd::bench::run(b),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,15 +1,12 @@
 //! SwiGLU (Llama MLP) and GELU-tanh (GPT-2 MLP), fused and threaded.
 
+use super::simd::{self, sigmoid};
 use super::CpuBackend;
 use rayon::prelude::*;
 
 const CHUNK: usize = 4096;
 const GELU_C: f32 = 0.797_884_6; // √(2/π)
 const GELU_A: f32 = 0.044715;
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
 
 impl CpuBackend {
     /// Runs `f(offset, a_chunk, b_chunk)` over matching chunks of two outputs.
@@ -31,9 +28,11 @@ impl CpuBackend {
     pub(crate) fn swiglu_forward_impl(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
         self.for_rows(out, CHUNK, |c, o| {
             let off = c * CHUNK;
-            for ((o, &g), &u) in o.iter_mut().zip(&gate[off..]).zip(&up[off..]) {
-                *o = g * sigmoid(g) * u;
-            }
+            simd::vectorized(|| {
+                for ((o, &g), &u) in o.iter_mut().zip(&gate[off..]).zip(&up[off..]) {
+                    *o = g * sigmoid(g) * u;
+                }
+            })
         });
     }
 
@@ -46,31 +45,39 @@ impl CpuBackend {
         dup: &mut [f32],
     ) {
         self.for_pairs(dgate, dup, |off, dg, du| {
-            for (i, (dg, du)) in dg.iter_mut().zip(du.iter_mut()).enumerate() {
-                let (g, u, d) = (gate[off + i], up[off + i], dout[off + i]);
-                let s = sigmoid(g);
-                *du = d * g * s;
-                *dg = d * u * s * (1.0 + g * (1.0 - s));
-            }
+            let n = dg.len();
+            let (gate, up, dout) = (&gate[off..off + n], &up[off..off + n], &dout[off..off + n]);
+            simd::vectorized(|| {
+                for i in 0..n {
+                    let (g, u, d) = (gate[i], up[i], dout[i]);
+                    let s = sigmoid(g);
+                    du[i] = d * g * s;
+                    dg[i] = d * u * s * (1.0 + g * (1.0 - s));
+                }
+            })
         });
     }
 
     pub(crate) fn gelu_forward_impl(&self, x: &[f32], out: &mut [f32]) {
         self.for_rows(out, CHUNK, |c, o| {
-            for (o, &x) in o.iter_mut().zip(&x[c * CHUNK..]) {
-                *o = 0.5 * x * (1.0 + (GELU_C * (x + GELU_A * x * x * x)).tanh());
-            }
+            simd::vectorized(|| {
+                for (o, &x) in o.iter_mut().zip(&x[c * CHUNK..]) {
+                    *o = 0.5 * x * (1.0 + simd::tanh(GELU_C * (x + GELU_A * x * x * x)));
+                }
+            })
         });
     }
 
     pub(crate) fn gelu_backward_impl(&self, dout: &[f32], x: &[f32], dx: &mut [f32]) {
         self.for_rows(dx, CHUNK, |c, o| {
             let off = c * CHUNK;
-            for ((o, &x), &d) in o.iter_mut().zip(&x[off..]).zip(&dout[off..]) {
-                let t = (GELU_C * (x + GELU_A * x * x * x)).tanh();
-                let dt = GELU_C * (1.0 + 3.0 * GELU_A * x * x);
-                *o = d * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt);
-            }
+            simd::vectorized(|| {
+                for ((o, &x), &d) in o.iter_mut().zip(&x[off..]).zip(&dout[off..]) {
+                    let t = simd::tanh(GELU_C * (x + GELU_A * x * x * x));
+                    let dt = GELU_C * (1.0 + 3.0 * GELU_A * x * x);
+                    *o = d * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt);
+                }
+            })
         });
     }
 }

@@ -2,7 +2,7 @@
 //! each head is read in place through strides, so no transposes are materialised.
 
 use super::cpu::SendPtr;
-use super::{AttnShape, CpuBackend};
+use super::{simd, AttnShape, CpuBackend};
 
 /// `c (+)= a·b` on raw pointers with strides (rows, cols). Callers guarantee bounds and that
 /// concurrent tasks write disjoint elements.
@@ -37,6 +37,26 @@ unsafe fn gemm_raw(
         false,
         gemm::Parallelism::None,
     )
+}
+
+/// Scaled, causally masked softmax of score row `i` in place: entries past `i` become 0.
+fn softmax_causal_row(row: &mut [f32], i: usize, scale: f32) {
+    let visible = &mut row[..=i];
+    simd::vectorized(|| {
+        let mut max = f32::NEG_INFINITY;
+        for x in visible.iter_mut() {
+            *x *= scale;
+            max = max.max(*x);
+        }
+        let mut sum = 0f32;
+        for x in visible.iter_mut() {
+            *x = simd::exp(*x - max);
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        visible.iter_mut().for_each(|x| *x *= inv);
+    });
+    row[i + 1..].fill(0.0);
 }
 
 fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, probs: usize) {
@@ -85,20 +105,7 @@ impl CpuBackend {
                 );
                 let pb = std::slice::from_raw_parts_mut(p, t * t);
                 for (i, row) in pb.chunks_exact_mut(t).enumerate() {
-                    let visible = &mut row[..=i];
-                    let mut max = f32::NEG_INFINITY;
-                    for x in visible.iter_mut() {
-                        *x *= scale;
-                        max = max.max(*x);
-                    }
-                    let mut sum = 0f32;
-                    for x in visible.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x;
-                    }
-                    let inv = 1.0 / sum;
-                    visible.iter_mut().for_each(|x| *x *= inv);
-                    row[i + 1..].fill(0.0);
+                    softmax_causal_row(row, i, scale);
                 }
                 gemm_raw(
                     t,

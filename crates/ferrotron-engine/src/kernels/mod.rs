@@ -13,6 +13,7 @@ mod linear;
 mod loss;
 mod norm;
 mod rope;
+pub mod simd;
 
 pub use cpu::CpuBackend;
 pub use rope::RopeTable;

@@ -78,6 +78,12 @@ pub(crate) struct NormStash {
     pub rstd: Vec<f32>,
 }
 
+impl NormStash {
+    pub fn bytes(&self) -> usize {
+        4 * (self.out.len() + self.mean.len() + self.rstd.len())
+    }
+}
+
 impl NormIds {
     pub fn forward(&self, be: &dyn Backend, p: &ParamStore, x: &[f32], eps: f32) -> NormStash {
         let w = &p.tensors[self.w];
@@ -194,6 +200,23 @@ pub(crate) struct LayerActs {
     /// Llama: gate and up pre-activations; GPT-2: the c_fc output.
     mlp_pre: Vec<Vec<f32>>,
     mlp_act: Vec<f32>,
+}
+
+impl LayerActs {
+    pub fn bytes(&self) -> usize {
+        let vecs = [
+            &self.x_in,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.probs,
+            &self.attn,
+            &self.x_mid,
+            &self.mlp_act,
+        ];
+        let pre: usize = self.mlp_pre.iter().map(Vec::len).sum();
+        4 * (vecs.iter().map(|v| v.len()).sum::<usize>() + pre) + self.n1.bytes() + self.n2.bytes()
+    }
 }
 
 fn attn_shape(cfg: &ModelConfig, batch: usize, seq: usize) -> AttnShape {

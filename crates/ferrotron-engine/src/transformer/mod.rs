@@ -49,6 +49,14 @@ pub struct ForwardState {
     pub logits: Vec<f32>,
 }
 
+impl ForwardState {
+    /// Bytes held for backward right now: every stashed activation and the logits.
+    pub fn stashed_bytes(&self) -> usize {
+        let layers: usize = self.layers.iter().map(LayerActs::bytes).sum();
+        4 * (self.final_in.len() + self.logits.len()) + self.final_norm.bytes() + layers
+    }
+}
+
 /// The model's parameter layout, resolved once to indices into a [`ParamStore`].
 pub struct Transformer {
     pub cfg: ModelConfig,

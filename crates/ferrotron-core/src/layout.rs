@@ -1,0 +1,260 @@
+//! One `Layout` describes how a run is cut: the device mesh (dp × pp × tp, interleaving vpp), micro-
+//! batching, schedule, ZeRO stage, recompute and sequence parallelism. The `--layout` spec is its text form.
+
+use crate::error::{ConfigError, Result};
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Gpipe,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    Interleaved,
+    Zbh1,
+}
+
+impl Schedule {
+    pub const NAMES: &'static [&'static str] = &["gpipe", "1f1b", "interleaved", "zbh1"];
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "gpipe" => Self::Gpipe,
+            "1f1b" => Self::OneFOneB,
+            "interleaved" => Self::Interleaved,
+            "zbh1" => Self::Zbh1,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gpipe => "gpipe",
+            Self::OneFOneB => "1f1b",
+            Self::Interleaved => "interleaved",
+            Self::Zbh1 => "zbh1",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    None,
+    Selective,
+    Full,
+}
+
+impl Recompute {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "none" => Self::None,
+            "selective" => Self::Selective,
+            "full" => Self::Full,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Selective => "selective",
+            Self::Full => "full",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Layout {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub vpp: usize,
+    pub zero: u8,
+    pub micro_batch_size: usize,
+    pub schedule: Schedule,
+    pub sequence_parallel: bool,
+    pub recompute: Recompute,
+}
+
+impl Default for Layout {
+    fn default() -> Self {
+        Self {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            vpp: 1,
+            zero: 0,
+            micro_batch_size: 1,
+            schedule: Schedule::OneFOneB,
+            sequence_parallel: false,
+            recompute: Recompute::None,
+        }
+    }
+}
+
+/// A parsed `--layout`: either a concrete layout (keys may still say `auto`) or "let the planner choose".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutSpec {
+    pub layout: Layout,
+    /// Keys whose value was `auto` (or the whole spec was `auto`): the planner fills them.
+    pub auto_keys: Vec<String>,
+    /// Keys the user wrote explicitly.
+    pub given_keys: Vec<String>,
+}
+
+pub const LAYOUT_KEYS: &[&str] = &[
+    "dp",
+    "tp",
+    "pp",
+    "vpp",
+    "zero",
+    "mbs",
+    "schedule",
+    "sp",
+    "recompute",
+];
+
+impl LayoutSpec {
+    /// Parses `dp=2,tp=2,pp=2,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,recompute=none` (any subset) or `auto`.
+    pub fn parse(spec: &str) -> Result<Self> {
+        let mut out = LayoutSpec {
+            layout: Layout::default(),
+            auto_keys: Vec::new(),
+            given_keys: Vec::new(),
+        };
+        let spec = spec.trim();
+        if spec == "auto" {
+            out.auto_keys = LAYOUT_KEYS.iter().map(|s| s.to_string()).collect();
+            return Ok(out);
+        }
+        let bad = |key: &str, msg: String| ConfigError::Field {
+            file: "--layout".into(),
+            field: key.to_string(),
+            msg,
+        };
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| bad(item, "expected key=value".into()))?;
+            let (key, value) = (key.trim(), value.trim());
+            if !LAYOUT_KEYS.contains(&key) {
+                return Err(bad(
+                    key,
+                    format!("unknown key (known: {})", LAYOUT_KEYS.join(", ")),
+                ));
+            }
+            if out.given_keys.iter().any(|k| k == key) {
+                return Err(bad(key, "given twice".into()));
+            }
+            out.given_keys.push(key.to_string());
+            if value == "auto" {
+                out.auto_keys.push(key.to_string());
+                continue;
+            }
+            let positive = |v: &str| -> Result<usize> {
+                match v.parse::<usize>() {
+                    Ok(n) if n > 0 => Ok(n),
+                    _ => Err(bad(key, format!("`{v}` is not a positive integer"))),
+                }
+            };
+            let l = &mut out.layout;
+            match key {
+                "dp" => l.dp = positive(value)?,
+                "tp" => l.tp = positive(value)?,
+                "pp" => l.pp = positive(value)?,
+                "vpp" => l.vpp = positive(value)?,
+                "mbs" => l.micro_batch_size = positive(value)?,
+                "zero" => {
+                    l.zero = match value.parse::<u8>() {
+                        Ok(z) if z <= 3 => z,
+                        _ => return Err(bad(key, format!("`{value}` is not a ZeRO stage (0-3)"))),
+                    }
+                }
+                "schedule" => {
+                    l.schedule = Schedule::parse(value).ok_or_else(|| {
+                        bad(
+                            key,
+                            format!(
+                                "`{value}` is not a schedule ({})",
+                                Schedule::NAMES.join(", ")
+                            ),
+                        )
+                    })?
+                }
+                "sp" => {
+                    l.sequence_parallel = match value {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => return Err(bad(key, format!("`{value}` is not true or false"))),
+                    }
+                }
+                "recompute" => {
+                    l.recompute = Recompute::parse(value).ok_or_else(|| {
+                        bad(key, format!("`{value}` is not none, selective or full"))
+                    })?
+                }
+                _ => unreachable!("key list checked above"),
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Layout {
+    pub fn world_size(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
+    /// True when the layout runs on one device, unsplit.
+    pub fn is_single_device(&self) -> bool {
+        self.world_size() == 1 && self.vpp == 1
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "dp={},tp={},pp={},vpp={},zero={},mbs={},schedule={},sp={},recompute={}",
+            self.dp,
+            self.tp,
+            self.pp,
+            self.vpp,
+            self.zero,
+            self.micro_batch_size,
+            self.schedule.name(),
+            self.sequence_parallel,
+            self.recompute.name()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_defaults_and_round_trips() {
+        let s = LayoutSpec::parse("dp=2,tp=2,pp=2,zero=1,schedule=interleaved,vpp=2").unwrap();
+        assert_eq!(s.layout.world_size(), 8);
+        assert_eq!(s.layout.schedule, Schedule::Interleaved);
+        let again = LayoutSpec::parse(&s.layout.to_string()).unwrap();
+        assert_eq!(again.layout, s.layout);
+        assert_eq!(LayoutSpec::parse("").unwrap().layout, Layout::default());
+        assert_eq!(
+            LayoutSpec::parse("auto").unwrap().auto_keys.len(),
+            LAYOUT_KEYS.len()
+        );
+    }
+
+    #[test]
+    fn bad_specs_name_the_key() {
+        for (spec, key) in [
+            ("tp=0", "tp"),
+            ("zero=4", "zero"),
+            ("foo=1", "foo"),
+            ("schedule=x", "schedule"),
+            ("dp=1,dp=2", "dp"),
+        ] {
+            let e = LayoutSpec::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(key), "{spec}: {e}");
+        }
+    }
+}

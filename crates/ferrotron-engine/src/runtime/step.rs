@@ -1,0 +1,59 @@
+use crate::error::{EngineError, Result};
+use crate::kernels::Backend;
+use crate::transformer::{ParamStore, TokenBatch, Transformer};
+use ferrotron_core::layout::Layout;
+
+/// This build runs the unsplit model only; split layouts are refused with a clear error, never
+/// silently run unsplit.
+pub fn check_layout_runnable(layout: &Layout) -> Result<()> {
+    if layout.is_single_device() && layout.zero == 0 && !layout.sequence_parallel {
+        return Ok(());
+    }
+    Err(EngineError::Invalid(format!(
+        "layout `{layout}` needs data, tensor or pipeline parallelism (or ZeRO / sequence parallelism), \
+         which this build does not run yet; use a layout with dp=tp=pp=vpp=1, zero=0, sp=false"
+    )))
+}
+
+pub struct StepOutput {
+    /// Mean loss over every predicted token of the batch.
+    pub loss: f64,
+    /// Largest activation stash of any micro-batch, in bytes.
+    pub peak_activation_bytes: usize,
+}
+
+/// Forward and backward of `batch` in micro-batches of `micro_batch_size` sequences, gradients
+/// accumulated into `grads` so the result equals one pass over the whole batch.
+pub fn run_step(
+    tf: &Transformer,
+    be: &dyn Backend,
+    params: &ParamStore,
+    grads: &mut ParamStore,
+    batch: &TokenBatch,
+    micro_batch_size: usize,
+) -> Result<StepOutput> {
+    let mbs = micro_batch_size.max(1);
+    if batch.batch % mbs != 0 {
+        return Err(EngineError::Invalid(format!(
+            "batch size {} is not divisible by the micro-batch size {mbs}",
+            batch.batch
+        )));
+    }
+    let total = batch.predicted_tokens().max(1);
+    let scale = 1.0 / total as f32;
+    let (mut loss_sum, mut peak) = (0.0, 0);
+    for mb in batch.ids.chunks(mbs * batch.seq) {
+        let micro = TokenBatch {
+            ids: mb.to_vec(),
+            batch: mbs,
+            seq: batch.seq,
+        };
+        let state = tf.forward(be, params, &micro);
+        peak = peak.max(state.stashed_bytes());
+        loss_sum += tf.backward(be, params, grads, state, &micro.targets(), scale);
+    }
+    Ok(StepOutput {
+        loss: loss_sum / total as f64,
+        peak_activation_bytes: peak,
+    })
+}

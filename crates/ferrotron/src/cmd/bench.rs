@@ -1,0 +1,291 @@
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use ferrotron_core::model::preset;
+use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::optim::{AdamW, AdamWConfig};
+use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
+use rand::{Rng, SeedableRng};
+use std::time::Instant;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Single-device training throughput (the PyTorch peer benchmark's configuration).
+    Train(TrainBench),
+    /// Time of each kernel at the benchmark model's shapes, with achieved GFLOP/s for the GEMMs.
+    Kernels(KernelBench),
+}
+
+#[derive(Args)]
+pub struct KernelBench {
+    #[arg(long, default_value = "llama-bench")]
+    model: String,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+#[derive(Args)]
+pub struct TrainBench {
+    #[arg(long, default_value = "llama-bench")]
+    model: String,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Kernel threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+pub fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Train(b) => train(b),
+        BenchCommand::Kernels(b) => kernels(b),
+    }
+}
+
+fn train(b: TrainBench) -> Result<()> {
+    let cfg = preset(&b.model)?;
+    let be = if b.threads == 0 {
+        CpuBackend::default()
+    } else {
+        CpuBackend { threads: b.threads }
+    };
+    let mut params = ParamStore::init_random(&cfg, 0);
+    let tf = Transformer::new(&cfg, &params);
+    let mut grads = params.zeros_like();
+    // Same optimizer settings as the PyTorch peer script: AdamW(lr=3e-4, wd=0.1), betas (0.9, 0.999).
+    let mut opt = AdamW::new(
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        &params,
+    );
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let flop = cfg.train_flops(b.batch, b.seq);
+    let tokens = b.batch * b.seq;
+    let (mut fwd, mut bwd, mut opt_t, mut losses) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..b.warmup + b.steps {
+        let ids = (0..tokens)
+            .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
+            .collect();
+        let batch = TokenBatch {
+            ids,
+            batch: b.batch,
+            seq: b.seq,
+        };
+        let t0 = Instant::now();
+        let state = tf.forward(&be, &params, &batch);
+        let t1 = Instant::now();
+        grads.zero_();
+        let n = batch.predicted_tokens();
+        let loss = tf.backward(
+            &be,
+            &params,
+            &mut grads,
+            state,
+            &batch.targets(),
+            1.0 / n as f32,
+        ) / n as f64;
+        let t2 = Instant::now();
+        opt.step(&mut params, &grads, 3e-4);
+        let t3 = Instant::now();
+        losses.push(loss);
+        if i >= b.warmup {
+            fwd.push((t1 - t0).as_secs_f64());
+            bwd.push((t2 - t1).as_secs_f64());
+            opt_t.push((t3 - t2).as_secs_f64());
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let step: Vec<f64> = (0..fwd.len()).map(|i| fwd[i] + bwd[i] + opt_t[i]).collect();
+    let mut sorted = step.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let median = sorted[sorted.len() / 2];
+    let total: f64 = step.iter().sum();
+    println!(
+        "ferrotron bench train: {} ({:.2}M params, matmul N={:.2}M), batch {} x seq {}, f32, AdamW, threads {}",
+        b.model,
+        cfg.num_params() as f64 / 1e6,
+        cfg.matmul_params() as f64 / 1e6,
+        b.batch,
+        b.seq,
+        be.threads
+    );
+    println!(
+        "FLOP/step = 6·N·tokens + 12·layers·hidden·seq·tokens = {:.1} G",
+        flop / 1e9
+    );
+    println!("| metric | value |\n|---|---|");
+    println!(
+        "| step time mean / median (s) | {:.3} / {:.3} |",
+        total / step.len() as f64,
+        median
+    );
+    println!(
+        "| forward / backward / AdamW (s) | {:.3} / {:.3} / {:.3} |",
+        mean(&fwd),
+        mean(&bwd),
+        mean(&opt_t)
+    );
+    println!(
+        "| tokens/s | {:.1} |",
+        tokens as f64 * step.len() as f64 / total
+    );
+    println!(
+        "| GFLOP/s | {:.1} |",
+        flop * step.len() as f64 / total / 1e9
+    );
+    println!(
+        "| loss first -> last | {:.3} -> {:.3} |",
+        losses[0],
+        losses[losses.len() - 1]
+    );
+    Ok(())
+}
+
+/// Median seconds of `reps` runs of `f`.
+fn time_it(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t0 = Instant::now();
+            f();
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(|a, b| a.total_cmp(b));
+    t[t.len() / 2]
+}
+
+fn kernels(b: KernelBench) -> Result<()> {
+    use ferrotron_core::model::WeightLayout;
+    use ferrotron_engine::kernels::{AttnShape, Backend, LinearShape};
+    let cfg = preset(&b.model)?;
+    let be = if b.threads == 0 {
+        CpuBackend::default()
+    } else {
+        CpuBackend { threads: b.threads }
+    };
+    let rows = b.batch * b.seq;
+    let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    let mut rand_vec =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
+    println!(
+        "ferrotron bench kernels: {} shapes, {rows} rows, threads {}",
+        b.model, be.threads
+    );
+    println!("| kernel | shape | ms | GFLOP/s |\n|---|---|---|---|");
+    for (name, i, o) in [
+        ("linear q/o", h, h),
+        ("linear gate/up", h, f),
+        ("linear down", f, h),
+        ("linear lm_head", h, v),
+    ] {
+        let s = LinearShape {
+            rows,
+            in_dim: i,
+            out_dim: o,
+            layout: WeightLayout::OutIn,
+        };
+        let (x, w, dy) = (rand_vec(rows * i), rand_vec(o * i), rand_vec(rows * o));
+        let (mut y, mut dx, mut dw) = (
+            vec![0f32; rows * o],
+            vec![0f32; rows * i],
+            vec![0f32; o * i],
+        );
+        let gf = 2.0 * (rows * i * o) as f64 / 1e9;
+        let t = time_it(5, || be.linear_forward(s, &x, &w, None, &mut y));
+        println!(
+            "| {name} fwd | {rows}x{i} -> {o} | {:.2} | {:.1} |",
+            t * 1e3,
+            gf / t
+        );
+        let t = time_it(5, || be.linear_backward_input(s, &dy, &w, &mut dx, false));
+        println!("| {name} bwd input | | {:.2} | {:.1} |", t * 1e3, gf / t);
+        let t = time_it(5, || be.linear_backward_weight(s, &dy, &x, &mut dw, None));
+        println!("| {name} bwd weight | | {:.2} | {:.1} |", t * 1e3, gf / t);
+    }
+    let a = AttnShape {
+        batch: b.batch,
+        seq: b.seq,
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+    };
+    let (q, k, vv, dout) = (
+        rand_vec(rows * a.q_width()),
+        rand_vec(rows * a.kv_width()),
+        rand_vec(rows * a.kv_width()),
+        rand_vec(rows * a.q_width()),
+    );
+    let (mut out, mut probs) = (vec![0f32; rows * a.q_width()], vec![0f32; a.probs_len()]);
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; vv.len()],
+    );
+    // Causal: half of the full QK^T and PV work.
+    let gf = 2.0 * 2.0 * (b.batch * a.heads * b.seq * b.seq * a.head_dim) as f64 / 2.0 / 1e9;
+    let t = time_it(5, || {
+        be.attention_forward(a, &q, &k, &vv, &mut out, &mut probs)
+    });
+    println!(
+        "| attention fwd | {}x{}h x{} | {:.2} | {:.1} |",
+        b.batch,
+        a.heads,
+        b.seq,
+        t * 1e3,
+        gf / t
+    );
+    let t = time_it(5, || {
+        be.attention_backward(a, &dout, &q, &k, &vv, &probs, &mut dq, &mut dk, &mut dv)
+    });
+    println!("| attention bwd | | {:.2} | {:.1} |", t * 1e3, 2.0 * gf / t);
+    let (x, w) = (rand_vec(rows * h), rand_vec(h));
+    let (mut y, mut rstd, mut dx, mut dw) = (
+        vec![0f32; rows * h],
+        vec![0f32; rows],
+        vec![0f32; rows * h],
+        vec![0f32; h],
+    );
+    let t = time_it(5, || be.rmsnorm_forward(&x, &w, 1e-5, &mut y, &mut rstd));
+    println!("| rmsnorm fwd | {rows}x{h} | {:.2} | |", t * 1e3);
+    let t = time_it(5, || {
+        be.rmsnorm_backward_input(&y, &x, &w, &rstd, &mut dx, false);
+        be.rmsnorm_backward_weight(&y, &x, &rstd, &mut dw)
+    });
+    println!("| rmsnorm bwd | {rows}x{h} | {:.2} | |", t * 1e3);
+    let (g, u) = (rand_vec(rows * f), rand_vec(rows * f));
+    let (mut o, mut dg, mut du) = (
+        vec![0f32; rows * f],
+        vec![0f32; rows * f],
+        vec![0f32; rows * f],
+    );
+    let t = time_it(5, || be.swiglu_forward(&g, &u, &mut o));
+    println!("| swiglu fwd | {rows}x{f} | {:.2} | |", t * 1e3);
+    let t = time_it(5, || be.swiglu_backward(&o, &g, &u, &mut dg, &mut du));
+    println!("| swiglu bwd | {rows}x{f} | {:.2} | |", t * 1e3);
+    let logits = rand_vec(rows * v);
+    let targets: Vec<Option<u32>> = (0..rows).map(|r| Some((r % v) as u32)).collect();
+    let mut l = logits.clone();
+    let copy = time_it(5, || l.copy_from_slice(&logits));
+    let t = time_it(5, || {
+        l.copy_from_slice(&logits);
+        be.cross_entropy(&mut l, v, &targets, 1.0);
+    });
+    println!("| cross-entropy | {rows}x{v} | {:.2} | |", (t - copy) * 1e3);
+    Ok(())
+}

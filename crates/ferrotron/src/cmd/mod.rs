@@ -1,0 +1,3 @@
+pub mod bench;
+pub mod grads;
+pub mod train;

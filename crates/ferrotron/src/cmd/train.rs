@@ -1,0 +1,168 @@
+use anyhow::{Context, Result};
+use clap::Args;
+use ferrotron_engine::runtime::{train, TrainConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+
+/// Every key of `run.toml` as a flag; a flag overrides the file, the file overrides the defaults.
+#[derive(Args, serde::Serialize)]
+pub struct TrainArgs {
+    /// A TOML file with any of the keys below (flags win over it).
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Preset (llama-small, llama-tiny, gpt2-tiny, llama-bench) or a Hugging Face model directory.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<String>,
+    /// `builtin:gnu-manuals`, or comma-separated text files or directories.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<String>,
+    /// A tokenizer.json (default: the model directory's, or one trained on the data and cached).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokenizer: Option<PathBuf>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    steps: Option<usize>,
+    /// Sequences per optimizer step.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seq_len: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lr: Option<f64>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_lr: Option<f64>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warmup_steps: Option<usize>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weight_decay: Option<f32>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    beta1: Option<f32>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    beta2: Option<f32>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    adam_eps: Option<f32>,
+    /// Clip the global gradient norm (0: off).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grad_clip: Option<f64>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    eval_every: Option<usize>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    eval_batches: Option<usize>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    val_fraction: Option<f64>,
+    /// Run directory: metrics.jsonl, train_config.json, model/.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    out_dir: Option<PathBuf>,
+    /// Kernel threads (0: all cores).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    threads: Option<usize>,
+    /// Layout spec, e.g. `dp=1,tp=1,pp=1,mbs=4`.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    layout: Option<String>,
+    /// Precision of the saved model: f32, bf16, f16.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    save_dtype: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_dir: Option<PathBuf>,
+}
+
+/// Defaults, then the TOML file, then the flags.
+fn resolve(args: &TrainArgs) -> Result<TrainConfig> {
+    let mut merged = serde_json::Map::new();
+    if let Some(path) = &args.config {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("{}: cannot read", path.display()))?;
+        let table: toml::Table =
+            toml::from_str(&text).with_context(|| format!("{}: not valid TOML", path.display()))?;
+        let value = serde_json::to_value(table)?;
+        merged.extend(value.as_object().cloned().unwrap_or_default());
+    }
+    if let serde_json::Value::Object(flags) = serde_json::to_value(args)? {
+        merged.extend(flags);
+    }
+    let source = args
+        .config
+        .as_ref()
+        .map_or("flags".to_string(), |p| p.display().to_string());
+    serde_json::from_value(serde_json::Value::Object(merged))
+        .with_context(|| format!("{source}: bad train config"))
+}
+
+pub fn run(args: TrainArgs) -> Result<()> {
+    let cfg = resolve(&args)?;
+    eprintln!(
+        "ferrotron train: model {}, data {}, {} steps x {} sequences x {} tokens -> {}",
+        cfg.model,
+        cfg.data,
+        cfg.steps,
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.out_dir.display()
+    );
+    let pb = ProgressBar::new(cfg.steps as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg} ETA {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut last_val = None;
+    let summary = train(&cfg, &mut |r| {
+        if let Some(v) = r.val_loss {
+            last_val = Some(v);
+            pb.println(format!(
+                "step {:>5}  train loss {:.4}  val loss {:.4}  lr {:.2e}  {:.0} tok/s",
+                r.step, r.loss, v, r.lr, r.tokens_per_s
+            ));
+        }
+        let val = last_val.map_or(String::new(), |v| format!(" val {v:.3}"));
+        pb.set_message(format!(
+            "loss {:.3}{val} | {:.0} tok/s",
+            r.loss, r.tokens_per_s
+        ));
+        pb.inc(1);
+    })?;
+    pb.finish_and_clear();
+    println!(
+        "done: {:.2}M parameters, {} train / {} validation tokens, {:.0} tokens/s",
+        summary.num_params as f64 / 1e6,
+        summary.train_tokens,
+        summary.val_tokens,
+        summary.tokens_per_s
+    );
+    println!(
+        "validation loss {:.4} -> {:.4} (train loss {:.4}); model saved to {} (tokenizer {})",
+        summary.initial_val_loss,
+        summary.final_val_loss,
+        summary.final_train_loss,
+        summary.model_dir.display(),
+        summary.tokenizer.display()
+    );
+    println!("metrics: {}", cfg.out_dir.join("metrics.jsonl").display());
+    Ok(())
+}
