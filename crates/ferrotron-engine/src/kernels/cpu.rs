@@ -1,5 +1,6 @@
 //! The CPU backend: GEMM from the `gemm` crate, element-wise work fused per row and spread over threads.
 
+use super::float::Real;
 use rayon::prelude::*;
 
 /// CPU kernels. `threads` is how many cores one device may use: 1 keeps every kernel on the calling
@@ -32,9 +33,9 @@ impl CpuBackend {
     }
 
     /// Runs `f(row_index, out_row)` over the rows of `out`, in parallel when worth it.
-    pub(crate) fn for_rows<F>(&self, out: &mut [f32], width: usize, f: F)
+    pub(crate) fn for_rows<T: Real, F>(&self, out: &mut [T], width: usize, f: F)
     where
-        F: Fn(usize, &mut [f32]) + Sync + Send,
+        F: Fn(usize, &mut [T]) + Sync + Send,
     {
         if width == 0 {
             return;
@@ -55,6 +56,22 @@ impl CpuBackend {
         }
     }
 
+    /// Runs `f(offset, a_chunk, b_chunk)` over matching chunks of two equally long outputs.
+    pub(crate) fn for_pairs<T: Real, F>(&self, a: &mut [T], b: &mut [T], chunk: usize, f: F)
+    where
+        F: Fn(usize, &mut [T], &mut [T]) + Sync + Send,
+    {
+        assert_eq!(a.len(), b.len());
+        if self.threads > 1 && a.len() >= 4 * chunk {
+            a.par_chunks_mut(chunk)
+                .zip(b.par_chunks_mut(chunk))
+                .enumerate()
+                .for_each(|(i, (a, b))| f(i * chunk, a, b));
+        } else {
+            f(0, a, b)
+        }
+    }
+
     /// Runs `f(task)` for `task in 0..n`, in parallel when `threads > 1`.
     pub(crate) fn for_tasks<F>(&self, n: usize, f: F)
     where
@@ -69,18 +86,24 @@ impl CpuBackend {
 }
 
 /// A raw pointer that may cross threads; used only where tasks write provably disjoint elements.
-#[derive(Clone, Copy)]
-pub(crate) struct SendPtr(pub *mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+pub(crate) struct SendPtr<T>(pub *mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
 
-impl SendPtr {
+impl<T> SendPtr<T> {
     /// Through a method, so closures capture the whole `SendPtr` (not its raw-pointer field).
-    pub fn get(self) -> *mut f32 {
+    pub fn get(self) -> *mut T {
         self.0
     }
 }
 
+use super::{activation, attention, embedding, linear, loss, norm, rope};
 use super::{AttnShape, Backend, LinearShape, RopeTable};
 
 impl Backend for CpuBackend {
@@ -95,7 +118,7 @@ impl Backend for CpuBackend {
         c_rs: usize,
         acc: bool,
     ) {
-        self.gemm_strided(m, n, k, a, b, c, c_rs, acc, true)
+        linear::gemm_strided(self, m, n, k, a, b, c, c_rs, acc, true)
     }
     fn linear_forward(
         &self,
@@ -105,7 +128,7 @@ impl Backend for CpuBackend {
         bias: Option<&[f32]>,
         y: &mut [f32],
     ) {
-        self.linear_forward_impl(s, x, w, bias, y)
+        linear::forward(self, s, x, w, bias, y)
     }
     fn linear_backward_input(
         &self,
@@ -115,7 +138,7 @@ impl Backend for CpuBackend {
         dx: &mut [f32],
         acc: bool,
     ) {
-        self.linear_backward_input_impl(s, dy, w, dx, acc)
+        linear::backward_input(self, s, dy, w, dx, acc)
     }
     fn linear_backward_weight(
         &self,
@@ -125,7 +148,7 @@ impl Backend for CpuBackend {
         dw: &mut [f32],
         db: Option<&mut [f32]>,
     ) {
-        self.linear_backward_weight_impl(s, dy, x, dw, db)
+        linear::backward_weight(self, s, dy, x, dw, db)
     }
     fn embedding_forward(
         &self,
@@ -135,13 +158,13 @@ impl Backend for CpuBackend {
         out: &mut [f32],
         acc: bool,
     ) {
-        self.embedding_forward_impl(ids, table, dim, out, acc)
+        embedding::forward(self, ids, table, dim, out, acc)
     }
     fn embedding_backward_weight(&self, ids: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]) {
-        self.embedding_backward_weight_impl(ids, dout, dim, dtable)
+        embedding::backward_weight(ids, dout, dim, dtable)
     }
     fn rmsnorm_forward(&self, x: &[f32], w: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
-        self.rmsnorm_forward_impl(x, w, eps, y, rstd)
+        norm::rms_forward(self, x, w, eps, y, rstd)
     }
     fn rmsnorm_backward_input(
         &self,
@@ -152,10 +175,10 @@ impl Backend for CpuBackend {
         dx: &mut [f32],
         acc: bool,
     ) {
-        self.rmsnorm_backward_input_impl(dy, x, w, rstd, dx, acc)
+        norm::rms_backward_input(self, dy, x, w, rstd, dx, acc)
     }
     fn rmsnorm_backward_weight(&self, dy: &[f32], x: &[f32], rstd: &[f32], dw: &mut [f32]) {
-        self.rmsnorm_backward_weight_impl(dy, x, rstd, dw)
+        norm::rms_backward_weight(dy, x, rstd, dw)
     }
     fn layernorm_forward(
         &self,
@@ -167,7 +190,7 @@ impl Backend for CpuBackend {
         mean: &mut [f32],
         rstd: &mut [f32],
     ) {
-        self.layernorm_forward_impl(x, w, b, eps, y, mean, rstd)
+        norm::layer_forward(self, x, w, b, eps, y, mean, rstd)
     }
     fn layernorm_backward_input(
         &self,
@@ -179,7 +202,7 @@ impl Backend for CpuBackend {
         dx: &mut [f32],
         acc: bool,
     ) {
-        self.layernorm_backward_input_impl(dy, x, w, mean, rstd, dx, acc)
+        norm::layer_backward_input(self, dy, x, w, mean, rstd, dx, acc)
     }
     fn layernorm_backward_weight(
         &self,
@@ -190,13 +213,13 @@ impl Backend for CpuBackend {
         dw: &mut [f32],
         db: &mut [f32],
     ) {
-        self.layernorm_backward_weight_impl(dy, x, mean, rstd, dw, db)
+        norm::layer_backward_weight(dy, x, mean, rstd, dw, db)
     }
     fn rope_forward(&self, table: &RopeTable, positions: &[u32], heads: usize, x: &mut [f32]) {
-        self.rope_impl(table, positions, heads, x, false)
+        rope::rotate(self, table, positions, heads, x, false)
     }
     fn rope_backward(&self, table: &RopeTable, positions: &[u32], heads: usize, dx: &mut [f32]) {
-        self.rope_impl(table, positions, heads, dx, true)
+        rope::rotate(self, table, positions, heads, dx, true)
     }
     fn attention_forward(
         &self,
@@ -207,7 +230,7 @@ impl Backend for CpuBackend {
         out: &mut [f32],
         probs: &mut [f32],
     ) {
-        self.attention_forward_impl(s, q, k, v, out, probs)
+        attention::forward(self, s, q, k, v, out, probs)
     }
     fn attention_backward(
         &self,
@@ -221,10 +244,10 @@ impl Backend for CpuBackend {
         dk: &mut [f32],
         dv: &mut [f32],
     ) {
-        self.attention_backward_impl(s, dout, q, k, v, probs, dq, dk, dv)
+        attention::backward(self, s, dout, q, k, v, probs, dq, dk, dv)
     }
     fn swiglu_forward(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        self.swiglu_forward_impl(gate, up, out)
+        activation::swiglu_forward(self, gate, up, out)
     }
     fn swiglu_backward(
         &self,
@@ -234,13 +257,13 @@ impl Backend for CpuBackend {
         dgate: &mut [f32],
         dup: &mut [f32],
     ) {
-        self.swiglu_backward_impl(dout, gate, up, dgate, dup)
+        activation::swiglu_backward(self, dout, gate, up, dgate, dup)
     }
     fn gelu_forward(&self, x: &[f32], out: &mut [f32]) {
-        self.gelu_forward_impl(x, out)
+        activation::gelu_forward(self, x, out)
     }
     fn gelu_backward(&self, dout: &[f32], x: &[f32], dx: &mut [f32]) {
-        self.gelu_backward_impl(dout, x, dx)
+        activation::gelu_backward(self, dout, x, dx)
     }
     fn cross_entropy(
         &self,
@@ -249,7 +272,7 @@ impl Backend for CpuBackend {
         targets: &[Option<u32>],
         scale: f32,
     ) -> f64 {
-        self.cross_entropy_impl(logits, vocab, targets, scale)
+        loss::cross_entropy(self, logits, vocab, targets, scale)
     }
     fn add_assign(&self, y: &mut [f32], x: &[f32]) {
         assert_eq!(y.len(), x.len(), "add_assign: lengths");

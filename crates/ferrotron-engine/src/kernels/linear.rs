@@ -1,5 +1,6 @@
 //! GEMM and the linear layer (both Hugging Face weight layouts) on the CPU.
 
+use super::float::Real;
 use super::{CpuBackend, LinearShape};
 use ferrotron_core::model::WeightLayout;
 
@@ -12,146 +13,143 @@ fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     }
 }
 
-impl CpuBackend {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_strided(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        a: (&[f32], usize, usize),
-        b: (&[f32], usize, usize),
-        c: &mut [f32],
-        c_rs: usize,
-        accumulate: bool,
-        threaded: bool,
-    ) {
-        if m == 0 || n == 0 {
-            return;
-        }
-        // The views must lie inside their slices: this is what makes the raw-pointer call sound.
-        assert!(
-            extent(m, k, a.1, a.2) <= a.0.len(),
-            "gemm: lhs view out of bounds"
-        );
-        assert!(
-            extent(k, n, b.1, b.2) <= b.0.len(),
-            "gemm: rhs view out of bounds"
-        );
-        assert!(
-            extent(m, n, c_rs, 1) <= c.len(),
-            "gemm: dst view out of bounds"
-        );
-        if k == 0 {
-            if !accumulate {
-                for r in 0..m {
-                    c[r * c_rs..r * c_rs + n].fill(0.0);
-                }
+/// `c[m×n] (+)= a[m×k]·b[k×n]`; views are (slice, row stride, column stride).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_strided<T: Real>(
+    be: &CpuBackend,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (&[T], usize, usize),
+    b: (&[T], usize, usize),
+    c: &mut [T],
+    c_rs: usize,
+    accumulate: bool,
+    threaded: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // The views must lie inside their slices: this is what makes the raw-pointer call sound.
+    assert!(
+        extent(m, k, a.1, a.2) <= a.0.len(),
+        "gemm: lhs view out of bounds"
+    );
+    assert!(
+        extent(k, n, b.1, b.2) <= b.0.len(),
+        "gemm: rhs view out of bounds"
+    );
+    assert!(
+        extent(m, n, c_rs, 1) <= c.len(),
+        "gemm: dst view out of bounds"
+    );
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                c[r * c_rs..r * c_rs + n].fill(T::ZERO);
             }
-            return;
         }
-        let par = if threaded {
-            self.parallelism(2 * m * n * k)
-        } else {
-            gemm::Parallelism::None
-        };
-        // SAFETY: bounds checked above; `c` is exclusively borrowed and does not alias `a` or `b`.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                c.as_mut_ptr(),
-                1,
-                c_rs as isize,
-                accumulate,
-                a.0.as_ptr(),
-                a.2 as isize,
-                a.1 as isize,
-                b.0.as_ptr(),
-                b.2 as isize,
-                b.1 as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
-        }
+        return;
     }
-
-    pub(crate) fn linear_forward_impl(
-        &self,
-        s: LinearShape,
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
-    ) {
-        let (i, o) = (s.in_dim, s.out_dim);
-        // W viewed as the [in × out] right operand.
-        let wv = match s.layout {
-            WeightLayout::OutIn => (w, 1, i),
-            _ => (w, o, 1),
-        };
-        self.gemm_strided(s.rows, o, i, (x, i, 1), wv, y, o, false, true);
-        if let Some(b) = bias {
-            self.for_rows(y, o, |_, row| {
-                row.iter_mut().zip(b).for_each(|(y, b)| *y += b)
-            });
-        }
-    }
-
-    pub(crate) fn linear_backward_input_impl(
-        &self,
-        s: LinearShape,
-        dy: &[f32],
-        w: &[f32],
-        dx: &mut [f32],
-        acc: bool,
-    ) {
-        let (i, o) = (s.in_dim, s.out_dim);
-        // dx[rows × in] = dy[rows × out] · W viewed as [out × in].
-        let wv = match s.layout {
-            WeightLayout::OutIn => (w, i, 1),
-            _ => (w, 1, o),
-        };
-        self.gemm_strided(s.rows, i, o, (dy, o, 1), wv, dx, i, acc, true);
-    }
-
-    pub(crate) fn linear_backward_weight_impl(
-        &self,
-        s: LinearShape,
-        dy: &[f32],
-        x: &[f32],
-        dw: &mut [f32],
-        dbias: Option<&mut [f32]>,
-    ) {
-        let (i, o, r) = (s.in_dim, s.out_dim, s.rows);
-        match s.layout {
-            // dW[out × in] += dyᵀ · x
-            WeightLayout::OutIn => {
-                self.gemm_strided(o, i, r, (dy, 1, o), (x, i, 1), dw, i, true, true)
-            }
-            // dW[in × out] += xᵀ · dy
-            _ => self.gemm_strided(i, o, r, (x, 1, i), (dy, o, 1), dw, o, true, true),
-        }
-        if let Some(db) = dbias {
-            column_sums_into(dy, o, db);
-        }
+    let par = if threaded {
+        be.parallelism(2 * m * n * k)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: bounds checked above; `c` is exclusively borrowed and does not alias `a` or `b`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            c_rs as isize,
+            accumulate,
+            a.0.as_ptr(),
+            a.2 as isize,
+            a.1 as isize,
+            b.0.as_ptr(),
+            b.2 as isize,
+            b.1 as isize,
+            T::ONE,
+            T::ONE,
+            false,
+            false,
+            false,
+            par,
+        );
     }
 }
 
-/// `out[j] += Σ_r m[r][j]`, accumulated in f64 blocks for accuracy.
-pub(crate) fn column_sums_into(m: &[f32], width: usize, out: &mut [f32]) {
+pub(crate) fn forward<T: Real>(
+    be: &CpuBackend,
+    s: LinearShape,
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T]>,
+    y: &mut [T],
+) {
+    let (i, o) = (s.in_dim, s.out_dim);
+    // W viewed as the [in × out] right operand.
+    let wv = match s.layout {
+        WeightLayout::OutIn => (w, 1, i),
+        _ => (w, o, 1),
+    };
+    gemm_strided(be, s.rows, o, i, (x, i, 1), wv, y, o, false, true);
+    if let Some(b) = bias {
+        be.for_rows(y, o, |_, row| {
+            row.iter_mut().zip(b).for_each(|(y, &b)| *y += b)
+        });
+    }
+}
+
+pub(crate) fn backward_input<T: Real>(
+    be: &CpuBackend,
+    s: LinearShape,
+    dy: &[T],
+    w: &[T],
+    dx: &mut [T],
+    acc: bool,
+) {
+    let (i, o) = (s.in_dim, s.out_dim);
+    // dx[rows × in] = dy[rows × out] · W viewed as [out × in].
+    let wv = match s.layout {
+        WeightLayout::OutIn => (w, i, 1),
+        _ => (w, 1, o),
+    };
+    gemm_strided(be, s.rows, i, o, (dy, o, 1), wv, dx, i, acc, true);
+}
+
+pub(crate) fn backward_weight<T: Real>(
+    be: &CpuBackend,
+    s: LinearShape,
+    dy: &[T],
+    x: &[T],
+    dw: &mut [T],
+    dbias: Option<&mut [T]>,
+) {
+    let (i, o, r) = (s.in_dim, s.out_dim, s.rows);
+    match s.layout {
+        // dW[out × in] += dyᵀ · x
+        WeightLayout::OutIn => gemm_strided(be, o, i, r, (dy, 1, o), (x, i, 1), dw, i, true, true),
+        // dW[in × out] += xᵀ · dy
+        _ => gemm_strided(be, i, o, r, (x, 1, i), (dy, o, 1), dw, o, true, true),
+    }
+    if let Some(db) = dbias {
+        column_sums_into(dy, o, db);
+    }
+}
+
+/// `out[j] += Σ_r m[r][j]`, accumulated in f64 for accuracy.
+pub(crate) fn column_sums_into<T: Real>(m: &[T], width: usize, out: &mut [T]) {
     let mut acc = vec![0f64; width];
     for row in m.chunks_exact(width) {
         for (a, &v) in acc.iter_mut().zip(row) {
-            *a += v as f64;
+            *a += v.to_f64();
         }
     }
     for (o, a) in out.iter_mut().zip(acc) {
-        *o += a as f32;
+        *o += T::of(a);
     }
 }

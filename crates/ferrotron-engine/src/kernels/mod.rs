@@ -9,6 +9,9 @@ mod activation;
 mod attention;
 mod cpu;
 mod embedding;
+#[cfg(test)]
+mod finite_difference;
+pub mod float;
 mod linear;
 mod loss;
 mod norm;

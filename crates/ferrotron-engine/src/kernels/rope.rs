@@ -1,13 +1,14 @@
 //! Rotary position embedding in Hugging Face's `rotate_half` convention: dimension i pairs with i + d/2.
 
+use super::float::Real;
 use super::CpuBackend;
 
 /// cos/sin of every (position, frequency) pair, computed once per model.
 #[derive(Debug, Clone)]
 pub struct RopeTable {
     pub head_dim: usize,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    cos: Vec<f64>,
+    sin: Vec<f64>,
 }
 
 impl RopeTable {
@@ -24,8 +25,8 @@ impl RopeTable {
         for p in 0..max_positions {
             for &f in &inv_freq {
                 let angle = (p as f32 * f) as f64;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
+                cos.push(angle.cos() as f32 as f64);
+                sin.push(angle.sin() as f32 as f64);
             }
         }
         Self { head_dim, cos, sin }
@@ -34,43 +35,39 @@ impl RopeTable {
     pub fn max_positions(&self) -> usize {
         self.cos.len() / (self.head_dim / 2).max(1)
     }
-
-    fn rotate(&self, positions: &[u32], heads: usize, x: &mut [f32], sign: f32, be: &CpuBackend) {
-        let (d, half) = (self.head_dim, self.head_dim / 2);
-        be.for_rows(x, heads * d, |t, row| {
-            let p = positions[t] as usize;
-            let (c, s) = (
-                &self.cos[p * half..(p + 1) * half],
-                &self.sin[p * half..(p + 1) * half],
-            );
-            for head in row.chunks_exact_mut(d) {
-                let (a, b) = head.split_at_mut(half);
-                for i in 0..half {
-                    let (x1, x2, si) = (a[i], b[i], sign * s[i]);
-                    a[i] = x1 * c[i] - x2 * si;
-                    b[i] = x2 * c[i] + x1 * si;
-                }
-            }
-        });
-    }
 }
 
-impl CpuBackend {
-    pub(crate) fn rope_impl(
-        &self,
-        table: &RopeTable,
-        positions: &[u32],
-        heads: usize,
-        x: &mut [f32],
-        inverse: bool,
-    ) {
-        assert!(
-            positions
-                .iter()
-                .all(|&p| (p as usize) < table.max_positions()),
-            "rope: position beyond the table"
+/// Rotates every head of every row of `x` in place; `inverse` rotates by the opposite angle, which is
+/// the backward of the rotation.
+pub(crate) fn rotate<T: Real>(
+    be: &CpuBackend,
+    table: &RopeTable,
+    positions: &[u32],
+    heads: usize,
+    x: &mut [T],
+    inverse: bool,
+) {
+    assert!(
+        positions
+            .iter()
+            .all(|&p| (p as usize) < table.max_positions()),
+        "rope: position beyond the table"
+    );
+    let (d, half) = (table.head_dim, table.head_dim / 2);
+    let sign = if inverse { -T::ONE } else { T::ONE };
+    be.for_rows(x, heads * d, |t, row| {
+        let p = positions[t] as usize;
+        let (c, s) = (
+            &table.cos[p * half..(p + 1) * half],
+            &table.sin[p * half..(p + 1) * half],
         );
-        // The backward of a rotation is the rotation by the opposite angle.
-        table.rotate(positions, heads, x, if inverse { -1.0 } else { 1.0 }, self);
-    }
+        for head in row.chunks_exact_mut(d) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2, ci, si) = (a[i], b[i], T::of(c[i]), sign * T::of(s[i]));
+                a[i] = x1 * ci - x2 * si;
+                b[i] = x2 * ci + x1 * si;
+            }
+        }
+    });
 }
