@@ -10,6 +10,9 @@ use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+/// Tensors by name: (shape, values).
+pub type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 /// Storage precision of a written checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StorageDtype {
@@ -114,7 +117,7 @@ fn to_f32(view: &TensorView, file: &Path, name: &str) -> Result<Vec<f32>> {
 }
 
 /// Reads every tensor of one safetensors file as f32, by name, with its shape.
-pub fn read_tensors_f32(file: &Path) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>> {
+pub fn read_tensors_f32(file: &Path) -> Result<NamedTensors> {
     let bytes = std::fs::read(file).map_err(|e| EngineError::io(file, e))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;

@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (with no arguments: the embedded default run on the bundled corpus).
-    Train(cmd::train::TrainArgs),
+    Train(Box<cmd::train::TrainArgs>),
     /// One forward/backward of a fixed batch; writes the loss and every gradient by Hugging Face name.
     Grads(cmd::grads::GradsArgs),
     /// Benchmarks that print a table.
@@ -42,7 +42,7 @@ fn main() {
     keep_freed_memory_in_process();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(a) => cmd::train::run(a),
+        Command::Train(a) => cmd::train::run(*a),
         Command::Grads(a) => cmd::grads::run(a),
         Command::Bench(b) => cmd::bench::run(b),
     };

@@ -202,7 +202,7 @@ impl ModelConfig {
                 return Err((name.into(), "must be positive".into()));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err((
                 "num_key_value_heads".into(),
                 format!(
@@ -220,7 +220,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.arch == Arch::Llama && self.head_dim % 2 != 0 {
+        if self.arch == Arch::Llama && !self.head_dim.is_multiple_of(2) {
             return Err((
                 "head_dim".into(),
                 "rotary embeddings need an even head_dim".into(),

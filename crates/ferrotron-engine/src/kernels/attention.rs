@@ -37,21 +37,21 @@ unsafe fn gemm_raw<T: Real>(
     )
 }
 
+const ROW_BLOCK: usize = 64;
+
+/// Row blocks `[r0, r1)` of a `t`-row causal score matrix.
+fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(ROW_BLOCK)).map(move |b| (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(t)))
+}
+
 /// Scaled, causally masked softmax of score row `i` in place: entries past `i` become 0.
 fn softmax_causal_row<T: Real>(row: &mut [T], i: usize, scale: T) {
     let visible = &mut row[..=i];
     simd::vectorized(|| {
-        let mut max = T::NEG_INFINITY;
-        for x in visible.iter_mut() {
-            *x *= scale;
-            max = max.max(*x);
-        }
-        let mut sum = T::ZERO;
-        for x in visible.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        let inv = T::ONE / sum;
+        visible.iter_mut().for_each(|x| *x *= scale);
+        let max = simd::max(visible);
+        visible.iter_mut().for_each(|x| *x = (*x - max).exp());
+        let inv = T::ONE / simd::sum(visible);
         visible.iter_mut().for_each(|x| *x *= inv);
     });
     row[i + 1..].fill(T::ZERO);
@@ -60,7 +60,7 @@ fn softmax_causal_row<T: Real>(row: &mut [T], i: usize, scale: T) {
 fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, probs: usize) {
     let rows = s.batch * s.seq;
     assert!(
-        s.kv_heads > 0 && s.heads % s.kv_heads == 0,
+        s.kv_heads > 0 && s.heads.is_multiple_of(s.kv_heads),
         "attention: heads not divisible by kv heads"
     );
     assert_eq!(q, rows * s.q_width(), "attention: q length");
@@ -91,27 +91,16 @@ pub(crate) fn forward<T: Real>(
         // block of `out`; lengths were checked above.
         unsafe {
             let p = probs_p.get().add(task * t * t);
-            // S = Q·Kᵀ, then softmax, then O = P·V
-            gemm_raw(
-                (t, t, d),
-                (q.as_ptr().add(qo), qw, 1),
-                (k.as_ptr().add(ko), 1, kw),
-                (p, t, 1),
-                false,
-            );
-            for (i, row) in std::slice::from_raw_parts_mut(p, t * t)
-                .chunks_exact_mut(t)
-                .enumerate()
-            {
-                softmax_causal_row(row, i, scale);
+            // Row block [r0, r1) attends to keys [0, r1): the masked upper triangle is skipped.
+            for (r0, r1) in row_blocks(t) {
+                let (m, pb) = (r1 - r0, p.add(r0 * t));
+                // S = Q·Kᵀ, then softmax, then O = P·V
+                gemm_raw((m, r1, d), (q.as_ptr().add(qo + r0 * qw), qw, 1), (k.as_ptr().add(ko), 1, kw), (pb, t, 1), false);
+                for (i, row) in std::slice::from_raw_parts_mut(pb, m * t).chunks_exact_mut(t).enumerate() {
+                    softmax_causal_row(row, r0 + i, scale);
+                }
+                gemm_raw((m, d, r1), (pb, t, 1), (v.as_ptr().add(ko), kw, 1), (out_p.get().add(qo + r0 * qw), qw, 1), false);
             }
-            gemm_raw(
-                (t, d, t),
-                (p, t, 1),
-                (v.as_ptr().add(ko), kw, 1),
-                (out_p.get().add(qo), qw, 1),
-                false,
-            );
         }
     });
 }
@@ -152,49 +141,34 @@ pub(crate) fn backward<T: Real>(
             let h = kvh * group + j;
             let qo = b * t * qw + h * d;
             let p = &probs[(b * s.heads + h) * t * t..][..t * t];
-            // SAFETY: bounds checked above; this task alone writes dq's head h and the kvh blocks
-            // of dk and dv for sequence b.
-            unsafe {
-                // dP = dO·Vᵀ ;  dV += Pᵀ·dO
-                gemm_raw(
-                    (t, t, d),
-                    (dout.as_ptr().add(qo), qw, 1),
-                    (v.as_ptr().add(ko), 1, kw),
-                    (ds.as_mut_ptr(), t, 1),
-                    false,
-                );
-                gemm_raw(
-                    (t, d, t),
-                    (p.as_ptr(), 1, t),
-                    (dout.as_ptr().add(qo), qw, 1),
-                    (dv_p.get().add(ko), kw, 1),
-                    j > 0,
-                );
-            }
-            // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale
-            for (i, (dsr, pr)) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-                let dot: T = dsr[..=i].iter().zip(&pr[..=i]).map(|(&a, &b)| a * b).sum();
-                for (x, &pv) in dsr[..=i].iter_mut().zip(&pr[..=i]) {
-                    *x = pv * (*x - dot) * scale;
+            for (bi, (r0, r1)) in row_blocks(t).enumerate() {
+                let (m, first) = (r1 - r0, j == 0 && bi == 0);
+                let (dsb, pb) = (&mut ds[r0 * t..r1 * t], &p[r0 * t..r1 * t]);
+                let (dor, qr) = (dout[qo + r0 * qw..].as_ptr(), q[qo + r0 * qw..].as_ptr());
+                // SAFETY: bounds checked above; this task alone writes dq's head h and the kvh
+                // blocks of dk and dv for sequence b. Rows [r0, r1) involve keys [0, r1) only.
+                unsafe {
+                    // dP = dO·Vᵀ ;  dV += Pᵀ·dO
+                    gemm_raw((m, r1, d), (dor, qw, 1), (v.as_ptr().add(ko), 1, kw), (dsb.as_mut_ptr(), t, 1), false);
+                    gemm_raw((r1, d, m), (pb.as_ptr(), 1, t), (dor, qw, 1), (dv_p.get().add(ko), kw, 1), !first);
                 }
-                dsr[i + 1..].fill(T::ZERO);
-            }
-            unsafe {
-                // dQ = dS·K ;  dK += dSᵀ·Q
-                gemm_raw(
-                    (t, d, t),
-                    (ds.as_ptr(), t, 1),
-                    (k.as_ptr().add(ko), kw, 1),
-                    (dq_p.get().add(qo), qw, 1),
-                    false,
-                );
-                gemm_raw(
-                    (t, d, t),
-                    (ds.as_ptr(), 1, t),
-                    (q.as_ptr().add(qo), qw, 1),
-                    (dk_p.get().add(ko), kw, 1),
-                    j > 0,
-                );
+                // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale; zero past the diagonal.
+                for (i, (dsr, pr)) in dsb.chunks_exact_mut(t).zip(pb.chunks_exact(t)).enumerate() {
+                    let last = r0 + i;
+                    let (visible, pv) = (&mut dsr[..=last], &pr[..=last]);
+                    simd::vectorized(|| {
+                        let dot = simd::dot(visible, pv);
+                        for (x, &p) in visible.iter_mut().zip(pv) {
+                            *x = p * (*x - dot) * scale;
+                        }
+                    });
+                    dsr[last + 1..r1].fill(T::ZERO);
+                }
+                unsafe {
+                    // dQ = dS·K ;  dK += dSᵀ·Q
+                    gemm_raw((m, d, r1), (dsb.as_ptr(), t, 1), (k.as_ptr().add(ko), kw, 1), (dq_p.get().add(qo + r0 * qw), qw, 1), false);
+                    gemm_raw((r1, d, m), (dsb.as_ptr(), 1, t), (qr, qw, 1), (dk_p.get().add(ko), kw, 1), !first);
+                }
             }
         }
     });

@@ -10,19 +10,14 @@ fn row_loss_and_grad<T: Real>(row: &mut [T], target: Option<u32>, scale: T) -> f
         return 0.0;
     };
     let target = target as usize;
-    let max = row.iter().copied().fold(T::NEG_INFINITY, T::max);
-    let shifted_target = (row[target] - max).to_f64();
-    // Eight partial sums vectorise; the f64 total keeps the long sum accurate.
-    let sum = simd::vectorized(|| {
-        let mut partial = [T::ZERO; 8];
-        for chunk in row.chunks_mut(8) {
-            for (x, p) in chunk.iter_mut().zip(partial.iter_mut()) {
-                *x = (*x - max).exp();
-                *p += *x;
-            }
-        }
-        partial.iter().map(|&p| p.to_f64()).sum::<f64>()
+    let target_logit = row[target];
+    let (max, sum) = simd::vectorized(|| {
+        let max = simd::max(row);
+        row.iter_mut().for_each(|x| *x = (*x - max).exp());
+        // Lane sums over short blocks, blocks summed in f64: accurate for long vocabularies.
+        (max, row.chunks(256).map(|b| simd::sum(b).to_f64()).sum::<f64>())
     });
+    let shifted_target = (target_logit - max).to_f64();
     // loss = logsumexp − logit[target] = ln Σexp(x − max) − (logit[target] − max)
     let loss = sum.ln() - shifted_target;
     let inv_scale = T::of(1.0 / sum) * scale;

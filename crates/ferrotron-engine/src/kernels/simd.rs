@@ -1,5 +1,7 @@
-//! Helpers that let plain element-wise loops vectorise: an `exp` made only of multiplies, adds and bit
+//! Helpers that let plain element-wise loops vectorise: lane-wise reductions, an `exp` made only of multiplies, adds and bit
 //! operations, and a runtime switch that compiles a loop body for AVX2+FMA when the CPU has them.
+
+use super::float::Real;
 
 /// e^x for f32, accurate to about 1 ulp on [-87, 88]; inputs below are flushed to ~0, above to ~inf.
 /// Branch-free so that loops calling it vectorise.
@@ -27,6 +29,50 @@ pub fn exp(x: f32) -> f32 {
     let s1 = f32::from_bits(((half + 127) as u32) << 23);
     let s2 = f32::from_bits(((n - half + 127) as u32) << 23);
     p * s1 * s2
+}
+
+const LANES: usize = 16;
+
+/// Maximum of `xs` (−∞ if empty), in 16 independent lanes so that it vectorises.
+#[inline(always)]
+pub fn max<T: Real>(xs: &[T]) -> T {
+    let mut acc = [T::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = if x > *a { x } else { *a };
+        }
+    }
+    tail.iter().chain(acc.iter()).fold(T::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+}
+
+/// Σ xs in 16 independent lanes (a fixed order, so results are reproducible).
+#[inline(always)]
+pub fn sum<T: Real>(xs: &[T]) -> T {
+    let mut acc = [T::ZERO; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    acc.iter().chain(tail).fold(T::ZERO, |s, &x| s + x)
+}
+
+/// Σ aᵢ·bᵢ in 16 independent lanes.
+#[inline(always)]
+pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::ZERO; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail = ca.remainder().iter().zip(cb.remainder()).fold(T::ZERO, |s, (&x, &y)| s + x * y);
+    for (x, y) in ca.zip(cb) {
+        for ((a, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *a += x * y;
+        }
+    }
+    acc.iter().fold(tail, |s, &x| s + x)
 }
 
 /// Runs `f` compiled for AVX2+FMA when the CPU supports them (the closure is inlined into a function

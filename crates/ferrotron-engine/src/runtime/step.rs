@@ -15,6 +15,7 @@ pub fn check_layout_runnable(layout: &Layout) -> Result<()> {
     )))
 }
 
+#[derive(Debug)]
 pub struct StepOutput {
     /// Mean loss over every predicted token of the batch.
     pub loss: f64,
@@ -33,7 +34,7 @@ pub fn run_step(
     micro_batch_size: usize,
 ) -> Result<StepOutput> {
     let mbs = micro_batch_size.max(1);
-    if batch.batch % mbs != 0 {
+    if !batch.batch.is_multiple_of(mbs) {
         return Err(EngineError::Invalid(format!(
             "batch size {} is not divisible by the micro-batch size {mbs}",
             batch.batch

@@ -137,7 +137,7 @@ impl TrainConfig {
                 "must be at least 2 (one token predicts the next)",
             );
         }
-        if !(self.lr > 0.0) || self.min_lr < 0.0 {
+        if self.lr.is_nan() || self.lr <= 0.0 || self.min_lr < 0.0 {
             return bad("lr", "lr must be positive and min_lr non-negative");
         }
         if !(0.0..1.0).contains(&self.val_fraction) {

@@ -1,0 +1,198 @@
+//! The training runtime: micro-batching is exact, a short fine-tune learns, metrics are complete,
+//! and bad settings or data are refused with clear errors.
+
+mod common;
+
+use common::*;
+use ferrotron_engine::data;
+use ferrotron_engine::hf;
+use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::runtime::{run_step, train, TrainConfig};
+use ferrotron_engine::transformer::{TokenBatch, Transformer};
+use rand::{Rng, SeedableRng};
+use std::path::PathBuf;
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotron-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn micro_batches_accumulate_to_the_full_batch_gradient() {
+    let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    let batch = TokenBatch {
+        ids: (0..8 * 24).map(|_| rng.gen_range(0..512)).collect(),
+        batch: 8,
+        seq: 24,
+    };
+    let tf = Transformer::new(&cfg, &params);
+    let be = CpuBackend::default();
+    let mut full = params.zeros_like();
+    let a = run_step(&tf, &be, &params, &mut full, &batch, 8).unwrap();
+    for mbs in [1, 2, 4] {
+        let mut acc = params.zeros_like();
+        let b = run_step(&tf, &be, &params, &mut acc, &batch, mbs).unwrap();
+        assert!(
+            (a.loss - b.loss).abs() / a.loss < 1e-6,
+            "mbs {mbs}: loss {} vs {}",
+            b.loss,
+            a.loss
+        );
+        assert!(b.peak_activation_bytes < a.peak_activation_bytes);
+        for ((s, g), f) in acc.specs.iter().zip(&acc.tensors).zip(&full.tensors) {
+            let e = rel_err(g, f);
+            assert!(e < 1e-5, "mbs {mbs}: {} rel err {e:e}", s.name);
+        }
+    }
+    assert!(run_step(&tf, &be, &params, &mut full, &batch, 3)
+        .unwrap_err()
+        .to_string()
+        .contains("divisible"));
+}
+
+fn tiny_config(tag: &str) -> TrainConfig {
+    let corpus = temp_dir(&format!("{tag}-data")).join("manual.txt");
+    std::fs::write(&corpus, &data::BUILTIN_CORPUS[..120_000]).unwrap();
+    TrainConfig {
+        model: fixture("llama_tiny").display().to_string(),
+        data: corpus.display().to_string(),
+        steps: 30,
+        batch_size: 8,
+        seq_len: 32,
+        lr: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 5,
+        eval_every: 10,
+        eval_batches: 4,
+        out_dir: temp_dir(tag),
+        ..TrainConfig::default()
+    }
+}
+
+#[test]
+fn fine_tuning_lowers_validation_loss_and_writes_metrics_and_model() {
+    let cfg = tiny_config("finetune");
+    let mut steps = 0;
+    let summary = train(&cfg, &mut |_| steps += 1).unwrap();
+    assert_eq!(steps, 30);
+    println!(
+        "val loss {} -> {}",
+        summary.initial_val_loss, summary.final_val_loss
+    );
+    assert!(summary.final_val_loss < summary.initial_val_loss - 0.5);
+    let metrics = std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 30);
+    for l in &lines {
+        for key in ["step", "loss", "lr", "tokens_per_s"] {
+            assert!(l[key].is_number(), "metrics line lacks {key}: {l}");
+        }
+        let dev = &l["devices"][0];
+        for term in [
+            "weights",
+            "gradients",
+            "master_weights",
+            "optimizer_states",
+            "activations",
+            "comm_buffers",
+            "total",
+        ] {
+            assert!(
+                dev["peak_memory_bytes"][term].is_u64(),
+                "lacks {term}: {dev}"
+            );
+        }
+        assert!(dev["idle_fraction"].is_number() && dev["bytes_sent"].is_number());
+    }
+    assert!(lines[9]["val_loss"].is_number() && lines[8]["val_loss"].is_null());
+    // The saved model loads and scores the same as the last validation.
+    let (mcfg, params) = hf::load_model(&summary.model_dir).unwrap();
+    assert_eq!(mcfg.vocab_size, 512);
+    assert_eq!(params.numel(), summary.num_params);
+    assert!(summary.model_dir.join("tokenizer.json").exists());
+}
+
+#[test]
+fn same_seed_same_run() {
+    let a = train(
+        &TrainConfig {
+            steps: 5,
+            ..tiny_config("det-a")
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    let b = train(
+        &TrainConfig {
+            steps: 5,
+            ..tiny_config("det-b")
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(a.final_train_loss.to_bits(), b.final_train_loss.to_bits());
+}
+
+#[test]
+fn bad_settings_and_data_are_refused_clearly() {
+    let base = tiny_config("bad");
+    let err = |c: TrainConfig| train(&c, &mut |_| {}).unwrap_err().to_string();
+    let e = err(TrainConfig {
+        seq_len: 300,
+        ..base.clone()
+    });
+    assert!(
+        e.contains("seq_len 300")
+            && e.contains("max_position_embeddings 256")
+            && e.contains("config.json"),
+        "{e}"
+    );
+    let empty = base.out_dir.join("empty.txt");
+    std::fs::write(&empty, "  \n").unwrap();
+    let e = err(TrainConfig {
+        data: empty.display().to_string(),
+        ..base.clone()
+    });
+    assert!(e.contains("empty.txt") && e.contains("empty"), "{e}");
+    let e = err(TrainConfig {
+        data: "/nonexistent/corpus.txt".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("/nonexistent/corpus.txt"), "{e}");
+    let e = err(TrainConfig {
+        model: "llama-huge".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("llama-huge") && e.contains("preset"), "{e}");
+    let e = err(TrainConfig {
+        layout: "tp=2".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("tp=2"), "{e}");
+    let e = err(TrainConfig {
+        layout: "tp=zero".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("tp"), "{e}");
+    // A tokenizer with more tokens than the model's vocabulary.
+    let (_, big) = data::train_or_load_tokenizer(
+        &[data::BUILTIN_CORPUS[..100_000].to_string()],
+        1024,
+        &base.out_dir,
+    )
+    .unwrap();
+    let e = err(TrainConfig {
+        tokenizer: Some(big.clone()),
+        ..base.clone()
+    });
+    assert!(
+        e.contains(&big.display().to_string()) && e.contains("1024") && e.contains("512"),
+        "{e}"
+    );
+}

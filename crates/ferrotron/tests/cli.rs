@@ -1,0 +1,225 @@
+//! The `ferrotron` command line, run as a user runs it.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotron-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn ferrotron(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .output()
+        .expect("runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn read_f32(path: &PathBuf) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .filter(|(_, v)| v.dtype() == safetensors::Dtype::F32)
+        .map(|(n, v)| {
+            (
+                n,
+                (
+                    v.shape().to_vec(),
+                    v.data()
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect(),
+                ),
+            )
+        })
+        .collect()
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn grads_writes_loss_and_every_gradient_by_hf_name() {
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let dir = temp_dir(&format!("grads-{model}"));
+        let out = dir.join("grads.safetensors");
+        let refs = fixture(model).join("reference_grads.safetensors");
+        let o = ferrotron(&[
+            "grads",
+            "--model",
+            fixture(model).to_str().unwrap(),
+            "--tokens",
+            refs.to_str().unwrap(),
+            "--layout",
+            "dp=1,tp=1,pp=1,mbs=1",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got = read_f32(&out);
+        let want = read_f32(&refs);
+        assert_eq!(got["loss"].0, Vec::<usize>::new(), "loss is a scalar");
+        let loss_err = (got["loss"].1[0] as f64 - want["loss_f32"].1[0] as f64).abs()
+            / want["loss_f32"].1[0] as f64;
+        assert!(loss_err <= 1e-6, "{model}: loss {loss_err:e}");
+        let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
+        assert_eq!(names.len(), got.len() - 1, "one gradient per parameter");
+        for name in names {
+            let g = &got[&name.replace("grad_f32.", "grad.")];
+            assert_eq!(g.0, want[name].0, "{name}: full Hugging Face shape");
+            assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{model}: {name}");
+        }
+    }
+}
+
+#[test]
+fn grads_refuses_bad_input_clearly() {
+    let dir = temp_dir("grads-bad");
+    let model = fixture("llama_tiny");
+    let refs = fixture("llama_tiny").join("reference_grads.safetensors");
+    let out = dir.join("g.safetensors");
+    let run = |model: &str, tokens: &str, layout: &str| {
+        ferrotron(&[
+            "grads",
+            "--model",
+            model,
+            "--tokens",
+            tokens,
+            "--layout",
+            layout,
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let o = run(model.to_str().unwrap(), refs.to_str().unwrap(), "tp=2");
+    assert!(
+        !o.status.success() && stderr(&o).contains("tp=2"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(model.to_str().unwrap(), refs.to_str().unwrap(), "tp=two");
+    assert!(
+        !o.status.success() && stderr(&o).contains("tp"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(
+        model.to_str().unwrap(),
+        model.join("config.json").to_str().unwrap(),
+        "",
+    );
+    assert!(
+        !o.status.success() && stderr(&o).contains("config.json"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(dir.to_str().unwrap(), refs.to_str().unwrap(), "");
+    assert!(
+        !o.status.success() && stderr(&o).contains("config.json"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(
+        model.to_str().unwrap(),
+        model.join("model.safetensors").to_str().unwrap(),
+        "",
+    );
+    assert!(
+        !o.status.success() && stderr(&o).contains("input_ids"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn train_reads_toml_and_flags_win() {
+    let dir = temp_dir("train");
+    let corpus = dir.join("text.txt");
+    let text: String = (0..400)
+        .map(|i| format!("Line {i}: the sort command orders lines; uniq removes repeats.\n\n"))
+        .collect();
+    std::fs::write(&corpus, text).unwrap();
+    let config = dir.join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "model = \"{}\"\ndata = \"{}\"\nsteps = 7\nbatch_size = 4\nseq_len = 32\neval_every = 2\nout_dir = \"{}\"\n",
+            fixture("llama_tiny").display(),
+            corpus.display(),
+            dir.join("run").display()
+        ),
+    )
+    .unwrap();
+    let o = ferrotron(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--steps",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("validation loss"), "{stdout}");
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    assert_eq!(
+        metrics.lines().count(),
+        3,
+        "the flag overrides the file's 7 steps"
+    );
+    assert!(
+        dir.join("run/model/model.safetensors").exists()
+            && dir.join("run/model/config.json").exists()
+    );
+
+    std::fs::write(&config, "stepz = 3\n").unwrap();
+    let o = ferrotron(&["train", "--config", config.to_str().unwrap()]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("stepz") && stderr(&o).contains("run.toml"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn bench_train_prints_a_table() {
+    let o = ferrotron(&[
+        "bench",
+        "train",
+        "--model",
+        "llama-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--warmup",
+        "0",
+        "--steps",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        s.contains("tokens/s") && s.contains("GFLOP/s") && s.contains("forward / backward / AdamW"),
+        "{s}"
+    );
+}
