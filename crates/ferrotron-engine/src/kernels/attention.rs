@@ -95,11 +95,26 @@ pub(crate) fn forward<T: Real>(
             for (r0, r1) in row_blocks(t) {
                 let (m, pb) = (r1 - r0, p.add(r0 * t));
                 // S = Q·Kᵀ, then softmax, then O = P·V
-                gemm_raw((m, r1, d), (q.as_ptr().add(qo + r0 * qw), qw, 1), (k.as_ptr().add(ko), 1, kw), (pb, t, 1), false);
-                for (i, row) in std::slice::from_raw_parts_mut(pb, m * t).chunks_exact_mut(t).enumerate() {
+                gemm_raw(
+                    (m, r1, d),
+                    (q.as_ptr().add(qo + r0 * qw), qw, 1),
+                    (k.as_ptr().add(ko), 1, kw),
+                    (pb, t, 1),
+                    false,
+                );
+                for (i, row) in std::slice::from_raw_parts_mut(pb, m * t)
+                    .chunks_exact_mut(t)
+                    .enumerate()
+                {
                     softmax_causal_row(row, r0 + i, scale);
                 }
-                gemm_raw((m, d, r1), (pb, t, 1), (v.as_ptr().add(ko), kw, 1), (out_p.get().add(qo + r0 * qw), qw, 1), false);
+                gemm_raw(
+                    (m, d, r1),
+                    (pb, t, 1),
+                    (v.as_ptr().add(ko), kw, 1),
+                    (out_p.get().add(qo + r0 * qw), qw, 1),
+                    false,
+                );
             }
         }
     });
@@ -149,8 +164,20 @@ pub(crate) fn backward<T: Real>(
                 // blocks of dk and dv for sequence b. Rows [r0, r1) involve keys [0, r1) only.
                 unsafe {
                     // dP = dO·Vᵀ ;  dV += Pᵀ·dO
-                    gemm_raw((m, r1, d), (dor, qw, 1), (v.as_ptr().add(ko), 1, kw), (dsb.as_mut_ptr(), t, 1), false);
-                    gemm_raw((r1, d, m), (pb.as_ptr(), 1, t), (dor, qw, 1), (dv_p.get().add(ko), kw, 1), !first);
+                    gemm_raw(
+                        (m, r1, d),
+                        (dor, qw, 1),
+                        (v.as_ptr().add(ko), 1, kw),
+                        (dsb.as_mut_ptr(), t, 1),
+                        false,
+                    );
+                    gemm_raw(
+                        (r1, d, m),
+                        (pb.as_ptr(), 1, t),
+                        (dor, qw, 1),
+                        (dv_p.get().add(ko), kw, 1),
+                        !first,
+                    );
                 }
                 // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale; zero past the diagonal.
                 for (i, (dsr, pr)) in dsb.chunks_exact_mut(t).zip(pb.chunks_exact(t)).enumerate() {
@@ -166,8 +193,20 @@ pub(crate) fn backward<T: Real>(
                 }
                 unsafe {
                     // dQ = dS·K ;  dK += dSᵀ·Q
-                    gemm_raw((m, d, r1), (dsb.as_ptr(), t, 1), (k.as_ptr().add(ko), kw, 1), (dq_p.get().add(qo + r0 * qw), qw, 1), false);
-                    gemm_raw((r1, d, m), (dsb.as_ptr(), 1, t), (qr, qw, 1), (dk_p.get().add(ko), kw, 1), !first);
+                    gemm_raw(
+                        (m, d, r1),
+                        (dsb.as_ptr(), t, 1),
+                        (k.as_ptr().add(ko), kw, 1),
+                        (dq_p.get().add(qo + r0 * qw), qw, 1),
+                        false,
+                    );
+                    gemm_raw(
+                        (r1, d, m),
+                        (dsb.as_ptr(), 1, t),
+                        (qr, qw, 1),
+                        (dk_p.get().add(ko), kw, 1),
+                        !first,
+                    );
                 }
             }
         }

@@ -15,7 +15,10 @@ fn row_loss_and_grad<T: Real>(row: &mut [T], target: Option<u32>, scale: T) -> f
         let max = simd::max(row);
         row.iter_mut().for_each(|x| *x = (*x - max).exp());
         // Lane sums over short blocks, blocks summed in f64: accurate for long vocabularies.
-        (max, row.chunks(256).map(|b| simd::sum(b).to_f64()).sum::<f64>())
+        (
+            max,
+            row.chunks(256).map(|b| simd::sum(b).to_f64()).sum::<f64>(),
+        )
     });
     let shifted_target = (target_logit - max).to_f64();
     // loss = logsumexp − logit[target] = ln Σexp(x − max) − (logit[target] − max)

@@ -44,7 +44,9 @@ pub fn max<T: Real>(xs: &[T]) -> T {
             *a = if x > *a { x } else { *a };
         }
     }
-    tail.iter().chain(acc.iter()).fold(T::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+    tail.iter()
+        .chain(acc.iter())
+        .fold(T::NEG_INFINITY, |m, &x| if x > m { x } else { m })
 }
 
 /// Σ xs in 16 independent lanes (a fixed order, so results are reproducible).
@@ -66,7 +68,11 @@ pub fn sum<T: Real>(xs: &[T]) -> T {
 pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let mut acc = [T::ZERO; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail = ca.remainder().iter().zip(cb.remainder()).fold(T::ZERO, |s, (&x, &y)| s + x * y);
+    let tail = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .fold(T::ZERO, |s, (&x, &y)| s + x * y);
     for (x, y) in ca.zip(cb) {
         for ((a, &x), &y) in acc.iter_mut().zip(x).zip(y) {
             *a += x * y;

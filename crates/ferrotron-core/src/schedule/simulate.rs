@@ -1,0 +1,305 @@
+use super::{Action, PipelineSchedule};
+use crate::error::{ConfigError, Result};
+use std::collections::HashMap;
+
+/// Cost of each action kind for one micro-batch on one chunk, and the stage-to-stage transfer time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ActionCosts {
+    pub forward: f64,
+    /// A full backward; a split one costs `backward_input + backward_weight`.
+    pub backward_input: f64,
+    pub backward_weight: f64,
+    /// Time for a boundary activation (or its gradient) to reach the neighbouring stage.
+    pub p2p: f64,
+}
+
+impl ActionCosts {
+    pub fn uniform(forward: f64, backward: f64) -> Self {
+        Self {
+            forward,
+            backward_input: backward / 2.0,
+            backward_weight: backward / 2.0,
+            p2p: 0.0,
+        }
+    }
+    fn of(&self, a: &Action) -> f64 {
+        match a {
+            Action::Forward { .. } => self.forward,
+            Action::Backward { .. } => self.backward_input + self.backward_weight,
+            Action::BackwardInput { .. } => self.backward_input,
+            Action::BackwardWeight { .. } => self.backward_weight,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Event {
+    pub stage: usize,
+    pub action: Action,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// What the schedule does in time: every action's interval, per-stage busy and idle time, and how many
+/// micro-batch activations each stage holds at its peak.
+#[derive(Debug, Clone)]
+pub struct Timeline {
+    pub events: Vec<Event>,
+    pub makespan: f64,
+    pub busy: Vec<f64>,
+    /// Peak number of (micro-batch, chunk) activation stashes held at once, per stage.
+    pub peak_in_flight: Vec<usize>,
+}
+
+impl Timeline {
+    /// Idle time / step time of stage `s`.
+    pub fn idle_fraction(&self, s: usize) -> f64 {
+        if self.makespan == 0.0 {
+            0.0
+        } else {
+            1.0 - self.busy[s] / self.makespan
+        }
+    }
+    /// The worst stage's idle fraction: the pipeline bubble.
+    pub fn bubble_fraction(&self) -> f64 {
+        (0..self.busy.len())
+            .map(|s| self.idle_fraction(s))
+            .fold(0.0, f64::max)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Key {
+    F(usize, usize),
+    /// The input gradient is available (after B or I).
+    Grad(usize, usize),
+}
+
+/// Runs the action lists in order on every stage, each action starting when its stage is free and
+/// its inputs have arrived. Validates as it goes: a list that names an action twice or out of range,
+/// misses one, or waits on something that never happens is an error naming the stage and the action.
+pub fn simulate(s: &PipelineSchedule, costs: &ActionCosts) -> Result<Timeline> {
+    let (p, m, v) = (s.stages, s.micro_batches, s.chunks);
+    let last_virtual = p * v - 1;
+    let bad = |stage: usize, a: &Action, why: &str| {
+        ConfigError::Invalid(format!("schedule: stage {stage}, action {a}: {why}"))
+    };
+    if s.actions.len() != p {
+        return Err(ConfigError::Invalid(format!(
+            "schedule: {} action lists for {p} stages",
+            s.actions.len()
+        )));
+    }
+    // Completeness: each stage runs every (micro-batch, chunk) forward once and its backward once.
+    for (stage, list) in s.actions.iter().enumerate() {
+        let mut seen = HashMap::new();
+        for a in list {
+            if a.mb() >= m || a.chunk() >= v {
+                return Err(bad(stage, a, "micro-batch or chunk out of range"));
+            }
+            if seen.insert(*a, ()).is_some() {
+                return Err(bad(stage, a, "appears twice"));
+            }
+        }
+        for mb in 0..m {
+            for chunk in 0..v {
+                let f = Action::Forward { mb, chunk };
+                let full = seen.contains_key(&Action::Backward { mb, chunk });
+                let split = seen.contains_key(&Action::BackwardInput { mb, chunk })
+                    && seen.contains_key(&Action::BackwardWeight { mb, chunk });
+                if !seen.contains_key(&f) || full == split {
+                    return Err(bad(
+                        stage,
+                        &f,
+                        "missing its forward or its (single) backward",
+                    ));
+                }
+            }
+        }
+    }
+
+    let mut done: HashMap<Key, f64> = HashMap::new();
+    let mut next = vec![0usize; p];
+    let mut free_at = vec![0f64; p];
+    let mut busy = vec![0f64; p];
+    let mut stash = vec![0usize; p];
+    let mut peak = vec![0usize; p];
+    let mut events = Vec::new();
+    let total: usize = s.actions.iter().map(Vec::len).sum();
+    while events.len() < total {
+        let mut progressed = false;
+        for stage in 0..p {
+            while let Some(a) = s.actions[stage].get(next[stage]) {
+                let vs = a.chunk() * p + stage;
+                // When the inputs of `a` are ready (on this stage), or None if not yet produced.
+                let ready = match *a {
+                    Action::Forward { mb, .. } => {
+                        if vs == 0 {
+                            Some(0.0)
+                        } else {
+                            done.get(&Key::F(mb, vs - 1)).map(|t| t + costs.p2p)
+                        }
+                    }
+                    Action::Backward { mb, .. } | Action::BackwardInput { mb, .. } => {
+                        let own = done.get(&Key::F(mb, vs)).copied();
+                        let upstream = if vs == last_virtual {
+                            own
+                        } else {
+                            done.get(&Key::Grad(mb, vs + 1)).map(|t| t + costs.p2p)
+                        };
+                        own.zip(upstream).map(|(a, b)| a.max(b))
+                    }
+                    Action::BackwardWeight { mb, .. } => done.get(&Key::Grad(mb, vs)).copied(),
+                };
+                let Some(ready) = ready else { break };
+                let start = ready.max(free_at[stage]);
+                let end = start + costs.of(a);
+                free_at[stage] = end;
+                busy[stage] += end - start;
+                match *a {
+                    Action::Forward { mb, .. } => {
+                        done.insert(Key::F(mb, vs), end);
+                        stash[stage] += 1;
+                        peak[stage] = peak[stage].max(stash[stage]);
+                    }
+                    Action::Backward { mb, .. } => {
+                        done.insert(Key::Grad(mb, vs), end);
+                        stash[stage] -= 1;
+                    }
+                    Action::BackwardInput { mb, .. } => {
+                        done.insert(Key::Grad(mb, vs), end);
+                    }
+                    // The stash is freed once the weight gradient, its last user, is done.
+                    Action::BackwardWeight { .. } => stash[stage] -= 1,
+                }
+                events.push(Event {
+                    stage,
+                    action: *a,
+                    start,
+                    end,
+                });
+                next[stage] += 1;
+                progressed = true;
+            }
+        }
+        if !progressed {
+            let blocked: Vec<String> = (0..p)
+                .filter(|&st| next[st] < s.actions[st].len())
+                .map(|st| format!("stage {st} waits at {}", s.actions[st][next[st]]))
+                .collect();
+            return Err(ConfigError::Invalid(format!(
+                "schedule: deadlock: {} (each waits for an input that no stage can produce next)",
+                blocked.join(", ")
+            )));
+        }
+    }
+    let makespan = free_at.iter().copied().fold(0.0, f64::max);
+    Ok(Timeline {
+        events,
+        makespan,
+        busy,
+        peak_in_flight: peak,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::build;
+    use super::*;
+    use crate::layout::Schedule;
+
+    fn bubble(kind: Schedule, p: usize, m: usize, v: usize, costs: ActionCosts) -> Timeline {
+        simulate(&build(kind, p, m, v).unwrap(), &costs).unwrap()
+    }
+
+    #[test]
+    fn gpipe_and_1f1b_bubble_is_exactly_textbook() {
+        for (p, m) in [(2, 1), (2, 4), (4, 8), (8, 8), (8, 64), (3, 5)] {
+            let want = (p - 1) as f64 / (m + p - 1) as f64;
+            for kind in [Schedule::Gpipe, Schedule::OneFOneB] {
+                let t = bubble(kind, p, m, 1, ActionCosts::uniform(1.0, 2.0));
+                for s in 0..p {
+                    assert!(
+                        (t.idle_fraction(s) - want).abs() < 1e-12,
+                        "{kind:?} p{p} m{m} stage {s}: {} vs {want}",
+                        t.idle_fraction(s)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn interleaved_bubble_shrinks_by_v() {
+        for (p, m, v) in [(2, 4, 2), (4, 8, 2), (4, 8, 4), (8, 16, 3)] {
+            let want = (p - 1) as f64 / (v * m + p - 1) as f64;
+            // Each chunk holds 1/v of the stage's layers, so it costs 1/v of the time.
+            let t = bubble(
+                Schedule::Interleaved,
+                p,
+                m,
+                v,
+                ActionCosts::uniform(1.0 / v as f64, 2.0 / v as f64),
+            );
+            assert!(
+                (t.bubble_fraction() - want).abs() < 1e-9,
+                "p{p} m{m} v{v}: {} vs {want}",
+                t.bubble_fraction()
+            );
+        }
+    }
+
+    #[test]
+    fn zero_bubble_beats_1f1b_when_weight_gradients_cost_time() {
+        for (p, m) in [(2, 4), (4, 8), (8, 16)] {
+            let costs = ActionCosts {
+                forward: 1.0,
+                backward_input: 1.0,
+                backward_weight: 1.0,
+                p2p: 0.0,
+            };
+            let zb = bubble(Schedule::Zbh1, p, m, 1, costs).bubble_fraction();
+            let ofob = bubble(Schedule::OneFOneB, p, m, 1, costs).bubble_fraction();
+            assert!(zb < ofob, "p{p} m{m}: zbh1 {zb} vs 1f1b {ofob}");
+        }
+    }
+
+    #[test]
+    fn peak_stash_is_m_for_gpipe_and_min_m_p_for_1f1b() {
+        for (p, m) in [(4, 8), (4, 2), (2, 6)] {
+            let g = bubble(Schedule::Gpipe, p, m, 1, ActionCosts::uniform(1.0, 2.0));
+            let f = bubble(Schedule::OneFOneB, p, m, 1, ActionCosts::uniform(1.0, 2.0));
+            let z = bubble(Schedule::Zbh1, p, m, 1, ActionCosts::uniform(1.0, 2.0));
+            for s in 0..p {
+                assert_eq!(g.peak_in_flight[s], m);
+                assert_eq!(f.peak_in_flight[s], m.min(p - s));
+                assert!(z.peak_in_flight[s] <= m.min(p - s) + (p - s - 1).min(m));
+            }
+        }
+    }
+
+    #[test]
+    fn deadlocks_and_incomplete_lists_name_stage_and_action() {
+        // Stage 1 runs its backward of micro-batch 0 before the forward that produces it.
+        let mut s = build(Schedule::OneFOneB, 2, 2, 1).unwrap();
+        s.actions[1] = vec![
+            Action::Backward { mb: 0, chunk: 0 },
+            Action::Forward { mb: 0, chunk: 0 },
+            Action::Forward { mb: 1, chunk: 0 },
+            Action::Backward { mb: 1, chunk: 0 },
+        ];
+        let e = simulate(&s, &ActionCosts::uniform(1.0, 2.0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("stage 1 waits at B0") && e.contains("deadlock"),
+            "{e}"
+        );
+        let mut s = build(Schedule::Gpipe, 2, 2, 1).unwrap();
+        s.actions[0].pop();
+        let e = simulate(&s, &ActionCosts::uniform(1.0, 2.0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stage 0") && e.contains("F1"), "{e}");
+    }
+}
