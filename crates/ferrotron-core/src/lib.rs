@@ -4,6 +4,7 @@
 pub mod error;
 pub mod layout;
 pub mod model;
+pub mod plan;
 pub mod schedule;
 pub mod topology;
 

@@ -1,5 +1,7 @@
-//! What a cluster is: nodes of devices, their memory and speed, and the two classes of link between them.
-//! The planner prices layouts on it; the simulated interconnect of the threads backend charges by it.
+//! What a cluster is: nodes of devices, their memory and speed, and the two classes of link between
+//! them. The planner prices layouts on it; the simulated interconnect of the threads backend charges by it.
+
+use crate::error::{ConfigError, Result};
 
 /// One class of link (inside a node, or between nodes).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -9,16 +11,38 @@ pub struct Link {
     pub latency_s: f64,
 }
 
+/// The efficiency factors the time model uses. They live with the hardware they describe, each with
+/// where it comes from; nothing in the planner adjusts individual results.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Calibration {
+    /// Fraction of peak FLOP/s the largest GEMMs reach.
+    pub gemm_efficiency_max: f64,
+    /// Per-device GEMM width (√(h · h/tp)) at which GEMMs reach half of `gemm_efficiency_max`:
+    /// efficiency = max · w / (w + half_width). Narrow GEMMs are launch- and memory-bound.
+    pub gemm_half_width: f64,
+    /// Fraction of the nominal link bandwidth that collectives achieve.
+    pub link_efficiency: f64,
+    /// Fraction of the data-parallel gradient reduction hidden behind the backward pass.
+    pub dp_overlap: f64,
+}
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Cluster {
     pub name: String,
     pub nodes: usize,
     pub devices_per_node: usize,
     pub device_memory_bytes: u64,
+    /// Dense peak of one device in the compute precision (bf16 tensor cores on GPUs).
     pub peak_flops: f64,
     pub intra_node: Link,
     pub inter_node: Link,
+    pub calibration: Calibration,
 }
+
+pub const CLUSTER_PRESETS: &[&str] = &["dgx-a100-80g", "dgx-h100-80g", "this-machine"];
+
+const GB: f64 = 1e9;
+const GIB: u64 = 1 << 30;
 
 impl Cluster {
     pub fn world_size(&self) -> usize {
@@ -27,5 +51,223 @@ impl Cluster {
     /// Rank r sits on node r / devices_per_node (the design's placement rule).
     pub fn node_of(&self, rank: usize) -> usize {
         rank / self.devices_per_node
+    }
+
+    /// A named machine (one node unless `nodes` is overridden).
+    pub fn preset(name: &str) -> Result<Self> {
+        Ok(match name {
+            // DGX A100 80GB: 8 × A100 (312 TFLOP/s dense bf16), NVLink 3 / NVSwitch 600 GB/s
+            // bidirectional per GPU = 300 GB/s per direction; 8 × HDR 200 Gb/s InfiniBand per node
+            // = 25 GB/s per GPU per direction. The GEMM curve is fitted to the weak-scaling runs of
+            // Narayanan et al. 2021 (Table 1) with this time model — two constants for all ten rows, each row within 8%
+            // (see `plan::tests::narayanan_table1`).
+            "dgx-a100-80g" => Cluster {
+                name: name.into(),
+                nodes: 1,
+                devices_per_node: 8,
+                device_memory_bytes: 80 * GIB,
+                peak_flops: 312e12,
+                intra_node: Link {
+                    bandwidth_bytes_per_s: 300.0 * GB,
+                    latency_s: 5e-6,
+                },
+                inter_node: Link {
+                    bandwidth_bytes_per_s: 25.0 * GB,
+                    latency_s: 10e-6,
+                },
+                calibration: Calibration {
+                    gemm_efficiency_max: 0.64,
+                    gemm_half_width: 500.0,
+                    link_efficiency: 0.8,
+                    dp_overlap: 0.0,
+                },
+            },
+            // DGX H100: 8 × H100 SXM (989 TFLOP/s dense bf16), NVLink 4 900 GB/s bidirectional =
+            // 450 GB/s per direction; 8 × NDR 400 Gb/s = 50 GB/s per GPU. Same GEMM curve shape as
+            // A100 (not separately fitted: no published table of the same kind).
+            "dgx-h100-80g" => Cluster {
+                name: name.into(),
+                nodes: 1,
+                devices_per_node: 8,
+                device_memory_bytes: 80 * GIB,
+                peak_flops: 989e12,
+                intra_node: Link {
+                    bandwidth_bytes_per_s: 450.0 * GB,
+                    latency_s: 5e-6,
+                },
+                inter_node: Link {
+                    bandwidth_bytes_per_s: 50.0 * GB,
+                    latency_s: 10e-6,
+                },
+                calibration: Calibration {
+                    gemm_efficiency_max: 0.64,
+                    gemm_half_width: 500.0,
+                    link_efficiency: 0.8,
+                    dp_overlap: 0.0,
+                },
+            },
+            // This 2-core machine running ferrotron's threads backend: 8 virtual devices sharing 24 GiB,
+            // each at one core's f32 GEMM speed (~100 GFLOP/s, measured by `ferrotron bench kernels`),
+            // linked through shared memory (~10 GB/s memcpy).
+            "this-machine" => Cluster {
+                name: name.into(),
+                nodes: 1,
+                devices_per_node: 8,
+                device_memory_bytes: 3 * GIB,
+                peak_flops: 100e9,
+                intra_node: Link {
+                    bandwidth_bytes_per_s: 10.0 * GB,
+                    latency_s: 2e-6,
+                },
+                inter_node: Link {
+                    bandwidth_bytes_per_s: 1.0 * GB,
+                    latency_s: 50e-6,
+                },
+                calibration: Calibration {
+                    gemm_efficiency_max: 0.9,
+                    gemm_half_width: 32.0,
+                    link_efficiency: 1.0,
+                    dp_overlap: 0.0,
+                },
+            },
+            other => {
+                return Err(ConfigError::Field {
+                    file: "--cluster".into(),
+                    field: "preset".into(),
+                    msg: format!(
+                        "unknown cluster preset `{other}` (known: {})",
+                        CLUSTER_PRESETS.join(", ")
+                    ),
+                })
+            }
+        })
+    }
+
+    /// `dgx-a100-80g`, `dgx-a100-80g,nodes=192`, or inline
+    /// `nodes=2,devices_per_node=8,memory_gib=80,peak_tflops=312,intra_gbs=300,inter_gbs=25`
+    /// (optional: `intra_latency_us`, `inter_latency_us`, `gemm_efficiency`, `gemm_half_width`,
+    /// `link_efficiency`, `dp_overlap`).
+    pub fn parse(spec: &str) -> Result<Self> {
+        let bad = |field: &str, msg: String| ConfigError::Field {
+            file: "--cluster".into(),
+            field: field.into(),
+            msg,
+        };
+        let mut items = spec
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .peekable();
+        let mut c = match items.peek() {
+            Some(first) if !first.contains('=') => {
+                let c = Cluster::preset(first)?;
+                items.next();
+                c
+            }
+            _ => Cluster {
+                name: "custom".into(),
+                nodes: 0,
+                devices_per_node: 0,
+                device_memory_bytes: 0,
+                peak_flops: 0.0,
+                intra_node: Link {
+                    bandwidth_bytes_per_s: 0.0,
+                    latency_s: 5e-6,
+                },
+                inter_node: Link {
+                    bandwidth_bytes_per_s: 0.0,
+                    latency_s: 10e-6,
+                },
+                calibration: Calibration {
+                    gemm_efficiency_max: 0.6,
+                    gemm_half_width: 160.0,
+                    link_efficiency: 0.8,
+                    dp_overlap: 0.0,
+                },
+            },
+        };
+        for item in items {
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| bad(item, "expected key=value".into()))?;
+            let x: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| bad(k, format!("`{v}` is not a number")))?;
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(bad(k, format!("`{v}` must be a non-negative number")));
+            }
+            let whole = || -> Result<usize> {
+                if x.fract() == 0.0 && x >= 1.0 {
+                    Ok(x as usize)
+                } else {
+                    Err(bad(k, format!("`{v}` must be a positive integer")))
+                }
+            };
+            match k.trim() {
+                "nodes" => c.nodes = whole()?,
+                "devices_per_node" => c.devices_per_node = whole()?,
+                "memory_gib" => c.device_memory_bytes = (x * GIB as f64) as u64,
+                "peak_tflops" => c.peak_flops = x * 1e12,
+                "intra_gbs" => c.intra_node.bandwidth_bytes_per_s = x * GB,
+                "inter_gbs" => c.inter_node.bandwidth_bytes_per_s = x * GB,
+                "intra_latency_us" => c.intra_node.latency_s = x * 1e-6,
+                "inter_latency_us" => c.inter_node.latency_s = x * 1e-6,
+                "gemm_efficiency" => c.calibration.gemm_efficiency_max = x,
+                "gemm_half_width" => c.calibration.gemm_half_width = x,
+                "link_efficiency" => c.calibration.link_efficiency = x,
+                "dp_overlap" => c.calibration.dp_overlap = x,
+                other => return Err(bad(other, "unknown cluster key".into())),
+            }
+        }
+        for (field, ok) in [
+            ("nodes", c.nodes > 0),
+            ("devices_per_node", c.devices_per_node > 0),
+            ("memory_gib", c.device_memory_bytes > 0),
+            ("peak_tflops", c.peak_flops > 0.0),
+            ("intra_gbs", c.intra_node.bandwidth_bytes_per_s > 0.0),
+            (
+                "inter_gbs",
+                c.inter_node.bandwidth_bytes_per_s > 0.0 || c.nodes == 1,
+            ),
+            (
+                "gemm_efficiency",
+                c.calibration.gemm_efficiency_max > 0.0 && c.calibration.gemm_efficiency_max <= 1.0,
+            ),
+            (
+                "link_efficiency",
+                c.calibration.link_efficiency > 0.0 && c.calibration.link_efficiency <= 1.0,
+            ),
+        ] {
+            if !ok {
+                return Err(bad(field, "missing, zero or out of range".into()));
+            }
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_inline_and_errors() {
+        let c = Cluster::parse("dgx-a100-80g,nodes=192").unwrap();
+        assert_eq!(c.world_size(), 1536);
+        let c = Cluster::parse(
+            "nodes=2,devices_per_node=4,memory_gib=24,peak_tflops=100,intra_gbs=100,inter_gbs=10",
+        )
+        .unwrap();
+        assert_eq!((c.world_size(), c.device_memory_bytes), (8, 24 << 30));
+        for (spec, field) in [
+            ("dgx-z", "dgx-z"),
+            ("dgx-a100-80g,nodes=-1", "nodes"),
+            ("nodes=2", "devices_per_node"),
+            ("dgx-a100-80g,foo=1", "foo"),
+        ] {
+            let e = Cluster::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(field), "{spec}: {e}");
+        }
     }
 }

@@ -21,6 +21,10 @@ enum Command {
     Train(Box<cmd::train::TrainArgs>),
     /// One forward/backward of a fixed batch; writes the loss and every gradient by Hugging Face name.
     Grads(cmd::grads::GradsArgs),
+    /// Do the memory arithmetic first: evaluate a layout, or search for the best that fits.
+    Plan(Box<cmd::plan::PlanArgs>),
+    /// Print a pipeline schedule's per-stage action lists and its bubble.
+    Schedule(cmd::schedule::ScheduleArgs),
     /// Benchmarks that print a table.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -44,6 +48,8 @@ fn main() {
     let result = match cli.command {
         Command::Train(a) => cmd::train::run(*a),
         Command::Grads(a) => cmd::grads::run(a),
+        Command::Plan(a) => cmd::plan::run(*a),
+        Command::Schedule(a) => cmd::schedule::run(a),
         Command::Bench(b) => cmd::bench::run(b),
     };
     if let Err(e) = result {

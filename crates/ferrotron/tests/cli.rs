@@ -223,3 +223,179 @@ fn bench_train_prints_a_table() {
         "{s}"
     );
 }
+
+#[test]
+fn plan_json_has_the_stable_fields() {
+    let o = ferrotron(&[
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--cluster",
+        "dgx-a100-80g,nodes=2",
+        "--seq",
+        "4096",
+        "--global-batch",
+        "64",
+        "--layout",
+        "dp=4,tp=4,pp=1,zero=1,mbs=1,recompute=selective",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for key in [
+        "dp",
+        "tp",
+        "pp",
+        "vpp",
+        "zero",
+        "micro_batch_size",
+        "num_micro_batches",
+        "schedule",
+        "recompute",
+        "sequence_parallel",
+    ] {
+        assert!(!v["layout"][key].is_null(), "layout.{key}");
+    }
+    for key in [
+        "weights",
+        "gradients",
+        "master_weights",
+        "optimizer_states",
+        "activations",
+        "comm_buffers",
+        "total",
+    ] {
+        assert!(v["memory_bytes"][key].is_u64(), "memory_bytes.{key}");
+    }
+    for key in ["tp", "pp", "dp"] {
+        assert!(
+            v["comm_bytes_per_step"][key].is_number(),
+            "comm_bytes_per_step.{key}"
+        );
+    }
+    for key in ["bubble_fraction", "step_time_s", "tflops_per_device", "mfu"] {
+        assert!(v[key].is_number(), "{key}");
+    }
+    assert!(v["fits"].is_boolean() && v["explain"].is_array());
+
+    let o = ferrotron(&[
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--cluster",
+        "dgx-a100-80g,nodes=2",
+        "--seq",
+        "4096",
+        "--global-batch",
+        "64",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let c = v["candidates"].as_array().unwrap();
+    assert!(!c.is_empty() && c.iter().all(|p| p["fits"] == true));
+    assert!(c
+        .windows(2)
+        .all(|w| w[0]["step_time_s"].as_f64() <= w[1]["step_time_s"].as_f64()));
+
+    // `auto` keys search among layouts that keep the explicit ones.
+    let o = ferrotron(&[
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--cluster",
+        "dgx-a100-80g,nodes=2",
+        "--seq",
+        "4096",
+        "--global-batch",
+        "64",
+        "--layout",
+        "tp=2,pp=auto",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|p| p["layout"]["tp"] == 2));
+}
+
+#[test]
+fn plan_refuses_bad_input_clearly() {
+    let run = |args: &[&str]| {
+        let mut all = vec!["plan", "--global-batch", "64"];
+        all.extend_from_slice(args);
+        ferrotron(&all)
+    };
+    for (args, needle) in [
+        (
+            vec![
+                "--model",
+                "llama2-7b",
+                "--cluster",
+                "dgx-a100-80g",
+                "--layout",
+                "tp=3,dp=1",
+            ],
+            "tp",
+        ),
+        (
+            vec!["--model", "llama2-7b", "--cluster", "dgx-z100"],
+            "dgx-z100",
+        ),
+        (
+            vec!["--model", "arch=gpt,layers=2,hidden=-8,heads=2,vocab=10"],
+            "hidden",
+        ),
+        (
+            vec![
+                "--model",
+                "llama2-7b",
+                "--cluster",
+                "dgx-a100-80g",
+                "--layout",
+                "dp=16",
+            ],
+            "dp",
+        ),
+        (
+            vec![
+                "--model",
+                "llama2-7b",
+                "--cluster",
+                "dgx-a100-80g,nodes=2",
+                "--layout",
+                "tp=16",
+            ],
+            "tp=16",
+        ),
+    ] {
+        let o = run(&args);
+        assert!(
+            !o.status.success() && stderr(&o).contains(needle),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+}
+
+#[test]
+fn schedule_prints_the_action_lists() {
+    let o = ferrotron(&[
+        "schedule",
+        "--schedule",
+        "1f1b",
+        "--pp",
+        "4",
+        "--micro-batches",
+        "8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        s.contains("stage  0 | F0") && s.contains("bubble (idle / step, worst stage) 0.273"),
+        "{s}"
+    );
+}

@@ -1,6 +1,5 @@
 use super::{Action, PipelineSchedule};
 use crate::error::{ConfigError, Result};
-use std::collections::HashMap;
 
 /// Cost of each action kind for one micro-batch on one chunk, and the stage-to-stage transfer time.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,19 +67,20 @@ impl Timeline {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-enum Key {
-    F(usize, usize),
-    /// The input gradient is available (after B or I).
-    Grad(usize, usize),
-}
-
 /// Runs the action lists in order on every stage, each action starting when its stage is free and
-/// its inputs have arrived. Validates as it goes: a list that names an action twice or out of range,
-/// misses one, or waits on something that never happens is an error naming the stage and the action.
-pub fn simulate(s: &PipelineSchedule, costs: &ActionCosts) -> Result<Timeline> {
+/// its inputs have arrived. `costs` holds one entry for every virtual stage (chunk c of stage s is
+/// c·p + s), or a single entry for all. Validates as it goes: a list that names an action twice or out
+/// of range, misses one, or waits on something that never happens is an error naming stage and action.
+pub fn simulate(s: &PipelineSchedule, costs: &[ActionCosts]) -> Result<Timeline> {
     let (p, m, v) = (s.stages, s.micro_batches, s.chunks);
-    let last_virtual = p * v - 1;
+    let nv = p * v;
+    if costs.len() != 1 && costs.len() != nv {
+        return Err(ConfigError::Invalid(format!(
+            "schedule: {} cost entries for {nv} virtual stages",
+            costs.len()
+        )));
+    }
+    let cost = |vs: usize| &costs[if costs.len() == 1 { 0 } else { vs }];
     let bad = |stage: usize, a: &Action, why: &str| {
         ConfigError::Invalid(format!("schedule: stage {stage}, action {a}: {why}"))
     };
@@ -92,83 +92,84 @@ pub fn simulate(s: &PipelineSchedule, costs: &ActionCosts) -> Result<Timeline> {
     }
     // Completeness: each stage runs every (micro-batch, chunk) forward once and its backward once.
     for (stage, list) in s.actions.iter().enumerate() {
-        let mut seen = HashMap::new();
+        let mut seen = vec![[false; 4]; m * v];
         for a in list {
             if a.mb() >= m || a.chunk() >= v {
                 return Err(bad(stage, a, "micro-batch or chunk out of range"));
             }
-            if seen.insert(*a, ()).is_some() {
+            let slot = &mut seen[a.mb() * v + a.chunk()][kind_index(a)];
+            if *slot {
                 return Err(bad(stage, a, "appears twice"));
             }
+            *slot = true;
         }
-        for mb in 0..m {
-            for chunk in 0..v {
-                let f = Action::Forward { mb, chunk };
-                let full = seen.contains_key(&Action::Backward { mb, chunk });
-                let split = seen.contains_key(&Action::BackwardInput { mb, chunk })
-                    && seen.contains_key(&Action::BackwardWeight { mb, chunk });
-                if !seen.contains_key(&f) || full == split {
-                    return Err(bad(
-                        stage,
-                        &f,
-                        "missing its forward or its (single) backward",
-                    ));
-                }
+        for (i, k) in seen.iter().enumerate() {
+            let full = k[1];
+            let split = k[2] && k[3];
+            if !k[0] || full == split || (full && (k[2] || k[3])) {
+                let f = Action::Forward {
+                    mb: i / v,
+                    chunk: i % v,
+                };
+                return Err(bad(
+                    stage,
+                    &f,
+                    "missing its forward or its (single) backward",
+                ));
             }
         }
     }
 
-    let mut done: HashMap<Key, f64> = HashMap::new();
+    const NOT_YET: f64 = f64::INFINITY;
+    // Completion times by (micro-batch, virtual stage): forward done, input gradient available.
+    let mut f_done = vec![NOT_YET; m * nv];
+    let mut g_done = vec![NOT_YET; m * nv];
     let mut next = vec![0usize; p];
     let mut free_at = vec![0f64; p];
     let mut busy = vec![0f64; p];
     let mut stash = vec![0usize; p];
     let mut peak = vec![0usize; p];
-    let mut events = Vec::new();
     let total: usize = s.actions.iter().map(Vec::len).sum();
+    let mut events = Vec::with_capacity(total);
     while events.len() < total {
         let mut progressed = false;
         for stage in 0..p {
             while let Some(a) = s.actions[stage].get(next[stage]) {
                 let vs = a.chunk() * p + stage;
-                // When the inputs of `a` are ready (on this stage), or None if not yet produced.
-                let ready = match *a {
-                    Action::Forward { mb, .. } => {
-                        if vs == 0 {
-                            Some(0.0)
-                        } else {
-                            done.get(&Key::F(mb, vs - 1)).map(|t| t + costs.p2p)
-                        }
-                    }
-                    Action::Backward { mb, .. } | Action::BackwardInput { mb, .. } => {
-                        let own = done.get(&Key::F(mb, vs)).copied();
-                        let upstream = if vs == last_virtual {
+                let at = |t: &Vec<f64>, vs: usize| t[a.mb() * nv + vs];
+                // When the inputs of `a` are on this stage (infinite if not produced yet).
+                let ready = match a {
+                    Action::Forward { .. } if vs == 0 => 0.0,
+                    Action::Forward { .. } => at(&f_done, vs - 1) + cost(vs - 1).p2p,
+                    Action::Backward { .. } | Action::BackwardInput { .. } => {
+                        let own = at(&f_done, vs);
+                        if vs == nv - 1 {
                             own
                         } else {
-                            done.get(&Key::Grad(mb, vs + 1)).map(|t| t + costs.p2p)
-                        };
-                        own.zip(upstream).map(|(a, b)| a.max(b))
+                            own.max(at(&g_done, vs + 1) + cost(vs + 1).p2p)
+                        }
                     }
-                    Action::BackwardWeight { mb, .. } => done.get(&Key::Grad(mb, vs)).copied(),
+                    Action::BackwardWeight { .. } => at(&g_done, vs),
                 };
-                let Some(ready) = ready else { break };
+                if ready == NOT_YET {
+                    break;
+                }
                 let start = ready.max(free_at[stage]);
-                let end = start + costs.of(a);
+                let end = start + cost(vs).of(a);
                 free_at[stage] = end;
                 busy[stage] += end - start;
-                match *a {
-                    Action::Forward { mb, .. } => {
-                        done.insert(Key::F(mb, vs), end);
+                let idx = a.mb() * nv + vs;
+                match a {
+                    Action::Forward { .. } => {
+                        f_done[idx] = end;
                         stash[stage] += 1;
                         peak[stage] = peak[stage].max(stash[stage]);
                     }
-                    Action::Backward { mb, .. } => {
-                        done.insert(Key::Grad(mb, vs), end);
+                    Action::Backward { .. } => {
+                        g_done[idx] = end;
                         stash[stage] -= 1;
                     }
-                    Action::BackwardInput { mb, .. } => {
-                        done.insert(Key::Grad(mb, vs), end);
-                    }
+                    Action::BackwardInput { .. } => g_done[idx] = end,
                     // The stash is freed once the weight gradient, its last user, is done.
                     Action::BackwardWeight { .. } => stash[stage] -= 1,
                 }
@@ -202,6 +203,15 @@ pub fn simulate(s: &PipelineSchedule, costs: &ActionCosts) -> Result<Timeline> {
     })
 }
 
+fn kind_index(a: &Action) -> usize {
+    match a {
+        Action::Forward { .. } => 0,
+        Action::Backward { .. } => 1,
+        Action::BackwardInput { .. } => 2,
+        Action::BackwardWeight { .. } => 3,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::build;
@@ -209,7 +219,7 @@ mod tests {
     use crate::layout::Schedule;
 
     fn bubble(kind: Schedule, p: usize, m: usize, v: usize, costs: ActionCosts) -> Timeline {
-        simulate(&build(kind, p, m, v).unwrap(), &costs).unwrap()
+        simulate(&build(kind, p, m, v).unwrap(), &[costs]).unwrap()
     }
 
     #[test]
@@ -288,7 +298,7 @@ mod tests {
             Action::Forward { mb: 1, chunk: 0 },
             Action::Backward { mb: 1, chunk: 0 },
         ];
-        let e = simulate(&s, &ActionCosts::uniform(1.0, 2.0))
+        let e = simulate(&s, &[ActionCosts::uniform(1.0, 2.0)])
             .unwrap_err()
             .to_string();
         assert!(
@@ -297,7 +307,7 @@ mod tests {
         );
         let mut s = build(Schedule::Gpipe, 2, 2, 1).unwrap();
         s.actions[0].pop();
-        let e = simulate(&s, &ActionCosts::uniform(1.0, 2.0))
+        let e = simulate(&s, &[ActionCosts::uniform(1.0, 2.0)])
             .unwrap_err()
             .to_string();
         assert!(e.contains("stage 0") && e.contains("F1"), "{e}");

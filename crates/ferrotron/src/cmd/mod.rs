@@ -1,3 +1,5 @@
 pub mod bench;
 pub mod grads;
+pub mod plan;
+pub mod schedule;
 pub mod train;

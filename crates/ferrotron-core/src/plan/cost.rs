@@ -1,0 +1,198 @@
+//! FLOPs, bytes on the wire per parallel dimension, and the time they take on the cluster's links.
+
+use super::PlanInput;
+use crate::layout::{Layout, Recompute};
+use crate::model::{Arch, ModelConfig};
+use crate::schedule::ActionCosts;
+use crate::topology::{Cluster, Link};
+
+/// Matmul parameters of one layer (full, unsharded).
+pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
+    let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
+    match cfg.arch {
+        Arch::Llama => 2.0 * h * cfg.q_dim() as f64 + 2.0 * h * cfg.kv_dim() as f64 + 3.0 * h * f,
+        Arch::Gpt2 => 4.0 * h * h + 2.0 * h * f,
+    }
+}
+
+/// Forward FLOPs of one layer for one micro-batch: 2·params·tokens plus QKᵀ and PV (4·b·s²·q_dim,
+/// counted full as in Narayanan et al. 2021).
+pub fn layer_forward_flops(cfg: &ModelConfig, mbs: usize, seq: usize) -> f64 {
+    let tok = (mbs * seq) as f64;
+    2.0 * layer_matmul_params(cfg) * tok + 4.0 * tok * seq as f64 * cfg.q_dim() as f64
+}
+
+pub fn head_forward_flops(cfg: &ModelConfig, mbs: usize, seq: usize) -> f64 {
+    2.0 * (mbs * seq) as f64 * cfg.hidden_size as f64 * cfg.vocab_size as f64
+}
+
+/// FLOPs of one optimizer step: model FLOPs (forward + backward, the MFU numerator) and hardware FLOPs
+/// (adding the recomputed forward where recompute is on).
+pub fn step_flops(cfg: &ModelConfig, l: &Layout, seq: usize, global_batch: usize) -> (f64, f64) {
+    let layers = layer_forward_flops(cfg, 1, seq) * cfg.num_layers as f64 * global_batch as f64;
+    let head = head_forward_flops(cfg, 1, seq) * global_batch as f64;
+    let model = 3.0 * (layers + head);
+    let extra = match l.recompute {
+        Recompute::Full => layers,
+        Recompute::Selective => {
+            4.0 * (seq * seq) as f64
+                * cfg.q_dim() as f64
+                * cfg.num_layers as f64
+                * global_batch as f64
+        }
+        Recompute::None => 0.0,
+    };
+    (model, model + extra)
+}
+
+/// Which link each group's traffic uses, by the rank order tp → dp → pp and `rank / devices_per_node`.
+pub struct Links {
+    pub tp: Link,
+    pub dp: Link,
+    pub pp: Link,
+}
+
+pub fn links(c: &Cluster, l: &Layout) -> Links {
+    let n = c.devices_per_node;
+    let pick = |inside: bool| if inside { c.intra_node } else { c.inter_node };
+    Links {
+        tp: pick(l.tp <= n && n.is_multiple_of(l.tp)),
+        dp: pick(l.tp * l.dp <= n),
+        pp: pick(l.tp * l.dp < n && l.pp * l.tp * l.dp <= n),
+    }
+}
+
+fn ring_time(bytes_per_device: f64, steps: usize, link: &Link, eff: f64) -> f64 {
+    bytes_per_device / (link.bandwidth_bytes_per_s * eff) + steps as f64 * link.latency_s
+}
+
+/// Bytes each device sends per optimizer step along each dimension (ring algorithms), and the
+/// time per TP all-reduce and per boundary transfer.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Traffic {
+    pub tp: f64,
+    pub pp: f64,
+    pub dp: f64,
+}
+
+pub struct Costs {
+    pub traffic: Traffic,
+    /// One entry per virtual stage.
+    pub actions: Vec<ActionCosts>,
+    pub dp_time: f64,
+}
+
+/// Prices one layout: per-action compute and communication costs for the schedule simulator, and the
+/// data-parallel reduction after it.
+pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device: f64) -> Costs {
+    let c = &input.cluster;
+    let cal = &c.calibration;
+    let links = links(c, l);
+    let m = input.global_batch / (l.dp * l.micro_batch_size);
+    let act = input.precision.weights.bytes();
+    let boundary = (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act;
+    let t = l.tp as f64;
+    // Column-parallel GEMMs are [tokens, h] × [h, out/tp], row-parallel ones [tokens, h/tp] × [h/tp, h]:
+    // their typical width is the geometric mean of h and h/tp.
+    let width = (cfg.hidden_size as f64 * cfg.hidden_size as f64 / t).sqrt();
+    let eff = cal.gemm_efficiency_max * width / (width + cal.gemm_half_width);
+    let speed = c.peak_flops * eff;
+
+    // Tensor parallel: 2 all-reduces in forward and 2 in backward per layer (reduce-scatter +
+    // all-gather with sequence parallelism: the same bytes), 2 more when the forward is recomputed.
+    let ar_bytes = if l.tp > 1 {
+        2.0 * (t - 1.0) / t * boundary
+    } else {
+        0.0
+    };
+    let ar_time = if l.tp > 1 {
+        ring_time(ar_bytes, 2 * (l.tp - 1), &links.tp, cal.link_efficiency)
+    } else {
+        0.0
+    };
+    let recompute_ar = if l.recompute == Recompute::Full {
+        2.0
+    } else {
+        0.0
+    };
+    let layers_per_chunk = (cfg.num_layers / (l.pp * l.vpp)) as f64;
+    let layer_fwd = layer_forward_flops(cfg, l.micro_batch_size, input.seq) / t;
+    let layer_recompute = match l.recompute {
+        Recompute::Full => layer_fwd,
+        Recompute::Selective => {
+            4.0 * (l.micro_batch_size * input.seq * input.seq) as f64 * cfg.q_dim() as f64 / t
+        }
+        Recompute::None => 0.0,
+    };
+    let p2p = if l.pp > 1 {
+        boundary / (links.pp.bandwidth_bytes_per_s * cal.link_efficiency) + links.pp.latency_s
+    } else {
+        0.0
+    };
+    let head_fwd = head_forward_flops(cfg, l.micro_batch_size, input.seq) / t;
+    let nv = l.pp * l.vpp;
+    let actions = (0..nv)
+        .map(|vs| {
+            let mut fwd = layers_per_chunk * (layer_fwd / speed + 2.0 * ar_time);
+            let mut bwd = layers_per_chunk
+                * ((2.0 * layer_fwd + layer_recompute) / speed + (2.0 + recompute_ar) * ar_time);
+            if vs == nv - 1 {
+                fwd += head_fwd / speed;
+                bwd += 2.0 * head_fwd / speed;
+            }
+            // Zero-bubble schedules split the backward; its two GEMM halves cost about the same.
+            ActionCosts {
+                forward: fwd,
+                backward_input: bwd / 2.0,
+                backward_weight: bwd / 2.0,
+                p2p,
+            }
+        })
+        .collect();
+
+    let layers_here = (cfg.num_layers / l.pp) as f64;
+    let tp_bytes = layers_here * m as f64 * (4.0 + recompute_ar) * ar_bytes;
+    // Each device sends its boundary activation forward and its gradient backward for every chunk
+    // that has a neighbour in that direction.
+    let pp_bytes = if l.pp > 1 {
+        2.0 * m as f64 * l.vpp as f64 * boundary
+    } else {
+        0.0
+    };
+    let d = l.dp as f64;
+    let (grad_b, w_b) = (
+        input.precision.grads.bytes(),
+        input.precision.weights.bytes(),
+    );
+    let trainable = match input.lora_rank {
+        Some(_) => params_per_device * 0.01,
+        None => params_per_device,
+    };
+    let dp_bytes = if l.dp > 1 {
+        let ring = (d - 1.0) / d;
+        match l.zero {
+            // All-reduce of the gradients.
+            0 => 2.0 * ring * trainable * grad_b,
+            // Reduce-scatter the gradients, all-gather the updated parameters.
+            1 | 2 => ring * trainable * grad_b + ring * params_per_device * w_b,
+            // ...and gather every layer's parameters again in forward and in backward.
+            _ => ring * trainable * grad_b + 2.0 * ring * params_per_device * w_b,
+        }
+    } else {
+        0.0
+    };
+    let dp_time = if l.dp > 1 {
+        ring_time(dp_bytes, 2 * (l.dp - 1), &links.dp, cal.link_efficiency) * (1.0 - cal.dp_overlap)
+    } else {
+        0.0
+    };
+    Costs {
+        traffic: Traffic {
+            tp: tp_bytes,
+            pp: pp_bytes,
+            dp: dp_bytes,
+        },
+        actions,
+        dp_time,
+    }
+}

@@ -1,0 +1,182 @@
+//! Plain-language notes on a plan, in the source texts' order: which term dominates, then reduce,
+//! shard the optimizer, tensor-parallel inside a node, pipeline across nodes.
+
+use super::cost::links;
+use super::{stage_memory, MemoryTerms, Plan, PlanInput, PlanModel};
+use crate::layout::{Layout, Recompute, Schedule};
+
+pub fn gb(bytes: f64) -> String {
+    format!("{:.2} GB", bytes / 1e9)
+}
+
+fn breakdown(m: &MemoryTerms) -> String {
+    m.terms()
+        .iter()
+        .map(|(n, b)| format!("{n} {}", gb(*b as f64)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Notes on one evaluated layout.
+pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
+    let l = &p.layout;
+    let mut out = Vec::new();
+    let worst_stage = p
+        .memory_bytes_per_stage
+        .iter()
+        .position(|m| m.total == p.memory_bytes.total)
+        .unwrap_or(0);
+    let (name, bytes) = p.memory_bytes.largest();
+    out.push(format!(
+        "memory per device (worst: stage {worst_stage}): {} of {} usable ({} capacity less {:.0}% reserve) — {}; largest term {name} ({})",
+        gb(p.memory_bytes.total as f64),
+        gb(p.usable_bytes as f64),
+        gb(p.capacity_bytes as f64),
+        input.memory_reserve * 100.0,
+        if p.fits { "fits" } else { "DOES NOT FIT" },
+        gb(bytes as f64)
+    ));
+    if !p.fits {
+        out.push(format!("breakdown: {}", breakdown(&p.memory_bytes)));
+    }
+    if l.world_size() < input.cluster.world_size() {
+        out.push(format!(
+            "uses {} of the cluster's {} devices",
+            l.world_size(),
+            input.cluster.world_size()
+        ));
+    }
+    if matches!(input.model, PlanModel::ParamsOnly(_)) {
+        out.push("a bare parameter count gives model-state memory only (no activations, traffic or time)".into());
+        return out;
+    }
+    let lk = links(&input.cluster, l);
+    let link_name = |bw: f64| {
+        if bw == input.cluster.intra_node.bandwidth_bytes_per_s {
+            "intra-node"
+        } else {
+            "inter-node"
+        }
+    };
+    if l.tp > 1 {
+        out.push(format!(
+            "tensor parallel tp={}: {} per step per device on the {} link ({:.0} GB/s)",
+            l.tp,
+            gb(p.comm_bytes_per_step.tp),
+            link_name(lk.tp.bandwidth_bytes_per_s),
+            lk.tp.bandwidth_bytes_per_s / 1e9
+        ));
+        if lk.tp.bandwidth_bytes_per_s != input.cluster.intra_node.bandwidth_bytes_per_s {
+            out.push("WARNING: the tensor-parallel group spans nodes: every layer's exchange crosses the slow link".into());
+        }
+    }
+    if l.pp > 1 {
+        out.push(format!(
+            "pipeline pp={} ({}{}), {} micro-batches: bubble {:.1}% of the step; {} per step per device on the {} link",
+            l.pp,
+            l.schedule.name(),
+            if l.vpp > 1 { format!(", {} chunks per stage", l.vpp) } else { String::new() },
+            p.num_micro_batches,
+            p.bubble_fraction * 100.0,
+            gb(p.comm_bytes_per_step.pp),
+            link_name(lk.pp.bandwidth_bytes_per_s)
+        ));
+    }
+    if l.dp > 1 {
+        out.push(format!(
+            "data parallel dp={} (ZeRO-{}): {} per step per device on the {} link, {:.3} s exposed",
+            l.dp,
+            l.zero,
+            gb(p.comm_bytes_per_step.dp),
+            link_name(lk.dp.bandwidth_bytes_per_s),
+            p.dp_comm_time_s
+        ));
+    }
+    out.push(format!(
+        "step {:.3} s, {:.0} tokens/s, {:.1} TFLOP/s per device (with recompute), MFU {:.1}%",
+        p.step_time_s,
+        p.tokens_per_s,
+        p.tflops_per_device,
+        p.mfu * 100.0
+    ));
+    out
+}
+
+/// Why the search chose what it chose: the naive layout's memory, then each cut and what it saves.
+pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
+    let world = input.cluster.world_size();
+    let naive = Layout {
+        dp: world,
+        ..Layout::default()
+    };
+    let mut out = Vec::new();
+    let usable = input.usable_memory() as f64;
+    let mem = |l: &Layout| stage_memory(input, l, 0, if l.pp > 1 { l.pp } else { 1 });
+    let n = mem(&naive);
+    let (name, bytes) = n.largest();
+    out.push(format!(
+        "1. the arithmetic first — pure data parallelism (dp={world}, mbs=1, no sharding, no recompute) needs {} per device against {} usable: {}; the largest term is {name} ({})",
+        gb(n.total as f64),
+        gb(usable),
+        if (n.total as f64) <= usable { "it fits" } else { "it does not fit" },
+        gb(bytes as f64)
+    ));
+    if input.precision.weights.bytes() > 2.0 {
+        out.push("2. reduce: weights and activations in fp32 — bf16 would halve both (--precision weights=bf16)".into());
+    }
+    let full = Layout {
+        recompute: Recompute::Full,
+        ..naive
+    };
+    let r = mem(&full);
+    out.push(format!(
+        "2. reduce: full activation recompute cuts activations from {} to {} per device for ~33% more compute; selective recompute keeps most of the saving for less",
+        gb(n.activations as f64),
+        gb(r.activations as f64)
+    ));
+    if let Some(rank) = input.lora_rank {
+        out.push(format!("2. reduce: LoRA rank {rank} leaves gradients and optimizer state only for the adapters ({})", gb((n.gradients + n.optimizer_states + n.master_weights) as f64)));
+    }
+    if world > 1 {
+        let shard = |z| mem(&Layout { zero: z, ..full });
+        let (z1, z2, z3) = (shard(1), shard(2), shard(3));
+        out.push(format!(
+            "3. shard the optimizer over dp={world}: ZeRO-1 {} → ZeRO-2 {} → ZeRO-3 {} per device (with full recompute), at the price of gathering parameters every step",
+            gb(z1.total as f64),
+            gb(z2.total as f64),
+            gb(z3.total as f64)
+        ));
+    }
+    match best {
+        Some(b) => {
+            let l = &b.layout;
+            if l.tp > 1 {
+                out.push(format!("4. tensor-parallel inside a node: tp={} splits every layer's weights {}-ways; {} of traffic per step per device on the fast link", l.tp, l.tp, gb(b.comm_bytes_per_step.tp)));
+            } else {
+                out.push("4. no tensor parallelism needed: the layers fit without splitting them".into());
+            }
+            if l.pp > 1 {
+                out.push(format!(
+                    "5. pipeline across nodes: pp={} with {} ({} micro-batches) leaves a {:.1}% bubble and moves only {} of boundary activations per step per device",
+                    l.pp,
+                    if l.schedule == Schedule::Interleaved { format!("interleaved, v={}", l.vpp) } else { l.schedule.name().to_string() },
+                    b.num_micro_batches,
+                    b.bubble_fraction * 100.0,
+                    gb(b.comm_bytes_per_step.pp)
+                ));
+            } else {
+                out.push("5. no pipeline needed".into());
+            }
+            out.push(format!(
+                "chosen: {} — {} per device of {} usable, step {:.3} s, MFU {:.1}%",
+                l,
+                gb(b.memory_bytes.total as f64),
+                gb(usable),
+                b.step_time_s,
+                b.mfu * 100.0
+            ));
+        }
+        None => out.push("no layout fits: every candidate exceeds device memory even with ZeRO-3, full recompute and the smallest micro-batch; add devices or reduce the model".into()),
+    }
+    out
+}

@@ -1,0 +1,220 @@
+//! Bytes per device, per term, per pipeline stage.
+
+use super::spec::{ActivationModel, PlanModel};
+use super::{MemoryTerms, PlanInput};
+use crate::layout::{Layout, Recompute};
+use crate::model::{Arch, ModelConfig};
+
+/// Parameters one device of stage `stage` holds before any ZeRO sharding: its layers' share under
+/// tensor parallelism (sharded matrices / tp, replicated norms and row-parallel biases whole), plus the
+/// vocab-parallel embedding on the first stage and the final norm and output layer on the last.
+pub fn params_on_device(cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
+    let (h, f, t) = (
+        cfg.hidden_size as f64,
+        cfg.intermediate_size as f64,
+        l.tp as f64,
+    );
+    let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
+    let layer = match cfg.arch {
+        Arch::Llama => {
+            let qd = cfg.q_dim() as f64;
+            2.0 * h * qd / t
+                + 2.0 * h * cfg.head_dim as f64 * kv_per_dev
+                + 3.0 * h * f / t
+                + 2.0 * h
+        }
+        Arch::Gpt2 => {
+            (3.0 * h * h + 3.0 * h) / t + h * h / t + h + (h * f + f) / t + f * h / t + h + 4.0 * h
+        }
+    };
+    let layers_here = (cfg.num_layers / l.pp) as f64;
+    let vocab = padded_vocab(cfg, l.tp) as f64;
+    let mut n = layer * layers_here;
+    if stage == 0 {
+        n += vocab * h / t;
+        if cfg.arch == Arch::Gpt2 {
+            n += cfg.max_position_embeddings as f64 * h;
+        }
+    }
+    if stage == l.pp - 1 {
+        n += if cfg.arch == Arch::Gpt2 { 2.0 * h } else { h };
+        // An untied head, or the tied embedding's copy on the last stage when it is not the first.
+        if !cfg.tie_word_embeddings || l.pp > 1 {
+            n += vocab * h / t;
+        }
+    }
+    n
+}
+
+/// The vocabulary padded so that it splits evenly over the tensor-parallel group.
+pub fn padded_vocab(cfg: &ModelConfig, tp: usize) -> usize {
+    cfg.vocab_size.div_ceil(tp) * tp
+}
+
+/// Activation bytes one layer stashes for one micro-batch, on one device.
+pub fn layer_activation_bytes(
+    cfg: &ModelConfig,
+    l: &Layout,
+    seq: usize,
+    model: ActivationModel,
+    act_bytes: f64,
+) -> f64 {
+    let (b, s, h, t) = (
+        l.micro_batch_size as f64,
+        seq as f64,
+        cfg.hidden_size as f64,
+        l.tp as f64,
+    );
+    let heads = cfg.num_heads as f64;
+    let sp = l.sequence_parallel && l.tp > 1;
+    match model {
+        ActivationModel::Megatron => {
+            // Korthikanti et al. 2022, bytes with 16-bit activations.
+            let sbh = s * b * h;
+            let attn = 5.0 * heads * s / (h * t);
+            match (l.recompute, sp, l.tp > 1) {
+                (Recompute::Full, true, _) => 2.0 * sbh / t,
+                (Recompute::Full, false, _) => 2.0 * sbh,
+                (Recompute::Selective, true, _) => sbh * 34.0 / t,
+                (Recompute::Selective, false, _) => sbh * (10.0 + 24.0 / t),
+                (Recompute::None, true, _) => sbh * (34.0 / t + attn),
+                (Recompute::None, false, true) => sbh * (10.0 + 24.0 / t + attn),
+                (Recompute::None, false, false) => sbh * (34.0 + 5.0 * heads * s / h),
+            }
+        }
+        ActivationModel::Ferrotron => {
+            let tok = b * s;
+            let hidden_sized = if sp { tok * h / t } else { tok * h };
+            let stats =
+                if sp { tok / t } else { tok } * if cfg.arch == Arch::Gpt2 { 2.0 } else { 1.0 };
+            if l.recompute == Recompute::Full {
+                return hidden_sized * act_bytes; // the layer input only
+            }
+            let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
+            let qd = cfg.q_dim() as f64 / t;
+            let kvd = cfg.head_dim as f64 * kv_per_dev;
+            let f = cfg.intermediate_size as f64 / t;
+            let probs = if l.recompute == Recompute::Selective {
+                0.0
+            } else {
+                b * (heads / t) * s * s
+            };
+            let mlp_pre = if cfg.arch == Arch::Llama {
+                2.0 * tok * f
+            } else {
+                tok * f
+            };
+            // x_in, norm1 out + stats, q, k, v, probs, attention out, x_mid, norm2 out + stats, MLP.
+            let elems = 4.0 * hidden_sized
+                + 2.0 * stats
+                + tok * (2.0 * qd + 2.0 * kvd)
+                + probs
+                + mlp_pre
+                + tok * f;
+            elems * act_bytes
+        }
+    }
+}
+
+/// One layer's full stash: what a fully recomputed layer holds while its backward runs.
+fn recompute_working_set(
+    cfg: &ModelConfig,
+    l: &Layout,
+    seq: usize,
+    model: ActivationModel,
+    act_bytes: f64,
+) -> f64 {
+    let none = Layout {
+        recompute: Recompute::None,
+        ..*l
+    };
+    layer_activation_bytes(cfg, &none, seq, model, act_bytes)
+}
+
+/// Memory of one device of `stage`, holding `in_flight` chunk stashes at its peak.
+pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usize) -> MemoryTerms {
+    let pr = &input.precision;
+    let dp = l.dp as f64;
+    let (params, trainable, activations, head_extra, comm) = match &input.model {
+        PlanModel::ParamsOnly(p) => (
+            p / (l.tp * l.pp) as f64,
+            p / (l.tp * l.pp) as f64,
+            0.0,
+            0.0,
+            0.0,
+        ),
+        PlanModel::Shape(cfg) => {
+            let params = params_on_device(cfg, l, stage);
+            let trainable = match input.lora_rank {
+                // LoRA on every projection: r·(in + out) per matrix, the base frozen.
+                Some(r) => lora_params_per_device(cfg, l, r),
+                None => params,
+            };
+            let act_bytes = pr.weights.bytes();
+            let per_layer =
+                layer_activation_bytes(cfg, l, input.seq, input.activation_model, act_bytes);
+            let layers_per_chunk = (cfg.num_layers / (l.pp * l.vpp)) as f64;
+            let mut act = per_layer * layers_per_chunk * in_flight as f64;
+            if l.recompute == Recompute::Full {
+                act += recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes);
+            }
+            // The last stage also keeps the (f32) logits of the micro-batch in flight for the loss.
+            let head = if stage == l.pp - 1 {
+                4.0 * (l.micro_batch_size * input.seq) as f64 * padded_vocab(cfg, l.tp) as f64
+                    / l.tp as f64
+            } else {
+                0.0
+            };
+            // Transient buffers: a TP collective's output, a 25M-element DP gradient bucket, and
+            // under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
+            let tp_buf = if l.tp > 1 {
+                (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act_bytes
+            } else {
+                0.0
+            };
+            let dp_buf = if l.dp > 1 {
+                (25e6f64).min(trainable) * pr.grads.bytes()
+            } else {
+                0.0
+            };
+            let z3_buf = if l.zero == 3 && l.dp > 1 {
+                2.0 * params / cfg.num_layers as f64 * l.pp as f64 * pr.weights.bytes()
+            } else {
+                0.0
+            };
+            (params, trainable, act, head, tp_buf + dp_buf + z3_buf)
+        }
+    };
+    let z = l.zero;
+    let shard = |stage_min: u8| if z >= stage_min { dp } else { 1.0 };
+    let weights = params * pr.weights.bytes() / shard(3);
+    let gradients = trainable * pr.grads.bytes() / shard(2);
+    let master_weights = trainable * pr.master_bytes() / shard(1);
+    let optimizer_states = trainable * input.optimizer.state_bytes(pr) / shard(1);
+    MemoryTerms {
+        weights: weights as u64,
+        gradients: gradients as u64,
+        master_weights: master_weights as u64,
+        optimizer_states: optimizer_states as u64,
+        activations: (activations + head_extra) as u64,
+        comm_buffers: comm as u64,
+        total: 0,
+    }
+    .with_total()
+}
+
+fn lora_params_per_device(cfg: &ModelConfig, l: &Layout, r: usize) -> f64 {
+    let (h, f, r) = (
+        cfg.hidden_size as f64,
+        cfg.intermediate_size as f64,
+        r as f64,
+    );
+    let per_layer = match cfg.arch {
+        Arch::Llama => {
+            r * ((h + cfg.q_dim() as f64) * 2.0 + (h + cfg.kv_dim() as f64) * 2.0 + 3.0 * (h + f))
+        }
+        Arch::Gpt2 => r * ((h + 3.0 * h) + 2.0 * h + 2.0 * (h + f)),
+    };
+    // A LoRA pair shards like its base matrix on one side only: count it unsharded (small).
+    per_layer * (cfg.num_layers / l.pp) as f64
+}

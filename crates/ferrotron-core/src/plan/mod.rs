@@ -1,0 +1,277 @@
+//! The planner: memory per term per device, bytes moved per parallel dimension, compute and
+//! communication time through the pipeline schedule's simulation, the rules a layout must keep, a
+//! search over layouts, and an explanation in the order the source texts give: reduce, shard the
+//! optimizer, tensor-parallel inside a node, pipeline across nodes.
+
+mod cost;
+mod explain;
+mod memory;
+mod search;
+mod spec;
+
+pub use cost::{layer_forward_flops, step_flops, Traffic};
+pub use explain::search_notes;
+pub use memory::{layer_activation_bytes, params_on_device, stage_memory};
+pub use search::search;
+pub use spec::{ActivationModel, Dtype, OptimizerKind, PlanModel, Precision, PLAN_MODEL_PRESETS};
+
+use crate::error::{ConfigError, Result};
+use crate::layout::{Layout, Schedule};
+use crate::schedule::{build, simulate};
+use crate::topology::Cluster;
+
+/// Bytes per device by term, as the design names them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryTerms {
+    pub weights: u64,
+    pub gradients: u64,
+    pub master_weights: u64,
+    pub optimizer_states: u64,
+    pub activations: u64,
+    pub comm_buffers: u64,
+    pub total: u64,
+}
+
+impl MemoryTerms {
+    pub fn with_total(mut self) -> Self {
+        self.total = self.weights
+            + self.gradients
+            + self.master_weights
+            + self.optimizer_states
+            + self.activations
+            + self.comm_buffers;
+        self
+    }
+    /// (name, bytes) of the six terms, in the design's order.
+    pub fn terms(&self) -> [(&'static str, u64); 6] {
+        [
+            ("weights", self.weights),
+            ("gradients", self.gradients),
+            ("master_weights", self.master_weights),
+            ("optimizer_states", self.optimizer_states),
+            ("activations", self.activations),
+            ("comm_buffers", self.comm_buffers),
+        ]
+    }
+    pub fn largest(&self) -> (&'static str, u64) {
+        self.terms()
+            .into_iter()
+            .max_by_key(|t| t.1)
+            .expect("six terms")
+    }
+}
+
+/// Everything the planner is asked about.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    pub model: PlanModel,
+    pub cluster: Cluster,
+    pub seq: usize,
+    pub global_batch: usize,
+    pub precision: Precision,
+    pub optimizer: OptimizerKind,
+    pub activation_model: ActivationModel,
+    pub lora_rank: Option<usize>,
+    /// Fraction of device memory kept free (allocator fragmentation, framework, kernels' workspace).
+    pub memory_reserve: f64,
+    /// Allow a tensor-parallel group to span nodes (priced on the slow link).
+    pub force_cross_node_tp: bool,
+}
+
+impl PlanInput {
+    pub fn usable_memory(&self) -> u64 {
+        (self.cluster.device_memory_bytes as f64 * (1.0 - self.memory_reserve)) as u64
+    }
+}
+
+/// The planner's verdict on one layout. Field names are a stable interface (`plan --json`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Plan {
+    pub layout: Layout,
+    pub num_micro_batches: usize,
+    /// The device with the largest total.
+    pub memory_bytes: MemoryTerms,
+    pub memory_bytes_per_stage: Vec<MemoryTerms>,
+    pub capacity_bytes: u64,
+    pub usable_bytes: u64,
+    pub comm_bytes_per_step: Traffic,
+    pub compute_time_s: f64,
+    pub dp_comm_time_s: f64,
+    pub bubble_fraction: f64,
+    pub step_time_s: f64,
+    pub tokens_per_s: f64,
+    pub tflops_per_device: f64,
+    pub mfu: f64,
+    pub fits: bool,
+    pub explain: Vec<String>,
+}
+
+fn rule(field: &str, msg: String) -> ConfigError {
+    ConfigError::Field {
+        file: "--layout".into(),
+        field: field.into(),
+        msg,
+    }
+}
+
+/// The rules every layout must keep on this model and cluster; each failure names the key.
+pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
+    let c = &input.cluster;
+    if l.world_size() > c.world_size() {
+        return Err(rule(
+            "dp",
+            format!(
+                "dp·tp·pp = {} devices, but the cluster has {}",
+                l.world_size(),
+                c.world_size()
+            ),
+        ));
+    }
+    if input.global_batch == 0 || input.seq == 0 {
+        return Err(rule(
+            "global-batch",
+            "the global batch and sequence length must be positive".into(),
+        ));
+    }
+    if !input.global_batch.is_multiple_of(l.dp * l.micro_batch_size) {
+        return Err(rule(
+            "mbs",
+            format!(
+                "the global batch {} is not divisible by dp·mbs = {}",
+                input.global_batch,
+                l.dp * l.micro_batch_size
+            ),
+        ));
+    }
+    if l.tp > c.devices_per_node && !input.force_cross_node_tp {
+        return Err(rule("tp", format!("tp={} spans nodes of {} devices: tensor parallelism needs the intra-node link (force it to price the slow link)", l.tp, c.devices_per_node)));
+    }
+    if l.tp <= c.devices_per_node
+        && !c.devices_per_node.is_multiple_of(l.tp)
+        && !input.force_cross_node_tp
+    {
+        return Err(rule("tp", format!("tp={} does not divide the {} devices of a node, so some groups would span two nodes", l.tp, c.devices_per_node)));
+    }
+    if l.vpp > 1 && l.schedule != Schedule::Interleaved {
+        return Err(rule(
+            "vpp",
+            format!("vpp={} needs schedule=interleaved", l.vpp),
+        ));
+    }
+    if let PlanModel::Shape(cfg) = &input.model {
+        if !cfg.num_heads.is_multiple_of(l.tp) {
+            return Err(rule(
+                "tp",
+                format!(
+                    "{} attention heads are not divisible by tp={}",
+                    cfg.num_heads, l.tp
+                ),
+            ));
+        }
+        if !(cfg.num_kv_heads.is_multiple_of(l.tp) || l.tp.is_multiple_of(cfg.num_kv_heads)) {
+            return Err(rule(
+                "tp",
+                format!(
+                    "{} KV heads neither divide nor are divided by tp={}",
+                    cfg.num_kv_heads, l.tp
+                ),
+            ));
+        }
+        if !cfg.num_layers.is_multiple_of(l.pp * l.vpp) {
+            return Err(rule(
+                "pp",
+                format!(
+                    "{} layers are not divisible by pp·vpp = {}",
+                    cfg.num_layers,
+                    l.pp * l.vpp
+                ),
+            ));
+        }
+        if input.seq > cfg.max_position_embeddings && cfg.arch == crate::model::Arch::Gpt2 {
+            return Err(rule(
+                "seq",
+                format!(
+                    "sequence length {} exceeds the model's {} learned positions",
+                    input.seq, cfg.max_position_embeddings
+                ),
+            ));
+        }
+        let m = input.global_batch / (l.dp * l.micro_batch_size);
+        if l.schedule == Schedule::Interleaved && l.vpp > 1 && !m.is_multiple_of(l.pp) {
+            return Err(rule("schedule", format!("interleaving needs the {m} micro-batches per pipeline to be a multiple of pp={}", l.pp)));
+        }
+    }
+    Ok(())
+}
+
+/// Peak chunk stashes of stage `s` in closed form (what the schedule simulation measures for these
+/// schedules; an upper bound for ZB-H1, whose weight gradients may wait p − s − 1 slots).
+pub fn in_flight(l: &Layout, m: usize, s: usize) -> usize {
+    let p = l.pp;
+    match l.schedule {
+        Schedule::Gpipe => m * l.vpp,
+        Schedule::OneFOneB => m.min(p - s),
+        Schedule::Interleaved => (((p - s - 1) * 2 + (l.vpp - 1) * p) + 1).min(m * l.vpp),
+        Schedule::Zbh1 => m.min(p - s) + m.min(p - s - 1),
+    }
+}
+
+/// Evaluates one layout completely, simulating its pipeline schedule.
+pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
+    check_layout(input, l)?;
+    let m = input.global_batch / (l.dp * l.micro_batch_size);
+    let (timeline, costs) = match &input.model {
+        PlanModel::Shape(cfg) => {
+            let sched = build(l.schedule, l.pp, m, l.vpp)?;
+            let costs = cost::costs(input, cfg, l, params_on_device(cfg, l, 0));
+            let tl = simulate(&sched, &costs.actions)?;
+            (Some(tl), Some(costs))
+        }
+        PlanModel::ParamsOnly(_) => (None, None),
+    };
+    let stages: Vec<MemoryTerms> = (0..l.pp)
+        .map(|s| {
+            let flight = timeline.as_ref().map_or(0, |t| t.peak_in_flight[s]);
+            stage_memory(input, l, s, flight)
+        })
+        .collect();
+    let worst = *stages
+        .iter()
+        .max_by_key(|m| m.total)
+        .expect("at least one stage");
+    let usable = input.usable_memory();
+    let mut plan = Plan {
+        layout: *l,
+        num_micro_batches: m,
+        memory_bytes: worst,
+        memory_bytes_per_stage: stages,
+        capacity_bytes: input.cluster.device_memory_bytes,
+        usable_bytes: usable,
+        comm_bytes_per_step: costs.as_ref().map_or(Traffic::default(), |c| c.traffic),
+        compute_time_s: 0.0,
+        dp_comm_time_s: 0.0,
+        bubble_fraction: 0.0,
+        step_time_s: 0.0,
+        tokens_per_s: 0.0,
+        tflops_per_device: 0.0,
+        mfu: 0.0,
+        fits: worst.total <= usable,
+        explain: Vec::new(),
+    };
+    if let (Some(tl), Some(costs), PlanModel::Shape(cfg)) = (timeline, costs, &input.model) {
+        let world = l.world_size() as f64;
+        let step = tl.makespan + costs.dp_time;
+        let (model_flops, hw_flops) = step_flops(cfg, l, input.seq, input.global_batch);
+        plan.compute_time_s = tl.busy.iter().copied().fold(0.0, f64::max);
+        plan.dp_comm_time_s = costs.dp_time;
+        plan.bubble_fraction = tl.bubble_fraction();
+        plan.step_time_s = step;
+        plan.tokens_per_s = (input.global_batch * input.seq) as f64 / step;
+        plan.tflops_per_device = hw_flops / (step * world) / 1e12;
+        plan.mfu = model_flops / (step * world * input.cluster.peak_flops);
+    }
+    plan.explain = explain::layout_notes(input, &plan);
+    Ok(plan)
+}
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,140 @@
+//! Every valid layout for the cluster, ranked by step time among those that fit.
+
+use super::cost::costs;
+use super::{
+    check_layout, evaluate, in_flight, params_on_device, stage_memory, Plan, PlanInput, PlanModel,
+};
+use crate::error::{ConfigError, Result};
+use crate::layout::{Layout, Recompute, Schedule};
+
+/// How many of the cheapest candidates (by a closed-form estimate) are simulated exactly.
+const SIMULATED: usize = 32;
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// All layouts that keep the rules and use every device.
+fn enumerate(input: &PlanInput) -> Vec<Layout> {
+    let world = input.cluster.world_size();
+    let layers = match &input.model {
+        PlanModel::Shape(cfg) => cfg.num_layers,
+        PlanModel::ParamsOnly(_) => world,
+    };
+    let mut out = Vec::new();
+    for tp in divisors(world) {
+        for pp in divisors(world / tp)
+            .into_iter()
+            .filter(|pp| layers.is_multiple_of(*pp))
+        {
+            let dp = world / (tp * pp);
+            let chunk_options: Vec<usize> = if pp > 1 {
+                (1..=8)
+                    .filter(|v| (layers / pp).is_multiple_of(*v))
+                    .collect()
+            } else {
+                vec![1]
+            };
+            for vpp in chunk_options {
+                let schedules: &[Schedule] = match (pp, vpp) {
+                    (1, _) => &[Schedule::OneFOneB],
+                    (_, 1) => &[Schedule::OneFOneB, Schedule::Gpipe, Schedule::Zbh1],
+                    _ => &[Schedule::Interleaved],
+                };
+                for &schedule in schedules {
+                    for zero in 0..=if dp > 1 { 3 } else { 0 } {
+                        for mbs in [1, 2, 4, 8] {
+                            for recompute in
+                                [Recompute::None, Recompute::Selective, Recompute::Full]
+                            {
+                                for sp in [false, true] {
+                                    if sp && tp == 1 {
+                                        continue;
+                                    }
+                                    let l = Layout {
+                                        dp,
+                                        tp,
+                                        pp,
+                                        vpp,
+                                        zero,
+                                        micro_batch_size: mbs,
+                                        schedule,
+                                        sequence_parallel: sp,
+                                        recompute,
+                                    };
+                                    if check_layout(input, &l).is_ok() {
+                                        out.push(l);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Closed-form memory and step time, for pruning before the exact simulation.
+fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {
+    let m = input.global_batch / (l.dp * l.micro_batch_size);
+    let worst = (0..l.pp)
+        .map(|s| stage_memory(input, l, s, in_flight(l, m, s)))
+        .max_by_key(|t| t.total)
+        .expect("a stage");
+    let fits = worst.total <= input.usable_memory();
+    let PlanModel::Shape(cfg) = &input.model else {
+        return (fits, worst.total as f64, worst.total);
+    };
+    let c = costs(input, cfg, l, params_on_device(cfg, l, 0));
+    let chunk: Vec<f64> = c
+        .actions
+        .iter()
+        .map(|a| a.forward + a.backward_input + a.backward_weight)
+        .collect();
+    let per_stage_max = (0..l.pp)
+        .map(|s| (0..l.vpp).map(|v| chunk[v * l.pp + s]).sum::<f64>())
+        .fold(0.0, f64::max);
+    let fill = chunk.iter().sum::<f64>() / l.vpp as f64 * (l.pp - 1) as f64 / l.pp as f64;
+    (
+        fits,
+        m as f64 * per_stage_max + fill + c.dp_time,
+        worst.total,
+    )
+}
+
+/// The layouts that fit, best (shortest step; smallest memory for a bare parameter count) first.
+pub fn search(input: &PlanInput) -> Result<Vec<Plan>> {
+    let all = enumerate(input);
+    if all.is_empty() {
+        return Err(ConfigError::Invalid(format!(
+            "no layout of {} devices keeps the rules for this model and batch (check that the global batch, heads and layers divide)",
+            input.cluster.world_size()
+        )));
+    }
+    let mut scored: Vec<(f64, u64, Layout)> = all
+        .iter()
+        .filter_map(|l| {
+            let (fits, est, mem) = estimate(input, l);
+            fits.then_some((est, mem, *l))
+        })
+        .collect();
+    scored.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut plans = Vec::new();
+    for (_, _, l) in scored.into_iter().take(SIMULATED) {
+        let p = evaluate(input, &l)?;
+        if p.fits {
+            plans.push(p);
+        }
+    }
+    let params_only = matches!(input.model, PlanModel::ParamsOnly(_));
+    plans.sort_by(|a, b| {
+        if params_only {
+            a.memory_bytes.total.cmp(&b.memory_bytes.total)
+        } else {
+            a.step_time_s.total_cmp(&b.step_time_s)
+        }
+    });
+    Ok(plans)
+}

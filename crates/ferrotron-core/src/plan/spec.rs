@@ -1,0 +1,327 @@
+//! The planner's inputs: model (config.json, preset, inline shape or a bare parameter count), precision
+//! policy, optimizer, activation model.
+
+use crate::error::{ConfigError, Result};
+use crate::model::{preset, Arch, ModelConfig, PRESET_NAMES};
+use std::path::Path;
+
+/// What the planner knows of the model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PlanModel {
+    Shape(ModelConfig),
+    /// Only a parameter count: model-state memory, no activations or time.
+    ParamsOnly(f64),
+}
+
+pub const PLAN_MODEL_PRESETS: &[&str] = &[
+    "gpt3-175b",
+    "llama2-7b",
+    "llama2-13b",
+    "llama2-70b",
+    "llama3-8b",
+    "llama3-70b",
+];
+
+#[allow(clippy::too_many_arguments)] // a table of published shapes reads best positionally
+fn llama(
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    kv: usize,
+    ffn: usize,
+    vocab: usize,
+    ctx: usize,
+    theta: f64,
+) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: hidden / heads,
+        max_position_embeddings: ctx,
+        norm_eps: 1e-5,
+        rope_theta: theta,
+        tie_word_embeddings: false,
+    }
+}
+
+fn gpt(
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    ffn: usize,
+    vocab: usize,
+    positions: usize,
+) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Gpt2,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: heads,
+        head_dim: hidden / heads.max(1),
+        max_position_embeddings: positions,
+        norm_eps: 1e-5,
+        rope_theta: 0.0,
+        tie_word_embeddings: true,
+    }
+}
+
+fn bad(field: &str, msg: String) -> ConfigError {
+    ConfigError::Field {
+        file: "--model".into(),
+        field: field.into(),
+        msg,
+    }
+}
+
+impl PlanModel {
+    pub fn parse(spec: &str) -> Result<Self> {
+        let spec = spec.trim();
+        if let Some(n) = spec.strip_prefix("params=") {
+            let p: f64 = n
+                .parse()
+                .map_err(|_| bad("params", format!("`{n}` is not a number")))?;
+            if !(p.is_finite() && p > 0.0) {
+                return Err(bad("params", format!("`{n}` must be positive")));
+            }
+            return Ok(Self::ParamsOnly(p));
+        }
+        if spec.contains('=') {
+            return Self::parse_inline(spec);
+        }
+        let path = Path::new(spec);
+        if path.is_dir() {
+            return Ok(Self::Shape(ModelConfig::from_hf_file(
+                &path.join("config.json"),
+            )?));
+        }
+        if path.is_file() {
+            return Ok(Self::Shape(ModelConfig::from_hf_file(path)?));
+        }
+        Ok(Self::Shape(match spec {
+            "gpt3-175b" => gpt(96, 12288, 96, 49152, 51200, 2048),
+            "llama2-7b" => llama(32, 4096, 32, 32, 11008, 32000, 4096, 10000.0),
+            "llama2-13b" => llama(40, 5120, 40, 40, 13824, 32000, 4096, 10000.0),
+            "llama2-70b" => llama(80, 8192, 64, 8, 28672, 32000, 4096, 10000.0),
+            "llama3-8b" => llama(32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
+            "llama3-70b" => llama(80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
+            other => match preset(other) {
+                Ok(c) => c,
+                Err(_) => {
+                    return Err(bad(
+                        "preset",
+                        format!(
+                            "`{other}` is not a config.json, a directory, an inline shape or a preset (presets: {}, {})",
+                            PLAN_MODEL_PRESETS.join(", "),
+                            PRESET_NAMES.join(", ")
+                        ),
+                    ))
+                }
+            },
+        }))
+    }
+
+    /// `arch=gpt,layers=96,hidden=12288,heads=96,kv_heads=96,ffn=49152,vocab=51200[,positions=2048]`
+    fn parse_inline(spec: &str) -> Result<Self> {
+        let mut arch = None;
+        let mut nums = std::collections::HashMap::new();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| bad(item, "expected key=value".into()))?;
+            if k == "arch" {
+                arch = Some(match v {
+                    "gpt" | "gpt2" => Arch::Gpt2,
+                    "llama" => Arch::Llama,
+                    other => return Err(bad("arch", format!("`{other}` is not gpt or llama"))),
+                });
+                continue;
+            }
+            if ![
+                "layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "ffn",
+                "vocab",
+                "positions",
+            ]
+            .contains(&k)
+            {
+                return Err(bad(k, "unknown model key".into()));
+            }
+            let n: i64 = v
+                .parse()
+                .map_err(|_| bad(k, format!("`{v}` is not an integer")))?;
+            if n <= 0 {
+                return Err(bad(k, format!("`{v}` must be positive")));
+            }
+            nums.insert(k, n as usize);
+        }
+        let get = |k: &str| nums.get(k).copied().ok_or_else(|| bad(k, "missing".into()));
+        let arch = arch.ok_or_else(|| bad("arch", "missing".into()))?;
+        let (layers, hidden, heads) = (get("layers")?, get("hidden")?, get("heads")?);
+        let kv = nums.get("kv_heads").copied().unwrap_or(heads);
+        let ffn = nums.get("ffn").copied().unwrap_or(4 * hidden);
+        let vocab = get("vocab")?;
+        let positions = nums.get("positions").copied().unwrap_or(2048);
+        let cfg = match arch {
+            Arch::Gpt2 => gpt(layers, hidden, heads, ffn, vocab, positions),
+            Arch::Llama => llama(layers, hidden, heads, kv, ffn, vocab, positions, 10000.0),
+        };
+        cfg.validate().map_err(|(f, m)| bad(&f, m))?;
+        Ok(Self::Shape(cfg))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Dtype {
+    Fp32,
+    Bf16,
+    Fp16,
+    Fp8,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> f64 {
+        match self {
+            Dtype::Fp32 => 4.0,
+            Dtype::Bf16 | Dtype::Fp16 => 2.0,
+            Dtype::Fp8 => 1.0,
+        }
+    }
+    fn parse(field: &str, s: &str) -> Result<Self> {
+        Ok(match s {
+            "fp32" | "f32" => Dtype::Fp32,
+            "bf16" => Dtype::Bf16,
+            "fp16" | "f16" => Dtype::Fp16,
+            "fp8" => Dtype::Fp8,
+            other => {
+                return Err(ConfigError::Field {
+                    file: "--precision".into(),
+                    field: field.into(),
+                    msg: format!("`{other}` is not fp32, bf16, fp16 or fp8"),
+                })
+            }
+        })
+    }
+}
+
+/// Storage dtypes of each model-state term. A master copy exists only when it differs from the weights.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Precision {
+    pub weights: Dtype,
+    pub grads: Dtype,
+    pub master: Dtype,
+    pub optimizer: Dtype,
+}
+
+impl Default for Precision {
+    /// Mixed precision as the source text counts it: 2 + 2 + 4 + 8 = 16 bytes per parameter.
+    fn default() -> Self {
+        Self {
+            weights: Dtype::Bf16,
+            grads: Dtype::Bf16,
+            master: Dtype::Fp32,
+            optimizer: Dtype::Fp32,
+        }
+    }
+}
+
+impl Precision {
+    /// `weights=bf16,grads=fp32,master=fp32,optimizer=fp32` (any subset; the rest default).
+    pub fn parse(spec: &str) -> Result<Self> {
+        let mut p = Precision::default();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = item.split_once('=').ok_or_else(|| ConfigError::Field {
+                file: "--precision".into(),
+                field: item.into(),
+                msg: "expected key=value".into(),
+            })?;
+            let d = Dtype::parse(k, v)?;
+            match k {
+                "weights" => p.weights = d,
+                "grads" => p.grads = d,
+                "master" => p.master = d,
+                "optimizer" => p.optimizer = d,
+                other => {
+                    return Err(ConfigError::Field {
+                        file: "--precision".into(),
+                        field: other.into(),
+                        msg: "unknown key (weights, grads, master, optimizer)".into(),
+                    })
+                }
+            }
+        }
+        Ok(p)
+    }
+    pub fn master_bytes(&self) -> f64 {
+        if self.master == self.weights {
+            0.0
+        } else {
+            self.master.bytes()
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    Adam,
+    /// SGD with momentum: one state.
+    Sgd,
+    /// Adam with 8-bit moments (block-wise quantised; the small per-block scales are ignored).
+    Adam8bit,
+}
+
+impl OptimizerKind {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "adam" | "adamw" => Ok(Self::Adam),
+            "sgd" => Ok(Self::Sgd),
+            "adam8bit" => Ok(Self::Adam8bit),
+            other => Err(ConfigError::Field {
+                file: "--optimizer".into(),
+                field: "optimizer".into(),
+                msg: format!("`{other}` is not adam, sgd or adam8bit"),
+            }),
+        }
+    }
+    pub fn state_bytes(self, p: &Precision) -> f64 {
+        match self {
+            Self::Adam => 2.0 * p.optimizer.bytes(),
+            Self::Sgd => p.optimizer.bytes(),
+            Self::Adam8bit => 2.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationModel {
+    /// Exactly what ferrotron's kernels keep for backward (comparable with the runtime's measurement).
+    Ferrotron,
+    /// Korthikanti et al. 2022's published per-layer accounting.
+    Megatron,
+}
+
+impl ActivationModel {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "ferrotron" => Ok(Self::Ferrotron),
+            "megatron" => Ok(Self::Megatron),
+            other => Err(ConfigError::Field {
+                file: "--activation-model".into(),
+                field: "activation-model".into(),
+                msg: format!("`{other}` is not ferrotron or megatron"),
+            }),
+        }
+    }
+}

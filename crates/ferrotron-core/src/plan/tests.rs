@@ -1,0 +1,373 @@
+//! The planner against published arithmetic and its own invariants.
+
+use super::*;
+use crate::layout::{Layout, Recompute, Schedule};
+
+/// Narayanan et al. 2021, Table 1: (params B, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s).
+type Row = (f64, usize, usize, usize, usize, usize, usize, usize, f64);
+
+const TABLE1: [Row; 10] = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137.0),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138.0),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142.0),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135.0),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138.0),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140.0),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148.0),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155.0),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163.0),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163.0),
+];
+
+fn table_input(row: &Row) -> PlanInput {
+    let &(_, heads, hidden, layers, _, _, gpus, batch, _) = row;
+    PlanInput {
+        model: PlanModel::parse(&format!(
+            "arch=gpt,layers={layers},hidden={hidden},heads={heads},vocab=51200"
+        ))
+        .unwrap(),
+        cluster: Cluster::parse(&format!("dgx-a100-80g,nodes={}", gpus / 8)).unwrap(),
+        seq: 2048,
+        global_batch: batch,
+        precision: Precision::default(),
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Megatron,
+        lora_rank: None,
+        memory_reserve: 0.0,
+        force_cross_node_tp: false,
+    }
+}
+
+/// The best predicted TFLOP/s for a Table 1 row's (tp, pp, dp), over micro-batch sizes and chunk counts,
+/// with full recompute and the interleaved schedule as the paper ran them.
+fn table_prediction(row: &Row) -> Plan {
+    let &(_, _, _, layers, tp, pp, gpus, _, _) = row;
+    let input = table_input(row);
+    let mut best: Option<Plan> = None;
+    for mbs in [1, 2, 4, 8] {
+        for vpp in (1..=8).filter(|v| (layers / pp) % v == 0) {
+            let schedule = if vpp > 1 {
+                Schedule::Interleaved
+            } else {
+                Schedule::OneFOneB
+            };
+            if pp == 1 && vpp > 1 {
+                continue;
+            }
+            let l = Layout {
+                dp: gpus / (tp * pp),
+                tp,
+                pp,
+                vpp,
+                zero: 0,
+                micro_batch_size: mbs,
+                schedule,
+                sequence_parallel: false,
+                recompute: Recompute::Full,
+            };
+            let Ok(p) = evaluate(&input, &l) else {
+                continue;
+            };
+            if p.fits && best.as_ref().is_none_or(|b| p.step_time_s < b.step_time_s) {
+                best = Some(p);
+            }
+        }
+    }
+    best.expect("some configuration fits")
+}
+
+#[test]
+fn narayanan_table1_parameter_counts_and_throughput() {
+    for row in &TABLE1 {
+        let PlanModel::Shape(cfg) = table_input(row).model else {
+            unreachable!()
+        };
+        let billions = cfg.num_params() as f64 / 1e9;
+        assert!(
+            (billions - row.0).abs() < 0.051,
+            "{}B row: counted {billions:.2}B",
+            row.0
+        );
+        let p = table_prediction(row);
+        let err = p.tflops_per_device / row.8 - 1.0;
+        println!(
+            "{:>7.1}B: predicted {:6.1} vs published {:5.1} TFLOP/s ({:+.1}%) with {}",
+            row.0,
+            p.tflops_per_device,
+            row.8,
+            err * 100.0,
+            p.layout
+        );
+        assert!(
+            err.abs() <= 0.10,
+            "{}B: predicted {:.1} TFLOP/s vs {}",
+            row.0,
+            p.tflops_per_device,
+            row.8
+        );
+    }
+}
+
+fn params_only(n: f64, devices: usize) -> PlanInput {
+    PlanInput {
+        model: PlanModel::ParamsOnly(n),
+        cluster: Cluster::parse(&format!(
+            "nodes={},devices_per_node=8,memory_gib=80,peak_tflops=312,intra_gbs=300,inter_gbs=25",
+            devices / 8
+        ))
+        .unwrap(),
+        seq: 2048,
+        global_batch: devices,
+        precision: Precision::parse("weights=bf16,grads=bf16,master=fp32,optimizer=fp32").unwrap(),
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Ferrotron,
+        lora_rank: None,
+        memory_reserve: 0.0,
+        force_cross_node_tp: false,
+    }
+}
+
+#[test]
+fn zero_paper_model_state_arithmetic() {
+    // 2-byte weights and gradients, K = 12 (fp32 master + two fp32 moments), 7.5B on 64 devices.
+    let input = params_only(7.5e9, 64);
+    for (zero, want_gb) in [(0u8, 120.0), (1, 31.40625), (2, 16.640625), (3, 1.875)] {
+        let l = Layout {
+            dp: 64,
+            zero,
+            ..Layout::default()
+        };
+        let m = evaluate(&input, &l).unwrap().memory_bytes;
+        let states = (m.weights + m.gradients + m.master_weights + m.optimizer_states) as f64 / 1e9;
+        assert!(
+            (states - want_gb).abs() < 1e-6,
+            "ZeRO-{zero}: {states} GB, want {want_gb}"
+        );
+    }
+    // Megatron's 2 + 4 + 12 with fp32 gradients is expressible too.
+    let mut meg = params_only(1e9, 8);
+    meg.precision = Precision::parse("grads=fp32").unwrap();
+    let m = evaluate(
+        &meg,
+        &Layout {
+            dp: 8,
+            ..Layout::default()
+        },
+    )
+    .unwrap()
+    .memory_bytes;
+    assert_eq!(
+        m.weights + m.gradients + m.master_weights + m.optimizer_states,
+        18_000_000_000
+    );
+}
+
+fn small_input(model: &str) -> PlanInput {
+    PlanInput {
+        model: PlanModel::parse(model).unwrap(),
+        cluster: Cluster::parse("dgx-a100-80g,nodes=2").unwrap(),
+        seq: 2048,
+        global_batch: 64,
+        precision: Precision::default(),
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Ferrotron,
+        lora_rank: None,
+        memory_reserve: 0.1,
+        force_cross_node_tp: false,
+    }
+}
+
+#[test]
+fn bad_input_names_the_field() {
+    let input = small_input("llama2-7b");
+    let err = |l: Layout| evaluate(&input, &l).unwrap_err().to_string();
+    let e = err(Layout {
+        dp: 1,
+        tp: 3,
+        ..Layout::default()
+    });
+    assert!(
+        e.contains("tp") && (e.contains("heads") || e.contains("divide")),
+        "{e}"
+    );
+    let e = err(Layout {
+        dp: 32,
+        ..Layout::default()
+    });
+    assert!(e.contains("dp") && e.contains("16"), "{e}");
+    let e = err(Layout {
+        dp: 1,
+        tp: 16,
+        ..Layout::default()
+    });
+    assert!(e.contains("tp=16") && e.contains("nodes"), "{e}");
+    let e = err(Layout {
+        dp: 1,
+        pp: 3,
+        ..Layout::default()
+    });
+    assert!(e.contains("pp") && e.contains("32 layers"), "{e}");
+    let e = PlanModel::parse("llama-9000").unwrap_err().to_string();
+    assert!(e.contains("llama-9000") && e.contains("preset"), "{e}");
+    let e = PlanModel::parse("arch=gpt,layers=4,hidden=-64,heads=4,vocab=100")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("hidden"), "{e}");
+    let e = PlanModel::parse("arch=gpt,layers=4,hidden=64,heads=5,vocab=100")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("n_head") || e.contains("heads"), "{e}");
+    let e = Precision::parse("weights=int3").unwrap_err().to_string();
+    assert!(e.contains("weights") && e.contains("int3"), "{e}");
+}
+
+#[test]
+fn a_plan_that_does_not_fit_says_so_with_the_breakdown() {
+    let mut input = small_input("llama3-70b");
+    input.cluster = Cluster::parse("dgx-a100-80g").unwrap();
+    let p = evaluate(
+        &input,
+        &Layout {
+            dp: 8,
+            ..Layout::default()
+        },
+    )
+    .unwrap();
+    assert!(!p.fits);
+    assert!(p.explain.iter().any(|l| l.contains("DOES NOT FIT")));
+    assert!(p
+        .explain
+        .iter()
+        .any(|l| l.contains("breakdown") && l.contains("optimizer_states")));
+}
+
+#[test]
+fn search_finds_fitting_layouts_fast_for_a_trillion_parameters() {
+    let row = &TABLE1[9];
+    let input = table_input(row);
+    let t0 = std::time::Instant::now();
+    let plans = search(&input).unwrap();
+    let elapsed = t0.elapsed();
+    assert!(!plans.is_empty());
+    assert!(plans
+        .iter()
+        .all(|p| p.fits && p.memory_bytes.total <= input.usable_memory()));
+    assert!(plans
+        .windows(2)
+        .all(|w| w[0].step_time_s <= w[1].step_time_s));
+    println!(
+        "1T on 3072 GPUs: {} candidates in {elapsed:?}; best {}",
+        plans.len(),
+        plans[0].layout
+    );
+    // Release builds (the test profile is optimised) answer well under a second.
+    assert!(elapsed.as_secs_f64() < if cfg!(debug_assertions) { 30.0 } else { 1.0 });
+}
+
+/// A tiny deterministic generator, so the property test needs no dependency.
+struct Lcg(u64);
+impl Lcg {
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        xs[(self.0 >> 33) as usize % xs.len()]
+    }
+}
+
+#[test]
+fn memory_is_monotone_in_zero_and_tp_and_search_only_returns_fits() {
+    let mut rng = Lcg(42);
+    for case in 0..60 {
+        let heads = rng.pick(&[8usize, 16, 32]);
+        let head_dim = rng.pick(&[64usize, 128]);
+        let layers = rng.pick(&[8usize, 16, 24]);
+        let arch = rng.pick(&["gpt", "llama"]);
+        let kv = if arch == "llama" {
+            rng.pick(&[heads, heads / 4])
+        } else {
+            heads
+        };
+        let spec = format!(
+            "arch={arch},layers={layers},hidden={},heads={heads},kv_heads={kv},vocab={},ffn={}",
+            heads * head_dim,
+            rng.pick(&[32000usize, 50257]),
+            4 * heads * head_dim
+        );
+        let mut input = small_input(&spec);
+        input.cluster = Cluster::parse(&format!(
+            "nodes={},devices_per_node=8,memory_gib={},peak_tflops=300,intra_gbs=300,inter_gbs=25",
+            rng.pick(&[1usize, 2]),
+            rng.pick(&[16usize, 40, 80])
+        ))
+        .unwrap();
+        input.global_batch = 32;
+        input.seq = rng.pick(&[512usize, 2048]);
+        let world = input.cluster.world_size();
+        // Monotone in the ZeRO stage, for every term and the total.
+        let mut last: Option<MemoryTerms> = None;
+        for zero in 0..=3u8 {
+            let m = evaluate(
+                &input,
+                &Layout {
+                    dp: world,
+                    zero,
+                    ..Layout::default()
+                },
+            )
+            .unwrap()
+            .memory_bytes;
+            if let Some(prev) = last {
+                for ((name, a), (_, b)) in m.terms().iter().zip(prev.terms().iter()) {
+                    assert!(
+                        a <= b || *name == "comm_buffers",
+                        "case {case}: {name} grew with ZeRO-{zero}"
+                    );
+                }
+                assert!(
+                    m.weights + m.gradients + m.master_weights + m.optimizer_states
+                        <= prev.weights
+                            + prev.gradients
+                            + prev.master_weights
+                            + prev.optimizer_states
+                );
+            }
+            last = Some(m);
+        }
+        // Monotone in tp for the sharded terms.
+        let mut last: Option<MemoryTerms> = None;
+        for tp in [1usize, 2, 4, 8] {
+            let l = Layout {
+                dp: world / tp,
+                tp,
+                ..Layout::default()
+            };
+            let Ok(p) = evaluate(&input, &l) else {
+                continue;
+            };
+            let m = p.memory_bytes;
+            if let Some(prev) = last {
+                for (a, b) in [
+                    (m.weights, prev.weights),
+                    (m.gradients, prev.gradients),
+                    (m.optimizer_states, prev.optimizer_states),
+                ] {
+                    assert!(
+                        a <= b,
+                        "case {case}: tp={tp} grew a sharded term ({a} > {b})"
+                    );
+                }
+            }
+            last = Some(m);
+        }
+        if let Ok(plans) = search(&input) {
+            assert!(
+                plans
+                    .iter()
+                    .all(|p| p.fits && p.memory_bytes.total <= input.usable_memory()),
+                "case {case}"
+            );
+        }
+    }
+}
