@@ -158,10 +158,17 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             if l.recompute == Recompute::Full {
                 act += recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes);
             }
-            // The last stage also keeps the (f32) logits of the micro-batch in flight for the loss.
+            // The last stage also keeps the final norm's input, output and statistics, and the f32
+            // logits of the micro-batch in flight for the loss.
             let head = if stage == l.pp - 1 {
-                4.0 * (l.micro_batch_size * input.seq) as f64 * padded_vocab(cfg, l.tp) as f64
-                    / l.tp as f64
+                let tok = (l.micro_batch_size * input.seq) as f64;
+                let stats = if cfg.arch == Arch::Gpt2 {
+                    2.0 * tok
+                } else {
+                    tok
+                };
+                let norm = (2.0 * tok * cfg.hidden_size as f64 + stats) * act_bytes;
+                norm + 4.0 * tok * padded_vocab(cfg, l.tp) as f64 / l.tp as f64
             } else {
                 0.0
             };

@@ -11,7 +11,7 @@ mod spec;
 
 pub use cost::{layer_forward_flops, step_flops, Traffic};
 pub use explain::search_notes;
-pub use memory::{layer_activation_bytes, params_on_device, stage_memory};
+pub use memory::{layer_activation_bytes, padded_vocab, params_on_device, stage_memory};
 pub use search::search;
 pub use spec::{ActivationModel, Dtype, OptimizerKind, PlanModel, Precision, PLAN_MODEL_PRESETS};
 
