@@ -7,6 +7,7 @@ pub mod kernels;
 pub mod transformer;
 
 pub use error::{EngineError, Result};
+pub mod comm;
 pub mod data;
 pub mod optim;
 pub mod runtime;

@@ -1,0 +1,162 @@
+//! The wire: a device mesh with its process groups, collectives and point-to-point transfers behind one
+//! interface ([`Comm`]), every byte and every wait accounted per device, and no wait without a timeout.
+//! Backends: threads in one process (every device a thread; optional simulated interconnect and a
+//! virtual clock per device). An MPI or NCCL backend implements the same trait.
+
+mod mesh;
+mod stats;
+mod threads;
+
+pub use mesh::{DeviceMesh, Dim, Group};
+pub use stats::{CommStats, OpStats};
+pub use threads::{LinkModel, ThreadComm, ThreadWorld};
+
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// A peer did not arrive in time; names the operation, the group, this rank and the peer.
+    #[error(
+        "{op} on group {group}: rank {rank} timed out after {waited:?} waiting for rank {peer}"
+    )]
+    Timeout {
+        op: &'static str,
+        group: String,
+        rank: usize,
+        peer: usize,
+        waited: Duration,
+    },
+    /// A peer's thread or process is gone.
+    #[error("{op} on group {group}: rank {rank} lost rank {peer} (it exited or failed)")]
+    PeerGone {
+        op: &'static str,
+        group: String,
+        rank: usize,
+        peer: usize,
+    },
+    /// Ranks called the same collective with different buffer sizes or operations.
+    #[error("{op} on group {group}: rank {rank} has {mine}, but rank {peer} has {theirs}")]
+    Mismatch {
+        op: &'static str,
+        group: String,
+        rank: usize,
+        peer: usize,
+        mine: String,
+        theirs: String,
+    },
+    #[error("{0}")]
+    Usage(String),
+}
+
+pub type CommResult<T> = Result<T, CommError>;
+
+/// Element types the collectives move and reduce.
+pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + PartialEq + 'static {
+    const NAME: &'static str;
+    fn add(self, other: Self) -> Self;
+    /// Multiply by 1/n (for a mean); integers divide.
+    fn div(self, n: usize) -> Self;
+}
+
+macro_rules! float_element {
+    ($t:ty, $name:expr) => {
+        impl Element for $t {
+            const NAME: &'static str = $name;
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            fn div(self, n: usize) -> Self {
+                self / n as $t
+            }
+        }
+    };
+}
+float_element!(f32, "f32");
+float_element!(f64, "f64");
+
+macro_rules! int_element {
+    ($t:ty, $name:expr) => {
+        impl Element for $t {
+            const NAME: &'static str = $name;
+            fn add(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            fn div(self, n: usize) -> Self {
+                self / n as $t
+            }
+        }
+    };
+}
+int_element!(i32, "i32");
+int_element!(i64, "i64");
+int_element!(u8, "u8");
+int_element!(u32, "u32");
+int_element!(u64, "u64");
+
+macro_rules! half_element {
+    ($t:ty, $name:expr) => {
+        impl Element for $t {
+            const NAME: &'static str = $name;
+            /// Each addition rounds once to the 16-bit type (the sum itself is formed in f32).
+            fn add(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + o.to_f32())
+            }
+            fn div(self, n: usize) -> Self {
+                <$t>::from_f32(self.to_f32() / n as f32)
+            }
+        }
+    };
+}
+half_element!(half::bf16, "bf16");
+half_element!(half::f16, "f16");
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+}
+
+/// One device's view of the wire. Every rank of a group must call the same collectives in the same
+/// order (as with MPI and NCCL); point-to-point messages between two ranks arrive in order.
+pub trait Comm {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+
+    /// Every rank ends with the element-wise reduction of all ranks' `buf`, bit-identical everywhere.
+    fn all_reduce<T: Element>(&mut self, g: &Group, buf: &mut [T], op: ReduceOp) -> CommResult<()>;
+    /// `input` holds `g.size()` equal shards; rank i of the group ends with the reduction of shard i.
+    fn reduce_scatter<T: Element>(
+        &mut self,
+        g: &Group,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()>;
+    /// Concatenates every rank's `input` (equal lengths) in group order.
+    fn all_gather<T: Element>(
+        &mut self,
+        g: &Group,
+        input: &[T],
+        output: &mut [T],
+    ) -> CommResult<()>;
+    /// Concatenates shards of different lengths: `counts[i]` elements from group member i.
+    fn all_gather_uneven<T: Element>(
+        &mut self,
+        g: &Group,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+    ) -> CommResult<()>;
+    /// Copies `buf` of group member `root` (an index into the group) to every member.
+    fn broadcast<T: Element>(&mut self, g: &Group, buf: &mut [T], root: usize) -> CommResult<()>;
+    fn barrier(&mut self, g: &Group) -> CommResult<()>;
+    /// Sends without waiting for the receiver (the buffer is copied).
+    fn send<T: Element>(&mut self, to: usize, buf: &[T], tag: u64) -> CommResult<()>;
+    fn recv<T: Element>(&mut self, from: usize, buf: &mut [T], tag: u64) -> CommResult<()>;
+
+    /// What this device has sent, received and waited for so far.
+    fn stats(&self) -> &CommStats;
+}
+
+/// Default time a rank waits for a peer before giving up.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);

@@ -1,0 +1,320 @@
+//! The threads backend against a naive reference, its accounting against the textbook, its clocks,
+//! and its failures.
+
+use ferrotron_core::topology::Link;
+use ferrotron_engine::comm::{
+    Comm, CommError, DeviceMesh, Dim, Element, Group, LinkModel, ReduceOp, ThreadWorld,
+};
+use std::time::Duration;
+
+/// Small integers, so every sum is exact in every dtype and any summation order.
+fn input<T: Element>(rank: usize, len: usize, salt: usize, conv: impl Fn(i32) -> T) -> Vec<T> {
+    (0..len)
+        .map(|i| conv((((rank * 31 + i * 7 + salt * 13) % 17) as i32) - 8))
+        .collect()
+}
+
+fn check_all_ops<T: Element>(conv: impl Fn(i32) -> T + Sync + Copy) {
+    let mesh = DeviceMesh::new(2, 2, 2, 8, 4).unwrap();
+    let mut groups: Vec<Group> = Dim::ALL.iter().flat_map(|d| mesh.groups(*d)).collect();
+    groups.push(mesh.world());
+    let world = ThreadWorld::new(8).timeout(Duration::from_secs(20));
+    for len in [0usize, 1, 2, 7, 13, 64, 101] {
+        let results = world.run(|c| -> Result<(), CommError> {
+            let me = c.rank();
+            for (gi, g) in groups.iter().enumerate() {
+                if !g.ranks.contains(&me) {
+                    continue;
+                }
+                let n = g.size();
+                let idx = g.index_of(me)?;
+                let all: Vec<Vec<T>> = g.ranks.iter().map(|&r| input(r, len, gi, conv)).collect();
+                let sum: Vec<T> = (0..len)
+                    .map(|i| all.iter().skip(1).fold(all[0][i], |a, v| a.add(v[i])))
+                    .collect();
+                // all-reduce, sum and mean
+                let mut buf = input(me, len, gi, conv);
+                c.all_reduce(g, &mut buf, ReduceOp::Sum)?;
+                assert_eq!(buf, sum, "all_reduce {} len {len}", g.name);
+                let mut buf = input(me, len, gi, conv);
+                c.all_reduce(g, &mut buf, ReduceOp::Mean)?;
+                assert_eq!(
+                    buf,
+                    sum.iter().map(|x| x.div(n)).collect::<Vec<_>>(),
+                    "mean {}",
+                    g.name
+                );
+                // reduce-scatter of n shards of `len`
+                let big: Vec<Vec<T>> = g
+                    .ranks
+                    .iter()
+                    .map(|&r| input(r, n * len, gi + 1, conv))
+                    .collect();
+                let mut out = vec![T::default(); len];
+                c.reduce_scatter(g, &big[idx], &mut out, ReduceOp::Sum)?;
+                let want: Vec<T> = (idx * len..(idx + 1) * len)
+                    .map(|i| big.iter().skip(1).fold(big[0][i], |a, v| a.add(v[i])))
+                    .collect();
+                assert_eq!(out, want, "reduce_scatter {}", g.name);
+                // all-gather, equal and uneven
+                let mut out = vec![T::default(); n * len];
+                c.all_gather(g, &all[idx], &mut out)?;
+                assert_eq!(out, all.concat(), "all_gather {}", g.name);
+                let counts: Vec<usize> = (0..n).map(|k| (len + k * 3) % 11).collect();
+                let mine = input(me, counts[idx], gi + 2, conv);
+                let mut out = vec![T::default(); counts.iter().sum()];
+                c.all_gather_uneven(g, &mine, &counts, &mut out)?;
+                let want: Vec<T> = g
+                    .ranks
+                    .iter()
+                    .zip(&counts)
+                    .flat_map(|(&r, &k)| input(r, k, gi + 2, conv))
+                    .collect();
+                assert_eq!(out, want, "all_gather_uneven {}", g.name);
+                // broadcast from the last member
+                let mut buf = input(me, len, gi + 3, conv);
+                c.broadcast(g, &mut buf, n - 1)?;
+                assert_eq!(
+                    buf,
+                    input(g.ranks[n - 1], len, gi + 3, conv),
+                    "broadcast {}",
+                    g.name
+                );
+                c.barrier(g)?;
+            }
+            // point to point: every rank sends to the next and receives from the previous
+            let (next, prev) = ((me + 1) % 8, (me + 7) % 8);
+            c.send(next, &input(me, len, 99, conv), 5)?;
+            let mut buf = vec![T::default(); len];
+            c.recv(prev, &mut buf, 5)?;
+            assert_eq!(buf, input(prev, len, 99, conv));
+            Ok(())
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            res.unwrap()
+                .unwrap_or_else(|e| panic!("rank {r}, len {len}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn every_operation_matches_the_naive_reference_on_a_2x2x2_mesh() {
+    check_all_ops::<f32>(|x| x as f32);
+    check_all_ops::<half::bf16>(|x| half::bf16::from_f32(x as f32));
+    check_all_ops::<half::f16>(|x| half::f16::from_f32(x as f32));
+    check_all_ops::<i64>(|x| x as i64);
+}
+
+#[test]
+fn results_are_bit_identical_on_every_rank_and_every_run() {
+    let run = || {
+        ThreadWorld::new(4)
+            .run(|c| {
+                let g = Group::new("world", vec![0, 1, 2, 3]);
+                let mut buf: Vec<f32> = (0..1001)
+                    .map(|i| ((i * 7919 + c.rank() * 104729) as f32).sin() * 1e3)
+                    .collect();
+                c.all_reduce(&g, &mut buf, ReduceOp::Sum).unwrap();
+                buf.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+            })
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect::<Vec<_>>()
+    };
+    let a = run();
+    assert!(a.iter().all(|r| r == &a[0]), "ranks disagree");
+    assert_eq!(a, run(), "runs disagree");
+}
+
+#[test]
+fn bytes_per_device_equal_the_ring_textbook_figures() {
+    for n in [2usize, 4, 8] {
+        let s_elems = 1 << 14; // divisible by every n
+        let s = (s_elems * 4) as u64;
+        let stats = ThreadWorld::new(n).run(|c| {
+            let g = Group::new("dp", (0..n).collect());
+            let mut buf = vec![1f32; s_elems];
+            c.all_reduce(&g, &mut buf, ReduceOp::Sum).unwrap();
+            let mut out = vec![0f32; s_elems];
+            c.all_gather(&g, &buf[..s_elems / n], &mut out).unwrap();
+            let mut shard = vec![0f32; s_elems / n];
+            c.reduce_scatter(&g, &out, &mut shard, ReduceOp::Sum)
+                .unwrap();
+            c.stats().clone()
+        });
+        for st in stats.into_iter().map(|r| r.unwrap()) {
+            let ring = (n as u64 - 1) * s / n as u64;
+            assert_eq!(st.by_op["dp/all_reduce"].bytes_sent, 2 * ring, "n={n}");
+            assert_eq!(st.by_op["dp/all_gather"].bytes_sent, ring, "n={n}");
+            assert_eq!(st.by_op["dp/reduce_scatter"].bytes_sent, ring, "n={n}");
+            assert_eq!(st.by_op["dp/all_reduce"].bytes_received, 2 * ring);
+            assert_eq!(st.bytes_sent_by_group("dp"), 4 * ring);
+        }
+    }
+}
+
+#[test]
+fn a_simulated_1_gbs_link_charges_67_ms_for_64_mib_on_both_ends() {
+    let gbs = Link {
+        bandwidth_bytes_per_s: 1e9,
+        latency_s: 10e-6,
+    };
+    let world = ThreadWorld::new(2).link(LinkModel {
+        intra: gbs,
+        inter: gbs,
+        devices_per_node: 2,
+    });
+    let times = world.run(|c| {
+        let mut buf = vec![0u8; 64 << 20];
+        let t0 = c.device_time();
+        if c.rank() == 0 {
+            c.send(1, &buf, 0).unwrap();
+        } else {
+            c.recv(0, &mut buf, 0).unwrap();
+        }
+        c.device_time() - t0
+    });
+    for t in times.into_iter().map(|r| r.unwrap()) {
+        let want = (64u64 << 20) as f64 / 1e9 + 10e-6;
+        assert!((t - want).abs() < 1e-3, "device time {t} vs {want}");
+    }
+}
+
+/// Fixed arithmetic work: its CPU time does not depend on how many cores the threads share.
+fn busy(iters: u64) -> f64 {
+    let mut x = 1.0f64;
+    for i in 0..iters {
+        x = (x * 1.000_000_1 + (i & 7) as f64).sqrt();
+    }
+    x
+}
+
+fn clocks(pin_to_one_core: bool) -> Vec<f64> {
+    ThreadWorld::new(8)
+        .run(|c| {
+            if pin_to_one_core {
+                // SAFETY: sets this thread's CPU mask to CPU 0.
+                unsafe {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::CPU_SET(0, &mut set);
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+                }
+            }
+            let g = Group::new("world", (0..8).collect());
+            let mut acc = 0.0;
+            for step in 0..4 {
+                // Uneven compute, so that the exchange makes devices wait for each other.
+                acc += busy(2_000_000 * (1 + ((c.rank() + step) % 3) as u64));
+                let mut buf = vec![acc as f32; 4096];
+                c.all_reduce(&g, &mut buf, ReduceOp::Sum).unwrap();
+            }
+            c.device_time()
+        })
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+#[test]
+fn device_time_does_not_depend_on_oversubscription() {
+    let free = clocks(false);
+    let pinned = clocks(true);
+    for (r, (a, b)) in free.iter().zip(&pinned).enumerate() {
+        assert!(
+            (a - b).abs() / a < 0.05,
+            "rank {r}: {a} s with free cores, {b} s on one core"
+        );
+    }
+}
+
+#[test]
+fn a_peer_that_never_arrives_times_out_naming_it() {
+    let results = ThreadWorld::new(2)
+        .timeout(Duration::from_millis(300))
+        .run(|c| {
+            let g = Group::new("tp", vec![0, 1]);
+            if c.rank() == 0 {
+                let mut buf = vec![0f32; 8];
+                c.all_reduce(&g, &mut buf, ReduceOp::Sum).map(|_| ())
+            } else {
+                std::thread::sleep(Duration::from_millis(800)); // alive, but never joins
+                Ok(())
+            }
+        });
+    let e = results[0]
+        .as_ref()
+        .unwrap()
+        .as_ref()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("all_reduce")
+            && e.contains("tp[0,1]")
+            && e.contains("rank 0")
+            && e.contains("rank 1"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_peer_that_exits_is_reported_not_waited_for() {
+    let results = ThreadWorld::new(2).run(|c| {
+        let g = Group::new("dp", vec![0, 1]);
+        if c.rank() == 0 {
+            let mut buf = vec![0f32; 8];
+            c.all_reduce(&g, &mut buf, ReduceOp::Sum).map(|_| ())
+        } else {
+            Ok(()) // returns at once: its endpoint closes
+        }
+    });
+    let e = results[0]
+        .as_ref()
+        .unwrap()
+        .as_ref()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lost rank 1"), "{e}");
+}
+
+#[test]
+fn mismatched_lengths_and_foreign_ranks_are_clear_errors() {
+    let results = ThreadWorld::new(2)
+        .timeout(Duration::from_secs(5))
+        .run(|c| {
+            let g = Group::new("tp", vec![0, 1]);
+            let mut buf = vec![0f32; 10 + c.rank() * 2];
+            c.all_reduce(&g, &mut buf, ReduceOp::Sum).map(|_| ())
+        });
+    let errs: Vec<String> = results
+        .into_iter()
+        .filter_map(|r| r.unwrap().err().map(|e| e.to_string()))
+        .collect();
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("10 elements") && e.contains("12 elements")),
+        "{errs:?}"
+    );
+    let results = ThreadWorld::new(2).run(|c| {
+        let g = Group::new("tp", vec![1]);
+        let mut buf = vec![0f32; 4];
+        if c.rank() == 0 {
+            c.all_reduce(&g, &mut buf, ReduceOp::Sum).map(|_| ())
+        } else {
+            Ok(())
+        }
+    });
+    let e = results[0]
+        .as_ref()
+        .unwrap()
+        .as_ref()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 0 is not a member of group tp[1]"), "{e}");
+    let e = ThreadWorld::new(2).run(|c| c.send(5, &[1f32], 0).map(|_| ()))[0]
+        .as_ref()
+        .unwrap()
+        .as_ref()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 5 is outside the world of 2"), "{e}");
+}
