@@ -51,7 +51,13 @@ pub enum CommError {
 pub type CommResult<T> = Result<T, CommError>;
 
 /// Element types the collectives move and reduce.
-pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + PartialEq + 'static {
+///
+/// # Safety
+/// Implementors are plain numbers: no padding, no pointers, every bit pattern a valid value, alignment
+/// at most 8. Backends copy them as raw bytes.
+pub unsafe trait Element:
+    Copy + Send + Sync + Default + std::fmt::Debug + PartialEq + 'static
+{
     const NAME: &'static str;
     fn add(self, other: Self) -> Self;
     /// Multiply by 1/n (for a mean); integers divide.
@@ -60,7 +66,8 @@ pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + PartialEq + 
 
 macro_rules! float_element {
     ($t:ty, $name:expr) => {
-        impl Element for $t {
+        // SAFETY: a primitive number type.
+        unsafe impl Element for $t {
             const NAME: &'static str = $name;
             fn add(self, o: Self) -> Self {
                 self + o
@@ -76,7 +83,8 @@ float_element!(f64, "f64");
 
 macro_rules! int_element {
     ($t:ty, $name:expr) => {
-        impl Element for $t {
+        // SAFETY: a primitive number type.
+        unsafe impl Element for $t {
             const NAME: &'static str = $name;
             fn add(self, o: Self) -> Self {
                 self.wrapping_add(o)
@@ -95,7 +103,8 @@ int_element!(u64, "u64");
 
 macro_rules! half_element {
     ($t:ty, $name:expr) => {
-        impl Element for $t {
+        // SAFETY: a primitive number type.
+        unsafe impl Element for $t {
             const NAME: &'static str = $name;
             /// Each addition rounds once to the 16-bit type (the sum itself is formed in f32).
             fn add(self, o: Self) -> Self {

@@ -1,15 +1,15 @@
 //! The threads backend: every device is a thread of one process and data moves through shared memory
-//! (a channel per ordered pair of ranks). Collectives are ring algorithms over point-to-point
-//! transfers, so each device sends the textbook byte count. Each device keeps a virtual clock: its
-//! thread's CPU time while computing, and on every receive the later of its own clock and the
-//! message's arrival (sender's clock + the modelled transfer cost), so timelines mean on 2 cores what
-//! they would on N real devices.
+//! (a channel per ordered pair of ranks, message buffers recycled). Collectives are ring algorithms
+//! over point-to-point transfers, so each device sends the textbook byte count. Each device keeps a
+//! virtual clock: its thread's CPU time while computing, and on every receive the later of its own
+//! clock and the message's arrival (sender's clock + the modelled transfer cost), so timelines mean on
+//! 2 cores what they would on N real devices.
 
 use super::stats::{CommStats, OpStats};
 use super::{Comm, CommError, CommResult, Element, Group, ReduceOp, DEFAULT_TIMEOUT};
 use ferrotron_core::topology::Link;
-use std::any::Any;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A simulated interconnect: what each transfer costs on its link class.
@@ -37,11 +37,53 @@ struct Msg {
     op: &'static str,
     /// Elements in the sender's whole buffer for this operation (checked against the receiver's).
     total_len: usize,
-    payload: Box<dyn Any + Send>,
+    /// The elements as raw bytes in 8-byte words: a recycled buffer (see [`Pool`]).
+    payload: Vec<u64>,
+    elem: &'static str,
+    len: usize,
     bytes: usize,
     /// Sender's device clock when the transfer started, and its modelled cost.
     depart: f64,
     cost: f64,
+}
+
+/// Message buffers a receiver hands back for its senders to reuse, so steady-state traffic allocates
+/// (and page-faults) nothing.
+type Pool = Arc<Mutex<Vec<Vec<u64>>>>;
+
+/// Copies `data` into a buffer from `pool` (or a new one).
+fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
+    let bytes = std::mem::size_of_val(data);
+    let words = bytes.div_ceil(8);
+    let mut v = {
+        let mut free = pool.lock().expect("pool lock");
+        match free.iter().position(|b| b.capacity() >= words) {
+            Some(i) => free.swap_remove(i),
+            None => Vec::new(),
+        }
+    };
+    v.clear();
+    v.reserve(words);
+    // SAFETY: `Element` values are plain bytes; we write `bytes` bytes into the reserved capacity,
+    // zero the tail of the last word, and only then set the length.
+    unsafe {
+        let dst = v.as_mut_ptr() as *mut u8;
+        std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, dst, bytes);
+        std::ptr::write_bytes(dst.add(bytes), 0, words * 8 - bytes);
+        v.set_len(words);
+    }
+    v
+}
+
+/// Views a received buffer as `len` elements of `T`.
+fn view<T: Element>(payload: &[u64], len: usize) -> &[T] {
+    assert!(
+        len * std::mem::size_of::<T>() <= payload.len() * 8,
+        "message shorter than its length"
+    );
+    // SAFETY: the storage is 8-byte aligned, at least len·size_of::<T>() bytes long, and any bit
+    // pattern is a valid `T` (`Element`'s contract).
+    unsafe { std::slice::from_raw_parts(payload.as_ptr() as *const T, len) }
 }
 
 /// Builds the communicators of a world of threads.
@@ -71,26 +113,26 @@ impl ThreadWorld {
     /// One communicator per rank, wired to each other.
     pub fn build(&self) -> Vec<ThreadComm> {
         let n = self.world;
-        let mut senders: Vec<Vec<Option<Sender<Msg>>>> =
+        let mut to: Vec<Vec<Sender<Msg>>> = (0..n).map(|_| Vec::with_capacity(n)).collect();
+        let mut from: Vec<Vec<Option<Receiver<Msg>>>> =
             (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
-        let mut receivers: Vec<Vec<Option<Receiver<Msg>>>> =
-            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
-        for src in 0..n {
-            for dst in 0..n {
+        for (src, senders) in to.iter_mut().enumerate() {
+            for receivers in from.iter_mut() {
                 let (tx, rx) = channel();
-                senders[src][dst] = Some(tx);
-                receivers[dst][src] = Some(rx);
+                senders.push(tx);
+                receivers[src] = Some(rx);
             }
         }
-        senders
-            .into_iter()
-            .zip(receivers)
+        let pools: Vec<Pool> = (0..n).map(|_| Pool::default()).collect();
+        to.into_iter()
+            .zip(from)
             .enumerate()
             .map(|(rank, (to, from))| ThreadComm {
                 rank,
                 world: n,
-                to: to.into_iter().map(|s| s.expect("wired")).collect(),
+                to,
                 from: from.into_iter().map(|r| r.expect("wired")).collect(),
+                pools: pools.clone(),
                 timeout: self.timeout,
                 link: self.link,
                 clock: 0.0,
@@ -100,6 +142,7 @@ impl ThreadWorld {
                     rank,
                     ..CommStats::default()
                 },
+                scratch: Vec::new(),
             })
             .collect()
     }
@@ -150,12 +193,16 @@ pub struct ThreadComm {
     world: usize,
     to: Vec<Sender<Msg>>,
     from: Vec<Receiver<Msg>>,
+    /// `pools[r]`: free buffers for messages addressed to rank r.
+    pools: Vec<Pool>,
     timeout: Duration,
     link: Option<LinkModel>,
     clock: f64,
     cpu_mark: f64,
     wall_start: Instant,
     stats: CommStats,
+    /// Reused working storage (reduce-scatter's copy of its input).
+    scratch: Vec<u64>,
 }
 
 /// The element range of chunk `c` when `len` elements are cut into `n` nearly equal chunks.
@@ -201,7 +248,8 @@ impl ThreadComm {
     }
 
     fn end(&mut self, t: Tally) {
-        // The copies and additions a collective does are not counted as compute.
+        // The copies and additions a collective does are not counted as compute: the link model
+        // (or nothing, without one) is its cost.
         self.cpu_mark = thread_cpu_time();
         self.stats.record(t.kind, t.op, t.s);
         self.stats.device_time_s = self.clock;
@@ -212,17 +260,20 @@ impl ThreadComm {
         &mut self,
         t: &mut Tally,
         to: usize,
-        data: Vec<T>,
+        data: &[T],
         tag: u64,
         total_len: usize,
     ) -> CommResult<()> {
-        let bytes = data.len() * std::mem::size_of::<T>();
+        let bytes = std::mem::size_of_val(data);
         let cost = self.link.map_or(0.0, |l| l.cost(bytes, self.rank, to));
+        let payload = pack(&self.pools[to], data);
         let msg = Msg {
             tag,
             op: t.op,
             total_len,
-            payload: Box::new(data),
+            payload,
+            elem: T::NAME,
+            len: data.len(),
             bytes,
             depart: self.clock,
             cost,
@@ -239,13 +290,16 @@ impl ThreadComm {
         })
     }
 
+    /// Receives the next message from `from`, checks that it belongs to this operation, advances the
+    /// clock, and hands its elements to `consume`; the buffer then goes back to this rank's pool.
     fn take<T: Element>(
         &mut self,
         t: &mut Tally,
         from: usize,
         tag: u64,
         total_len: usize,
-    ) -> CommResult<Vec<T>> {
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<()> {
         let msg = match self.from[from].recv_timeout(self.timeout) {
             Ok(m) => m,
             Err(RecvTimeoutError::Timeout) => {
@@ -286,6 +340,12 @@ impl ThreadComm {
                 format!("{} elements", msg.total_len),
             ));
         }
+        if msg.elem != T::NAME {
+            return Err(mismatch(
+                format!("element type {}", T::NAME),
+                format!("element type {}", msg.elem),
+            ));
+        }
         let arrival = msg.depart + msg.cost;
         if arrival > self.clock {
             let wait = arrival - self.clock;
@@ -295,13 +355,12 @@ impl ThreadComm {
             self.clock = arrival;
         }
         t.s.bytes_received += msg.bytes as u64;
-        let bytes = msg.bytes;
-        msg.payload.downcast::<Vec<T>>().map(|b| *b).map_err(|_| {
-            mismatch(
-                T::NAME.to_string(),
-                format!("another element type ({bytes} bytes)"),
-            )
-        })
+        let result = consume(view::<T>(&msg.payload, msg.len));
+        self.pools[self.rank]
+            .lock()
+            .expect("pool lock")
+            .push(msg.payload);
+        result
     }
 
     /// Ring reduce-scatter in place over `buf` cut into `g.size()` chunks; afterwards chunk `i` of the
@@ -318,11 +377,12 @@ impl ThreadComm {
         for s in 0..n - 1 {
             let send_c = (i + 2 * n - s - 1) % n;
             let recv_c = (i + 2 * n - s - 2) % n;
-            self.post(t, next, buf[chunk(len, n, send_c)].to_vec(), s as u64, len)?;
-            let part: Vec<T> = self.take(t, prev, s as u64, len)?;
-            for (x, y) in buf[chunk(len, n, recv_c)].iter_mut().zip(part) {
-                *x = x.add(y);
-            }
+            self.post(t, next, &buf[chunk(len, n, send_c)], s as u64, len)?;
+            let dst = &mut buf[chunk(len, n, recv_c)];
+            self.take(t, prev, s as u64, len, |part: &[T]| {
+                dst.iter_mut().zip(part).for_each(|(x, &y)| *x = x.add(y));
+                Ok(())
+            })?;
         }
         Ok(())
     }
@@ -341,29 +401,60 @@ impl ThreadComm {
         for s in 0..n - 1 {
             let send_c = (i + n - s) % n;
             let recv_c = (i + 2 * n - s - 1) % n;
-            self.post(
-                t,
-                next,
-                buf[ranges[send_c].clone()].to_vec(),
-                1000 + s as u64,
-                len,
-            )?;
-            let part: Vec<T> = self.take(t, prev, 1000 + s as u64, len)?;
-            if part.len() != ranges[recv_c].len() {
-                return Err(CommError::Mismatch {
-                    op: t.op,
-                    group: g.name.clone(),
-                    rank: self.rank,
-                    peer: prev,
-                    mine: format!(
-                        "{} elements expected from member {recv_c}",
-                        ranges[recv_c].len()
-                    ),
-                    theirs: format!("{} elements", part.len()),
-                });
-            }
-            buf[ranges[recv_c].clone()].copy_from_slice(&part);
+            self.post(t, next, &buf[ranges[send_c].clone()], 1000 + s as u64, len)?;
+            let (rank, op, group) = (self.rank, t.op, g.name.clone());
+            let dst = &mut buf[ranges[recv_c].clone()];
+            self.take(t, prev, 1000 + s as u64, len, |part: &[T]| {
+                if part.len() != dst.len() {
+                    return Err(CommError::Mismatch {
+                        op,
+                        group,
+                        rank,
+                        peer: prev,
+                        mine: format!("{} elements expected from member {recv_c}", dst.len()),
+                        theirs: format!("{} elements", part.len()),
+                    });
+                }
+                dst.copy_from_slice(part);
+                Ok(())
+            })?;
         }
+        Ok(())
+    }
+
+    fn gather_impl<T: Element>(
+        &mut self,
+        g: &Group,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+    ) -> CommResult<()> {
+        let mut t = self.begin(g.kind, "all_gather", &g.name);
+        let (n, i) = (g.size(), g.index_of(self.rank)?);
+        if counts.len() != n
+            || counts[i] != input.len()
+            || output.len() != counts.iter().sum::<usize>()
+        {
+            return Err(CommError::Usage(format!(
+                "all_gather on group {}: {} counts for {n} members, input {} (count {}), output {} (sum {})",
+                g.name,
+                counts.len(),
+                input.len(),
+                counts.get(i).copied().unwrap_or(0),
+                output.len(),
+                counts.iter().sum::<usize>()
+            )));
+        }
+        let mut starts = vec![0usize; n + 1];
+        for (k, c) in counts.iter().enumerate() {
+            starts[k + 1] = starts[k] + c;
+        }
+        let ranges: Vec<_> = (0..n).map(|k| starts[k]..starts[k + 1]).collect();
+        output[ranges[i].clone()].copy_from_slice(input);
+        if n > 1 {
+            self.ring_all_gather(&mut t, g, output, &ranges)?;
+        }
+        self.end(t);
         Ok(())
     }
 }
@@ -407,18 +498,29 @@ impl Comm for ThreadComm {
         let (n, i) = (g.size(), g.index_of(self.rank)?);
         if input.len() != n * output.len() {
             return Err(CommError::Usage(format!(
-                "reduce_scatter on group {}: input has {} elements, expected {} shards of {}",
+                "reduce_scatter on group {}: input has {} elements, expected {n} shards of {}",
                 g.name,
                 input.len(),
-                n,
                 output.len()
             )));
         }
-        let mut work = input.to_vec();
-        if n > 1 {
-            self.ring_reduce_scatter(&mut t, g, &mut work)?;
-        }
-        output.copy_from_slice(&work[chunk(work.len(), n, i)]);
+        // Work on a reused copy of the input: allocating (and faulting in) a fresh one per call costs
+        // more than the transfer.
+        let mut storage = std::mem::take(&mut self.scratch);
+        storage.clear();
+        storage.resize(std::mem::size_of_val(input).div_ceil(8), 0);
+        // SAFETY: 8-byte aligned storage of at least size_of_val(input) bytes; any bits are a valid `T`.
+        let work =
+            unsafe { std::slice::from_raw_parts_mut(storage.as_mut_ptr() as *mut T, input.len()) };
+        work.copy_from_slice(input);
+        let result = if n > 1 {
+            self.ring_reduce_scatter(&mut t, g, work)
+        } else {
+            Ok(())
+        };
+        output.copy_from_slice(&work[chunk(input.len(), n, i)]);
+        self.scratch = storage;
+        result?;
         if op == ReduceOp::Mean {
             output.iter_mut().for_each(|x| *x = x.div(n));
         }
@@ -433,7 +535,7 @@ impl Comm for ThreadComm {
         output: &mut [T],
     ) -> CommResult<()> {
         let counts = vec![input.len(); g.size()];
-        self.gather_impl(g, input, &counts, output, "all_gather")
+        self.gather_impl(g, input, &counts, output)
     }
 
     fn all_gather_uneven<T: Element>(
@@ -443,7 +545,7 @@ impl Comm for ThreadComm {
         counts: &[usize],
         output: &mut [T],
     ) -> CommResult<()> {
-        self.gather_impl(g, input, counts, output, "all_gather")
+        self.gather_impl(g, input, counts, output)
     }
 
     fn broadcast<T: Element>(&mut self, g: &Group, buf: &mut [T], root: usize) -> CommResult<()> {
@@ -459,11 +561,13 @@ impl Comm for ThreadComm {
         let pos = (i + n - root) % n;
         let len = buf.len();
         if pos > 0 {
-            let data: Vec<T> = self.take(&mut t, g.ranks[(i + n - 1) % n], 0, len)?;
-            buf.copy_from_slice(&data);
+            self.take(&mut t, g.ranks[(i + n - 1) % n], 0, len, |data: &[T]| {
+                buf.copy_from_slice(data);
+                Ok(())
+            })?;
         }
         if pos + 1 < n {
-            self.post(&mut t, g.ranks[(i + 1) % n], buf.to_vec(), 0, len)?;
+            self.post(&mut t, g.ranks[(i + 1) % n], buf, 0, len)?;
         }
         self.end(t);
         Ok(())
@@ -482,7 +586,7 @@ impl Comm for ThreadComm {
             )));
         }
         let mut t = self.begin("p2p", "send", &format!("p2p[{},{to}]", self.rank));
-        self.post(&mut t, to, buf.to_vec(), tag, buf.len())?;
+        self.post(&mut t, to, buf, tag, buf.len())?;
         self.end(t);
         Ok(())
     }
@@ -494,53 +598,13 @@ impl Comm for ThreadComm {
                 self.world
             )));
         }
-        // Sends and receives meet under the same operation name.
+        // A message is labelled by the sender's operation ("send"); the stats record it as a receive.
         let mut t = self.begin("p2p", "send", &format!("p2p[{from},{}]", self.rank));
-        let data: Vec<T> = self.take(&mut t, from, tag, buf.len())?;
-        buf.copy_from_slice(&data);
-        // Freed inside the operation, so that returning the pages is not charged as compute.
-        drop(data);
+        self.take(&mut t, from, tag, buf.len(), |data: &[T]| {
+            buf.copy_from_slice(data);
+            Ok(())
+        })?;
         t.op = "recv";
-        t.s.calls = 1;
-        self.end(t);
-        Ok(())
-    }
-}
-
-impl ThreadComm {
-    fn gather_impl<T: Element>(
-        &mut self,
-        g: &Group,
-        input: &[T],
-        counts: &[usize],
-        output: &mut [T],
-        op: &'static str,
-    ) -> CommResult<()> {
-        let mut t = self.begin(g.kind, op, &g.name);
-        let (n, i) = (g.size(), g.index_of(self.rank)?);
-        if counts.len() != n
-            || counts[i] != input.len()
-            || output.len() != counts.iter().sum::<usize>()
-        {
-            return Err(CommError::Usage(format!(
-                "all_gather on group {}: {} counts for {n} members, input {} (count {}), output {} (sum {})",
-                g.name,
-                counts.len(),
-                input.len(),
-                counts.get(i).copied().unwrap_or(0),
-                output.len(),
-                counts.iter().sum::<usize>()
-            )));
-        }
-        let mut starts = vec![0usize; n + 1];
-        for (k, c) in counts.iter().enumerate() {
-            starts[k + 1] = starts[k] + c;
-        }
-        let ranges: Vec<_> = (0..n).map(|k| starts[k]..starts[k + 1]).collect();
-        output[ranges[i].clone()].copy_from_slice(input);
-        if n > 1 {
-            self.ring_all_gather(&mut t, g, output, &ranges)?;
-        }
         self.end(t);
         Ok(())
     }
