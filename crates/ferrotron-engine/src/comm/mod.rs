@@ -4,6 +4,7 @@
 //! virtual clock per device). An MPI or NCCL backend implements the same trait.
 
 mod mesh;
+mod ring;
 mod stats;
 mod threads;
 
