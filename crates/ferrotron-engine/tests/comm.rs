@@ -3,97 +3,17 @@
 
 use ferrotron_core::topology::Link;
 use ferrotron_engine::comm::{
-    Comm, CommError, DeviceMesh, Dim, Element, Group, LinkModel, ReduceOp, ThreadWorld,
+    selftest, Comm, DeviceMesh, Element, Group, LinkModel, ReduceOp, ThreadWorld,
 };
 use std::time::Duration;
 
-/// Small integers, so every sum is exact in every dtype and any summation order.
-fn input<T: Element>(rank: usize, len: usize, salt: usize, conv: impl Fn(i32) -> T) -> Vec<T> {
-    (0..len)
-        .map(|i| conv((((rank * 31 + i * 7 + salt * 13) % 17) as i32) - 8))
-        .collect()
-}
-
 fn check_all_ops<T: Element>(conv: impl Fn(i32) -> T + Sync + Copy) {
     let mesh = DeviceMesh::new(2, 2, 2, 8, 4).unwrap();
-    let mut groups: Vec<Group> = Dim::ALL.iter().flat_map(|d| mesh.groups(*d)).collect();
-    groups.push(mesh.world());
-    let world = ThreadWorld::new(8).timeout(Duration::from_secs(20));
-    for len in [0usize, 1, 2, 7, 13, 64, 101] {
-        let results = world.run(|c| -> Result<(), CommError> {
-            let me = c.rank();
-            for (gi, g) in groups.iter().enumerate() {
-                if !g.ranks.contains(&me) {
-                    continue;
-                }
-                let n = g.size();
-                let idx = g.index_of(me)?;
-                let all: Vec<Vec<T>> = g.ranks.iter().map(|&r| input(r, len, gi, conv)).collect();
-                let sum: Vec<T> = (0..len)
-                    .map(|i| all.iter().skip(1).fold(all[0][i], |a, v| a.add(v[i])))
-                    .collect();
-                // all-reduce, sum and mean
-                let mut buf = input(me, len, gi, conv);
-                c.all_reduce(g, &mut buf, ReduceOp::Sum)?;
-                assert_eq!(buf, sum, "all_reduce {} len {len}", g.name);
-                let mut buf = input(me, len, gi, conv);
-                c.all_reduce(g, &mut buf, ReduceOp::Mean)?;
-                assert_eq!(
-                    buf,
-                    sum.iter().map(|x| x.div(n)).collect::<Vec<_>>(),
-                    "mean {}",
-                    g.name
-                );
-                // reduce-scatter of n shards of `len`
-                let big: Vec<Vec<T>> = g
-                    .ranks
-                    .iter()
-                    .map(|&r| input(r, n * len, gi + 1, conv))
-                    .collect();
-                let mut out = vec![T::default(); len];
-                c.reduce_scatter(g, &big[idx], &mut out, ReduceOp::Sum)?;
-                let want: Vec<T> = (idx * len..(idx + 1) * len)
-                    .map(|i| big.iter().skip(1).fold(big[0][i], |a, v| a.add(v[i])))
-                    .collect();
-                assert_eq!(out, want, "reduce_scatter {}", g.name);
-                // all-gather, equal and uneven
-                let mut out = vec![T::default(); n * len];
-                c.all_gather(g, &all[idx], &mut out)?;
-                assert_eq!(out, all.concat(), "all_gather {}", g.name);
-                let counts: Vec<usize> = (0..n).map(|k| (len + k * 3) % 11).collect();
-                let mine = input(me, counts[idx], gi + 2, conv);
-                let mut out = vec![T::default(); counts.iter().sum()];
-                c.all_gather_uneven(g, &mine, &counts, &mut out)?;
-                let want: Vec<T> = g
-                    .ranks
-                    .iter()
-                    .zip(&counts)
-                    .flat_map(|(&r, &k)| input(r, k, gi + 2, conv))
-                    .collect();
-                assert_eq!(out, want, "all_gather_uneven {}", g.name);
-                // broadcast from the last member
-                let mut buf = input(me, len, gi + 3, conv);
-                c.broadcast(g, &mut buf, n - 1)?;
-                assert_eq!(
-                    buf,
-                    input(g.ranks[n - 1], len, gi + 3, conv),
-                    "broadcast {}",
-                    g.name
-                );
-                c.barrier(g)?;
-            }
-            // point to point: every rank sends to the next and receives from the previous
-            let (next, prev) = ((me + 1) % 8, (me + 7) % 8);
-            c.send(next, &input(me, len, 99, conv), 5)?;
-            let mut buf = vec![T::default(); len];
-            c.recv(prev, &mut buf, 5)?;
-            assert_eq!(buf, input(prev, len, 99, conv));
-            Ok(())
-        });
-        for (r, res) in results.into_iter().enumerate() {
-            res.unwrap()
-                .unwrap_or_else(|e| panic!("rank {r}, len {len}: {e}"));
-        }
+    let results = ThreadWorld::new(8)
+        .timeout(Duration::from_secs(20))
+        .run(|c| selftest::check_all_ops(c, &mesh, conv));
+    for (r, res) in results.into_iter().enumerate() {
+        res.unwrap().unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
 }
 
@@ -128,27 +48,9 @@ fn results_are_bit_identical_on_every_rank_and_every_run() {
 
 #[test]
 fn bytes_per_device_equal_the_ring_textbook_figures() {
-    for n in [2usize, 4, 8] {
-        let s_elems = 1 << 14; // divisible by every n
-        let s = (s_elems * 4) as u64;
-        let stats = ThreadWorld::new(n).run(|c| {
-            let g = Group::new("dp", (0..n).collect());
-            let mut buf = vec![1f32; s_elems];
-            c.all_reduce(&g, &mut buf, ReduceOp::Sum).unwrap();
-            let mut out = vec![0f32; s_elems];
-            c.all_gather(&g, &buf[..s_elems / n], &mut out).unwrap();
-            let mut shard = vec![0f32; s_elems / n];
-            c.reduce_scatter(&g, &out, &mut shard, ReduceOp::Sum)
-                .unwrap();
-            c.stats().clone()
-        });
-        for st in stats.into_iter().map(|r| r.unwrap()) {
-            let ring = (n as u64 - 1) * s / n as u64;
-            assert_eq!(st.by_op["dp/all_reduce"].bytes_sent, 2 * ring, "n={n}");
-            assert_eq!(st.by_op["dp/all_gather"].bytes_sent, ring, "n={n}");
-            assert_eq!(st.by_op["dp/reduce_scatter"].bytes_sent, ring, "n={n}");
-            assert_eq!(st.by_op["dp/all_reduce"].bytes_received, 2 * ring);
-            assert_eq!(st.bytes_sent_by_group("dp"), 4 * ring);
+    for n in [2usize, 3, 4, 8] {
+        for r in ThreadWorld::new(n).run(selftest::check_textbook_bytes) {
+            r.unwrap().unwrap();
         }
     }
 }

@@ -4,10 +4,15 @@
 //! virtual clock per device). An MPI or NCCL backend implements the same trait.
 
 mod mesh;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod ring;
+pub mod selftest;
 mod stats;
 mod threads;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiComm;
 pub use mesh::{DeviceMesh, Dim, Group};
 pub use stats::{CommStats, OpStats};
 pub use threads::{LinkModel, ThreadComm, ThreadWorld};

@@ -306,71 +306,25 @@ fn kernels(b: KernelBench) -> Result<()> {
     Ok(())
 }
 
-/// nccl-tests conventions: algorithm bandwidth = S / t; bus bandwidth scales it by the fraction of the
-/// data each device must send (2(n−1)/n for all-reduce, (n−1)/n for all-gather and reduce-scatter, 1
-/// for broadcast), so it compares directly with a link's bandwidth.
+/// The threads backend's table; `ferrotron-mpi-selftest bench` prints the MPI backend's.
 fn comm(b: CommBench) -> Result<()> {
-    use ferrotron_engine::comm::{Comm, Group, ReduceOp, ThreadWorld};
-    let mut sizes = vec![1usize << 10];
-    while *sizes.last().expect("non-empty") < b.max_mib << 20 {
-        let next = sizes.last().expect("non-empty") * 4;
-        sizes.push(next.min(b.max_mib << 20));
-    }
-    println!(
-        "ferrotron bench comm: threads backend, {} reps (median), f32, wall time",
-        b.reps
-    );
-    println!("| op | devices | size | time (ms) | algbw (GB/s) | busbw (GB/s) |\n|---|---|---|---|---|---|");
+    use ferrotron_engine::comm::selftest::{
+        bench_op, bench_row, bench_sizes, BENCH_HEADER, BENCH_OPS,
+    };
+    use ferrotron_engine::comm::ThreadWorld;
+    println!("ferrotron bench comm: threads backend, f32, median of {} reps, wall time of the slowest rank", b.reps);
+    println!("{BENCH_HEADER}");
     for &n in &b.devices {
-        for &bytes in &sizes {
-            let elems = (bytes / 4).max(n);
-            let elems = elems - elems % n;
-            for op in ["all_reduce", "all_gather", "reduce_scatter", "broadcast"] {
-                let times = ThreadWorld::new(n).run(|c| {
-                    let g = Group::new("world", (0..n).collect());
-                    let mut full = vec![1f32; elems];
-                    let mut shard = vec![1f32; elems / n];
-                    let (full_in, shard_in) = (full.clone(), shard.clone());
-                    let mut t = Vec::with_capacity(b.reps);
-                    for _ in 0..b.reps + 1 {
-                        c.barrier(&g).expect("barrier");
-                        let t0 = Instant::now();
-                        match op {
-                            "all_reduce" => c.all_reduce(&g, &mut full, ReduceOp::Sum),
-                            "all_gather" => c.all_gather(&g, &shard_in, &mut full),
-                            "reduce_scatter" => {
-                                c.reduce_scatter(&g, &full_in, &mut shard, ReduceOp::Sum)
-                            }
-                            _ => c.broadcast(&g, &mut full, 0),
-                        }
-                        .expect("collective");
-                        c.barrier(&g).expect("barrier");
-                        t.push(t0.elapsed().as_secs_f64());
-                    }
-                    t.remove(0); // warm-up
-                    t.sort_by(|a, b| a.total_cmp(b));
-                    t[t.len() / 2]
-                });
+        for elems in bench_sizes(b.max_mib, n) {
+            for op in BENCH_OPS {
+                let times = ThreadWorld::new(n).run(|c| bench_op(c, op, elems, b.reps));
                 let t = times
                     .into_iter()
-                    .map(|r| r.expect("rank ran"))
-                    .fold(0.0, f64::max);
-                let s = (elems * 4) as f64;
-                let factor = match op {
-                    "all_reduce" => 2.0 * (n - 1) as f64 / n as f64,
-                    "broadcast" => 1.0,
-                    _ => (n - 1) as f64 / n as f64,
-                };
-                let size = if bytes >= 1 << 20 {
-                    format!("{} MiB", bytes >> 20)
-                } else {
-                    format!("{} KiB", bytes >> 10)
-                };
+                    .map(|r| r.map_err(anyhow::Error::from).and_then(|x| Ok(x?)))
+                    .collect::<Result<Vec<f64>>>()?;
                 println!(
-                    "| {op} | {n} | {size} | {:.3} | {:.2} | {:.2} |",
-                    t * 1e3,
-                    s / t / 1e9,
-                    s / t / 1e9 * factor
+                    "{}",
+                    bench_row("threads", op, n, elems, t.into_iter().fold(0.0, f64::max))
                 );
             }
         }

@@ -1,0 +1,332 @@
+//! The MPI backend: one rank per process, across processes and hosts. The same ring collectives as
+//! the threads backend run over MPI point-to-point messages (so byte counts, summation order and
+//! accounting are identical). Sends are non-blocking with owned buffers; every receive polls against a
+//! deadline, so a missing peer becomes an error naming it rather than a hang. A rank that hits an
+//! error should call [`MpiComm::abort`]: mpirun then ends every other rank with a non-zero status.
+
+use super::ring::{Tally, Transport};
+use super::stats::{CommStats, OpStats};
+use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
+use mpi::ffi;
+use std::os::raw::{c_int, c_void};
+use std::time::{Duration, Instant};
+
+const MPI_TAG: c_int = 7;
+const HEADER_WORDS: usize = 8;
+const MAGIC: u64 = 0x6665_7272_6f74_726f; // "ferrotro"
+
+/// A stable 64-bit code for a name (FNV-1a), carried in message headers.
+fn code(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn thread_cpu_time() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// This process's endpoint of MPI_COMM_WORLD.
+pub struct MpiComm {
+    _universe: mpi::environment::Universe,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    /// Sends in flight with the buffers they read from.
+    pending: Vec<(ffi::MPI_Request, Vec<u64>, usize)>,
+    clock: f64,
+    cpu_mark: f64,
+    wall_start: Instant,
+    stats: CommStats,
+    scratch: Vec<u64>,
+    recv_buf: Vec<u64>,
+}
+
+impl MpiComm {
+    /// Initialises MPI (once per process).
+    pub fn init(timeout: Option<Duration>) -> CommResult<Self> {
+        let universe = mpi::initialize()
+            .ok_or_else(|| CommError::Usage("MPI is already initialised in this process".into()))?;
+        let world = mpi::topology::Communicator::size(&universe.world()) as usize;
+        let rank = mpi::topology::Communicator::rank(&universe.world()) as usize;
+        Ok(Self {
+            _universe: universe,
+            rank,
+            world,
+            timeout: timeout.unwrap_or(DEFAULT_TIMEOUT),
+            pending: Vec::new(),
+            clock: 0.0,
+            cpu_mark: thread_cpu_time(),
+            wall_start: Instant::now(),
+            stats: CommStats {
+                rank,
+                ..CommStats::default()
+            },
+            scratch: Vec::new(),
+            recv_buf: Vec::new(),
+        })
+    }
+
+    /// Ends the whole job: prints `why` and makes mpirun stop every rank with a non-zero status.
+    pub fn abort(&self, why: &str, code: i32) -> ! {
+        eprintln!("rank {}: {why}", self.rank);
+        // SAFETY: MPI is initialised; MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+        std::process::exit(code)
+    }
+
+    pub fn device_time(&mut self) -> f64 {
+        self.accrue();
+        self.clock
+    }
+
+    fn accrue(&mut self) {
+        let now = thread_cpu_time();
+        let dt = (now - self.cpu_mark).max(0.0);
+        self.clock += dt;
+        self.stats.compute_time_s += dt;
+        self.cpu_mark = now;
+    }
+
+    /// Drops the sends that have completed; with `wait`, waits (to the deadline) for all of them.
+    fn progress_sends(&mut self, wait: bool, op: &'static str, group: &str) -> CommResult<()> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let mut i = 0;
+            while i < self.pending.len() {
+                let mut flag: c_int = 0;
+                // SAFETY: the request is live and its buffer is owned by `pending` until it completes.
+                unsafe {
+                    ffi::MPI_Test(&mut self.pending[i].0, &mut flag, ffi::RSMPI_STATUS_IGNORE)
+                };
+                if flag != 0 {
+                    self.pending.swap_remove(i);
+                } else {
+                    i += 1;
+                }
+            }
+            if !wait || self.pending.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let peer = self.pending[0].2;
+                return Err(CommError::Timeout {
+                    op,
+                    group: group.to_string(),
+                    rank: self.rank,
+                    peer,
+                    waited: self.timeout,
+                });
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // Buffers must outlive their sends.
+        let _ = self.progress_sends(true, "finalize", "world");
+    }
+}
+
+impl Transport for MpiComm {
+    fn my_rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.world
+    }
+    fn comm_stats(&self) -> &CommStats {
+        &self.stats
+    }
+    fn scratch(&mut self) -> &mut Vec<u64> {
+        &mut self.scratch
+    }
+
+    fn begin(&mut self, kind: &'static str, op: &'static str, group: &str) -> Tally {
+        self.accrue();
+        Tally {
+            kind,
+            op,
+            group: group.to_string(),
+            s: OpStats {
+                calls: 1,
+                ..OpStats::default()
+            },
+        }
+    }
+
+    fn end(&mut self, t: Tally) {
+        let _ = self.progress_sends(false, t.op, &t.group);
+        self.cpu_mark = thread_cpu_time();
+        self.stats.record(t.kind, t.op, t.s);
+        self.stats.device_time_s = self.clock;
+        self.stats.wall_time_s = self.wall_start.elapsed().as_secs_f64();
+    }
+
+    fn post<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        to: usize,
+        data: &[T],
+        tag: u64,
+        total_len: usize,
+    ) -> CommResult<()> {
+        let bytes = std::mem::size_of_val(data);
+        let words = bytes.div_ceil(8);
+        let mut buf = vec![0u64; HEADER_WORDS + words];
+        buf[..HEADER_WORDS].copy_from_slice(&[
+            MAGIC,
+            tag,
+            code(t.op),
+            total_len as u64,
+            data.len() as u64,
+            code(T::NAME),
+            self.clock.to_bits(),
+            bytes as u64,
+        ]);
+        // SAFETY: `Element` values are plain bytes and `buf` has room for them after the header.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr() as *const u8,
+                buf[HEADER_WORDS..].as_mut_ptr() as *mut u8,
+                bytes,
+            )
+        };
+        let mut req: ffi::MPI_Request = unsafe { std::mem::zeroed() };
+        // SAFETY: the buffer stays alive in `pending` until MPI_Test reports the send complete.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr() as *const c_void,
+                buf.len() as c_int,
+                ffi::RSMPI_UINT64_T,
+                to as c_int,
+                MPI_TAG,
+                ffi::RSMPI_COMM_WORLD,
+                &mut req,
+            )
+        };
+        if rc != 0 {
+            return Err(CommError::PeerGone {
+                op: t.op,
+                group: t.group.clone(),
+                rank: self.rank,
+                peer: to,
+            });
+        }
+        self.pending.push((req, buf, to));
+        t.s.bytes_sent += bytes as u64;
+        Ok(())
+    }
+
+    fn take<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        from: usize,
+        tag: u64,
+        total_len: usize,
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<()> {
+        let waited_from = Instant::now();
+        let deadline = waited_from + self.timeout;
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        loop {
+            let mut flag: c_int = 0;
+            // SAFETY: plain MPI calls with valid out-pointers.
+            unsafe {
+                ffi::MPI_Iprobe(
+                    from as c_int,
+                    MPI_TAG,
+                    ffi::RSMPI_COMM_WORLD,
+                    &mut flag,
+                    &mut status,
+                )
+            };
+            if flag != 0 {
+                break;
+            }
+            // Keep our own sends moving while we wait (a peer may be waiting for them).
+            self.progress_sends(false, t.op, &t.group)?;
+            if Instant::now() > deadline {
+                return Err(CommError::Timeout {
+                    op: t.op,
+                    group: t.group.clone(),
+                    rank: self.rank,
+                    peer: from,
+                    waited: self.timeout,
+                });
+            }
+            std::thread::yield_now();
+        }
+        let mut count: c_int = 0;
+        unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT64_T, &mut count) };
+        let mut buf = std::mem::take(&mut self.recv_buf);
+        buf.clear();
+        buf.resize(count.max(0) as usize, 0);
+        // SAFETY: the probed message fits `buf` exactly; MPI_Recv completes at once.
+        unsafe {
+            ffi::MPI_Recv(
+                buf.as_mut_ptr() as *mut c_void,
+                count,
+                ffi::RSMPI_UINT64_T,
+                from as c_int,
+                MPI_TAG,
+                ffi::RSMPI_COMM_WORLD,
+                ffi::RSMPI_STATUS_IGNORE,
+            )
+        };
+        let mismatch = |mine: String, theirs: String| CommError::Mismatch {
+            op: t.op,
+            group: t.group.clone(),
+            rank: self.rank,
+            peer: from,
+            mine,
+            theirs,
+        };
+        if buf.len() < HEADER_WORDS || buf[0] != MAGIC {
+            return Err(mismatch(
+                "a ferrotron message".into(),
+                "something else".into(),
+            ));
+        }
+        let h: Vec<u64> = buf[..HEADER_WORDS].to_vec();
+        if h[2] != code(t.op) || h[1] != tag {
+            return Err(mismatch(
+                format!("{} (tag {tag})", t.op),
+                format!("another operation (tag {})", h[1]),
+            ));
+        }
+        if h[3] != total_len as u64 {
+            return Err(mismatch(
+                format!("{total_len} elements"),
+                format!("{} elements", h[3]),
+            ));
+        }
+        if h[5] != code(T::NAME) {
+            return Err(mismatch(
+                format!("element type {}", T::NAME),
+                "another element type".into(),
+            ));
+        }
+        let (len, bytes) = (h[4] as usize, h[7] as usize);
+        let depart = f64::from_bits(h[6]);
+        if depart > self.clock {
+            t.s.time_blocked_s += depart - self.clock;
+            self.clock = depart;
+        }
+        t.s.bytes_received += bytes as u64;
+        // SAFETY: the payload words hold `len` plain elements, 8-byte aligned.
+        let view =
+            unsafe { std::slice::from_raw_parts(buf[HEADER_WORDS..].as_ptr() as *const T, len) };
+        let result = consume(view);
+        self.recv_buf = buf;
+        result
+    }
+}
