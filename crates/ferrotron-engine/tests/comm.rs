@@ -118,6 +118,51 @@ fn clocks(pin_to_one_core: bool) -> Vec<f64> {
 }
 
 #[test]
+fn compute_between_start_and_wait_hides_the_transfer() {
+    let gbs = Link {
+        bandwidth_bytes_per_s: 1e9,
+        latency_s: 10e-6,
+    };
+    let world = ThreadWorld::new(2).link(LinkModel {
+        intra: gbs,
+        inter: gbs,
+        devices_per_node: 2,
+    });
+    let run = |overlap: bool| {
+        world
+            .run(|c| {
+                let g = Group::new("dp", vec![0, 1]);
+                let grads = vec![1f32; 16 << 20]; // 64 MiB: 67 ms of transfer on the ring
+                let t0 = c.device_time();
+                if overlap {
+                    let mut p = c.start_all_reduce(&g, grads, ReduceOp::Sum).unwrap();
+                    for _ in 0..3 {
+                        std::hint::black_box(busy(20_000_000));
+                        c.test(&mut p).unwrap();
+                    }
+                    c.wait(p).unwrap();
+                } else {
+                    let mut g2 = grads;
+                    c.all_reduce(&g, &mut g2, ReduceOp::Sum).unwrap();
+                    for _ in 0..3 {
+                        std::hint::black_box(busy(20_000_000));
+                    }
+                }
+                c.device_time() - t0
+            })
+            .into_iter()
+            .map(|r| r.unwrap())
+            .fold(0.0, f64::max)
+    };
+    let (serial, overlapped) = (run(false), run(true));
+    println!("device time: blocking {serial:.4} s, overlapped {overlapped:.4} s");
+    assert!(
+        overlapped < serial - 0.05,
+        "overlap saved too little: {overlapped} vs {serial}"
+    );
+}
+
+#[test]
 fn device_time_does_not_depend_on_oversubscription() {
     let free = clocks(false);
     let pinned = clocks(true);

@@ -14,6 +14,7 @@ mod threads;
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
 pub use mesh::{DeviceMesh, Dim, Group};
+pub use ring::Pending;
 pub use stats::{CommStats, OpStats};
 pub use threads::{LinkModel, ThreadComm, ThreadWorld};
 
@@ -171,6 +172,27 @@ pub trait Comm {
 
     /// What this device has sent, received and waited for so far.
     fn stats(&self) -> &CommStats;
+
+    /// Starts an all-reduce of `buf` and returns at once; compute until [`Comm::wait`] overlaps it.
+    fn start_all_reduce<T: Element>(
+        &mut self,
+        g: &Group,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> CommResult<Pending<T>>;
+    /// Starts a reduce-scatter of `input` (`g.size()` equal shards); `wait` returns this rank's shard.
+    fn start_reduce_scatter<T: Element>(
+        &mut self,
+        g: &Group,
+        input: Vec<T>,
+        op: ReduceOp,
+    ) -> CommResult<Pending<T>>;
+    /// Starts an all-gather of equal shards; `wait` returns the concatenation.
+    fn start_all_gather<T: Element>(&mut self, g: &Group, input: &[T]) -> CommResult<Pending<T>>;
+    /// Moves a pending operation on as far as its arrived messages allow; true when it is complete.
+    fn test<T: Element>(&mut self, p: &mut Pending<T>) -> CommResult<bool>;
+    /// Completes a pending operation (waiting up to the timeout for each peer) and returns its result.
+    fn wait<T: Element>(&mut self, p: Pending<T>) -> CommResult<Vec<T>>;
 }
 
 /// Default time a rank waits for a peer before giving up.

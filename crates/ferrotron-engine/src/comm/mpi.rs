@@ -5,7 +5,7 @@
 //! error should call [`MpiComm::abort`]: mpirun then ends every other rank with a non-zero status.
 
 use super::ring::{Tally, Transport};
-use super::stats::{CommStats, OpStats};
+use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
 use mpi::ffi;
 use std::os::raw::{c_int, c_void};
@@ -136,6 +136,102 @@ impl Drop for MpiComm {
     }
 }
 
+impl MpiComm {
+    /// One non-blocking probe for a message from `from`.
+    fn probe(&mut self, from: usize) -> Option<ffi::MPI_Status> {
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        let mut flag: c_int = 0;
+        // SAFETY: plain MPI call with valid out-pointers.
+        unsafe {
+            ffi::MPI_Iprobe(
+                from as c_int,
+                MPI_TAG,
+                ffi::RSMPI_COMM_WORLD,
+                &mut flag,
+                &mut status,
+            )
+        };
+        (flag != 0).then_some(status)
+    }
+
+    /// Receives the probed message, checks it belongs to this operation, and hands its elements to
+    /// `consume`.
+    fn accept<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        from: usize,
+        status: ffi::MPI_Status,
+        tag: u64,
+        total_len: usize,
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<()> {
+        let mut count: c_int = 0;
+        // SAFETY: `status` comes from a successful probe.
+        unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT64_T, &mut count) };
+        let mut buf = std::mem::take(&mut self.recv_buf);
+        buf.clear();
+        buf.resize(count.max(0) as usize, 0);
+        // SAFETY: the probed message fits `buf` exactly; MPI_Recv completes at once.
+        unsafe {
+            ffi::MPI_Recv(
+                buf.as_mut_ptr() as *mut c_void,
+                count,
+                ffi::RSMPI_UINT64_T,
+                from as c_int,
+                MPI_TAG,
+                ffi::RSMPI_COMM_WORLD,
+                ffi::RSMPI_STATUS_IGNORE,
+            )
+        };
+        let mismatch = |mine: String, theirs: String| CommError::Mismatch {
+            op: t.op,
+            group: t.group.clone(),
+            rank: self.rank,
+            peer: from,
+            mine,
+            theirs,
+        };
+        if buf.len() < HEADER_WORDS || buf[0] != MAGIC {
+            return Err(mismatch(
+                "a ferrotron message".into(),
+                "something else".into(),
+            ));
+        }
+        let h: Vec<u64> = buf[..HEADER_WORDS].to_vec();
+        if h[2] != code(t.op) || h[1] != tag {
+            return Err(mismatch(
+                format!("{} (tag {tag})", t.op),
+                format!("another operation (tag {})", h[1]),
+            ));
+        }
+        if h[3] != total_len as u64 {
+            return Err(mismatch(
+                format!("{total_len} elements"),
+                format!("{} elements", h[3]),
+            ));
+        }
+        if h[5] != code(T::NAME) {
+            return Err(mismatch(
+                format!("element type {}", T::NAME),
+                "another element type".into(),
+            ));
+        }
+        let (len, bytes) = (h[4] as usize, h[7] as usize);
+        let depart = f64::from_bits(h[6]);
+        if depart > self.clock {
+            t.s.time_blocked_s += depart - self.clock;
+            self.clock = depart;
+        }
+        t.s.bytes_received += bytes as u64;
+        // SAFETY: the payload words hold `len` plain elements, 8-byte aligned.
+        let view =
+            unsafe { std::slice::from_raw_parts(buf[HEADER_WORDS..].as_ptr() as *const T, len) };
+        let result = consume(view);
+        self.recv_buf = buf;
+        result
+    }
+}
+
 impl Transport for MpiComm {
     fn my_rank(&self) -> usize {
         self.rank
@@ -149,23 +245,14 @@ impl Transport for MpiComm {
     fn scratch(&mut self) -> &mut Vec<u64> {
         &mut self.scratch
     }
-
-    fn begin(&mut self, kind: &'static str, op: &'static str, group: &str) -> Tally {
+    fn resume(&mut self) {
         self.accrue();
-        Tally {
-            kind,
-            op,
-            group: group.to_string(),
-            s: OpStats {
-                calls: 1,
-                ..OpStats::default()
-            },
-        }
     }
-
-    fn end(&mut self, t: Tally) {
-        let _ = self.progress_sends(false, t.op, &t.group);
+    fn pause(&mut self) {
+        let _ = self.progress_sends(false, "progress", "world");
         self.cpu_mark = thread_cpu_time();
+    }
+    fn record(&mut self, t: Tally) {
         self.stats.record(t.kind, t.op, t.s);
         self.stats.device_time_s = self.clock;
         self.stats.wall_time_s = self.wall_start.elapsed().as_secs_f64();
@@ -234,23 +321,10 @@ impl Transport for MpiComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
-        let waited_from = Instant::now();
-        let deadline = waited_from + self.timeout;
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        loop {
-            let mut flag: c_int = 0;
-            // SAFETY: plain MPI calls with valid out-pointers.
-            unsafe {
-                ffi::MPI_Iprobe(
-                    from as c_int,
-                    MPI_TAG,
-                    ffi::RSMPI_COMM_WORLD,
-                    &mut flag,
-                    &mut status,
-                )
-            };
-            if flag != 0 {
-                break;
+        let deadline = Instant::now() + self.timeout;
+        let status = loop {
+            if let Some(s) = self.probe(from) {
+                break s;
             }
             // Keep our own sends moving while we wait (a peer may be waiting for them).
             self.progress_sends(false, t.op, &t.group)?;
@@ -264,69 +338,24 @@ impl Transport for MpiComm {
                 });
             }
             std::thread::yield_now();
-        }
-        let mut count: c_int = 0;
-        unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT64_T, &mut count) };
-        let mut buf = std::mem::take(&mut self.recv_buf);
-        buf.clear();
-        buf.resize(count.max(0) as usize, 0);
-        // SAFETY: the probed message fits `buf` exactly; MPI_Recv completes at once.
-        unsafe {
-            ffi::MPI_Recv(
-                buf.as_mut_ptr() as *mut c_void,
-                count,
-                ffi::RSMPI_UINT64_T,
-                from as c_int,
-                MPI_TAG,
-                ffi::RSMPI_COMM_WORLD,
-                ffi::RSMPI_STATUS_IGNORE,
-            )
         };
-        let mismatch = |mine: String, theirs: String| CommError::Mismatch {
-            op: t.op,
-            group: t.group.clone(),
-            rank: self.rank,
-            peer: from,
-            mine,
-            theirs,
-        };
-        if buf.len() < HEADER_WORDS || buf[0] != MAGIC {
-            return Err(mismatch(
-                "a ferrotron message".into(),
-                "something else".into(),
-            ));
+        self.accept(t, from, status, tag, total_len, consume)
+    }
+
+    fn try_take<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        from: usize,
+        tag: u64,
+        total_len: usize,
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<bool> {
+        self.progress_sends(false, t.op, &t.group)?;
+        match self.probe(from) {
+            Some(status) => self
+                .accept(t, from, status, tag, total_len, consume)
+                .map(|_| true),
+            None => Ok(false),
         }
-        let h: Vec<u64> = buf[..HEADER_WORDS].to_vec();
-        if h[2] != code(t.op) || h[1] != tag {
-            return Err(mismatch(
-                format!("{} (tag {tag})", t.op),
-                format!("another operation (tag {})", h[1]),
-            ));
-        }
-        if h[3] != total_len as u64 {
-            return Err(mismatch(
-                format!("{total_len} elements"),
-                format!("{} elements", h[3]),
-            ));
-        }
-        if h[5] != code(T::NAME) {
-            return Err(mismatch(
-                format!("element type {}", T::NAME),
-                "another element type".into(),
-            ));
-        }
-        let (len, bytes) = (h[4] as usize, h[7] as usize);
-        let depart = f64::from_bits(h[6]);
-        if depart > self.clock {
-            t.s.time_blocked_s += depart - self.clock;
-            self.clock = depart;
-        }
-        t.s.bytes_received += bytes as u64;
-        // SAFETY: the payload words hold `len` plain elements, 8-byte aligned.
-        let view =
-            unsafe { std::slice::from_raw_parts(buf[HEADER_WORDS..].as_ptr() as *const T, len) };
-        let result = consume(view);
-        self.recv_buf = buf;
-        result
     }
 }

@@ -1,9 +1,12 @@
 //! The collectives, written once as ring algorithms over a point-to-point [`Transport`]: every backend
 //! that can post and take messages gets all of [`Comm`] with the same byte counts, the same summation
-//! order (so the same bits) and the same accounting.
+//! order (so the same bits) and the same accounting. A ring collective is a list of steps (send one
+//! range to the next rank, receive one range from the previous, add or copy it); the blocking calls
+//! run the list at once, a [`Pending`] operation runs it as its inputs arrive.
 
 use super::stats::{CommStats, OpStats};
 use super::{Comm, CommError, CommResult, Element, Group, ReduceOp};
+use std::ops::Range;
 
 /// What one call of an operation did; added to the stats when it ends.
 pub(crate) struct Tally {
@@ -11,6 +14,8 @@ pub(crate) struct Tally {
     pub op: &'static str,
     pub group: String,
     pub s: OpStats,
+    /// A started (asynchronous) operation: its sends do not stop the device's clock.
+    pub overlapped: bool,
 }
 
 /// Point-to-point messaging with accounting: what a backend provides.
@@ -18,8 +23,11 @@ pub(crate) trait Transport {
     fn my_rank(&self) -> usize;
     fn world(&self) -> usize;
     fn comm_stats(&self) -> &CommStats;
-    fn begin(&mut self, kind: &'static str, op: &'static str, group: &str) -> Tally;
-    fn end(&mut self, t: Tally);
+    /// Brings the device clock up to date with the compute done since the last pause.
+    fn resume(&mut self);
+    /// Marks the end of communication work: what follows is compute again.
+    fn pause(&mut self);
+    fn record(&mut self, t: Tally);
     /// Sends `data` to `to` without waiting for the receiver.
     fn post<T: Element>(
         &mut self,
@@ -29,8 +37,8 @@ pub(crate) trait Transport {
         tag: u64,
         total_len: usize,
     ) -> CommResult<()>;
-    /// Receives the next message from `from`, checks it belongs to this operation (tag, total length,
-    /// element type) and hands its elements to `consume`.
+    /// Receives the next message from `from` (waiting up to the timeout), checks it belongs to this
+    /// operation (tag, total length, element type) and hands its elements to `consume`.
     fn take<T: Element>(
         &mut self,
         t: &mut Tally,
@@ -39,117 +47,237 @@ pub(crate) trait Transport {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()>;
-    /// A ring step's send: by default a plain post (the receive follows).
-    fn exchange_post<T: Element>(
+    /// Like `take`, but returns `Ok(false)` at once if the message has not arrived.
+    fn try_take<T: Element>(
         &mut self,
         t: &mut Tally,
-        to: usize,
-        data: &[T],
+        from: usize,
         tag: u64,
         total_len: usize,
-    ) -> CommResult<()> {
-        self.post(t, to, data, tag, total_len)
-    }
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<bool>;
     /// Reusable working storage.
     fn scratch(&mut self) -> &mut Vec<u64>;
+
+    fn begin(&mut self, kind: &'static str, op: &'static str, group: &str) -> Tally {
+        self.resume();
+        Tally {
+            kind,
+            op,
+            group: group.to_string(),
+            s: OpStats {
+                calls: 1,
+                ..OpStats::default()
+            },
+            overlapped: false,
+        }
+    }
+    fn end(&mut self, t: Tally) {
+        self.pause();
+        self.record(t);
+    }
 }
 
 /// The element range of chunk `c` when `len` elements are cut into `n` nearly equal chunks.
-pub(crate) fn chunk(len: usize, n: usize, c: usize) -> std::ops::Range<usize> {
+pub(crate) fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
     (c * len / n)..((c + 1) * len / n)
 }
 
-/// Ring reduce-scatter in place over `buf` cut into `g.size()` chunks; afterwards chunk `i` of the
-/// group member with index `i` holds the full reduction.
-fn ring_reduce_scatter<X: Transport, T: Element>(
-    x: &mut X,
-    t: &mut Tally,
-    g: &Group,
-    buf: &mut [T],
-) -> CommResult<()> {
-    let (n, i) = (g.size(), g.index_of(x.my_rank())?);
-    let (next, prev) = (g.ranks[(i + 1) % n], g.ranks[(i + n - 1) % n]);
-    let len = buf.len();
-    for s in 0..n - 1 {
-        let send_c = (i + 2 * n - s - 1) % n;
-        let recv_c = (i + 2 * n - s - 2) % n;
-        x.exchange_post(t, next, &buf[chunk(len, n, send_c)], s as u64, len)?;
-        let dst = &mut buf[chunk(len, n, recv_c)];
-        x.take(t, prev, s as u64, len, |part: &[T]| {
-            dst.iter_mut().zip(part).for_each(|(x, &y)| *x = x.add(y));
-            Ok(())
-        })?;
-    }
-    Ok(())
+/// One ring step: send `send` to `next`, receive `recv` from `prev`, reduce or copy it in.
+#[derive(Debug, Clone)]
+struct Step {
+    send: Range<usize>,
+    recv: Range<usize>,
+    tag: u64,
+    reduce: bool,
+    /// Divide this range by the group size before the step (all-reduce mean, after reduce-scatter).
+    divide_first: Option<Range<usize>>,
 }
 
-/// Ring all-gather in place: member `i` contributes `buf[ranges[i]]`.
-fn ring_all_gather<X: Transport, T: Element>(
+/// Reduce-scatter steps over `len` elements in `n` chunks: afterwards member `i` holds the full
+/// reduction of chunk `i`.
+fn reduce_scatter_steps(n: usize, i: usize, len: usize) -> Vec<Step> {
+    (0..n - 1)
+        .map(|s| Step {
+            send: chunk(len, n, (i + 2 * n - s - 1) % n),
+            recv: chunk(len, n, (i + 2 * n - s - 2) % n),
+            tag: s as u64,
+            reduce: true,
+            divide_first: None,
+        })
+        .collect()
+}
+
+/// All-gather steps: member `k` contributes `ranges[k]`.
+fn all_gather_steps(n: usize, i: usize, ranges: &[Range<usize>]) -> Vec<Step> {
+    (0..n - 1)
+        .map(|s| Step {
+            send: ranges[(i + n - s) % n].clone(),
+            recv: ranges[(i + 2 * n - s - 1) % n].clone(),
+            tag: 1000 + s as u64,
+            reduce: false,
+            divide_first: None,
+        })
+        .collect()
+}
+
+fn all_reduce_steps(n: usize, i: usize, len: usize, op: ReduceOp) -> Vec<Step> {
+    let mut steps = reduce_scatter_steps(n, i, len);
+    let ranges: Vec<_> = (0..n).map(|c| chunk(len, n, c)).collect();
+    let mut ag = all_gather_steps(n, i, &ranges);
+    // A group of one has no steps, and its mean is the value itself.
+    if let (ReduceOp::Mean, Some(first)) = (op, ag.first_mut()) {
+        first.divide_first = Some(chunk(len, n, i));
+    }
+    steps.extend(ag);
+    steps
+}
+
+/// Runs step `st` on `buf`. Returns `Ok(false)` (having posted the send) if `blocking` is off and
+/// the receive has not arrived.
+#[allow(clippy::too_many_arguments)]
+fn run_step<X: Transport, T: Element>(
     x: &mut X,
     t: &mut Tally,
     g: &Group,
+    st: &Step,
     buf: &mut [T],
-    ranges: &[std::ops::Range<usize>],
-) -> CommResult<()> {
+    posted: &mut bool,
+    blocking: bool,
+) -> CommResult<bool> {
     let (n, i) = (g.size(), g.index_of(x.my_rank())?);
     let (next, prev) = (g.ranks[(i + 1) % n], g.ranks[(i + n - 1) % n]);
     let len = buf.len();
-    for s in 0..n - 1 {
-        let send_c = (i + n - s) % n;
-        let recv_c = (i + 2 * n - s - 1) % n;
-        x.exchange_post(t, next, &buf[ranges[send_c].clone()], 1000 + s as u64, len)?;
-        let (rank, op, group) = (x.my_rank(), t.op, g.name.clone());
-        let dst = &mut buf[ranges[recv_c].clone()];
-        x.take(t, prev, 1000 + s as u64, len, |part: &[T]| {
-            if part.len() != dst.len() {
-                return Err(CommError::Mismatch {
-                    op,
-                    group,
-                    rank,
-                    peer: prev,
-                    mine: format!("{} elements expected from member {recv_c}", dst.len()),
-                    theirs: format!("{} elements", part.len()),
-                });
-            }
+    if !*posted {
+        if let Some(r) = &st.divide_first {
+            buf[r.clone()].iter_mut().for_each(|v| *v = v.div(n));
+        }
+        x.post(t, next, &buf[st.send.clone()], st.tag, len)?;
+        *posted = true;
+    }
+    let (rank, op, group) = (x.my_rank(), t.op, g.name.clone());
+    let dst = &mut buf[st.recv.clone()];
+    let consume = |part: &[T]| {
+        if part.len() != dst.len() {
+            return Err(CommError::Mismatch {
+                op,
+                group,
+                rank,
+                peer: prev,
+                mine: format!("{} elements in this step", dst.len()),
+                theirs: format!("{} elements", part.len()),
+            });
+        }
+        if st.reduce {
+            dst.iter_mut().zip(part).for_each(|(a, &b)| *a = a.add(b));
+        } else {
             dst.copy_from_slice(part);
-            Ok(())
-        })?;
+        }
+        Ok(())
+    };
+    if blocking {
+        x.take(t, prev, st.tag, len, consume)?;
+        Ok(true)
+    } else {
+        x.try_take(t, prev, st.tag, len, consume)
+    }
+}
+
+fn run_all<X: Transport, T: Element>(
+    x: &mut X,
+    t: &mut Tally,
+    g: &Group,
+    steps: &[Step],
+    buf: &mut [T],
+) -> CommResult<()> {
+    for st in steps {
+        run_step(x, t, g, st, buf, &mut false, true)?;
     }
     Ok(())
 }
 
-fn gather_impl<X: Transport, T: Element>(
+/// A collective that has started and finishes as its messages arrive: call [`Comm::test`] between
+/// pieces of compute to move it on, and [`Comm::wait`] for the result. While it is pending, issue no
+/// other operation on the same group (messages between two ranks arrive in order).
+pub struct Pending<T: Element> {
+    group: Group,
+    buf: Vec<T>,
+    steps: Vec<Step>,
+    step: usize,
+    posted: bool,
+    tally: Option<Tally>,
+    /// The part of `buf` that is the result (the own shard for reduce-scatter).
+    result: Range<usize>,
+    divide_result: bool,
+}
+
+impl<T: Element> Pending<T> {
+    pub fn is_done(&self) -> bool {
+        self.step == self.steps.len()
+    }
+}
+
+fn start<X: Transport, T: Element>(
     x: &mut X,
     g: &Group,
-    input: &[T],
-    counts: &[usize],
-    output: &mut [T],
-) -> CommResult<()> {
-    let mut t = x.begin(g.kind, "all_gather", &g.name);
-    let (n, i) = (g.size(), g.index_of(x.my_rank())?);
-    if counts.len() != n || counts[i] != input.len() || output.len() != counts.iter().sum::<usize>()
-    {
-        return Err(CommError::Usage(format!(
-            "all_gather on group {}: {} counts for {n} members, input {} (count {}), output {} (sum {})",
-            g.name,
-            counts.len(),
-            input.len(),
-            counts.get(i).copied().unwrap_or(0),
-            output.len(),
-            counts.iter().sum::<usize>()
-        )));
-    }
-    let mut starts = vec![0usize; n + 1];
-    for (k, c) in counts.iter().enumerate() {
-        starts[k + 1] = starts[k] + c;
-    }
-    let ranges: Vec<_> = (0..n).map(|k| starts[k]..starts[k + 1]).collect();
-    output[ranges[i].clone()].copy_from_slice(input);
-    if n > 1 {
-        ring_all_gather(x, &mut t, g, output, &ranges)?;
-    }
-    x.end(t);
-    Ok(())
+    op: &'static str,
+    buf: Vec<T>,
+    steps: Vec<Step>,
+    result: Range<usize>,
+    divide_result: bool,
+) -> CommResult<Pending<T>> {
+    g.index_of(x.my_rank())?;
+    let mut t = x.begin(g.kind, op, &g.name);
+    t.overlapped = true;
+    let mut p = Pending {
+        group: g.clone(),
+        buf,
+        steps,
+        step: 0,
+        posted: false,
+        tally: Some(t),
+        result,
+        divide_result,
+    };
+    advance(x, &mut p, false)?;
+    x.pause();
+    Ok(p)
+}
+
+/// Runs the pending steps whose inputs are here (all of them if `blocking`).
+fn advance<X: Transport, T: Element>(
+    x: &mut X,
+    p: &mut Pending<T>,
+    blocking: bool,
+) -> CommResult<bool> {
+    let mut t = p
+        .tally
+        .take()
+        .expect("a pending operation has its tally until it completes");
+    let result = loop {
+        if p.step == p.steps.len() {
+            break Ok(true);
+        }
+        let st = p.steps[p.step].clone();
+        match run_step(
+            x,
+            &mut t,
+            &p.group,
+            &st,
+            &mut p.buf,
+            &mut p.posted,
+            blocking,
+        ) {
+            Ok(true) => {
+                p.step += 1;
+                p.posted = false;
+            }
+            Ok(false) => break Ok(false),
+            Err(e) => break Err(e),
+        }
+    };
+    p.tally = Some(t);
+    result
 }
 
 impl<X: Transport> Comm for X {
@@ -165,17 +293,8 @@ impl<X: Transport> Comm for X {
 
     fn all_reduce<T: Element>(&mut self, g: &Group, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
         let mut t = self.begin(g.kind, "all_reduce", &g.name);
-        let n = g.size();
-        let i = g.index_of(self.my_rank())?;
-        if n > 1 {
-            ring_reduce_scatter(self, &mut t, g, buf)?;
-            let len = buf.len();
-            if op == ReduceOp::Mean {
-                buf[chunk(len, n, i)].iter_mut().for_each(|x| *x = x.div(n));
-            }
-            let ranges: Vec<_> = (0..n).map(|c| chunk(len, n, c)).collect();
-            ring_all_gather(self, &mut t, g, buf, &ranges)?;
-        }
+        let (n, i) = (g.size(), g.index_of(self.my_rank())?);
+        run_all(self, &mut t, g, &all_reduce_steps(n, i, buf.len(), op), buf)?;
         self.end(t);
         Ok(())
     }
@@ -189,14 +308,7 @@ impl<X: Transport> Comm for X {
     ) -> CommResult<()> {
         let mut t = self.begin(g.kind, "reduce_scatter", &g.name);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
-        if input.len() != n * output.len() {
-            return Err(CommError::Usage(format!(
-                "reduce_scatter on group {}: input has {} elements, expected {n} shards of {}",
-                g.name,
-                input.len(),
-                output.len()
-            )));
-        }
+        check_shards(g, input.len(), output.len())?;
         // Work on a reused copy of the input: allocating (and faulting in) a fresh one per call costs
         // more than the transfer.
         let mut storage = std::mem::take(self.scratch());
@@ -206,11 +318,13 @@ impl<X: Transport> Comm for X {
         let work =
             unsafe { std::slice::from_raw_parts_mut(storage.as_mut_ptr() as *mut T, input.len()) };
         work.copy_from_slice(input);
-        let result = if n > 1 {
-            ring_reduce_scatter(self, &mut t, g, work)
-        } else {
-            Ok(())
-        };
+        let result = run_all(
+            self,
+            &mut t,
+            g,
+            &reduce_scatter_steps(n, i, input.len()),
+            work,
+        );
         output.copy_from_slice(&work[chunk(input.len(), n, i)]);
         *self.scratch() = storage;
         result?;
@@ -228,7 +342,7 @@ impl<X: Transport> Comm for X {
         output: &mut [T],
     ) -> CommResult<()> {
         let counts = vec![input.len(); g.size()];
-        gather_impl(self, g, input, &counts, output)
+        self.all_gather_uneven(g, input, &counts, output)
     }
 
     fn all_gather_uneven<T: Element>(
@@ -238,7 +352,13 @@ impl<X: Transport> Comm for X {
         counts: &[usize],
         output: &mut [T],
     ) -> CommResult<()> {
-        gather_impl(self, g, input, counts, output)
+        let mut t = self.begin(g.kind, "all_gather", &g.name);
+        let (n, i) = (g.size(), g.index_of(self.my_rank())?);
+        let ranges = gather_ranges(g, i, input.len(), counts, output.len())?;
+        output[ranges[i].clone()].copy_from_slice(input);
+        run_all(self, &mut t, g, &all_gather_steps(n, i, &ranges), output)?;
+        self.end(t);
+        Ok(())
     }
 
     fn broadcast<T: Element>(&mut self, g: &Group, buf: &mut [T], root: usize) -> CommResult<()> {
@@ -301,4 +421,117 @@ impl<X: Transport> Comm for X {
         self.end(t);
         Ok(())
     }
+
+    fn start_all_reduce<T: Element>(
+        &mut self,
+        g: &Group,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> CommResult<Pending<T>> {
+        let (n, i) = (g.size(), g.index_of(self.my_rank())?);
+        let steps = all_reduce_steps(n, i, buf.len(), op);
+        let len = buf.len();
+        start(self, g, "all_reduce", buf, steps, 0..len, false)
+    }
+
+    fn start_reduce_scatter<T: Element>(
+        &mut self,
+        g: &Group,
+        input: Vec<T>,
+        op: ReduceOp,
+    ) -> CommResult<Pending<T>> {
+        let (n, i) = (g.size(), g.index_of(self.my_rank())?);
+        if !input.len().is_multiple_of(n) {
+            return Err(CommError::Usage(format!(
+                "reduce_scatter on group {}: {} elements do not split into {n} equal shards",
+                g.name,
+                input.len()
+            )));
+        }
+        let steps = reduce_scatter_steps(n, i, input.len());
+        let own = chunk(input.len(), n, i);
+        start(
+            self,
+            g,
+            "reduce_scatter",
+            input,
+            steps,
+            own,
+            op == ReduceOp::Mean,
+        )
+    }
+
+    fn start_all_gather<T: Element>(&mut self, g: &Group, input: &[T]) -> CommResult<Pending<T>> {
+        let (n, i) = (g.size(), g.index_of(self.my_rank())?);
+        let counts = vec![input.len(); n];
+        let ranges = gather_ranges(g, i, input.len(), &counts, n * input.len())?;
+        let mut buf = vec![T::default(); n * input.len()];
+        buf[ranges[i].clone()].copy_from_slice(input);
+        let steps = all_gather_steps(n, i, &ranges);
+        let len = buf.len();
+        start(self, g, "all_gather", buf, steps, 0..len, false)
+    }
+
+    fn test<T: Element>(&mut self, p: &mut Pending<T>) -> CommResult<bool> {
+        self.resume();
+        let done = advance(self, p, false);
+        self.pause();
+        done
+    }
+
+    fn wait<T: Element>(&mut self, mut p: Pending<T>) -> CommResult<Vec<T>> {
+        self.resume();
+        advance(self, &mut p, true)?;
+        let t = p.tally.take().expect("tally present until completion");
+        self.end(t);
+        let n = p.group.size();
+        let mut out = p.buf;
+        if p.result != (0..out.len()) {
+            out = out[p.result.clone()].to_vec();
+        }
+        if p.divide_result {
+            out.iter_mut().for_each(|x| *x = x.div(n));
+        }
+        Ok(out)
+    }
+}
+
+fn check_shards(g: &Group, input: usize, output: usize) -> CommResult<()> {
+    if input != g.size() * output {
+        return Err(CommError::Usage(format!(
+            "reduce_scatter on group {}: input has {input} elements, expected {} shards of {output}",
+            g.name,
+            g.size()
+        )));
+    }
+    Ok(())
+}
+
+/// The output range of every member's shard, after checking the counts against the buffers.
+fn gather_ranges(
+    g: &Group,
+    i: usize,
+    input: usize,
+    counts: &[usize],
+    output: usize,
+) -> CommResult<Vec<Range<usize>>> {
+    let n = g.size();
+    if counts.len() != n || counts[i] != input || output != counts.iter().sum::<usize>() {
+        return Err(CommError::Usage(format!(
+            "all_gather on group {}: {} counts for {n} members, input {input} (count {}), output {output} (sum {})",
+            g.name,
+            counts.len(),
+            counts.get(i).copied().unwrap_or(0),
+            counts.iter().sum::<usize>()
+        )));
+    }
+    let mut start = 0;
+    Ok(counts
+        .iter()
+        .map(|c| {
+            let r = start..start + c;
+            start += c;
+            r
+        })
+        .collect())
 }

@@ -88,6 +88,24 @@ pub fn check_all_ops<C: Comm, T: Element>(
                 .flat_map(|(&r, &k)| input(r, k, gi + 2, conv))
                 .collect();
             expect_eq(&out, &want, &what("all_gather_uneven"))?;
+            // The asynchronous variants give the same results.
+            let mut p = c.start_all_reduce(g, input(me, len, gi, conv), ReduceOp::Sum)?;
+            c.test(&mut p)?;
+            expect_eq(&c.wait(p)?, &sum, &what("start_all_reduce"))?;
+            let p = c.start_all_reduce(g, input(me, len, gi, conv), ReduceOp::Mean)?;
+            expect_eq(
+                &c.wait(p)?,
+                &sum.iter().map(|x| x.div(n)).collect::<Vec<_>>(),
+                &what("start_all_reduce mean"),
+            )?;
+            let p = c.start_reduce_scatter(g, big[idx].clone(), ReduceOp::Sum)?;
+            let want: Vec<T> = (idx * len..(idx + 1) * len)
+                .map(|i| big.iter().skip(1).fold(big[0][i], |a, v| a.add(v[i])))
+                .collect();
+            expect_eq(&c.wait(p)?, &want, &what("start_reduce_scatter"))?;
+            let mut p = c.start_all_gather(g, &all[idx])?;
+            while !c.test(&mut p)? {}
+            expect_eq(&c.wait(p)?, &all.concat(), &what("start_all_gather"))?;
             let mut buf = input(me, len, gi + 3, conv);
             c.broadcast(g, &mut buf, n - 1)?;
             expect_eq(

@@ -6,10 +6,10 @@
 //! 2 cores what they would on N real devices.
 
 use super::ring::{Tally, Transport};
-use super::stats::{CommStats, OpStats};
+use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
 use ferrotron_core::topology::Link;
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -137,6 +137,8 @@ impl ThreadWorld {
                 timeout: self.timeout,
                 link: self.link,
                 clock: 0.0,
+                link_free: 0.0,
+                early: (0..n).map(|_| None).collect(),
                 cpu_mark: thread_cpu_time(),
                 wall_start: Instant::now(),
                 stats: CommStats {
@@ -199,6 +201,10 @@ pub struct ThreadComm {
     timeout: Duration,
     link: Option<LinkModel>,
     clock: f64,
+    /// Device time at which this device's outgoing link is free again.
+    link_free: f64,
+    /// Per source: a message already received that, in device time, has not arrived yet.
+    early: Vec<Option<Msg>>,
     cpu_mark: f64,
     wall_start: Instant,
     stats: CommStats,
@@ -222,23 +228,7 @@ impl ThreadComm {
         self.cpu_mark = now;
     }
 
-    fn begin(&mut self, kind: &'static str, op: &'static str, group: &str) -> Tally {
-        self.accrue_compute();
-        Tally {
-            kind,
-            op,
-            group: group.to_string(),
-            s: OpStats {
-                calls: 1,
-                ..OpStats::default()
-            },
-        }
-    }
-
-    fn end(&mut self, t: Tally) {
-        // The copies and additions a collective does are not counted as compute: the link model
-        // (or nothing, without one) is its cost.
-        self.cpu_mark = thread_cpu_time();
+    fn record_tally(&mut self, t: Tally) {
         self.stats.record(t.kind, t.op, t.s);
         self.stats.device_time_s = self.clock;
         self.stats.wall_time_s = self.wall_start.elapsed().as_secs_f64();
@@ -255,6 +245,11 @@ impl ThreadComm {
         let bytes = std::mem::size_of_val(data);
         let cost = self.link.map_or(0.0, |l| l.cost(bytes, self.rank, to));
         let payload = pack(&self.pools[to], data);
+        // The link is a resource of its own: a transfer starts when both the device and the link are
+        // free. A blocking send holds the device until the transfer is done; a started (overlapped)
+        // operation's sends leave the device computing.
+        let depart = self.clock.max(self.link_free);
+        self.link_free = depart + cost;
         let msg = Msg {
             tag,
             op: t.op,
@@ -263,12 +258,13 @@ impl ThreadComm {
             elem: T::NAME,
             len: data.len(),
             bytes,
-            depart: self.clock,
+            depart,
             cost,
         };
-        // The sender is busy for the transfer's duration.
-        self.clock += cost;
-        t.s.time_transfer_s += cost;
+        if !t.overlapped {
+            t.s.time_transfer_s += self.link_free - self.clock;
+            self.clock = self.link_free;
+        }
         t.s.bytes_sent += bytes as u64;
         self.to[to].send(msg).map_err(|_| CommError::PeerGone {
             op: t.op,
@@ -278,36 +274,17 @@ impl ThreadComm {
         })
     }
 
-    /// Receives the next message from `from`, checks that it belongs to this operation, advances the
-    /// clock, and hands its elements to `consume`; the buffer then goes back to this rank's pool.
-    fn take<T: Element>(
+    /// Checks that `msg` belongs to this operation, advances the clock to its arrival, hands its
+    /// elements to `consume`, and returns its buffer to this rank's pool.
+    fn accept<T: Element>(
         &mut self,
         t: &mut Tally,
         from: usize,
+        msg: Msg,
         tag: u64,
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
-        let msg = match self.from[from].recv_timeout(self.timeout) {
-            Ok(m) => m,
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(CommError::Timeout {
-                    op: t.op,
-                    group: t.group.clone(),
-                    rank: self.rank,
-                    peer: from,
-                    waited: self.timeout,
-                })
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(CommError::PeerGone {
-                    op: t.op,
-                    group: t.group.clone(),
-                    rank: self.rank,
-                    peer: from,
-                })
-            }
-        };
         let mismatch = |mine: String, theirs: String| CommError::Mismatch {
             op: t.op,
             group: t.group.clone(),
@@ -350,6 +327,71 @@ impl ThreadComm {
             .push(msg.payload);
         result
     }
+
+    fn take<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        from: usize,
+        tag: u64,
+        total_len: usize,
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<()> {
+        if let Some(msg) = self.early[from].take() {
+            return self.accept(t, from, msg, tag, total_len, consume);
+        }
+        let msg = match self.from[from].recv_timeout(self.timeout) {
+            Ok(m) => m,
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(CommError::Timeout {
+                    op: t.op,
+                    group: t.group.clone(),
+                    rank: self.rank,
+                    peer: from,
+                    waited: self.timeout,
+                })
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(CommError::PeerGone {
+                    op: t.op,
+                    group: t.group.clone(),
+                    rank: self.rank,
+                    peer: from,
+                })
+            }
+        };
+        self.accept(t, from, msg, tag, total_len, consume)
+    }
+
+    fn try_take<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        from: usize,
+        tag: u64,
+        total_len: usize,
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<bool> {
+        let msg = match self.early[from].take() {
+            Some(m) => Ok(m),
+            None => self.from[from].try_recv(),
+        };
+        match msg {
+            // Received, but in device time still on the wire: not yet.
+            Ok(msg) if msg.depart + msg.cost > self.clock => {
+                self.early[from] = Some(msg);
+                Ok(false)
+            }
+            Ok(msg) => self
+                .accept(t, from, msg, tag, total_len, consume)
+                .map(|_| true),
+            Err(TryRecvError::Empty) => Ok(false),
+            Err(TryRecvError::Disconnected) => Err(CommError::PeerGone {
+                op: t.op,
+                group: t.group.clone(),
+                rank: self.rank,
+                peer: from,
+            }),
+        }
+    }
 }
 
 impl Transport for ThreadComm {
@@ -362,11 +404,16 @@ impl Transport for ThreadComm {
     fn comm_stats(&self) -> &CommStats {
         &self.stats
     }
-    fn begin(&mut self, kind: &'static str, op: &'static str, group: &str) -> Tally {
-        ThreadComm::begin(self, kind, op, group)
+    fn resume(&mut self) {
+        self.accrue_compute();
     }
-    fn end(&mut self, t: Tally) {
-        ThreadComm::end(self, t)
+    fn pause(&mut self) {
+        // The copies and additions communication does are not counted as compute: the link model (or
+        // nothing, without one) is its cost.
+        self.cpu_mark = thread_cpu_time();
+    }
+    fn record(&mut self, t: Tally) {
+        self.record_tally(t);
     }
     fn post<T: Element>(
         &mut self,
@@ -387,6 +434,16 @@ impl Transport for ThreadComm {
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
         ThreadComm::take(self, t, from, tag, total_len, consume)
+    }
+    fn try_take<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        from: usize,
+        tag: u64,
+        total_len: usize,
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<bool> {
+        ThreadComm::try_take(self, t, from, tag, total_len, consume)
     }
     fn scratch(&mut self) -> &mut Vec<u64> {
         &mut self.scratch
