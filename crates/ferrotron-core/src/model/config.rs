@@ -50,6 +50,59 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// A Llama-family shape (untied head, head_dim = hidden / heads).
+    #[allow(clippy::too_many_arguments)] // a shape reads best positionally, as published tables give it
+    pub fn llama(
+        vocab: usize,
+        hidden: usize,
+        ffn: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        ctx: usize,
+        rope_theta: f64,
+    ) -> Self {
+        Self {
+            arch: Arch::Llama,
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: ffn,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: hidden / heads.max(1),
+            max_position_embeddings: ctx,
+            norm_eps: 1e-5,
+            rope_theta,
+            tie_word_embeddings: false,
+        }
+    }
+
+    /// A GPT-2 shape (tied embeddings, learned positions).
+    pub fn gpt2(
+        vocab: usize,
+        hidden: usize,
+        ffn: usize,
+        layers: usize,
+        heads: usize,
+        positions: usize,
+    ) -> Self {
+        Self {
+            arch: Arch::Gpt2,
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: ffn,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: heads,
+            head_dim: hidden / heads.max(1),
+            max_position_embeddings: positions,
+            norm_eps: 1e-5,
+            rope_theta: 0.0,
+            tie_word_embeddings: true,
+        }
+    }
+
     pub fn norm(&self) -> NormKind {
         match self.arch {
             Arch::Llama => NormKind::RmsNorm,

@@ -22,57 +22,6 @@ pub const PLAN_MODEL_PRESETS: &[&str] = &[
     "llama3-70b",
 ];
 
-#[allow(clippy::too_many_arguments)] // a table of published shapes reads best positionally
-fn llama(
-    layers: usize,
-    hidden: usize,
-    heads: usize,
-    kv: usize,
-    ffn: usize,
-    vocab: usize,
-    ctx: usize,
-    theta: f64,
-) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        vocab_size: vocab,
-        hidden_size: hidden,
-        intermediate_size: ffn,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: kv,
-        head_dim: hidden / heads,
-        max_position_embeddings: ctx,
-        norm_eps: 1e-5,
-        rope_theta: theta,
-        tie_word_embeddings: false,
-    }
-}
-
-fn gpt(
-    layers: usize,
-    hidden: usize,
-    heads: usize,
-    ffn: usize,
-    vocab: usize,
-    positions: usize,
-) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Gpt2,
-        vocab_size: vocab,
-        hidden_size: hidden,
-        intermediate_size: ffn,
-        num_layers: layers,
-        num_heads: heads,
-        num_kv_heads: heads,
-        head_dim: hidden / heads.max(1),
-        max_position_embeddings: positions,
-        norm_eps: 1e-5,
-        rope_theta: 0.0,
-        tie_word_embeddings: true,
-    }
-}
-
 fn bad(field: &str, msg: String) -> ConfigError {
     ConfigError::Field {
         file: "--model".into(),
@@ -106,12 +55,12 @@ impl PlanModel {
             return Ok(Self::Shape(ModelConfig::from_hf_file(path)?));
         }
         Ok(Self::Shape(match spec {
-            "gpt3-175b" => gpt(96, 12288, 96, 49152, 51200, 2048),
-            "llama2-7b" => llama(32, 4096, 32, 32, 11008, 32000, 4096, 10000.0),
-            "llama2-13b" => llama(40, 5120, 40, 40, 13824, 32000, 4096, 10000.0),
-            "llama2-70b" => llama(80, 8192, 64, 8, 28672, 32000, 4096, 10000.0),
-            "llama3-8b" => llama(32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
-            "llama3-70b" => llama(80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
+            "gpt3-175b" => ModelConfig::gpt2(51200, 12288, 49152, 96, 96, 2048),
+            "llama2-7b" => ModelConfig::llama(32000, 4096, 11008, 32, 32, 32, 4096, 10000.0),
+            "llama2-13b" => ModelConfig::llama(32000, 5120, 13824, 40, 40, 40, 4096, 10000.0),
+            "llama2-70b" => ModelConfig::llama(32000, 8192, 28672, 80, 64, 8, 4096, 10000.0),
+            "llama3-8b" => ModelConfig::llama(128256, 4096, 14336, 32, 32, 8, 8192, 500000.0),
+            "llama3-70b" => ModelConfig::llama(128256, 8192, 28672, 80, 64, 8, 8192, 500000.0),
             other => match preset(other) {
                 Ok(c) => c,
                 Err(_) => {
@@ -173,8 +122,10 @@ impl PlanModel {
         let vocab = get("vocab")?;
         let positions = nums.get("positions").copied().unwrap_or(2048);
         let cfg = match arch {
-            Arch::Gpt2 => gpt(layers, hidden, heads, ffn, vocab, positions),
-            Arch::Llama => llama(layers, hidden, heads, kv, ffn, vocab, positions, 10000.0),
+            Arch::Gpt2 => ModelConfig::gpt2(vocab, hidden, ffn, layers, heads, positions),
+            Arch::Llama => {
+                ModelConfig::llama(vocab, hidden, ffn, layers, heads, kv, positions, 10000.0)
+            }
         };
         cfg.validate().map_err(|(f, m)| bad(&f, m))?;
         Ok(Self::Shape(cfg))

@@ -3,6 +3,7 @@
 //! Backends: threads in one process (every device a thread; optional simulated interconnect and a
 //! virtual clock per device). An MPI or NCCL backend implements the same trait.
 
+mod clock;
 mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -4,6 +4,7 @@
 //! deadline, so a missing peer becomes an error naming it rather than a hang. A rank that hits an
 //! error should call [`MpiComm::abort`]: mpirun then ends every other rank with a non-zero status.
 
+use super::clock::DeviceClock;
 use super::ring::{Tally, Transport};
 use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
@@ -22,16 +23,6 @@ fn code(s: &str) -> u64 {
     })
 }
 
-fn thread_cpu_time() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec through a valid pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
-
 /// This process's endpoint of MPI_COMM_WORLD.
 pub struct MpiComm {
     _universe: mpi::environment::Universe,
@@ -40,9 +31,7 @@ pub struct MpiComm {
     timeout: Duration,
     /// Sends in flight with the buffers they read from.
     pending: Vec<(ffi::MPI_Request, Vec<u64>, usize)>,
-    clock: f64,
-    cpu_mark: f64,
-    wall_start: Instant,
+    clock: DeviceClock,
     stats: CommStats,
     scratch: Vec<u64>,
     recv_buf: Vec<u64>,
@@ -61,9 +50,7 @@ impl MpiComm {
             world,
             timeout: timeout.unwrap_or(DEFAULT_TIMEOUT),
             pending: Vec::new(),
-            clock: 0.0,
-            cpu_mark: thread_cpu_time(),
-            wall_start: Instant::now(),
+            clock: DeviceClock::start(),
             stats: CommStats {
                 rank,
                 ..CommStats::default()
@@ -82,16 +69,8 @@ impl MpiComm {
     }
 
     pub fn device_time(&mut self) -> f64 {
-        self.accrue();
-        self.clock
-    }
-
-    fn accrue(&mut self) {
-        let now = thread_cpu_time();
-        let dt = (now - self.cpu_mark).max(0.0);
-        self.clock += dt;
-        self.stats.compute_time_s += dt;
-        self.cpu_mark = now;
+        self.clock.accrue(&mut self.stats);
+        self.clock.now
     }
 
     /// Drops the sends that have completed; with `wait`, waits (to the deadline) for all of them.
@@ -218,10 +197,7 @@ impl MpiComm {
         }
         let (len, bytes) = (h[4] as usize, h[7] as usize);
         let depart = f64::from_bits(h[6]);
-        if depart > self.clock {
-            t.s.time_blocked_s += depart - self.clock;
-            self.clock = depart;
-        }
+        t.s.time_blocked_s += self.clock.wait_until(depart);
         t.s.bytes_received += bytes as u64;
         // SAFETY: the payload words hold `len` plain elements, 8-byte aligned.
         let view =
@@ -246,16 +222,14 @@ impl Transport for MpiComm {
         &mut self.scratch
     }
     fn resume(&mut self) {
-        self.accrue();
+        self.clock.accrue(&mut self.stats);
     }
     fn pause(&mut self) {
         let _ = self.progress_sends(false, "progress", "world");
-        self.cpu_mark = thread_cpu_time();
+        self.clock.mark();
     }
     fn record(&mut self, t: Tally) {
-        self.stats.record(t.kind, t.op, t.s);
-        self.stats.device_time_s = self.clock;
-        self.stats.wall_time_s = self.wall_start.elapsed().as_secs_f64();
+        self.clock.record(&mut self.stats, t);
     }
 
     fn post<T: Element>(
@@ -276,7 +250,7 @@ impl Transport for MpiComm {
             total_len as u64,
             data.len() as u64,
             code(T::NAME),
-            self.clock.to_bits(),
+            self.clock.now.to_bits(),
             bytes as u64,
         ]);
         // SAFETY: `Element` values are plain bytes and `buf` has room for them after the header.

@@ -5,13 +5,14 @@
 //! clock and the message's arrival (sender's clock + the modelled transfer cost), so timelines mean on
 //! 2 cores what they would on N real devices.
 
+use super::clock::DeviceClock;
 use super::ring::{Tally, Transport};
 use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
 use ferrotron_core::topology::Link;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A simulated interconnect: what each transfer costs on its link class.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -136,11 +137,9 @@ impl ThreadWorld {
                 pools: pools.clone(),
                 timeout: self.timeout,
                 link: self.link,
-                clock: 0.0,
+                clock: DeviceClock::start(),
                 link_free: 0.0,
                 early: (0..n).map(|_| None).collect(),
-                cpu_mark: thread_cpu_time(),
-                wall_start: Instant::now(),
                 stats: CommStats {
                     rank,
                     ..CommStats::default()
@@ -161,8 +160,7 @@ impl ThreadWorld {
                     let f = &f;
                     s.spawn(move || {
                         // Start the device clock on the device's own thread.
-                        c.cpu_mark = thread_cpu_time();
-                        c.wall_start = Instant::now();
+                        c.clock = DeviceClock::start();
                         f(&mut c)
                     })
                 })
@@ -179,17 +177,6 @@ impl ThreadWorld {
     }
 }
 
-/// This thread's CPU time in seconds.
-fn thread_cpu_time() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec through a valid pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
-
 /// One device's endpoint in a [`ThreadWorld`].
 pub struct ThreadComm {
     rank: usize,
@@ -200,13 +187,11 @@ pub struct ThreadComm {
     pools: Vec<Pool>,
     timeout: Duration,
     link: Option<LinkModel>,
-    clock: f64,
+    clock: DeviceClock,
     /// Device time at which this device's outgoing link is free again.
     link_free: f64,
     /// Per source: a message already received that, in device time, has not arrived yet.
     early: Vec<Option<Msg>>,
-    cpu_mark: f64,
-    wall_start: Instant,
     stats: CommStats,
     /// Reused working storage (reduce-scatter's copy of its input).
     scratch: Vec<u64>,
@@ -215,63 +200,8 @@ pub struct ThreadComm {
 impl ThreadComm {
     /// Device time so far (seconds).
     pub fn device_time(&mut self) -> f64 {
-        self.accrue_compute();
-        self.clock
-    }
-
-    /// Adds the CPU time spent computing since the last communication to the device clock.
-    fn accrue_compute(&mut self) {
-        let now = thread_cpu_time();
-        let dt = (now - self.cpu_mark).max(0.0);
-        self.clock += dt;
-        self.stats.compute_time_s += dt;
-        self.cpu_mark = now;
-    }
-
-    fn record_tally(&mut self, t: Tally) {
-        self.stats.record(t.kind, t.op, t.s);
-        self.stats.device_time_s = self.clock;
-        self.stats.wall_time_s = self.wall_start.elapsed().as_secs_f64();
-    }
-
-    fn post<T: Element>(
-        &mut self,
-        t: &mut Tally,
-        to: usize,
-        data: &[T],
-        tag: u64,
-        total_len: usize,
-    ) -> CommResult<()> {
-        let bytes = std::mem::size_of_val(data);
-        let cost = self.link.map_or(0.0, |l| l.cost(bytes, self.rank, to));
-        let payload = pack(&self.pools[to], data);
-        // The link is a resource of its own: a transfer starts when both the device and the link are
-        // free. A blocking send holds the device until the transfer is done; a started (overlapped)
-        // operation's sends leave the device computing.
-        let depart = self.clock.max(self.link_free);
-        self.link_free = depart + cost;
-        let msg = Msg {
-            tag,
-            op: t.op,
-            total_len,
-            payload,
-            elem: T::NAME,
-            len: data.len(),
-            bytes,
-            depart,
-            cost,
-        };
-        if !t.overlapped {
-            t.s.time_transfer_s += self.link_free - self.clock;
-            self.clock = self.link_free;
-        }
-        t.s.bytes_sent += bytes as u64;
-        self.to[to].send(msg).map_err(|_| CommError::PeerGone {
-            op: t.op,
-            group: t.group.clone(),
-            rank: self.rank,
-            peer: to,
-        })
+        self.clock.accrue(&mut self.stats);
+        self.clock.now
     }
 
     /// Checks that `msg` belongs to this operation, advances the clock to its arrival, hands its
@@ -311,14 +241,11 @@ impl ThreadComm {
                 format!("element type {}", msg.elem),
             ));
         }
-        let arrival = msg.depart + msg.cost;
-        if arrival > self.clock {
-            let wait = arrival - self.clock;
-            let moving = wait.min(msg.cost);
-            t.s.time_transfer_s += moving;
-            t.s.time_blocked_s += wait - moving;
-            self.clock = arrival;
-        }
+        // Waiting for the arrival: the transfer's own duration is moving data, the rest is blocked.
+        let wait = self.clock.wait_until(msg.depart + msg.cost);
+        let moving = wait.min(msg.cost);
+        t.s.time_transfer_s += moving;
+        t.s.time_blocked_s += wait - moving;
         t.s.bytes_received += msg.bytes as u64;
         let result = consume(view::<T>(&msg.payload, msg.len));
         self.pools[self.rank]
@@ -327,7 +254,47 @@ impl ThreadComm {
             .push(msg.payload);
         result
     }
+}
 
+impl Transport for ThreadComm {
+    fn post<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        to: usize,
+        data: &[T],
+        tag: u64,
+        total_len: usize,
+    ) -> CommResult<()> {
+        let bytes = std::mem::size_of_val(data);
+        let cost = self.link.map_or(0.0, |l| l.cost(bytes, self.rank, to));
+        let payload = pack(&self.pools[to], data);
+        // The link is a resource of its own: a transfer starts when both the device and the link are
+        // free. A blocking send holds the device until the transfer is done; a started (overlapped)
+        // operation's sends leave the device computing.
+        let depart = self.clock.now.max(self.link_free);
+        self.link_free = depart + cost;
+        let msg = Msg {
+            tag,
+            op: t.op,
+            total_len,
+            payload,
+            elem: T::NAME,
+            len: data.len(),
+            bytes,
+            depart,
+            cost,
+        };
+        if !t.overlapped {
+            t.s.time_transfer_s += self.clock.wait_until(self.link_free);
+        }
+        t.s.bytes_sent += bytes as u64;
+        self.to[to].send(msg).map_err(|_| CommError::PeerGone {
+            op: t.op,
+            group: t.group.clone(),
+            rank: self.rank,
+            peer: to,
+        })
+    }
     fn take<T: Element>(
         &mut self,
         t: &mut Tally,
@@ -361,7 +328,6 @@ impl ThreadComm {
         };
         self.accept(t, from, msg, tag, total_len, consume)
     }
-
     fn try_take<T: Element>(
         &mut self,
         t: &mut Tally,
@@ -376,7 +342,7 @@ impl ThreadComm {
         };
         match msg {
             // Received, but in device time still on the wire: not yet.
-            Ok(msg) if msg.depart + msg.cost > self.clock => {
+            Ok(msg) if msg.depart + msg.cost > self.clock.now => {
                 self.early[from] = Some(msg);
                 Ok(false)
             }
@@ -392,9 +358,6 @@ impl ThreadComm {
             }),
         }
     }
-}
-
-impl Transport for ThreadComm {
     fn my_rank(&self) -> usize {
         self.rank
     }
@@ -405,45 +368,15 @@ impl Transport for ThreadComm {
         &self.stats
     }
     fn resume(&mut self) {
-        self.accrue_compute();
+        self.clock.accrue(&mut self.stats);
     }
     fn pause(&mut self) {
         // The copies and additions communication does are not counted as compute: the link model (or
         // nothing, without one) is its cost.
-        self.cpu_mark = thread_cpu_time();
+        self.clock.mark();
     }
     fn record(&mut self, t: Tally) {
-        self.record_tally(t);
-    }
-    fn post<T: Element>(
-        &mut self,
-        t: &mut Tally,
-        to: usize,
-        data: &[T],
-        tag: u64,
-        total_len: usize,
-    ) -> CommResult<()> {
-        ThreadComm::post(self, t, to, data, tag, total_len)
-    }
-    fn take<T: Element>(
-        &mut self,
-        t: &mut Tally,
-        from: usize,
-        tag: u64,
-        total_len: usize,
-        consume: impl FnOnce(&[T]) -> CommResult<()>,
-    ) -> CommResult<()> {
-        ThreadComm::take(self, t, from, tag, total_len, consume)
-    }
-    fn try_take<T: Element>(
-        &mut self,
-        t: &mut Tally,
-        from: usize,
-        tag: u64,
-        total_len: usize,
-        consume: impl FnOnce(&[T]) -> CommResult<()>,
-    ) -> CommResult<bool> {
-        ThreadComm::try_take(self, t, from, tag, total_len, consume)
+        self.clock.record(&mut self.stats, t);
     }
     fn scratch(&mut self) -> &mut Vec<u64> {
         &mut self.scratch

@@ -1,0 +1,62 @@
+//! A device's clocks: device time (its thread's CPU time while computing, plus the waits and
+//! transfers communication adds) and wall time, and how they feed the stats.
+
+use super::ring::Tally;
+use super::stats::CommStats;
+use std::time::Instant;
+
+/// This thread's CPU time in seconds.
+pub(crate) fn thread_cpu_time() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+pub(crate) struct DeviceClock {
+    /// Device time, seconds.
+    pub now: f64,
+    cpu_mark: f64,
+    wall_start: Instant,
+}
+
+impl DeviceClock {
+    /// Starts counting on the calling thread.
+    pub fn start() -> Self {
+        Self {
+            now: 0.0,
+            cpu_mark: thread_cpu_time(),
+            wall_start: Instant::now(),
+        }
+    }
+
+    /// Adds the CPU time spent computing since the last mark to device time.
+    pub fn accrue(&mut self, stats: &mut CommStats) {
+        let cpu = thread_cpu_time();
+        let dt = (cpu - self.cpu_mark).max(0.0);
+        self.now += dt;
+        stats.compute_time_s += dt;
+        self.cpu_mark = cpu;
+    }
+
+    /// Ends a stretch of communication: the CPU time it took is not compute.
+    pub fn mark(&mut self) {
+        self.cpu_mark = thread_cpu_time();
+    }
+
+    /// Waits (in device time) until `t`; returns how long that was.
+    pub fn wait_until(&mut self, t: f64) -> f64 {
+        let waited = (t - self.now).max(0.0);
+        self.now = self.now.max(t);
+        waited
+    }
+
+    pub fn record(&self, stats: &mut CommStats, t: Tally) {
+        stats.record(t.kind, t.op, t.s);
+        stats.device_time_s = self.now;
+        stats.wall_time_s = self.wall_start.elapsed().as_secs_f64();
+    }
+}
