@@ -54,6 +54,38 @@ fn main() {
                     })
                 })
         }
+        "native" => {
+            // The same all-reduce through OpenMPI's own MPI_Allreduce, for reference.
+            use mpi::collective::SystemOperation;
+            use mpi::traits::CommunicatorCollectives;
+            let elems = (victim.max(1) << 20) / 4;
+            let send = vec![1f32; elems];
+            let mut recv = vec![0f32; elems];
+            let world_comm = mpi::topology::SimpleCommunicator::world();
+            let mut t = Vec::new();
+            for _ in 0..4 {
+                world_comm.barrier();
+                let t0 = std::time::Instant::now();
+                world_comm.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                world_comm.barrier();
+                t.push(t0.elapsed().as_secs_f64());
+            }
+            t.remove(0);
+            t.sort_by(|a, b| a.total_cmp(b));
+            if c.rank() == 0 {
+                println!(
+                    "{}",
+                    bench_row(
+                        "mpi native MPI_Allreduce",
+                        "all_reduce",
+                        n,
+                        elems,
+                        t[t.len() / 2]
+                    )
+                );
+            }
+            Ok(())
+        }
         "stall" => {
             if c.rank() == victim {
                 std::thread::sleep(Duration::from_secs(120));

@@ -83,48 +83,87 @@ pub(crate) fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
     (c * len / n)..((c + 1) * len / n)
 }
 
-/// One ring step: send `send` to `next`, receive `recv` from `prev`, reduce or copy it in.
+/// One message of a ring step: send `send` to the next member and/or receive `recv` from the previous
+/// one, reducing or copying it in. A ring step's chunk moves as several such segments.
 #[derive(Debug, Clone)]
 struct Step {
-    send: Range<usize>,
-    recv: Range<usize>,
+    send: Option<Range<usize>>,
+    recv: Option<Range<usize>>,
+    /// The ring step this segment belongs to.
+    ring: u64,
     tag: u64,
     reduce: bool,
-    /// Divide this range by the group size before the step (all-reduce mean, after reduce-scatter).
+    /// Divide this range by the group size before sending (all-reduce mean, after reduce-scatter).
     divide_first: Option<Range<usize>>,
+}
+
+/// Bytes per ring message. A chunk moves in segments of this size, so that what one core packs is
+/// still in the shared cache when the next core consumes it.
+const SEGMENT_BYTES: usize = 1 << 20;
+
+fn segment<T>(r: &Range<usize>, k: usize) -> Option<Range<usize>> {
+    let seg = (SEGMENT_BYTES / std::mem::size_of::<T>().max(1)).max(1);
+    let parts = r.len().div_ceil(seg).max(1);
+    (k < parts).then(|| r.start + (k * seg).min(r.len())..r.start + ((k + 1) * seg).min(r.len()))
+}
+
+/// One ring step as segments. The sent and the received chunk are segmented by their own lengths,
+/// which is how the neighbours segment the same chunks.
+fn segmented<T>(
+    send: Range<usize>,
+    recv: Range<usize>,
+    ring: u64,
+    reduce: bool,
+) -> impl Iterator<Item = Step> {
+    let seg = (SEGMENT_BYTES / std::mem::size_of::<T>().max(1)).max(1);
+    let parts = send
+        .len()
+        .div_ceil(seg)
+        .max(recv.len().div_ceil(seg))
+        .max(1);
+    (0..parts).map(move |k| Step {
+        send: segment::<T>(&send, k),
+        recv: segment::<T>(&recv, k),
+        ring,
+        tag: ring * 4096 + k as u64,
+        reduce,
+        divide_first: None,
+    })
 }
 
 /// Reduce-scatter steps over `len` elements in `n` chunks: afterwards member `i` holds the full
 /// reduction of chunk `i`.
-fn reduce_scatter_steps(n: usize, i: usize, len: usize) -> Vec<Step> {
-    (0..n - 1)
-        .map(|s| Step {
-            send: chunk(len, n, (i + 2 * n - s - 1) % n),
-            recv: chunk(len, n, (i + 2 * n - s - 2) % n),
-            tag: s as u64,
-            reduce: true,
-            divide_first: None,
+fn reduce_scatter_steps<T>(n: usize, i: usize, len: usize) -> Vec<Step> {
+    (0..n.saturating_sub(1))
+        .flat_map(|s| {
+            segmented::<T>(
+                chunk(len, n, (i + 2 * n - s - 1) % n),
+                chunk(len, n, (i + 2 * n - s - 2) % n),
+                s as u64,
+                true,
+            )
         })
         .collect()
 }
 
 /// All-gather steps: member `k` contributes `ranges[k]`.
-fn all_gather_steps(n: usize, i: usize, ranges: &[Range<usize>]) -> Vec<Step> {
-    (0..n - 1)
-        .map(|s| Step {
-            send: ranges[(i + n - s) % n].clone(),
-            recv: ranges[(i + 2 * n - s - 1) % n].clone(),
-            tag: 1000 + s as u64,
-            reduce: false,
-            divide_first: None,
+fn all_gather_steps<T>(n: usize, i: usize, ranges: &[Range<usize>]) -> Vec<Step> {
+    (0..n.saturating_sub(1))
+        .flat_map(|s| {
+            segmented::<T>(
+                ranges[(i + n - s) % n].clone(),
+                ranges[(i + 2 * n - s - 1) % n].clone(),
+                1000 + s as u64,
+                false,
+            )
         })
         .collect()
 }
 
-fn all_reduce_steps(n: usize, i: usize, len: usize, op: ReduceOp) -> Vec<Step> {
-    let mut steps = reduce_scatter_steps(n, i, len);
+fn all_reduce_steps<T>(n: usize, i: usize, len: usize, op: ReduceOp) -> Vec<Step> {
+    let mut steps = reduce_scatter_steps::<T>(n, i, len);
     let ranges: Vec<_> = (0..n).map(|c| chunk(len, n, c)).collect();
-    let mut ag = all_gather_steps(n, i, &ranges);
+    let mut ag = all_gather_steps::<T>(n, i, &ranges);
     // A group of one has no steps, and its mean is the value itself.
     if let (ReduceOp::Mean, Some(first)) = (op, ag.first_mut()) {
         first.divide_first = Some(chunk(len, n, i));
@@ -133,30 +172,47 @@ fn all_reduce_steps(n: usize, i: usize, len: usize, op: ReduceOp) -> Vec<Step> {
     steps
 }
 
-/// Runs step `st` on `buf`. Returns `Ok(false)` (having posted the send) if `blocking` is off and
-/// the receive has not arrived.
-#[allow(clippy::too_many_arguments)]
-fn run_step<X: Transport, T: Element>(
+/// The send half of a step.
+fn post_step<X: Transport, T: Element>(
     x: &mut X,
     t: &mut Tally,
     g: &Group,
     st: &Step,
     buf: &mut [T],
-    posted: &mut bool,
+) -> CommResult<()> {
+    let (n, i) = (g.size(), g.index_of(x.my_rank())?);
+    if let Some(r) = &st.divide_first {
+        buf[r.clone()].iter_mut().for_each(|v| *v = v.div(n));
+    }
+    if let Some(send) = &st.send {
+        x.post(
+            t,
+            g.ranks[(i + 1) % n],
+            &buf[send.clone()],
+            st.tag,
+            buf.len(),
+        )?;
+    }
+    Ok(())
+}
+
+/// The receive half of a step; `Ok(false)` if not `blocking` and the message has not arrived.
+fn recv_step<X: Transport, T: Element>(
+    x: &mut X,
+    t: &mut Tally,
+    g: &Group,
+    st: &Step,
+    buf: &mut [T],
     blocking: bool,
 ) -> CommResult<bool> {
+    let Some(recv) = &st.recv else {
+        return Ok(true);
+    };
     let (n, i) = (g.size(), g.index_of(x.my_rank())?);
-    let (next, prev) = (g.ranks[(i + 1) % n], g.ranks[(i + n - 1) % n]);
+    let prev = g.ranks[(i + n - 1) % n];
     let len = buf.len();
-    if !*posted {
-        if let Some(r) = &st.divide_first {
-            buf[r.clone()].iter_mut().for_each(|v| *v = v.div(n));
-        }
-        x.post(t, next, &buf[st.send.clone()], st.tag, len)?;
-        *posted = true;
-    }
     let (rank, op, group) = (x.my_rank(), t.op, g.name.clone());
-    let dst = &mut buf[st.recv.clone()];
+    let dst = &mut buf[recv.clone()];
     let consume = |part: &[T]| {
         if part.len() != dst.len() {
             return Err(CommError::Mismatch {
@@ -183,6 +239,7 @@ fn run_step<X: Transport, T: Element>(
     }
 }
 
+/// Runs every step at once, each segment sent and then received, so it is consumed while cached.
 fn run_all<X: Transport, T: Element>(
     x: &mut X,
     t: &mut Tally,
@@ -191,7 +248,8 @@ fn run_all<X: Transport, T: Element>(
     buf: &mut [T],
 ) -> CommResult<()> {
     for st in steps {
-        run_step(x, t, g, st, buf, &mut false, true)?;
+        post_step(x, t, g, st, buf)?;
+        recv_step(x, t, g, st, buf, true)?;
     }
     Ok(())
 }
@@ -203,8 +261,9 @@ pub struct Pending<T: Element> {
     group: Group,
     buf: Vec<T>,
     steps: Vec<Step>,
+    /// Steps received so far, and steps whose send half has been posted.
     step: usize,
-    posted: bool,
+    posted: usize,
     tally: Option<Tally>,
     /// The part of `buf` that is the result (the own shard for reduce-scatter).
     result: Range<usize>,
@@ -234,7 +293,7 @@ fn start<X: Transport, T: Element>(
         buf,
         steps,
         step: 0,
-        posted: false,
+        posted: 0,
         tally: Some(t),
         result,
         divide_result,
@@ -244,7 +303,8 @@ fn start<X: Transport, T: Element>(
     Ok(p)
 }
 
-/// Runs the pending steps whose inputs are here (all of them if `blocking`).
+/// Runs the pending steps whose inputs are here (all of them if `blocking`). Every segment of the
+/// current ring step is sent at once, so the whole chunk travels while the device computes.
 fn advance<X: Transport, T: Element>(
     x: &mut X,
     p: &mut Pending<T>,
@@ -254,28 +314,22 @@ fn advance<X: Transport, T: Element>(
         .tally
         .take()
         .expect("a pending operation has its tally until it completes");
-    let result = loop {
+    let result = (|| loop {
         if p.step == p.steps.len() {
-            break Ok(true);
+            return Ok(true);
+        }
+        let ring = p.steps[p.step].ring;
+        while p.posted < p.steps.len() && p.steps[p.posted].ring == ring {
+            let st = p.steps[p.posted].clone();
+            post_step(x, &mut t, &p.group, &st, &mut p.buf)?;
+            p.posted += 1;
         }
         let st = p.steps[p.step].clone();
-        match run_step(
-            x,
-            &mut t,
-            &p.group,
-            &st,
-            &mut p.buf,
-            &mut p.posted,
-            blocking,
-        ) {
-            Ok(true) => {
-                p.step += 1;
-                p.posted = false;
-            }
-            Ok(false) => break Ok(false),
-            Err(e) => break Err(e),
+        if !recv_step(x, &mut t, &p.group, &st, &mut p.buf, blocking)? {
+            return Ok(false);
         }
-    };
+        p.step += 1;
+    })();
     p.tally = Some(t);
     result
 }
@@ -294,7 +348,13 @@ impl<X: Transport> Comm for X {
     fn all_reduce<T: Element>(&mut self, g: &Group, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
         let mut t = self.begin(g.kind, "all_reduce", &g.name);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
-        run_all(self, &mut t, g, &all_reduce_steps(n, i, buf.len(), op), buf)?;
+        run_all(
+            self,
+            &mut t,
+            g,
+            &all_reduce_steps::<T>(n, i, buf.len(), op),
+            buf,
+        )?;
         self.end(t);
         Ok(())
     }
@@ -322,7 +382,7 @@ impl<X: Transport> Comm for X {
             self,
             &mut t,
             g,
-            &reduce_scatter_steps(n, i, input.len()),
+            &reduce_scatter_steps::<T>(n, i, input.len()),
             work,
         );
         output.copy_from_slice(&work[chunk(input.len(), n, i)]);
@@ -356,7 +416,13 @@ impl<X: Transport> Comm for X {
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         let ranges = gather_ranges(g, i, input.len(), counts, output.len())?;
         output[ranges[i].clone()].copy_from_slice(input);
-        run_all(self, &mut t, g, &all_gather_steps(n, i, &ranges), output)?;
+        run_all(
+            self,
+            &mut t,
+            g,
+            &all_gather_steps::<T>(n, i, &ranges),
+            output,
+        )?;
         self.end(t);
         Ok(())
     }
@@ -429,7 +495,7 @@ impl<X: Transport> Comm for X {
         op: ReduceOp,
     ) -> CommResult<Pending<T>> {
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
-        let steps = all_reduce_steps(n, i, buf.len(), op);
+        let steps = all_reduce_steps::<T>(n, i, buf.len(), op);
         let len = buf.len();
         start(self, g, "all_reduce", buf, steps, 0..len, false)
     }
@@ -448,7 +514,7 @@ impl<X: Transport> Comm for X {
                 input.len()
             )));
         }
-        let steps = reduce_scatter_steps(n, i, input.len());
+        let steps = reduce_scatter_steps::<T>(n, i, input.len());
         let own = chunk(input.len(), n, i);
         start(
             self,
@@ -467,7 +533,7 @@ impl<X: Transport> Comm for X {
         let ranges = gather_ranges(g, i, input.len(), &counts, n * input.len())?;
         let mut buf = vec![T::default(); n * input.len()];
         buf[ranges[i].clone()].copy_from_slice(input);
-        let steps = all_gather_steps(n, i, &ranges);
+        let steps = all_gather_steps::<T>(n, i, &ranges);
         let len = buf.len();
         start(self, g, "all_gather", buf, steps, 0..len, false)
     }
