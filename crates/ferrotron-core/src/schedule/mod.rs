@@ -4,9 +4,11 @@
 //! v = 1 the virtual stage is the stage.
 
 mod generate;
+mod partition;
 mod simulate;
 
 pub use generate::build;
+pub use partition::StagePartition;
 pub use simulate::{simulate, ActionCosts, Event, Timeline};
 
 use std::fmt;

@@ -1,6 +1,6 @@
 //! One transformer block: forward (keeping what backward needs) and backward.
 
-use super::{ParamStore, TokenBatch, Transformer};
+use super::{ParamStore, Transformer};
 use crate::kernels::{AttnShape, Backend, LinearShape};
 use ferrotron_core::model::{Arch, ModelConfig, NormKind, WeightLayout};
 
@@ -251,7 +251,7 @@ pub(crate) fn forward(
     p: &ParamStore,
     ids: &LayerIds,
     x: Vec<f32>,
-    batch: &TokenBatch,
+    (batch, seq): (usize, usize),
     positions: &[u32],
 ) -> (Vec<f32>, LayerActs) {
     let cfg = &m.cfg;
@@ -270,7 +270,7 @@ pub(crate) fn forward(
         be.rope_forward(rope, positions, cfg.num_heads, &mut q);
         be.rope_forward(rope, positions, cfg.num_kv_heads, &mut k);
     }
-    let shape = attn_shape(cfg, batch.batch, batch.seq);
+    let shape = attn_shape(cfg, batch, seq);
     let mut attn = vec![0f32; rows * cfg.q_dim()];
     let mut probs = vec![0f32; shape.probs_len()];
     be.attention_forward(shape, &q, &k, &v, &mut attn, &mut probs);

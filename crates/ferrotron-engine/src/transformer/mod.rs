@@ -1,5 +1,6 @@
-//! The unsplit model executor: forward with the activations backward needs, then backward, on one
-//! device. It knows nothing about parallelism; a layout shards what it runs.
+//! The model executor: forward with the activations backward needs, then backward, for the whole
+//! model or one pipeline stage of it (a contiguous range of layers). It knows nothing about devices or
+//! communication; the parallel runtime decides what runs where.
 
 mod layer;
 mod params;
@@ -9,6 +10,7 @@ pub use params::ParamStore;
 use crate::kernels::{Backend, RopeTable};
 use ferrotron_core::model::{Arch, ModelConfig, WeightLayout};
 use layer::{LayerActs, LayerIds, Lin, NormIds, NormStash};
+use std::ops::Range;
 
 /// A batch of `batch` sequences of `seq` token ids, row-major.
 #[derive(Debug, Clone)]
@@ -28,11 +30,16 @@ impl TokenBatch {
     pub fn predicted_tokens(&self) -> usize {
         self.batch * self.seq.saturating_sub(1)
     }
-    fn positions(&self) -> Vec<u32> {
-        (0..self.batch * self.seq)
-            .map(|i| (i % self.seq) as u32)
-            .collect()
-    }
+}
+
+/// What a stage receives: token ids (the first stage) or the previous stage's hidden states.
+pub enum StageInput<'a> {
+    Tokens(&'a TokenBatch),
+    Hidden {
+        x: Vec<f32>,
+        batch: usize,
+        seq: usize,
+    },
 }
 
 /// Everything the forward pass kept for the backward pass.
@@ -41,104 +48,155 @@ pub struct ForwardState {
     batch: usize,
     seq: usize,
     positions: Vec<u32>,
+    /// Token ids, on the stage with the embedding.
     ids: Vec<u32>,
     layers: Vec<LayerActs>,
     final_in: Vec<f32>,
-    final_norm: NormStash,
-    /// `[rows, vocab]`; replaced by the logits' gradient once the loss is taken.
+    final_norm: Option<NormStash>,
+    /// `[rows, vocab]` on the last stage; replaced by the logits' gradient once the loss is taken.
     pub logits: Vec<f32>,
+    /// The hidden states this stage hands to the next one (empty on the last stage).
+    pub output: Vec<f32>,
 }
 
 impl ForwardState {
     /// Bytes held for backward right now: every stashed activation and the logits.
     pub fn stashed_bytes(&self) -> usize {
         let layers: usize = self.layers.iter().map(LayerActs::bytes).sum();
-        4 * (self.final_in.len() + self.logits.len()) + self.final_norm.bytes() + layers
+        let norm = self.final_norm.as_ref().map_or(0, NormStash::bytes);
+        4 * (self.final_in.len() + self.logits.len()) + norm + layers
     }
 }
 
-/// The model's parameter layout, resolved once to indices into a [`ParamStore`].
+/// A contiguous range of the model's layers, resolved once to indices into a [`ParamStore`]: the
+/// embedding when the range starts at layer 0, the final norm and output layer when it ends at the
+/// last. The unsplit model is the range of all layers.
 pub struct Transformer {
     pub cfg: ModelConfig,
-    embed: usize,
+    pub layer_range: Range<usize>,
+    embed: Option<usize>,
     pos_embed: Option<usize>,
     layers: Vec<LayerIds>,
-    final_norm: NormIds,
-    head: Lin,
+    final_norm: Option<NormIds>,
+    head: Option<Lin>,
     rope: Option<RopeTable>,
 }
 
 impl Transformer {
+    /// The whole model.
     pub fn new(cfg: &ModelConfig, params: &ParamStore) -> Self {
+        Self::stage(cfg, params, 0..cfg.num_layers)
+    }
+
+    /// The part of the model that runs `layers`; `params` must hold what that part uses.
+    pub fn stage(cfg: &ModelConfig, params: &ParamStore, layers: Range<usize>) -> Self {
         let id = |n: &str| {
             params
                 .id(n)
                 .unwrap_or_else(|| panic!("parameter store lacks {n}"))
         };
-        let layers = (0..cfg.num_layers)
-            .map(|i| LayerIds::resolve(cfg, i, &id))
-            .collect();
+        let first = layers.start == 0;
+        let last = layers.end == cfg.num_layers;
         let (fw, fb) = cfg.final_norm_names();
         Self {
-            embed: id(cfg.embedding_name()),
-            pos_embed: cfg.position_embedding_name().map(id),
-            layers,
-            final_norm: NormIds {
+            embed: first.then(|| id(cfg.embedding_name())),
+            pos_embed: if first {
+                cfg.position_embedding_name().map(id)
+            } else {
+                None
+            },
+            layers: layers
+                .clone()
+                .map(|i| LayerIds::resolve(cfg, i, &id))
+                .collect(),
+            final_norm: last.then(|| NormIds {
                 kind: cfg.norm(),
                 w: id(fw),
                 b: fb.map(id),
-            },
-            head: Lin {
+            }),
+            head: last.then(|| Lin {
                 w: id(cfg.lm_head_name()),
                 b: None,
                 in_dim: cfg.hidden_size,
                 out_dim: cfg.vocab_size,
                 layout: WeightLayout::OutIn,
-            },
+            }),
             rope: (cfg.arch == Arch::Llama)
                 .then(|| RopeTable::new(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)),
+            layer_range: layers,
             cfg: cfg.clone(),
         }
     }
 
     pub fn forward(&self, be: &dyn Backend, p: &ParamStore, batch: &TokenBatch) -> ForwardState {
-        let (rows, h) = (batch.batch * batch.seq, self.cfg.hidden_size);
+        self.forward_stage(be, p, StageInput::Tokens(batch))
+    }
+
+    /// Runs this stage forward, keeping what its backward needs.
+    pub fn forward_stage(
+        &self,
+        be: &dyn Backend,
+        p: &ParamStore,
+        input: StageInput,
+    ) -> ForwardState {
+        let h = self.cfg.hidden_size;
+        let (mut x, ids, batch, seq) = match input {
+            StageInput::Tokens(b) => {
+                let embed = self
+                    .embed
+                    .expect("token input needs the stage with the embedding");
+                let mut x = vec![0f32; b.batch * b.seq * h];
+                be.embedding_forward(&b.ids, &p.tensors[embed], h, &mut x, false);
+                (x, b.ids.clone(), b.batch, b.seq)
+            }
+            StageInput::Hidden { x, batch, seq } => (x, Vec::new(), batch, seq),
+        };
         assert!(
-            batch.seq <= self.cfg.max_position_embeddings,
+            seq <= self.cfg.max_position_embeddings,
             "sequence longer than the model's positions"
         );
-        let positions = batch.positions();
-        let mut x = vec![0f32; rows * h];
-        be.embedding_forward(&batch.ids, &p.tensors[self.embed], h, &mut x, false);
+        let rows = batch * seq;
+        assert_eq!(x.len(), rows * h, "stage input has the wrong size");
+        let positions: Vec<u32> = (0..rows).map(|i| (i % seq) as u32).collect();
         if let Some(wpe) = self.pos_embed {
             be.embedding_forward(&positions, &p.tensors[wpe], h, &mut x, true);
         }
         let mut layers = Vec::with_capacity(self.layers.len());
         for ids in &self.layers {
-            let (out, acts) = layer::forward(self, be, p, ids, x, batch, &positions);
+            let (out, acts) = layer::forward(self, be, p, ids, x, (batch, seq), &positions);
             layers.push(acts);
             x = out;
         }
-        let final_norm = self.final_norm.forward(be, p, &x, self.cfg.norm_eps as f32);
-        let mut logits = vec![0f32; rows * self.cfg.vocab_size];
-        be.linear_forward(
-            self.head.shape(rows),
-            &final_norm.out,
-            &p.tensors[self.head.w],
-            None,
-            &mut logits,
-        );
-        ForwardState {
+        let mut state = ForwardState {
             rows,
-            batch: batch.batch,
-            seq: batch.seq,
+            batch,
+            seq,
             positions,
-            ids: batch.ids.clone(),
+            ids,
             layers,
-            final_in: x,
-            final_norm,
-            logits,
+            final_in: Vec::new(),
+            final_norm: None,
+            logits: Vec::new(),
+            output: Vec::new(),
+        };
+        match (&self.final_norm, &self.head) {
+            (Some(norm), Some(head)) => {
+                let normed = norm.forward(be, p, &x, self.cfg.norm_eps as f32);
+                let mut logits = vec![0f32; rows * self.cfg.vocab_size];
+                be.linear_forward(
+                    head.shape(rows),
+                    &normed.out,
+                    &p.tensors[head.w],
+                    None,
+                    &mut logits,
+                );
+                state.final_in = x;
+                state.final_norm = Some(normed);
+                state.logits = logits;
+            }
+            _ => state.output = x,
         }
+        state
     }
 
     /// Takes the cross-entropy of `state.logits` against `targets` and back-propagates
@@ -148,35 +206,61 @@ impl Transformer {
         be: &dyn Backend,
         p: &ParamStore,
         grads: &mut ParamStore,
-        mut state: ForwardState,
+        state: ForwardState,
         targets: &[Option<u32>],
         loss_scale: f32,
     ) -> f64 {
+        self.backward_stage(be, p, grads, state, None, targets, loss_scale)
+            .0
+    }
+
+    /// Runs this stage backward. The last stage takes the loss (targets, scale); any other stage
+    /// takes `dout`, the gradient at its output. Returns the unscaled loss sum (0 off the last stage)
+    /// and, unless this stage has the embedding, the gradient at its input for the previous stage.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_stage(
+        &self,
+        be: &dyn Backend,
+        p: &ParamStore,
+        grads: &mut ParamStore,
+        mut state: ForwardState,
+        dout: Option<Vec<f32>>,
+        targets: &[Option<u32>],
+        loss_scale: f32,
+    ) -> (f64, Option<Vec<f32>>) {
         let (rows, h, v) = (state.rows, self.cfg.hidden_size, self.cfg.vocab_size);
-        let loss_sum = be.cross_entropy(&mut state.logits, v, targets, loss_scale);
-        let dlogits = std::mem::take(&mut state.logits);
-        let mut dnormed = vec![0f32; rows * h];
-        let hs = self.head.shape(rows);
-        be.linear_backward_input(hs, &dlogits, &p.tensors[self.head.w], &mut dnormed, false);
-        be.linear_backward_weight(
-            hs,
-            &dlogits,
-            &state.final_norm.out,
-            &mut grads.tensors[self.head.w],
-            None,
-        );
-        drop(dlogits);
-        let mut dx = vec![0f32; rows * h];
-        self.final_norm.backward(
-            be,
-            p,
-            grads,
-            &dnormed,
-            &state.final_in,
-            &state.final_norm,
-            &mut dx,
-            false,
-        );
+        let mut loss_sum = 0.0;
+        let mut dx = match (&self.final_norm, &self.head, state.final_norm.take()) {
+            (Some(norm), Some(head), Some(stash)) => {
+                loss_sum = be.cross_entropy(&mut state.logits, v, targets, loss_scale);
+                let dlogits = std::mem::take(&mut state.logits);
+                let mut dnormed = vec![0f32; rows * h];
+                let hs = head.shape(rows);
+                be.linear_backward_input(hs, &dlogits, &p.tensors[head.w], &mut dnormed, false);
+                be.linear_backward_weight(
+                    hs,
+                    &dlogits,
+                    &stash.out,
+                    &mut grads.tensors[head.w],
+                    None,
+                );
+                drop(dlogits);
+                let mut dx = vec![0f32; rows * h];
+                norm.backward(
+                    be,
+                    p,
+                    grads,
+                    &dnormed,
+                    &state.final_in,
+                    &stash,
+                    &mut dx,
+                    false,
+                );
+                dx
+            }
+            _ => dout.expect("a stage without the loss needs the gradient at its output"),
+        };
+        assert_eq!(dx.len(), rows * h, "output gradient has the wrong size");
         for (ids, acts) in self.layers.iter().zip(state.layers.drain(..)).rev() {
             layer::backward(
                 self,
@@ -190,11 +274,16 @@ impl Transformer {
                 (state.batch, state.seq),
             );
         }
-        be.embedding_backward_weight(&state.ids, &dx, h, &mut grads.tensors[self.embed]);
         if let Some(wpe) = self.pos_embed {
             be.embedding_backward_weight(&state.positions, &dx, h, &mut grads.tensors[wpe]);
         }
-        loss_sum
+        match self.embed {
+            Some(embed) => {
+                be.embedding_backward_weight(&state.ids, &dx, h, &mut grads.tensors[embed]);
+                (loss_sum, None)
+            }
+            None => (loss_sum, Some(dx)),
+        }
     }
 
     /// One forward and backward over `batch`, gradients accumulated into `grads`. Returns the mean loss.
