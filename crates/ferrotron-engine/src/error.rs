@@ -23,6 +23,8 @@ pub enum EngineError {
     },
     #[error("{0}")]
     Invalid(String),
+    #[error(transparent)]
+    Comm(#[from] crate::comm::CommError),
 }
 
 impl EngineError {

@@ -10,4 +10,5 @@ pub use error::{EngineError, Result};
 pub mod comm;
 pub mod data;
 pub mod optim;
+pub mod parallel;
 pub mod runtime;

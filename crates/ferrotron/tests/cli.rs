@@ -60,8 +60,13 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 
 #[test]
 fn grads_writes_loss_and_every_gradient_by_hf_name() {
-    for model in ["llama_tiny", "gpt2_tiny"] {
-        let dir = temp_dir(&format!("grads-{model}"));
+    for (model, layout) in [
+        ("llama_tiny", "dp=1,tp=1,pp=1,mbs=1"),
+        ("gpt2_tiny", "dp=1,tp=1,pp=1,mbs=1"),
+        ("llama_tiny", "pp=2,mbs=1,schedule=1f1b"),
+        ("gpt2_tiny", "pp=4,mbs=1,schedule=gpipe"),
+    ] {
+        let dir = temp_dir(&format!("grads-{model}-{}", layout.len()));
         let out = dir.join("grads.safetensors");
         let refs = fixture(model).join("reference_grads.safetensors");
         let o = ferrotron(&[
@@ -71,7 +76,7 @@ fn grads_writes_loss_and_every_gradient_by_hf_name() {
             "--tokens",
             refs.to_str().unwrap(),
             "--layout",
-            "dp=1,tp=1,pp=1,mbs=1",
+            layout,
             "--out",
             out.to_str().unwrap(),
         ]);

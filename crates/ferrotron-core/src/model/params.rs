@@ -179,6 +179,30 @@ impl ModelConfig {
         out
     }
 
+    /// True if the pipeline stage that runs `layers` holds parameter `name`: its layers' parameters,
+    /// the embedding on the first stage, the final norm and output layer (the tied embedding's copy
+    /// included) on the last.
+    pub fn stage_owns(&self, name: &str, layers: &std::ops::Range<usize>) -> bool {
+        let (first, last) = (layers.start == 0, layers.end == self.num_layers);
+        let (fw, fb) = self.final_norm_names();
+        if first && (name == self.embedding_name() || Some(name) == self.position_embedding_name())
+        {
+            return true;
+        }
+        if last && (name == fw || Some(name) == fb || name == self.lm_head_name()) {
+            return true;
+        }
+        layers.clone().any(|i| {
+            let n = self.layer_names(i);
+            let prefix = n
+                .norm1_weight
+                .rsplit_once(".input_layernorm")
+                .or_else(|| n.norm1_weight.rsplit_once(".ln_1"))
+                .map(|(p, _)| p);
+            prefix.is_some_and(|p| name.starts_with(&format!("{p}.")))
+        })
+    }
+
     pub fn num_params(&self) -> usize {
         self.param_specs().iter().map(ParamSpec::numel).sum()
     }

@@ -38,8 +38,8 @@ impl StagePartition {
         // best[s][j]: the smallest possible maximum stage cost with stages 0..=s covering layers 0..j.
         let mut best = vec![vec![f64::INFINITY; n + 1]; stages];
         let mut cut = vec![vec![0usize; n + 1]; stages];
-        for j in 1..=n {
-            best[0][j] = cost(0, 0, j);
+        for (j, b) in best[0].iter_mut().enumerate().skip(1) {
+            *b = cost(0, 0, j);
         }
         for s in 1..stages {
             for j in s + 1..=n {

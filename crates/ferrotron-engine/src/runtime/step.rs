@@ -3,15 +3,25 @@ use crate::kernels::Backend;
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 
-/// This build runs the unsplit model only; split layouts are refused with a clear error, never
-/// silently run unsplit.
-pub fn check_layout_runnable(layout: &Layout) -> Result<()> {
-    if layout.is_single_device() && layout.zero == 0 && !layout.sequence_parallel {
+/// What this build runs: the unsplit model, and (where `pipeline` is allowed) pipeline parallelism
+/// alone. Anything else is refused with a clear error, never silently run unsplit.
+pub fn check_layout_runnable(layout: &Layout, pipeline: bool) -> Result<()> {
+    let plain = layout.dp == 1 && layout.tp == 1 && layout.zero == 0 && !layout.sequence_parallel;
+    if plain && layout.pp == 1 && layout.vpp == 1 {
         return Ok(());
     }
+    if plain && pipeline && layout.pp > 1 {
+        return Ok(()); // the pipeline runtime names the schedules it does not run yet
+    }
+    let what = if pipeline {
+        "pipeline parallelism (pp) alone"
+    } else {
+        "the unsplit model"
+    };
     Err(EngineError::Invalid(format!(
-        "layout `{layout}` needs data, tensor or pipeline parallelism (or ZeRO / sequence parallelism), \
-         which this build does not run yet; use a layout with dp=tp=pp=vpp=1, zero=0, sp=false"
+        "layout `{layout}` needs data or tensor parallelism, ZeRO or sequence parallelism{}, which this build \
+         does not run yet; here it runs {what}",
+        if pipeline { "" } else { " or a pipeline" }
     )))
 }
 

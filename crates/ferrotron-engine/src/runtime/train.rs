@@ -166,7 +166,7 @@ fn mean_loss(
 pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     cfg.check()?;
     let layout = LayoutSpec::parse(&cfg.layout)?;
-    check_layout_runnable(&layout.layout)?;
+    check_layout_runnable(&layout.layout, false)?;
     let save_dtype = StorageDtype::parse(&cfg.save_dtype)?;
     let be = CpuBackend {
         threads: if cfg.threads == 0 {

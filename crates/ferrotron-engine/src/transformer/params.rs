@@ -51,6 +51,18 @@ impl ParamStore {
         store
     }
 
+    /// A store of the parameters `keep` selects, copied.
+    pub fn subset(&self, keep: impl Fn(&str) -> bool) -> Self {
+        let picked: Vec<usize> = (0..self.specs.len())
+            .filter(|&i| keep(&self.specs[i].name))
+            .collect();
+        let mut out = Self::zeros(picked.iter().map(|&i| self.specs[i].clone()).collect());
+        for (k, &i) in picked.iter().enumerate() {
+            out.tensors[k].clone_from(&self.tensors[i]);
+        }
+        out
+    }
+
     pub fn id(&self, name: &str) -> Option<usize> {
         self.index.get(name).copied()
     }

@@ -1,11 +1,14 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrotron_core::layout::LayoutSpec;
+use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf::{self, StorageDtype};
 use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::parallel::pipeline_step;
 use ferrotron_engine::runtime::{check_layout_runnable, run_step};
 use ferrotron_engine::transformer::{TokenBatch, Transformer};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 #[derive(Args)]
 pub struct GradsArgs {
@@ -69,7 +72,7 @@ pub fn read_input_ids(path: &Path) -> Result<TokenBatch> {
 
 pub fn run(a: GradsArgs) -> Result<()> {
     let layout = LayoutSpec::parse(&a.layout)?.layout;
-    check_layout_runnable(&layout)?;
+    check_layout_runnable(&layout, true)?;
     let (cfg, params) = hf::load_model(&a.model)?;
     let batch = read_input_ids(&a.tokens)?;
     if let Some(bad) = batch.ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
@@ -87,22 +90,37 @@ pub fn run(a: GradsArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
-    let be = if a.threads == 0 {
-        CpuBackend::default()
+    let (mean_loss, grads) = if layout.pp > 1 {
+        // Every stage a device thread, its layers chosen by compute.
+        let partition = StagePartition::for_model(&cfg, layout.pp)?;
+        let run = pipeline_step(
+            &cfg,
+            &params,
+            &batch,
+            &layout,
+            &partition,
+            Duration::from_secs(600),
+        )?;
+        (run.loss, run.grads)
     } else {
-        CpuBackend { threads: a.threads }
+        let be = if a.threads == 0 {
+            CpuBackend::default()
+        } else {
+            CpuBackend { threads: a.threads }
+        };
+        let tf = Transformer::new(&cfg, &params);
+        let mut grads = params.zeros_like();
+        let out = run_step(
+            &tf,
+            &be,
+            &params,
+            &mut grads,
+            &batch,
+            layout.micro_batch_size.min(batch.batch),
+        )?;
+        (out.loss, grads)
     };
-    let tf = Transformer::new(&cfg, &params);
-    let mut grads = params.zeros_like();
-    let out = run_step(
-        &tf,
-        &be,
-        &params,
-        &mut grads,
-        &batch,
-        layout.micro_batch_size.min(batch.batch),
-    )?;
-    let loss = [out.loss as f32];
+    let loss = [mean_loss as f32];
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> = vec![("loss".into(), vec![], &loss[..])];
     for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
         tensors.push((format!("grad.{}", spec.name), spec.shape.clone(), g));
@@ -110,7 +128,7 @@ pub fn run(a: GradsArgs) -> Result<()> {
     hf::write_tensors(&a.out, &tensors, StorageDtype::F32)?;
     println!(
         "loss {:.8}; {} gradients written to {}",
-        out.loss,
+        mean_loss,
         grads.specs.len(),
         a.out.display()
     );

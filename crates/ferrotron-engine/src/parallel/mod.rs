@@ -1,0 +1,6 @@
+//! Running a model split over devices. Each parallel dimension has its own file; the model code knows
+//! nothing of them.
+
+mod pipeline;
+
+pub use pipeline::{pipeline_step, PipelineRun};

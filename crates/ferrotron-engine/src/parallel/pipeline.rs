@@ -1,0 +1,170 @@
+//! Pipeline parallelism: each stage (a device thread) holds a contiguous range of layers and executes
+//! its schedule's action list — the same lists the planner simulates — receiving activations from the
+//! previous stage and gradients from the next, stashing each in-flight micro-batch's activations until
+//! its backward is done, and accumulating weight gradients over the whole batch.
+
+use crate::comm::{Comm, CommStats, Group, ReduceOp, ThreadWorld};
+use crate::error::{EngineError, Result};
+use crate::kernels::CpuBackend;
+use crate::transformer::{ForwardState, ParamStore, StageInput, TokenBatch, Transformer};
+use ferrotron_core::layout::{Layout, Schedule};
+use ferrotron_core::model::ModelConfig;
+use ferrotron_core::schedule::{build, Action, StagePartition};
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// The result of one pipelined forward/backward over a batch.
+pub struct PipelineRun {
+    /// Mean loss over every predicted token of the batch.
+    pub loss: f64,
+    /// Every parameter's gradient, gathered from the stages that hold it.
+    pub grads: ParamStore,
+    /// Per stage: communication accounting and device clocks.
+    pub stats: Vec<CommStats>,
+    /// Per stage: the most micro-batches whose activations were stashed at once.
+    pub peak_stashed: Vec<usize>,
+}
+
+fn forward_tag(mb: usize) -> u64 {
+    2 * mb as u64
+}
+fn backward_tag(mb: usize) -> u64 {
+    2 * mb as u64 + 1
+}
+
+/// One forward and backward of `batch` through a pipeline of `partition.stages()` stages, in
+/// micro-batches of `layout.micro_batch_size` sequences, on the threads backend.
+pub fn pipeline_step(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    batch: &TokenBatch,
+    layout: &Layout,
+    partition: &StagePartition,
+    timeout: Duration,
+) -> Result<PipelineRun> {
+    let p = partition.stages();
+    let mbs = layout.micro_batch_size.max(1);
+    if !batch.batch.is_multiple_of(mbs) {
+        return Err(EngineError::Invalid(format!(
+            "batch size {} is not divisible by the micro-batch size {mbs}",
+            batch.batch
+        )));
+    }
+    if !matches!(layout.schedule, Schedule::Gpipe | Schedule::OneFOneB) || layout.vpp != 1 {
+        return Err(EngineError::Invalid(format!(
+            "the pipeline runtime executes gpipe and 1f1b with vpp=1 so far; `{}` with vpp={} is planned and simulated (ferrotron schedule) but not yet run",
+            layout.schedule.name(),
+            layout.vpp
+        )));
+    }
+    let m = batch.batch / mbs;
+    let schedule = build(layout.schedule, p, m, 1)?;
+    let micro: Vec<TokenBatch> = batch
+        .ids
+        .chunks(mbs * batch.seq)
+        .map(|ids| TokenBatch {
+            ids: ids.to_vec(),
+            batch: mbs,
+            seq: batch.seq,
+        })
+        .collect();
+    let scale = 1.0 / batch.predicted_tokens().max(1) as f32;
+    let (h, seq) = (cfg.hidden_size, batch.seq);
+
+    let results = ThreadWorld::new(p).timeout(timeout).run(
+        |c| -> Result<(f64, ParamStore, CommStats, usize)> {
+            let s = c.rank();
+            let range = partition.layers[s].clone();
+            let store = params.subset(|n| cfg.stage_owns(n, &range));
+            let tf = Transformer::stage(cfg, &store, range);
+            let mut grads = store.zeros_like();
+            // Each device computes on its own thread (its clock is that thread's CPU time).
+            let be = CpuBackend::single_threaded();
+            let mut stash: HashMap<usize, ForwardState> = HashMap::new();
+            let (mut loss, mut peak) = (0.0, 0);
+            for action in &schedule.actions[s] {
+                match *action {
+                    Action::Forward { mb, .. } => {
+                        let input = if s == 0 {
+                            StageInput::Tokens(&micro[mb])
+                        } else {
+                            let mut x = vec![0f32; mbs * seq * h];
+                            c.recv(s - 1, &mut x, forward_tag(mb))?;
+                            StageInput::Hidden { x, batch: mbs, seq }
+                        };
+                        let mut state = tf.forward_stage(&be, &store, input);
+                        if s + 1 < p {
+                            let out = std::mem::take(&mut state.output);
+                            c.send(s + 1, &out, forward_tag(mb))?;
+                        }
+                        stash.insert(mb, state);
+                        peak = peak.max(stash.len());
+                    }
+                    Action::Backward { mb, .. } => {
+                        let state = stash.remove(&mb).ok_or_else(|| {
+                            EngineError::Invalid(format!(
+                                "stage {s}: backward of micro-batch {mb} before its forward"
+                            ))
+                        })?;
+                        let dout = if s + 1 < p {
+                            let mut d = vec![0f32; mbs * seq * h];
+                            c.recv(s + 1, &mut d, backward_tag(mb))?;
+                            Some(d)
+                        } else {
+                            None
+                        };
+                        let (l, dx) = tf.backward_stage(
+                            &be,
+                            &store,
+                            &mut grads,
+                            state,
+                            dout,
+                            &micro[mb].targets(),
+                            scale,
+                        );
+                        loss += l;
+                        if let Some(dx) = dx {
+                            c.send(s - 1, &dx, backward_tag(mb))?;
+                        }
+                    }
+                    other => {
+                        return Err(EngineError::Invalid(format!(
+                            "stage {s}: action {other} is not executed by this runtime"
+                        )))
+                    }
+                }
+            }
+            // A tied output layer is the first stage's embedding copied to the last: their gradients sum.
+            if cfg.tie_word_embeddings && p > 1 && (s == 0 || s == p - 1) {
+                let g = Group::new("pp", vec![0, p - 1]);
+                let id = grads
+                    .id(cfg.embedding_name())
+                    .expect("tied embedding on the first and last stage");
+                c.all_reduce(&g, &mut grads.tensors[id], ReduceOp::Sum)?;
+            }
+            Ok((loss, grads, c.stats().clone(), peak))
+        },
+    );
+
+    let mut full = params.zeros_like();
+    let (mut loss, mut stats, mut peaks) = (0.0, Vec::new(), Vec::new());
+    for (s, r) in results.into_iter().enumerate() {
+        let (l, g, st, peak) =
+            r.map_err(|e| EngineError::Invalid(format!("pipeline stage {s}: {e}")))??;
+        loss += l;
+        for (spec, t) in g.specs.iter().zip(g.tensors) {
+            let id = full
+                .id(&spec.name)
+                .expect("stage parameters are model parameters");
+            full.tensors[id] = t;
+        }
+        stats.push(st);
+        peaks.push(peak);
+    }
+    Ok(PipelineRun {
+        loss: loss / batch.predicted_tokens().max(1) as f64,
+        grads: full,
+        stats,
+        peak_stashed: peaks,
+    })
+}
