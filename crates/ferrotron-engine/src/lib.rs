@@ -12,3 +12,16 @@ pub mod data;
 pub mod optim;
 pub mod parallel;
 pub mod runtime;
+
+/// Training frees and reallocates the same large activation buffers every step. glibc would hand them
+/// back to the kernel and fault every page in again; keep them in the heap instead. Call once, early,
+/// before other threads start.
+pub fn keep_freed_memory_in_process() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning parameters.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        libc::mallopt(libc::M_TOP_PAD, 256 << 20);
+    }
+}

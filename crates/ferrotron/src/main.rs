@@ -30,20 +30,8 @@ enum Command {
     Bench(cmd::bench::BenchCommand),
 }
 
-/// Training frees and reallocates the same large activation buffers every step. glibc would hand
-/// them back to the kernel and fault every page in again; keep them in the heap instead.
-fn keep_freed_memory_in_process() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tuning parameters; called before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 256 << 20);
-    }
-}
-
 fn main() {
-    keep_freed_memory_in_process();
+    ferrotron_engine::keep_freed_memory_in_process();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(a) => cmd::train::run(*a),

@@ -3,4 +3,4 @@
 
 mod pipeline;
 
-pub use pipeline::{pipeline_step, PipelineRun};
+pub use pipeline::{pipeline_step, pipeline_steps, PipelineRun};

@@ -23,6 +23,48 @@ pub struct PipelineRun {
     pub stats: Vec<CommStats>,
     /// Per stage: the most micro-batches whose activations were stashed at once.
     pub peak_stashed: Vec<usize>,
+    /// Per stage: device time at the end of the step, and the part of it spent computing.
+    pub device_time_s: Vec<f64>,
+    pub compute_time_s: Vec<f64>,
+    /// Wall-clock time of the whole step.
+    pub wall_time_s: f64,
+    /// Per stage: every action with its start and end in device time (the time its inputs arrived
+    /// counts as waiting, not as the action).
+    pub timeline: Vec<Vec<(Action, f64, f64)>>,
+}
+
+impl PipelineRun {
+    /// The schedule's duration in device time: from the first action's start on any stage to the
+    /// last action's end (stage set-up and the final gradient exchange excluded).
+    pub fn step_time_s(&self) -> f64 {
+        let start = self
+            .timeline
+            .iter()
+            .filter_map(|t| t.first())
+            .map(|a| a.1)
+            .fold(f64::INFINITY, f64::min);
+        let end = self
+            .timeline
+            .iter()
+            .filter_map(|t| t.last())
+            .map(|a| a.2)
+            .fold(0.0, f64::max);
+        (end - start).max(0.0)
+    }
+    /// Time stage `s` spent computing its actions.
+    pub fn busy_s(&self, s: usize) -> f64 {
+        self.timeline[s].iter().map(|a| a.2 - a.1).sum()
+    }
+    /// The share of the step stage `s` spent not computing: waiting on neighbours and in the bubble.
+    pub fn idle_fraction(&self, s: usize) -> f64 {
+        1.0 - self.busy_s(s) / self.step_time_s()
+    }
+    /// The worst stage's idle fraction.
+    pub fn bubble_fraction(&self) -> f64 {
+        (0..self.device_time_s.len())
+            .map(|s| self.idle_fraction(s))
+            .fold(0.0, f64::max)
+    }
 }
 
 fn forward_tag(mb: usize) -> u64 {
@@ -41,6 +83,21 @@ pub fn pipeline_step(
     layout: &Layout,
     partition: &StagePartition,
     timeout: Duration,
+) -> Result<PipelineRun> {
+    pipeline_steps(cfg, params, batch, layout, partition, timeout, 0)
+}
+
+/// As [`pipeline_step`], after running the same step `warmup` times on the same stages (discarded):
+/// what a profile measures, with first-touch allocation out of the way.
+#[allow(clippy::too_many_arguments)]
+pub fn pipeline_steps(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    batch: &TokenBatch,
+    layout: &Layout,
+    partition: &StagePartition,
+    timeout: Duration,
+    warmup: usize,
 ) -> Result<PipelineRun> {
     let p = partition.stages();
     let mbs = layout.micro_batch_size.max(1);
@@ -71,66 +128,90 @@ pub fn pipeline_step(
     let scale = 1.0 / batch.predicted_tokens().max(1) as f32;
     let (h, seq) = (cfg.hidden_size, batch.seq);
 
+    let wall = std::time::Instant::now();
     let results = ThreadWorld::new(p).timeout(timeout).run(
-        |c| -> Result<(f64, ParamStore, CommStats, usize)> {
+        |c| -> Result<(
+            f64,
+            ParamStore,
+            CommStats,
+            usize,
+            f64,
+            Vec<(Action, f64, f64)>,
+        )> {
             let s = c.rank();
             let range = partition.layers[s].clone();
             let store = params.subset(|n| cfg.stage_owns(n, &range));
             let tf = Transformer::stage(cfg, &store, range);
             let mut grads = store.zeros_like();
+            // Touch the gradient buffers now, not in the first backward (whose time would look like work).
+            grads.tensors.iter_mut().for_each(|t| t.fill(0.0));
             // Each device computes on its own thread (its clock is that thread's CPU time).
             let be = CpuBackend::single_threaded();
             let mut stash: HashMap<usize, ForwardState> = HashMap::new();
             let (mut loss, mut peak) = (0.0, 0);
-            for action in &schedule.actions[s] {
-                match *action {
-                    Action::Forward { mb, .. } => {
-                        let input = if s == 0 {
-                            StageInput::Tokens(&micro[mb])
-                        } else {
-                            let mut x = vec![0f32; mbs * seq * h];
-                            c.recv(s - 1, &mut x, forward_tag(mb))?;
-                            StageInput::Hidden { x, batch: mbs, seq }
-                        };
-                        let mut state = tf.forward_stage(&be, &store, input);
-                        if s + 1 < p {
-                            let out = std::mem::take(&mut state.output);
-                            c.send(s + 1, &out, forward_tag(mb))?;
+            let mut timeline = Vec::new();
+            for pass in 0..=warmup {
+                if pass > 0 {
+                    // Only the last pass counts.
+                    grads.tensors.iter_mut().for_each(|t| t.fill(0.0));
+                    (loss, peak) = (0.0, 0);
+                    timeline.clear();
+                }
+                for action in &schedule.actions[s] {
+                    let started;
+                    match *action {
+                        Action::Forward { mb, .. } => {
+                            let input = if s == 0 {
+                                StageInput::Tokens(&micro[mb])
+                            } else {
+                                let mut x = vec![0f32; mbs * seq * h];
+                                c.recv(s - 1, &mut x, forward_tag(mb))?;
+                                StageInput::Hidden { x, batch: mbs, seq }
+                            };
+                            started = c.device_time();
+                            let mut state = tf.forward_stage(&be, &store, input);
+                            timeline.push((*action, started, c.device_time()));
+                            if s + 1 < p {
+                                let out = std::mem::take(&mut state.output);
+                                c.send(s + 1, &out, forward_tag(mb))?;
+                            }
+                            stash.insert(mb, state);
+                            peak = peak.max(stash.len());
                         }
-                        stash.insert(mb, state);
-                        peak = peak.max(stash.len());
-                    }
-                    Action::Backward { mb, .. } => {
-                        let state = stash.remove(&mb).ok_or_else(|| {
-                            EngineError::Invalid(format!(
-                                "stage {s}: backward of micro-batch {mb} before its forward"
-                            ))
-                        })?;
-                        let dout = if s + 1 < p {
-                            let mut d = vec![0f32; mbs * seq * h];
-                            c.recv(s + 1, &mut d, backward_tag(mb))?;
-                            Some(d)
-                        } else {
-                            None
-                        };
-                        let (l, dx) = tf.backward_stage(
-                            &be,
-                            &store,
-                            &mut grads,
-                            state,
-                            dout,
-                            &micro[mb].targets(),
-                            scale,
-                        );
-                        loss += l;
-                        if let Some(dx) = dx {
-                            c.send(s - 1, &dx, backward_tag(mb))?;
+                        Action::Backward { mb, .. } => {
+                            let state = stash.remove(&mb).ok_or_else(|| {
+                                EngineError::Invalid(format!(
+                                    "stage {s}: backward of micro-batch {mb} before its forward"
+                                ))
+                            })?;
+                            let dout = if s + 1 < p {
+                                let mut d = vec![0f32; mbs * seq * h];
+                                c.recv(s + 1, &mut d, backward_tag(mb))?;
+                                Some(d)
+                            } else {
+                                None
+                            };
+                            started = c.device_time();
+                            let (l, dx) = tf.backward_stage(
+                                &be,
+                                &store,
+                                &mut grads,
+                                state,
+                                dout,
+                                &micro[mb].targets(),
+                                scale,
+                            );
+                            loss += l;
+                            timeline.push((*action, started, c.device_time()));
+                            if let Some(dx) = dx {
+                                c.send(s - 1, &dx, backward_tag(mb))?;
+                            }
                         }
-                    }
-                    other => {
-                        return Err(EngineError::Invalid(format!(
-                            "stage {s}: action {other} is not executed by this runtime"
-                        )))
+                        other => {
+                            return Err(EngineError::Invalid(format!(
+                                "stage {s}: action {other} is not executed by this runtime"
+                            )))
+                        }
                     }
                 }
             }
@@ -142,15 +223,22 @@ pub fn pipeline_step(
                     .expect("tied embedding on the first and last stage");
                 c.all_reduce(&g, &mut grads.tensors[id], ReduceOp::Sum)?;
             }
-            Ok((loss, grads, c.stats().clone(), peak))
+            let end = c.device_time();
+            Ok((loss, grads, c.stats().clone(), peak, end, timeline))
         },
     );
+    let wall_time_s = wall.elapsed().as_secs_f64();
 
     let mut full = params.zeros_like();
-    let (mut loss, mut stats, mut peaks) = (0.0, Vec::new(), Vec::new());
+    let mut timelines = Vec::new();
+    let (mut loss, mut stats, mut peaks, mut ends, mut compute) =
+        (0.0, Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (s, r) in results.into_iter().enumerate() {
-        let (l, g, st, peak) =
+        let (l, g, st, peak, end, tl) =
             r.map_err(|e| EngineError::Invalid(format!("pipeline stage {s}: {e}")))??;
+        timelines.push(tl);
+        ends.push(end);
+        compute.push(st.compute_time_s);
         loss += l;
         for (spec, t) in g.specs.iter().zip(g.tensors) {
             let id = full
@@ -166,5 +254,9 @@ pub fn pipeline_step(
         grads: full,
         stats,
         peak_stashed: peaks,
+        device_time_s: ends,
+        compute_time_s: compute,
+        wall_time_s,
+        timeline: timelines,
     })
 }
