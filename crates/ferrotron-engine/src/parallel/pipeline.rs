@@ -67,6 +67,16 @@ impl PipelineRun {
     }
 }
 
+/// What one stage reports back.
+struct StageResult {
+    loss: f64,
+    grads: ParamStore,
+    stats: CommStats,
+    peak: usize,
+    end: f64,
+    timeline: Vec<(Action, f64, f64)>,
+}
+
 fn forward_tag(mb: usize) -> u64 {
     2 * mb as u64
 }
@@ -129,15 +139,9 @@ pub fn pipeline_steps(
     let (h, seq) = (cfg.hidden_size, batch.seq);
 
     let wall = std::time::Instant::now();
-    let results = ThreadWorld::new(p).timeout(timeout).run(
-        |c| -> Result<(
-            f64,
-            ParamStore,
-            CommStats,
-            usize,
-            f64,
-            Vec<(Action, f64, f64)>,
-        )> {
+    let results = ThreadWorld::new(p)
+        .timeout(timeout)
+        .run(|c| -> Result<StageResult> {
             let s = c.rank();
             let range = partition.layers[s].clone();
             let store = params.subset(|n| cfg.stage_owns(n, &range));
@@ -224,9 +228,15 @@ pub fn pipeline_steps(
                 c.all_reduce(&g, &mut grads.tensors[id], ReduceOp::Sum)?;
             }
             let end = c.device_time();
-            Ok((loss, grads, c.stats().clone(), peak, end, timeline))
-        },
-    );
+            Ok(StageResult {
+                loss,
+                grads,
+                stats: c.stats().clone(),
+                peak,
+                end,
+                timeline,
+            })
+        });
     let wall_time_s = wall.elapsed().as_secs_f64();
 
     let mut full = params.zeros_like();
@@ -234,8 +244,14 @@ pub fn pipeline_steps(
     let (mut loss, mut stats, mut peaks, mut ends, mut compute) =
         (0.0, Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (s, r) in results.into_iter().enumerate() {
-        let (l, g, st, peak, end, tl) =
-            r.map_err(|e| EngineError::Invalid(format!("pipeline stage {s}: {e}")))??;
+        let StageResult {
+            loss: l,
+            grads: g,
+            stats: st,
+            peak,
+            end,
+            timeline: tl,
+        } = r.map_err(|e| EngineError::Invalid(format!("pipeline stage {s}: {e}")))??;
         timelines.push(tl);
         ends.push(end);
         compute.push(st.compute_time_s);
