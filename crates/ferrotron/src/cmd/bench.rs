@@ -15,6 +15,19 @@ pub enum BenchCommand {
     Kernels(KernelBench),
     /// Collectives on the threads backend: time, algorithm and bus bandwidth (nccl-tests conventions).
     Comm(CommBench),
+    /// Pipeline schedules on 4 stages: predicted and measured bubble, peak stash, step time.
+    Pipeline(PipelineBench),
+}
+
+#[derive(Args)]
+pub struct PipelineBench {
+    /// Micro-batch counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    micro_batches: Vec<usize>,
+    #[arg(long, default_value_t = 4)]
+    stages: usize,
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
 }
 
 #[derive(Args)]
@@ -64,6 +77,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Train(b) => train(b),
         BenchCommand::Kernels(b) => kernels(b),
         BenchCommand::Comm(b) => comm(b),
+        BenchCommand::Pipeline(b) => pipeline(b),
     }
 }
 
@@ -327,6 +341,63 @@ fn comm(b: CommBench) -> Result<()> {
                     bench_row("threads", op, n, elems, t.into_iter().fold(0.0, f64::max))
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// Each schedule on a model whose stages cost the same (two equal layers each; a small head), one
+/// warm-up step, then the measured one. "Predicted" is the schedule simulator with uniform costs.
+fn pipeline(b: PipelineBench) -> Result<()> {
+    use ferrotron_core::layout::{Layout, Schedule};
+    use ferrotron_core::model::ModelConfig;
+    use ferrotron_core::schedule::{build, simulate, ActionCosts, StagePartition};
+    use ferrotron_engine::parallel::pipeline_steps;
+    use std::time::Duration;
+    ferrotron_engine::keep_freed_memory_in_process();
+    let p = b.stages;
+    let cfg = ModelConfig::llama(64, 256, 704, 2 * p, 4, 4, b.seq, 10000.0);
+    let params = ParamStore::init_random(&cfg, 3);
+    let part = StagePartition::for_model(&cfg, p)?;
+    println!("ferrotron bench pipeline: {p} stages x 2 layers (hidden 256), seq {}, mbs 1, threads backend, device time", b.seq);
+    println!("| schedule | micro-batches | predicted bubble | measured bubble (worst stage) | peak stash stage 0 | step (device s) | step (wall s) |");
+    println!("|---|---|---|---|---|---|---|");
+    for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+        for &m in &b.micro_batches {
+            let batch = TokenBatch {
+                ids: (0..m * b.seq).map(|i| (i * 7 % 64) as u32).collect(),
+                batch: m,
+                seq: b.seq,
+            };
+            let layout = Layout {
+                pp: p,
+                micro_batch_size: 1,
+                schedule,
+                ..Layout::default()
+            };
+            let run = pipeline_steps(
+                &cfg,
+                &params,
+                &batch,
+                &layout,
+                &part,
+                Duration::from_secs(600),
+                1,
+            )?;
+            let predicted = simulate(
+                &build(schedule, p, m, 1)?,
+                &[ActionCosts::uniform(1.0, 2.0)],
+            )?
+            .bubble_fraction();
+            println!(
+                "| {} | {m} | {:.1}% | {:.1}% | {} | {:.3} | {:.3} |",
+                schedule.name(),
+                predicted * 100.0,
+                run.bubble_fraction() * 100.0,
+                run.peak_stashed[0],
+                run.step_time_s(),
+                run.wall_time_s
+            );
         }
     }
     Ok(())
