@@ -265,3 +265,26 @@ fn mismatched_lengths_and_foreign_ranks_are_clear_errors() {
         .to_string();
     assert!(e.contains("rank 5 is outside the world of 2"), "{e}");
 }
+
+#[test]
+fn point_to_point_receives_match_by_tag() {
+    let results = ThreadWorld::new(2)
+        .timeout(Duration::from_secs(5))
+        .run(|c| {
+            if c.rank() == 0 {
+                for tag in [1u64, 2, 3] {
+                    c.send(1, &[tag as f32; 4], tag).unwrap();
+                }
+                Vec::new()
+            } else {
+                let mut got = Vec::new();
+                for tag in [3u64, 1, 2] {
+                    let mut buf = [0f32; 4];
+                    c.recv(0, &mut buf, tag).unwrap();
+                    got.push(buf[0]);
+                }
+                got
+            }
+        });
+    assert_eq!(results[1].as_ref().unwrap(), &vec![3.0, 1.0, 2.0]);
+}

@@ -140,6 +140,7 @@ impl ThreadWorld {
                 clock: DeviceClock::start(),
                 link_free: 0.0,
                 early: (0..n).map(|_| None).collect(),
+                held: (0..n).map(|_| Vec::new()).collect(),
                 stats: CommStats {
                     rank,
                     ..CommStats::default()
@@ -192,6 +193,9 @@ pub struct ThreadComm {
     link_free: f64,
     /// Per source: a message already received that, in device time, has not arrived yet.
     early: Vec<Option<Msg>>,
+    /// Per source: point-to-point messages that arrived before the receive that wants them (matched
+    /// by tag, as MPI matches).
+    held: Vec<Vec<Msg>>,
     stats: CommStats,
     /// Reused working storage (reduce-scatter's copy of its input).
     scratch: Vec<u64>,
@@ -306,7 +310,26 @@ impl Transport for ThreadComm {
         if let Some(msg) = self.early[from].take() {
             return self.accept(t, from, msg, tag, total_len, consume);
         }
-        let msg = match self.from[from].recv_timeout(self.timeout) {
+        // Point-to-point receives match by tag: a message for a later receive waits in `held`.
+        let p2p = t.op == "send";
+        if p2p {
+            if let Some(i) = self.held[from]
+                .iter()
+                .position(|m| m.op == "send" && m.tag == tag)
+            {
+                let msg = self.held[from].remove(i);
+                return self.accept(t, from, msg, tag, total_len, consume);
+            }
+        }
+        let deadline = std::time::Instant::now() + self.timeout;
+        let msg = loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.from[from].recv_timeout(left) {
+                Ok(m) if p2p && m.op == "send" && m.tag != tag => self.held[from].push(m),
+                other => break other,
+            }
+        };
+        let msg = match msg {
             Ok(m) => m,
             Err(RecvTimeoutError::Timeout) => {
                 return Err(CommError::Timeout {

@@ -77,11 +77,13 @@ struct StageResult {
     timeline: Vec<(Action, f64, f64)>,
 }
 
-fn forward_tag(mb: usize) -> u64 {
-    2 * mb as u64
-}
-fn backward_tag(mb: usize) -> u64 {
-    2 * mb as u64 + 1
+const FORWARD: u64 = 0;
+const BACKWARD: u64 = 1;
+
+/// A message's tag names the micro-batch, the virtual stage it is addressed to and the direction, so
+/// activations and gradients on one link can never be confused.
+fn tag(mb: usize, vs: usize, dir: u64) -> u64 {
+    ((mb as u64) << 32 | (vs as u64) << 1) | dir
 }
 
 /// One forward and backward of `batch` through a pipeline of `partition.stages()` stages, in
@@ -109,7 +111,6 @@ pub fn pipeline_steps(
     timeout: Duration,
     warmup: usize,
 ) -> Result<PipelineRun> {
-    let p = partition.stages();
     let mbs = layout.micro_batch_size.max(1);
     if !batch.batch.is_multiple_of(mbs) {
         return Err(EngineError::Invalid(format!(
@@ -117,15 +118,22 @@ pub fn pipeline_steps(
             batch.batch
         )));
     }
-    if !matches!(layout.schedule, Schedule::Gpipe | Schedule::OneFOneB) || layout.vpp != 1 {
+    let (p, v) = (layout.pp.max(1), layout.vpp.max(1));
+    if partition.stages() != p * v {
         return Err(EngineError::Invalid(format!(
-            "the pipeline runtime executes gpipe and 1f1b with vpp=1 so far; `{}` with vpp={} is planned and simulated (ferrotron schedule) but not yet run",
-            layout.schedule.name(),
-            layout.vpp
+            "the partition has {} ranges, the layout needs pp·vpp = {} (one per model chunk)",
+            partition.stages(),
+            p * v
         )));
     }
+    if layout.schedule == Schedule::Zbh1 {
+        return Err(EngineError::Invalid(
+            "the pipeline runtime executes gpipe, 1f1b and interleaved so far; `zbh1` (split backward) is planned and simulated (ferrotron schedule) but not yet run".into(),
+        ));
+    }
     let m = batch.batch / mbs;
-    let schedule = build(layout.schedule, p, m, 1)?;
+    let schedule = build(layout.schedule, p, m, v)?;
+    let nv = p * v;
     let micro: Vec<TokenBatch> = batch
         .ids
         .chunks(mbs * batch.seq)
@@ -143,15 +151,21 @@ pub fn pipeline_steps(
         .timeout(timeout)
         .run(|c| -> Result<StageResult> {
             let s = c.rank();
-            let range = partition.layers[s].clone();
-            let store = params.subset(|n| cfg.stage_owns(n, &range));
-            let tf = Transformer::stage(cfg, &store, range);
+            // Chunk k of this device is virtual stage k·p + s (Megatron's interleaving).
+            let ranges: Vec<_> = (0..v)
+                .map(|k| partition.layers[k * p + s].clone())
+                .collect();
+            let store = params.subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r)));
+            let chunks: Vec<Transformer> = ranges
+                .iter()
+                .map(|r| Transformer::stage(cfg, &store, r.clone()))
+                .collect();
             let mut grads = store.zeros_like();
             // Touch the gradient buffers now, not in the first backward (whose time would look like work).
             grads.tensors.iter_mut().for_each(|t| t.fill(0.0));
             // Each device computes on its own thread (its clock is that thread's CPU time).
             let be = CpuBackend::single_threaded();
-            let mut stash: HashMap<usize, ForwardState> = HashMap::new();
+            let mut stash: HashMap<(usize, usize), ForwardState> = HashMap::new();
             let (mut loss, mut peak) = (0.0, 0);
             let mut timeline = Vec::new();
             for pass in 0..=warmup {
@@ -164,39 +178,41 @@ pub fn pipeline_steps(
                 for action in &schedule.actions[s] {
                     let started;
                     match *action {
-                        Action::Forward { mb, .. } => {
-                            let input = if s == 0 {
+                        Action::Forward { mb, chunk } => {
+                            let vs = chunk * p + s;
+                            let input = if vs == 0 {
                                 StageInput::Tokens(&micro[mb])
                             } else {
                                 let mut x = vec![0f32; mbs * seq * h];
-                                c.recv(s - 1, &mut x, forward_tag(mb))?;
+                                c.recv((vs - 1) % p, &mut x, tag(mb, vs, FORWARD))?;
                                 StageInput::Hidden { x, batch: mbs, seq }
                             };
                             started = c.device_time();
-                            let mut state = tf.forward_stage(&be, &store, input);
+                            let mut state = chunks[chunk].forward_stage(&be, &store, input);
                             timeline.push((*action, started, c.device_time()));
-                            if s + 1 < p {
+                            if vs + 1 < nv {
                                 let out = std::mem::take(&mut state.output);
-                                c.send(s + 1, &out, forward_tag(mb))?;
+                                c.send((vs + 1) % p, &out, tag(mb, vs + 1, FORWARD))?;
                             }
-                            stash.insert(mb, state);
+                            stash.insert((mb, chunk), state);
                             peak = peak.max(stash.len());
                         }
-                        Action::Backward { mb, .. } => {
-                            let state = stash.remove(&mb).ok_or_else(|| {
+                        Action::Backward { mb, chunk } => {
+                            let vs = chunk * p + s;
+                            let state = stash.remove(&(mb, chunk)).ok_or_else(|| {
                                 EngineError::Invalid(format!(
                                     "stage {s}: backward of micro-batch {mb} before its forward"
                                 ))
                             })?;
-                            let dout = if s + 1 < p {
+                            let dout = if vs + 1 < nv {
                                 let mut d = vec![0f32; mbs * seq * h];
-                                c.recv(s + 1, &mut d, backward_tag(mb))?;
+                                c.recv((vs + 1) % p, &mut d, tag(mb, vs, BACKWARD))?;
                                 Some(d)
                             } else {
                                 None
                             };
                             started = c.device_time();
-                            let (l, dx) = tf.backward_stage(
+                            let (l, dx) = chunks[chunk].backward_stage(
                                 &be,
                                 &store,
                                 &mut grads,
@@ -208,7 +224,7 @@ pub fn pipeline_steps(
                             loss += l;
                             timeline.push((*action, started, c.device_time()));
                             if let Some(dx) = dx {
-                                c.send(s - 1, &dx, backward_tag(mb))?;
+                                c.send((vs - 1) % p, &dx, tag(mb, vs - 1, BACKWARD))?;
                             }
                         }
                         other => {
@@ -220,6 +236,7 @@ pub fn pipeline_steps(
                 }
             }
             // A tied output layer is the first stage's embedding copied to the last: their gradients sum.
+            // (The last virtual stage, nv − 1, is on device p − 1.)
             if cfg.tie_word_embeddings && p > 1 && (s == 0 || s == p - 1) {
                 let g = Group::new("pp", vec![0, p - 1]);
                 let id = grads

@@ -92,7 +92,7 @@ pub fn run(a: GradsArgs) -> Result<()> {
     }
     let (mean_loss, grads) = if layout.pp > 1 {
         // Every stage a device thread, its layers chosen by compute.
-        let partition = StagePartition::for_model(&cfg, layout.pp)?;
+        let partition = StagePartition::for_model(&cfg, layout.pp * layout.vpp)?;
         let run = pipeline_step(
             &cfg,
             &params,
