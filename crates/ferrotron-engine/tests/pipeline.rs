@@ -225,3 +225,44 @@ fn interleaved_pipelines_match_pytorch_on_the_reference_batch() {
         assert_eq!(run.peak_stashed.len(), 2);
     }
 }
+
+#[test]
+fn pipelines_with_recompute_match_pytorch() {
+    use ferrotron_core::layout::Recompute;
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let (cfg, params) = hf::load_model(&fixture(model)).unwrap();
+        let reference = Reference::load(model);
+        let ref_loss = reference.get("loss_f32")[0] as f64;
+        for recompute in [Recompute::Full, Recompute::Selective] {
+            for (pp, vpp) in [(2, 1), (4, 1), (2, 2)] {
+                let schedule = if vpp > 1 {
+                    Schedule::Interleaved
+                } else {
+                    Schedule::OneFOneB
+                };
+                let l = Layout {
+                    recompute,
+                    schedule,
+                    ..interleaved(1, pp, vpp)
+                };
+                let part = StagePartition::for_model(&cfg, pp * vpp).unwrap();
+                let run = pipeline_step(
+                    &cfg,
+                    &params,
+                    &reference.batch,
+                    &l,
+                    &part,
+                    Duration::from_secs(30),
+                )
+                .unwrap();
+                compare(
+                    &format!("{model} pp{pp} vpp{vpp} {recompute:?}"),
+                    run.loss,
+                    &run.grads,
+                    ref_loss,
+                    &|n| reference.get(&format!("grad_f32.{n}")).to_vec(),
+                );
+            }
+        }
+    }
+}

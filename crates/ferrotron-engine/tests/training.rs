@@ -196,3 +196,41 @@ fn bad_settings_and_data_are_refused_clearly() {
         "{e}"
     );
 }
+
+#[test]
+fn recompute_gives_identical_gradients_from_a_smaller_stash() {
+    use ferrotron_core::layout::Recompute;
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let (cfg, params) = hf::load_model(&fixture(model)).unwrap();
+        let batch = TokenBatch {
+            ids: (0..4 * 32).map(|i| (i * 13 % 512) as u32).collect(),
+            batch: 4,
+            seq: 32,
+        };
+        let be = CpuBackend::default();
+        let run = |policy| {
+            let tf = Transformer::new(&cfg, &params).with_recompute(policy);
+            let mut g = params.zeros_like();
+            let out = run_step(&tf, &be, &params, &mut g, &batch, 4).unwrap();
+            (out, g)
+        };
+        let (base, g0) = run(Recompute::None);
+        for policy in [Recompute::Selective, Recompute::Full] {
+            let (out, g) = run(policy);
+            assert_eq!(
+                out.loss.to_bits(),
+                base.loss.to_bits(),
+                "{model} {policy:?}"
+            );
+            assert_eq!(g, g0, "{model} {policy:?}: gradients must be bit-identical");
+            assert!(
+                out.peak_activation_bytes < base.peak_activation_bytes,
+                "{model} {policy:?}"
+            );
+            println!(
+                "{model} {policy:?}: stash {} -> {} bytes",
+                base.peak_activation_bytes, out.peak_activation_bytes
+            );
+        }
+    }
+}

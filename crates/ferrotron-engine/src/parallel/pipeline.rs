@@ -158,7 +158,9 @@ pub fn pipeline_steps(
             let store = params.subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r)));
             let chunks: Vec<Transformer> = ranges
                 .iter()
-                .map(|r| Transformer::stage(cfg, &store, r.clone()))
+                .map(|r| {
+                    Transformer::stage(cfg, &store, r.clone()).with_recompute(layout.recompute)
+                })
                 .collect();
             let mut grads = store.zeros_like();
             // Touch the gradient buffers now, not in the first backward (whose time would look like work).

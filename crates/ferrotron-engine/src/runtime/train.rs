@@ -223,7 +223,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let mut metrics =
         std::fs::File::create(&metrics_path).map_err(|e| EngineError::io(&metrics_path, e))?;
 
-    let tf = Transformer::new(&model_cfg, &params);
+    let tf = Transformer::new(&model_cfg, &params).with_recompute(layout.layout.recompute);
     let mut grads = params.zeros_like();
     let mut opt = AdamW::new(
         AdamWConfig {

@@ -245,6 +245,11 @@ fn split_qkv(qkv: &[f32], h: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     (q, k, v)
 }
 
+/// Drops the attention probabilities from a stash (selective recompute: backward recomputes them).
+pub(crate) fn drop_probs(acts: &mut LayerActs) {
+    acts.probs = Vec::new();
+}
+
 pub(crate) fn forward(
     m: &Transformer,
     be: &dyn Backend,
@@ -313,7 +318,7 @@ pub(crate) fn backward(
     p: &ParamStore,
     g: &mut ParamStore,
     ids: &LayerIds,
-    a: LayerActs,
+    mut a: LayerActs,
     dx: &mut [f32],
     positions: &[u32],
     (batch, seq): (usize, usize),
@@ -351,6 +356,12 @@ pub(crate) fn backward(
     ids.attn_out
         .backward(be, p, g, dx, &a.attn, &mut dattn, false);
     let shape = attn_shape(cfg, batch, seq);
+    if a.probs.is_empty() {
+        // Selective recompute dropped the attention probabilities: recompute them from Q and K.
+        a.probs = vec![0f32; shape.probs_len()];
+        let mut scratch = vec![0f32; a.attn.len()];
+        be.attention_forward(shape, &a.q, &a.k, &a.v, &mut scratch, &mut a.probs);
+    }
     let (mut dq, mut dk, mut dv) = (
         vec![0f32; a.q.len()],
         vec![0f32; a.k.len()],

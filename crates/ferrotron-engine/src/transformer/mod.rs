@@ -8,6 +8,7 @@ mod params;
 pub use params::ParamStore;
 
 use crate::kernels::{Backend, RopeTable};
+use ferrotron_core::layout::Recompute;
 use ferrotron_core::model::{Arch, ModelConfig, WeightLayout};
 use layer::{LayerActs, LayerIds, Lin, NormIds, NormStash};
 use std::ops::Range;
@@ -51,6 +52,8 @@ pub struct ForwardState {
     /// Token ids, on the stage with the embedding.
     ids: Vec<u32>,
     layers: Vec<LayerActs>,
+    /// Under full recompute: each layer's input only (its forward runs again in backward).
+    layer_inputs: Vec<Vec<f32>>,
     final_in: Vec<f32>,
     final_norm: Option<NormStash>,
     /// `[rows, vocab]` on the last stage; replaced by the logits' gradient once the loss is taken.
@@ -63,8 +66,9 @@ impl ForwardState {
     /// Bytes held for backward right now: every stashed activation and the logits.
     pub fn stashed_bytes(&self) -> usize {
         let layers: usize = self.layers.iter().map(LayerActs::bytes).sum();
+        let inputs: usize = self.layer_inputs.iter().map(|x| 4 * x.len()).sum();
         let norm = self.final_norm.as_ref().map_or(0, NormStash::bytes);
-        4 * (self.final_in.len() + self.logits.len()) + norm + layers
+        4 * (self.final_in.len() + self.logits.len()) + norm + layers + inputs
     }
 }
 
@@ -80,6 +84,7 @@ pub struct Transformer {
     final_norm: Option<NormIds>,
     head: Option<Lin>,
     rope: Option<RopeTable>,
+    recompute: Recompute,
 }
 
 impl Transformer {
@@ -125,7 +130,15 @@ impl Transformer {
                 .then(|| RopeTable::new(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)),
             layer_range: layers,
             cfg: cfg.clone(),
+            recompute: Recompute::None,
         }
+    }
+
+    /// Trades compute for activation memory: `Full` keeps only each layer's input and runs the layer
+    /// forward again in backward; `Selective` drops the attention probabilities and recomputes them.
+    pub fn with_recompute(mut self, policy: Recompute) -> Self {
+        self.recompute = policy;
+        self
     }
 
     pub fn forward(&self, be: &dyn Backend, p: &ParamStore, batch: &TokenBatch) -> ForwardState {
@@ -161,10 +174,18 @@ impl Transformer {
         if let Some(wpe) = self.pos_embed {
             be.embedding_forward(&positions, &p.tensors[wpe], h, &mut x, true);
         }
-        let mut layers = Vec::with_capacity(self.layers.len());
+        let (mut layers, mut layer_inputs) = (Vec::with_capacity(self.layers.len()), Vec::new());
         for ids in &self.layers {
-            let (out, acts) = layer::forward(self, be, p, ids, x, (batch, seq), &positions);
-            layers.push(acts);
+            let input = (self.recompute == Recompute::Full).then(|| x.clone());
+            let (out, mut acts) = layer::forward(self, be, p, ids, x, (batch, seq), &positions);
+            match (input, self.recompute) {
+                (Some(input), _) => layer_inputs.push(input),
+                (None, Recompute::Selective) => {
+                    layer::drop_probs(&mut acts);
+                    layers.push(acts)
+                }
+                (None, _) => layers.push(acts),
+            }
             x = out;
         }
         let mut state = ForwardState {
@@ -174,6 +195,7 @@ impl Transformer {
             positions,
             ids,
             layers,
+            layer_inputs,
             final_in: Vec::new(),
             final_norm: None,
             logits: Vec::new(),
@@ -261,18 +283,37 @@ impl Transformer {
             _ => dout.expect("a stage without the loss needs the gradient at its output"),
         };
         assert_eq!(dx.len(), rows * h, "output gradient has the wrong size");
-        for (ids, acts) in self.layers.iter().zip(state.layers.drain(..)).rev() {
-            layer::backward(
-                self,
-                be,
-                p,
-                grads,
-                ids,
-                acts,
-                &mut dx,
-                &state.positions,
-                (state.batch, state.seq),
-            );
+        let dims = (state.batch, state.seq);
+        if state.layer_inputs.is_empty() {
+            for (ids, acts) in self.layers.iter().zip(state.layers.drain(..)).rev() {
+                layer::backward(
+                    self,
+                    be,
+                    p,
+                    grads,
+                    ids,
+                    acts,
+                    &mut dx,
+                    &state.positions,
+                    dims,
+                );
+            }
+        } else {
+            // Full recompute: run each layer's forward again from its kept input, then its backward.
+            for (ids, input) in self.layers.iter().zip(state.layer_inputs.drain(..)).rev() {
+                let (_, acts) = layer::forward(self, be, p, ids, input, dims, &state.positions);
+                layer::backward(
+                    self,
+                    be,
+                    p,
+                    grads,
+                    ids,
+                    acts,
+                    &mut dx,
+                    &state.positions,
+                    dims,
+                );
+            }
         }
         if let Some(wpe) = self.pos_embed {
             be.embedding_backward_weight(&state.positions, &dx, h, &mut grads.tensors[wpe]);

@@ -108,7 +108,7 @@ pub fn run(a: GradsArgs) -> Result<()> {
         } else {
             CpuBackend { threads: a.threads }
         };
-        let tf = Transformer::new(&cfg, &params);
+        let tf = Transformer::new(&cfg, &params).with_recompute(layout.recompute);
         let mut grads = params.zeros_like();
         let out = run_step(
             &tf,
