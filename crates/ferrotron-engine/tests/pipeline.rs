@@ -46,7 +46,7 @@ fn pipelines_match_pytorch_on_the_reference_batch() {
         let reference = Reference::load(model);
         let ref_loss = reference.get("loss_f32")[0] as f64;
         for pp in [2, 4] {
-            for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+            for schedule in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Zbh1] {
                 for mbs in [1, 2] {
                     let part = StagePartition::for_model(&cfg, pp).unwrap();
                     let run = pipeline_step(
@@ -116,7 +116,7 @@ fn pipelines_match_the_unsplit_model_on_larger_batches_and_uneven_partitions() {
             );
         }
         for part in &partitions {
-            for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+            for schedule in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Zbh1] {
                 for mbs in [1, 2] {
                     let l = layout(schedule, mbs, part.stages());
                     let run =
@@ -170,7 +170,7 @@ fn stage_zero_stashes_m_micro_batches_under_gpipe_and_p_under_1f1b() {
 }
 
 #[test]
-fn schedules_not_yet_executed_are_refused_clearly() {
+fn a_partition_that_does_not_fit_the_layout_is_refused_clearly() {
     let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
     let batch = Reference::load("llama_tiny").batch;
     let part = StagePartition::for_model(&cfg, 2).unwrap();
@@ -178,14 +178,14 @@ fn schedules_not_yet_executed_are_refused_clearly() {
         &cfg,
         &params,
         &batch,
-        &layout(Schedule::Zbh1, 1, 2),
+        &interleaved(1, 2, 2),
         &part,
         Duration::from_secs(5),
     )
     .err()
     .unwrap()
     .to_string();
-    assert!(e.contains("zbh1") && e.contains("not yet run"), "{e}");
+    assert!(e.contains("2 ranges") && e.contains("pp·vpp = 4"), "{e}");
 }
 
 fn interleaved(mbs: usize, pp: usize, vpp: usize) -> Layout {

@@ -35,6 +35,7 @@ fn measured_bubble_in_device_time_matches_the_textbook() {
     let part = StagePartition::for_model(&cfg, 4).unwrap();
     assert_eq!(part.layers, vec![0..2, 2..4, 4..6, 6..8]);
     let want = 3.0 / 11.0; // (p − 1) / (m + p − 1), p = 4, m = 8
+    let mut worst = Vec::new();
     for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
         // Measured after one warm-up step on the same stages, as a profile would.
         let run = pipeline_steps(
@@ -55,5 +56,29 @@ fn measured_bubble_in_device_time_matches_the_textbook() {
                 "{schedule:?} stage {s}: idle {f:.3} vs {want:.3}"
             );
         }
+        worst.push(run.bubble_fraction());
     }
+    // Zero-bubble: the deferred weight gradients fill the drain, so its bubble is below 1F1B's.
+    let zb = pipeline_steps(
+        &cfg,
+        &params,
+        &batch,
+        &layout(Schedule::Zbh1, 1, 4),
+        &part,
+        Duration::from_secs(60),
+        1,
+    )
+    .unwrap();
+    let idle: Vec<f64> = (0..4).map(|s| zb.idle_fraction(s)).collect();
+    println!(
+        "Zbh1: idle per stage {idle:.3?}, worst {:.3} vs 1f1b {:.3}",
+        zb.bubble_fraction(),
+        worst[1]
+    );
+    assert!(
+        zb.bubble_fraction() < worst[1],
+        "zbh1 {:.3} is not below 1f1b {:.3}",
+        zb.bubble_fraction(),
+        worst[1]
+    );
 }

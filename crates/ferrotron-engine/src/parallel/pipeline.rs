@@ -6,8 +6,10 @@
 use crate::comm::{Comm, CommStats, Group, ReduceOp, ThreadWorld};
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
-use crate::transformer::{ForwardState, ParamStore, StageInput, TokenBatch, Transformer};
-use ferrotron_core::layout::{Layout, Schedule};
+use crate::transformer::{
+    ForwardState, ParamStore, StageInput, TokenBatch, Transformer, WeightGrads,
+};
+use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::schedule::{build, Action, StagePartition};
 use std::collections::HashMap;
@@ -126,11 +128,6 @@ pub fn pipeline_steps(
             p * v
         )));
     }
-    if layout.schedule == Schedule::Zbh1 {
-        return Err(EngineError::Invalid(
-            "the pipeline runtime executes gpipe, 1f1b and interleaved so far; `zbh1` (split backward) is planned and simulated (ferrotron schedule) but not yet run".into(),
-        ));
-    }
     let m = batch.batch / mbs;
     let schedule = build(layout.schedule, p, m, v)?;
     let nv = p * v;
@@ -168,6 +165,8 @@ pub fn pipeline_steps(
             // Each device computes on its own thread (its clock is that thread's CPU time).
             let be = CpuBackend::single_threaded();
             let mut stash: HashMap<(usize, usize), ForwardState> = HashMap::new();
+            // Zero-bubble schedules: weight gradients waiting for their W action.
+            let mut deferred: HashMap<(usize, usize), WeightGrads> = HashMap::new();
             let (mut loss, mut peak) = (0.0, 0);
             let mut timeline = Vec::new();
             for pass in 0..=warmup {
@@ -197,9 +196,10 @@ pub fn pipeline_steps(
                                 c.send((vs + 1) % p, &out, tag(mb, vs + 1, FORWARD))?;
                             }
                             stash.insert((mb, chunk), state);
-                            peak = peak.max(stash.len());
+                            peak = peak.max(stash.len() + deferred.len());
                         }
-                        Action::Backward { mb, chunk } => {
+                        Action::Backward { mb, chunk } | Action::BackwardInput { mb, chunk } => {
+                            let split = matches!(action, Action::BackwardInput { .. });
                             let vs = chunk * p + s;
                             let state = stash.remove(&(mb, chunk)).ok_or_else(|| {
                                 EngineError::Invalid(format!(
@@ -214,25 +214,28 @@ pub fn pipeline_steps(
                                 None
                             };
                             started = c.device_time();
-                            let (l, dx) = chunks[chunk].backward_stage(
-                                &be,
-                                &store,
-                                &mut grads,
-                                state,
-                                dout,
-                                &micro[mb].targets(),
-                                scale,
-                            );
+                            let targets = micro[mb].targets();
+                            let (l, dx) = if split {
+                                let (l, dx, w) = chunks[chunk].backward_stage_input(&be, &store, state, dout, &targets, scale);
+                                deferred.insert((mb, chunk), w);
+                                (l, dx)
+                            } else {
+                                chunks[chunk].backward_stage(&be, &store, &mut grads, state, dout, &targets, scale)
+                            };
                             loss += l;
                             timeline.push((*action, started, c.device_time()));
+                            peak = peak.max(stash.len() + deferred.len());
                             if let Some(dx) = dx {
                                 c.send((vs - 1) % p, &dx, tag(mb, vs - 1, BACKWARD))?;
                             }
                         }
-                        other => {
-                            return Err(EngineError::Invalid(format!(
-                                "stage {s}: action {other} is not executed by this runtime"
-                            )))
+                        Action::BackwardWeight { mb, chunk } => {
+                            let w = deferred.remove(&(mb, chunk)).ok_or_else(|| {
+                                EngineError::Invalid(format!("stage {s}: weight gradient of micro-batch {mb} before its input gradient"))
+                            })?;
+                            started = c.device_time();
+                            w.apply(&be, &mut grads);
+                            timeline.push((*action, started, c.device_time()));
                         }
                     }
                 }

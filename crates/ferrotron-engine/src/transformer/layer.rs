@@ -1,5 +1,6 @@
 //! One transformer block: forward (keeping what backward needs) and backward.
 
+use super::weights::{WeightJob, WeightSink};
 use super::{ParamStore, Transformer};
 use crate::kernels::{AttnShape, Backend, LinearShape};
 use ferrotron_core::model::{Arch, ModelConfig, NormKind, WeightLayout};
@@ -31,13 +32,14 @@ impl Lin {
         y
     }
 
-    /// Input gradient into `dx` (overwrite or accumulate), weight (and bias) gradient into `grads`.
+    /// Input gradient into `dx` (overwrite or accumulate); the weight (and bias) gradient goes to `g`,
+    /// now or later.
     #[allow(clippy::too_many_arguments)]
-    fn backward(
+    pub(crate) fn backward(
         &self,
         be: &dyn Backend,
         p: &ParamStore,
-        g: &mut ParamStore,
+        g: &mut WeightSink,
         dy: &[f32],
         x: &[f32],
         dx: &mut [f32],
@@ -45,10 +47,23 @@ impl Lin {
     ) {
         let s = self.shape(dy.len() / self.out_dim);
         be.linear_backward_input(s, dy, &p.tensors[self.w], dx, acc);
-        self.backward_weight(be, g, dy, x);
+        match g {
+            WeightSink::Now(store) => self.backward_weight(be, store, dy, x),
+            WeightSink::Later(jobs) => jobs.push(WeightJob::Linear {
+                lin: *self,
+                dy: dy.to_vec(),
+                x: x.to_vec(),
+            }),
+        }
     }
 
-    fn backward_weight(&self, be: &dyn Backend, g: &mut ParamStore, dy: &[f32], x: &[f32]) {
+    pub(crate) fn backward_weight(
+        &self,
+        be: &dyn Backend,
+        g: &mut ParamStore,
+        dy: &[f32],
+        x: &[f32],
+    ) {
         let s = self.shape(dy.len() / self.out_dim);
         match self.b {
             Some(b) => {
@@ -71,7 +86,7 @@ pub(crate) struct NormIds {
 }
 
 /// A norm's output and the per-row statistics its backward needs.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct NormStash {
     pub out: Vec<f32>,
     pub mean: Vec<f32>,
@@ -109,7 +124,7 @@ impl NormIds {
         &self,
         be: &dyn Backend,
         p: &ParamStore,
-        g: &mut ParamStore,
+        g: &mut WeightSink,
         dy: &[f32],
         x: &[f32],
         s: &NormStash,
@@ -118,12 +133,34 @@ impl NormIds {
     ) {
         let w = &p.tensors[self.w];
         match self.kind {
-            NormKind::RmsNorm => {
-                be.rmsnorm_backward_input(dy, x, w, &s.rstd, dx, acc);
-                be.rmsnorm_backward_weight(dy, x, &s.rstd, &mut g.tensors[self.w]);
-            }
+            NormKind::RmsNorm => be.rmsnorm_backward_input(dy, x, w, &s.rstd, dx, acc),
+            NormKind::LayerNorm => be.layernorm_backward_input(dy, x, w, &s.mean, &s.rstd, dx, acc),
+        }
+        match g {
+            WeightSink::Now(store) => self.backward_weight(be, store, dy, x, s),
+            WeightSink::Later(jobs) => jobs.push(WeightJob::Norm {
+                norm: *self,
+                dy: dy.to_vec(),
+                x: x.to_vec(),
+                stash: NormStash {
+                    out: Vec::new(),
+                    ..s.clone()
+                },
+            }),
+        }
+    }
+
+    pub(crate) fn backward_weight(
+        &self,
+        be: &dyn Backend,
+        g: &mut ParamStore,
+        dy: &[f32],
+        x: &[f32],
+        s: &NormStash,
+    ) {
+        match self.kind {
+            NormKind::RmsNorm => be.rmsnorm_backward_weight(dy, x, &s.rstd, &mut g.tensors[self.w]),
             NormKind::LayerNorm => {
-                be.layernorm_backward_input(dy, x, w, &s.mean, &s.rstd, dx, acc);
                 let b = self.b.expect("layernorm has a bias");
                 let [dw, db] = g
                     .tensors
@@ -316,7 +353,7 @@ pub(crate) fn backward(
     m: &Transformer,
     be: &dyn Backend,
     p: &ParamStore,
-    g: &mut ParamStore,
+    g: &mut WeightSink,
     ids: &LayerIds,
     mut a: LayerActs,
     dx: &mut [f32],

@@ -4,8 +4,11 @@
 
 mod layer;
 mod params;
+mod weights;
 
 pub use params::ParamStore;
+pub use weights::WeightGrads;
+use weights::{WeightJob, WeightSink};
 
 use crate::kernels::{Backend, RopeTable};
 use ferrotron_core::layout::Recompute;
@@ -245,6 +248,53 @@ impl Transformer {
         be: &dyn Backend,
         p: &ParamStore,
         grads: &mut ParamStore,
+        state: ForwardState,
+        dout: Option<Vec<f32>>,
+        targets: &[Option<u32>],
+        loss_scale: f32,
+    ) -> (f64, Option<Vec<f32>>) {
+        self.backward_with(
+            be,
+            p,
+            &mut WeightSink::Now(grads),
+            state,
+            dout,
+            targets,
+            loss_scale,
+        )
+    }
+
+    /// The input-gradient half of [`Transformer::backward_stage`]: returns what it returns plus the
+    /// weight gradients, deferred, for [`WeightGrads::apply`] (zero-bubble schedules).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_stage_input(
+        &self,
+        be: &dyn Backend,
+        p: &ParamStore,
+        state: ForwardState,
+        dout: Option<Vec<f32>>,
+        targets: &[Option<u32>],
+        loss_scale: f32,
+    ) -> (f64, Option<Vec<f32>>, WeightGrads) {
+        let mut jobs = Vec::new();
+        let (loss, dx) = self.backward_with(
+            be,
+            p,
+            &mut WeightSink::Later(&mut jobs),
+            state,
+            dout,
+            targets,
+            loss_scale,
+        );
+        (loss, dx, WeightGrads(jobs))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_with(
+        &self,
+        be: &dyn Backend,
+        p: &ParamStore,
+        sink: &mut WeightSink,
         mut state: ForwardState,
         dout: Option<Vec<f32>>,
         targets: &[Option<u32>],
@@ -257,21 +307,13 @@ impl Transformer {
                 loss_sum = be.cross_entropy(&mut state.logits, v, targets, loss_scale);
                 let dlogits = std::mem::take(&mut state.logits);
                 let mut dnormed = vec![0f32; rows * h];
-                let hs = head.shape(rows);
-                be.linear_backward_input(hs, &dlogits, &p.tensors[head.w], &mut dnormed, false);
-                be.linear_backward_weight(
-                    hs,
-                    &dlogits,
-                    &stash.out,
-                    &mut grads.tensors[head.w],
-                    None,
-                );
+                head.backward(be, p, sink, &dlogits, &stash.out, &mut dnormed, false);
                 drop(dlogits);
                 let mut dx = vec![0f32; rows * h];
                 norm.backward(
                     be,
                     p,
-                    grads,
+                    sink,
                     &dnormed,
                     &state.final_in,
                     &stash,
@@ -290,7 +332,7 @@ impl Transformer {
                     self,
                     be,
                     p,
-                    grads,
+                    sink,
                     ids,
                     acts,
                     &mut dx,
@@ -306,7 +348,7 @@ impl Transformer {
                     self,
                     be,
                     p,
-                    grads,
+                    sink,
                     ids,
                     acts,
                     &mut dx,
@@ -315,12 +357,21 @@ impl Transformer {
                 );
             }
         }
+        let mut embedding_grad = |table: usize, ids: &[u32], dout: &[f32]| match sink {
+            WeightSink::Now(g) => be.embedding_backward_weight(ids, dout, h, &mut g.tensors[table]),
+            WeightSink::Later(jobs) => jobs.push(WeightJob::Embedding {
+                table,
+                ids: ids.to_vec(),
+                dout: dout.to_vec(),
+                dim: h,
+            }),
+        };
         if let Some(wpe) = self.pos_embed {
-            be.embedding_backward_weight(&state.positions, &dx, h, &mut grads.tensors[wpe]);
+            embedding_grad(wpe, &state.positions, &dx);
         }
         match self.embed {
             Some(embed) => {
-                be.embedding_backward_weight(&state.ids, &dx, h, &mut grads.tensors[embed]);
+                embedding_grad(embed, &state.ids, &dx);
                 (loss_sum, None)
             }
             None => (loss_sum, Some(dx)),
