@@ -234,3 +234,38 @@ fn recompute_gives_identical_gradients_from_a_smaller_stash() {
         }
     }
 }
+
+#[test]
+fn pipeline_training_tracks_the_unsplit_run_step_by_step() {
+    let losses = |layout: &str, tag: &str| -> Vec<f64> {
+        let cfg = TrainConfig {
+            steps: 5,
+            layout: layout.into(),
+            ..tiny_config(tag)
+        };
+        train(&cfg, &mut |_| {}).unwrap();
+        std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let unsplit = losses("mbs=2", "track-unsplit");
+    for layout in [
+        "pp=2,schedule=1f1b,mbs=2",
+        "pp=4,schedule=zbh1,mbs=2",
+        "pp=2,vpp=2,schedule=interleaved,mbs=2",
+    ] {
+        let split = losses(layout, &format!("track-{}", layout.len()));
+        for (step, (a, b)) in split.iter().zip(&unsplit).enumerate() {
+            assert!(
+                (a - b).abs() / b <= 1e-5,
+                "{layout} step {step}: loss {a} vs unsplit {b}"
+            );
+        }
+    }
+}

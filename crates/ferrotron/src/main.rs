@@ -21,6 +21,8 @@ enum Command {
     Train(Box<cmd::train::TrainArgs>),
     /// One forward/backward of a fixed batch; writes the loss and every gradient by Hugging Face name.
     Grads(cmd::grads::GradsArgs),
+    /// Prove a layout computes the unsplit model's loss and gradients (non-zero exit above tolerance).
+    Verify(cmd::verify::VerifyArgs),
     /// Do the memory arithmetic first: evaluate a layout, or search for the best that fits.
     Plan(Box<cmd::plan::PlanArgs>),
     /// Print a pipeline schedule's per-stage action lists and its bubble.
@@ -37,6 +39,7 @@ fn main() {
         Command::Train(a) => cmd::train::run(*a),
         Command::Grads(a) => cmd::grads::run(a),
         Command::Plan(a) => cmd::plan::run(*a),
+        Command::Verify(a) => cmd::verify::run(a),
         Command::Schedule(a) => cmd::schedule::run(a),
         Command::Bench(b) => cmd::bench::run(b),
     };

@@ -404,3 +404,41 @@ fn schedule_prints_the_action_lists() {
         "{s}"
     );
 }
+
+#[test]
+fn verify_passes_for_pipelines_and_refuses_what_is_not_built() {
+    let model = fixture("llama_tiny");
+    for layout in [
+        "pp=2,schedule=1f1b,mbs=2",
+        "pp=4,schedule=zbh1,mbs=1,recompute=full",
+        "pp=2,vpp=2,schedule=interleaved,mbs=1",
+        "mbs=2,recompute=selective",
+    ] {
+        let o = ferrotron(&[
+            "verify",
+            "--model",
+            model.to_str().unwrap(),
+            "--layout",
+            layout,
+        ]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success()
+                && out.contains("OK: the split computes the same loss and gradients"),
+            "{layout}: {out}{}",
+            stderr(&o)
+        );
+    }
+    let o = ferrotron(&[
+        "verify",
+        "--model",
+        model.to_str().unwrap(),
+        "--layout",
+        "tp=2",
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("tp=2"),
+        "{}",
+        stderr(&o)
+    );
+}

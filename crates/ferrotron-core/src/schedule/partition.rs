@@ -6,9 +6,11 @@ use std::ops::Range;
 
 /// Contiguous layer ranges, one per stage; stage 0 also runs the embedding, the last stage the final
 /// norm, output layer and loss.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct StagePartition {
     pub layers: Vec<Range<usize>>,
+    /// Each stage's predicted cost in the units of the costs given (FLOPs for `for_model`).
+    pub costs: Vec<f64>,
 }
 
 impl StagePartition {
@@ -59,7 +61,12 @@ impl StagePartition {
             layers[s] = start..end;
             end = start;
         }
-        Ok(Self { layers })
+        let costs = layers
+            .iter()
+            .enumerate()
+            .map(|(s, r)| cost(s, r.start, r.end))
+            .collect();
+        Ok(Self { layers, costs })
     }
 
     /// Balanced by the model's FLOPs: equal layers, the embedding (a lookup: free) on the first stage,
@@ -87,7 +94,8 @@ impl StagePartition {
                 "stage ranges {layers:?} must cover all {num_layers} layers"
             )));
         }
-        Ok(Self { layers })
+        let costs = layers.iter().map(|r| r.len() as f64).collect();
+        Ok(Self { layers, costs })
     }
 
     pub fn stages(&self) -> usize {

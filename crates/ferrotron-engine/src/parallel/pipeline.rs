@@ -23,8 +23,10 @@ pub struct PipelineRun {
     pub grads: ParamStore,
     /// Per stage: communication accounting and device clocks.
     pub stats: Vec<CommStats>,
-    /// Per stage: the most micro-batches whose activations were stashed at once.
+    /// Per stage: the most micro-batches whose activations were stashed at once, and the most bytes
+    /// the stash (and deferred weight-gradient work) held.
     pub peak_stashed: Vec<usize>,
+    pub peak_stash_bytes: Vec<usize>,
     /// Per stage: device time at the end of the step, and the part of it spent computing.
     pub device_time_s: Vec<f64>,
     pub compute_time_s: Vec<f64>,
@@ -75,6 +77,7 @@ struct StageResult {
     grads: ParamStore,
     stats: CommStats,
     peak: usize,
+    peak_bytes: usize,
     end: f64,
     timeline: Vec<(Action, f64, f64)>,
 }
@@ -167,13 +170,16 @@ pub fn pipeline_steps(
             let mut stash: HashMap<(usize, usize), ForwardState> = HashMap::new();
             // Zero-bubble schedules: weight gradients waiting for their W action.
             let mut deferred: HashMap<(usize, usize), WeightGrads> = HashMap::new();
-            let (mut loss, mut peak) = (0.0, 0);
+            let (mut loss, mut peak, mut peak_bytes) = (0.0, 0, 0);
+            let stash_bytes = |stash: &HashMap<(usize, usize), ForwardState>, deferred: &HashMap<(usize, usize), WeightGrads>| {
+                stash.values().map(ForwardState::stashed_bytes).sum::<usize>() + deferred.values().map(WeightGrads::bytes).sum::<usize>()
+            };
             let mut timeline = Vec::new();
             for pass in 0..=warmup {
                 if pass > 0 {
                     // Only the last pass counts.
                     grads.tensors.iter_mut().for_each(|t| t.fill(0.0));
-                    (loss, peak) = (0.0, 0);
+                    (loss, peak, peak_bytes) = (0.0, 0, 0);
                     timeline.clear();
                 }
                 for action in &schedule.actions[s] {
@@ -197,6 +203,7 @@ pub fn pipeline_steps(
                             }
                             stash.insert((mb, chunk), state);
                             peak = peak.max(stash.len() + deferred.len());
+                            peak_bytes = peak_bytes.max(stash_bytes(&stash, &deferred));
                         }
                         Action::Backward { mb, chunk } | Action::BackwardInput { mb, chunk } => {
                             let split = matches!(action, Action::BackwardInput { .. });
@@ -225,6 +232,7 @@ pub fn pipeline_steps(
                             loss += l;
                             timeline.push((*action, started, c.device_time()));
                             peak = peak.max(stash.len() + deferred.len());
+                            peak_bytes = peak_bytes.max(stash_bytes(&stash, &deferred));
                             if let Some(dx) = dx {
                                 c.send((vs - 1) % p, &dx, tag(mb, vs - 1, BACKWARD))?;
                             }
@@ -255,6 +263,7 @@ pub fn pipeline_steps(
                 grads,
                 stats: c.stats().clone(),
                 peak,
+                peak_bytes,
                 end,
                 timeline,
             })
@@ -263,6 +272,7 @@ pub fn pipeline_steps(
 
     let mut full = params.zeros_like();
     let mut timelines = Vec::new();
+    let mut peak_bytes_all = Vec::new();
     let (mut loss, mut stats, mut peaks, mut ends, mut compute) =
         (0.0, Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (s, r) in results.into_iter().enumerate() {
@@ -271,6 +281,7 @@ pub fn pipeline_steps(
             grads: g,
             stats: st,
             peak,
+            peak_bytes,
             end,
             timeline: tl,
         } = r.map_err(|e| EngineError::Invalid(format!("pipeline stage {s}: {e}")))??;
@@ -286,12 +297,14 @@ pub fn pipeline_steps(
         }
         stats.push(st);
         peaks.push(peak);
+        peak_bytes_all.push(peak_bytes);
     }
     Ok(PipelineRun {
         loss: loss / batch.predicted_tokens().max(1) as f64,
         grads: full,
         stats,
         peak_stashed: peaks,
+        peak_stash_bytes: peak_bytes_all,
         device_time_s: ends,
         compute_time_s: compute,
         wall_time_s,

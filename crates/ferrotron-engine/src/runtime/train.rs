@@ -6,10 +6,13 @@ use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::kernels::CpuBackend;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
+use crate::parallel::pipeline_step;
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::LayoutSpec;
+use ferrotron_core::schedule::StagePartition;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use std::time::Instant;
 
 /// Every setting of a training run. Each is a key of `run.toml` and a `ferrotron train` flag.
@@ -82,6 +85,9 @@ impl Default for TrainConfig {
         }
     }
 }
+
+/// One device's figures for a step: memory by term, idle fraction, bytes sent, device-time step.
+type DeviceReport = (MemoryTerms, f64, u64, f64);
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -166,7 +172,7 @@ fn mean_loss(
 pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     cfg.check()?;
     let layout = LayoutSpec::parse(&cfg.layout)?;
-    check_layout_runnable(&layout.layout, false)?;
+    check_layout_runnable(&layout.layout, true)?;
     let save_dtype = StorageDtype::parse(&cfg.save_dtype)?;
     let be = CpuBackend {
         threads: if cfg.threads == 0 {
@@ -224,6 +230,26 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         std::fs::File::create(&metrics_path).map_err(|e| EngineError::io(&metrics_path, e))?;
 
     let tf = Transformer::new(&model_cfg, &params).with_recompute(layout.layout.recompute);
+    // Pipeline layouts: the stages' layer ranges, and how many parameters each stage holds.
+    let partition = (layout.layout.pp > 1)
+        .then(|| StagePartition::for_model(&model_cfg, layout.layout.pp * layout.layout.vpp))
+        .transpose()?;
+    let stage_params: Vec<usize> = match &partition {
+        Some(part) => (0..layout.layout.pp)
+            .map(|s| {
+                let ranges: Vec<_> = (0..layout.layout.vpp)
+                    .map(|k| part.layers[k * layout.layout.pp + s].clone())
+                    .collect();
+                params
+                    .specs
+                    .iter()
+                    .filter(|p| ranges.iter().any(|r| model_cfg.stage_owns(&p.name, r)))
+                    .map(|p| p.numel())
+                    .sum()
+            })
+            .collect(),
+        None => vec![params.numel()],
+    };
     let mut grads = params.zeros_like();
     let mut opt = AdamW::new(
         AdamWConfig {
@@ -249,14 +275,65 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         let t0 = Instant::now();
         let batch = sampler.next_batch(&split.train, cfg.batch_size);
         grads.zero_();
-        let out = run_step(
-            &tf,
-            &be,
-            &params,
-            &mut grads,
-            &batch,
-            layout.layout.micro_batch_size.min(cfg.batch_size),
-        )?;
+        // Per device: (memory, idle fraction, bytes sent, device-time step).
+        let (loss, devices) = match &partition {
+            Some(part) => {
+                let mut run = pipeline_step(
+                    &model_cfg,
+                    &params,
+                    &batch,
+                    &layout.layout,
+                    part,
+                    Duration::from_secs(600),
+                )?;
+                grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
+                let devices: Vec<DeviceReport> = (0..layout.layout.pp)
+                    .map(|s| {
+                        let held = stage_params[s] as u64;
+                        let memory = MemoryTerms {
+                            weights: 4 * held,
+                            gradients: 4 * held,
+                            master_weights: 0,
+                            optimizer_states: 8 * held,
+                            activations: run.peak_stash_bytes[s] as u64,
+                            comm_buffers: 0,
+                            total: 0,
+                        }
+                        .with_total();
+                        (
+                            memory,
+                            run.idle_fraction(s),
+                            run.stats[s].total().bytes_sent,
+                            run.step_time_s(),
+                        )
+                    })
+                    .collect();
+                (run.loss, devices)
+            }
+            None => {
+                let out = run_step(
+                    &tf,
+                    &be,
+                    &params,
+                    &mut grads,
+                    &batch,
+                    layout.layout.micro_batch_size.min(cfg.batch_size),
+                )?;
+                // Single device: every term is exactly what this process holds. f32 training keeps
+                // no separate master copy: the f32 weights are the master weights.
+                let memory = MemoryTerms {
+                    weights: 4 * n_params,
+                    gradients: 4 * n_params,
+                    master_weights: 0,
+                    optimizer_states: 8 * n_params,
+                    activations: out.peak_activation_bytes as u64,
+                    comm_buffers: 0,
+                    total: 0,
+                }
+                .with_total();
+                (out.loss, vec![(memory, 0.0, 0, 0.0)])
+            }
+        };
         let grad_norm = clip_grad_norm(&mut grads, cfg.grad_clip);
         let lr = schedule.lr(step);
         opt.step(&mut params, &grads, lr as f32);
@@ -264,29 +341,22 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         let tokens = batch.batch * batch.seq;
         total_tokens += tokens;
         total_time += dt;
-        last_loss = out.loss;
+        last_loss = loss;
         let is_eval =
             cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0) || step + 1 == cfg.steps;
         let val_loss = is_eval.then(|| mean_loss(&tf, &be, &params, &val_batches));
         if let Some(v) = val_loss {
             last_val = v;
         }
-        // Single device: every term is exactly what this process holds. f32 training keeps no
-        // separate master copy: the f32 weights are the master weights.
-        let memory = MemoryTerms {
-            weights: 4 * n_params,
-            gradients: 4 * n_params,
-            master_weights: 0,
-            optimizer_states: 8 * n_params,
-            activations: out.peak_activation_bytes as u64,
-            comm_buffers: 0,
-            total: 0,
-        }
-        .with_total();
+        let memory = devices
+            .iter()
+            .map(|d| d.0)
+            .max_by_key(|m| m.total)
+            .expect("a device");
         let report = StepReport {
             step: step + 1,
             total_steps: cfg.steps,
-            loss: out.loss,
+            loss,
             lr,
             grad_norm,
             tokens_per_s: tokens as f64 / dt,
@@ -302,13 +372,18 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             "tokens_per_s": report.tokens_per_s,
             "step_time_s": report.step_time_s,
             "val_loss": report.val_loss,
-            "devices": [{
-                "device": 0,
-                "peak_memory_bytes": memory,
-                "idle_fraction": 0.0,
-                "bytes_sent": 0,
-                "step_time_s": dt,
-            }],
+            "devices": devices
+                .iter()
+                .enumerate()
+                .map(|(i, (m, idle, sent, device_step))| serde_json::json!({
+                    "device": i,
+                    "peak_memory_bytes": m,
+                    "idle_fraction": idle,
+                    "bytes_sent": sent,
+                    "step_time_s": if *device_step > 0.0 { *device_step } else { dt },
+                    "wall_step_time_s": dt,
+                }))
+                .collect::<Vec<_>>(),
         });
         writeln!(metrics, "{line}").map_err(|e| EngineError::io(&metrics_path, e))?;
         on_step(&report);

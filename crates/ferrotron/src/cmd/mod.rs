@@ -3,3 +3,4 @@ pub mod grads;
 pub mod plan;
 pub mod schedule;
 pub mod train;
+pub mod verify;

@@ -1,0 +1,133 @@
+use anyhow::{bail, Result};
+use clap::Args;
+use ferrotron_core::layout::LayoutSpec;
+use ferrotron_core::schedule::StagePartition;
+use ferrotron_engine::hf;
+use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::parallel::pipeline_step;
+use ferrotron_engine::runtime::{check_layout_runnable, run_step};
+use ferrotron_engine::transformer::{TokenBatch, Transformer};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct VerifyArgs {
+    /// Hugging Face model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// The layout to check against the unsplit model.
+    #[arg(long)]
+    layout: String,
+    /// safetensors with int64 `input_ids` [batch, seq]; default: a seeded random batch.
+    #[arg(long)]
+    tokens: Option<PathBuf>,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 32)]
+    seq: usize,
+    /// Largest accepted relative error, for the loss and for every gradient tensor (f32: 1e-5).
+    #[arg(long, default_value_t = 1e-5)]
+    tolerance: f64,
+}
+
+/// Runs the unsplit model and the split one on the same batch and compares loss and every gradient.
+pub fn run(a: VerifyArgs) -> Result<()> {
+    let layout = LayoutSpec::parse(&a.layout)?.layout;
+    check_layout_runnable(&layout, true)?;
+    let (cfg, params) = hf::load_model(&a.model)?;
+    let batch = match &a.tokens {
+        Some(path) => super::grads::read_input_ids(path)?,
+        None => {
+            let mut state = 0x2545_f491_4f6c_dd1du64;
+            let ids = (0..a.batch * a.seq)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state % cfg.vocab_size as u64) as u32
+                })
+                .collect();
+            TokenBatch {
+                ids,
+                batch: a.batch,
+                seq: a.seq,
+            }
+        }
+    };
+    if batch.seq > cfg.max_position_embeddings {
+        bail!(
+            "sequence length {} exceeds the model's max_position_embeddings {}",
+            batch.seq,
+            cfg.max_position_embeddings
+        );
+    }
+    let be = CpuBackend::default();
+    let mut reference = params.zeros_like();
+    let want = run_step(
+        &Transformer::new(&cfg, &params),
+        &be,
+        &params,
+        &mut reference,
+        &batch,
+        batch.batch,
+    )?;
+    let (loss, grads) = if layout.pp > 1 {
+        let partition = StagePartition::for_model(&cfg, layout.pp * layout.vpp)?;
+        let run = pipeline_step(
+            &cfg,
+            &params,
+            &batch,
+            &layout,
+            &partition,
+            Duration::from_secs(600),
+        )?;
+        (run.loss, run.grads)
+    } else {
+        let mut g = params.zeros_like();
+        let tf = Transformer::new(&cfg, &params).with_recompute(layout.recompute);
+        let out = run_step(
+            &tf,
+            &be,
+            &params,
+            &mut g,
+            &batch,
+            layout.micro_batch_size.min(batch.batch),
+        )?;
+        (out.loss, g)
+    };
+    let loss_err = (loss - want.loss).abs() / want.loss.abs().max(1e-30);
+    let (mut worst_name, mut worst) = (String::new(), 0f64);
+    for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
+        let r = reference.get(&spec.name).expect("same parameters");
+        let num: f64 = g
+            .iter()
+            .zip(r)
+            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+            .sum();
+        let den: f64 = r.iter().map(|&y| (y as f64).powi(2)).sum();
+        let e = (num / den.max(1e-300)).sqrt();
+        if e > worst {
+            (worst, worst_name) = (e, spec.name.clone());
+        }
+    }
+    println!(
+        "layout {layout} on {} sequences of {} tokens",
+        batch.batch, batch.seq
+    );
+    println!(
+        "loss: unsplit {:.8}, split {loss:.8}, relative difference {loss_err:.2e}",
+        want.loss
+    );
+    println!(
+        "worst gradient: {worst_name} relative error {worst:.2e} (tolerance {:.0e})",
+        a.tolerance
+    );
+    if loss_err > a.tolerance || worst > a.tolerance {
+        bail!(
+            "the layout does not compute the unsplit model's function within {:.0e}",
+            a.tolerance
+        );
+    }
+    println!("OK: the split computes the same loss and gradients");
+    Ok(())
+}
