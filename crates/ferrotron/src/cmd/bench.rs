@@ -347,9 +347,10 @@ fn comm(b: CommBench) -> Result<()> {
 }
 
 /// Each schedule on a model whose stages cost the same (two equal layers each; a small head), one
-/// warm-up step, then the measured one. "Predicted" is the schedule simulator with uniform costs.
+/// warm-up step, then the measured one. "Predicted" is the schedule simulator with uniform costs
+/// (backward = 2 × forward; zero-bubble halves split evenly; interleaved chunks cost 1/v).
 fn pipeline(b: PipelineBench) -> Result<()> {
-    use ferrotron_core::layout::{Layout, Schedule};
+    use ferrotron_core::layout::{Layout, Recompute, Schedule};
     use ferrotron_core::model::ModelConfig;
     use ferrotron_core::schedule::{build, simulate, ActionCosts, StagePartition};
     use ferrotron_engine::parallel::pipeline_steps;
@@ -358,47 +359,74 @@ fn pipeline(b: PipelineBench) -> Result<()> {
     let p = b.stages;
     let cfg = ModelConfig::llama(64, 256, 704, 2 * p, 4, 4, b.seq, 10000.0);
     let params = ParamStore::init_random(&cfg, 3);
-    let part = StagePartition::for_model(&cfg, p)?;
     println!("ferrotron bench pipeline: {p} stages x 2 layers (hidden 256), seq {}, mbs 1, threads backend, device time", b.seq);
-    println!("| schedule | micro-batches | predicted bubble | measured bubble (worst stage) | peak stash stage 0 | step (device s) | step (wall s) |");
-    println!("|---|---|---|---|---|---|---|");
-    for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+    let part = StagePartition::for_model(&cfg, p)?;
+    let costs: Vec<String> = part
+        .layers
+        .iter()
+        .zip(&part.costs)
+        .map(|(r, c)| format!("{r:?}: {:.1} MFLOP/token", c / 1e6))
+        .collect();
+    println!(
+        "stage partition (predicted cost per token): {}",
+        costs.join(", ")
+    );
+    println!("| schedule | recompute | micro-batches | predicted bubble | measured bubble (worst stage) | peak stash stage 0 | peak activations stage 0 | step (device s) | step (wall s) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut rows: Vec<(Schedule, usize, Recompute, usize)> = Vec::new();
+    for schedule in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Zbh1] {
         for &m in &b.micro_batches {
-            let batch = TokenBatch {
-                ids: (0..m * b.seq).map(|i| (i * 7 % 64) as u32).collect(),
-                batch: m,
-                seq: b.seq,
-            };
-            let layout = Layout {
-                pp: p,
-                micro_batch_size: 1,
-                schedule,
-                ..Layout::default()
-            };
-            let run = pipeline_steps(
-                &cfg,
-                &params,
-                &batch,
-                &layout,
-                &part,
-                Duration::from_secs(600),
-                1,
-            )?;
-            let predicted = simulate(
-                &build(schedule, p, m, 1)?,
-                &[ActionCosts::uniform(1.0, 2.0)],
-            )?
-            .bubble_fraction();
-            println!(
-                "| {} | {m} | {:.1}% | {:.1}% | {} | {:.3} | {:.3} |",
-                schedule.name(),
-                predicted * 100.0,
-                run.bubble_fraction() * 100.0,
-                run.peak_stashed[0],
-                run.step_time_s(),
-                run.wall_time_s
-            );
+            rows.push((schedule, 1, Recompute::None, m));
         }
+    }
+    rows.push((Schedule::Interleaved, 2, Recompute::None, 8));
+    rows.push((Schedule::OneFOneB, 1, Recompute::Full, 8));
+    for (schedule, v, recompute, m) in rows {
+        let batch = TokenBatch {
+            ids: (0..m * b.seq).map(|i| (i * 7 % 64) as u32).collect(),
+            batch: m,
+            seq: b.seq,
+        };
+        let layout = Layout {
+            pp: p,
+            vpp: v,
+            micro_batch_size: 1,
+            schedule,
+            recompute,
+            ..Layout::default()
+        };
+        let part = StagePartition::for_model(&cfg, p * v)?;
+        let run = pipeline_steps(
+            &cfg,
+            &params,
+            &batch,
+            &layout,
+            &part,
+            Duration::from_secs(600),
+            1,
+        )?;
+        let vf = v as f64;
+        let predicted = simulate(
+            &build(schedule, p, m, v)?,
+            &[ActionCosts::uniform(1.0 / vf, 2.0 / vf)],
+        )?
+        .bubble_fraction();
+        println!(
+            "| {}{} | {} | {m} | {:.1}% | {:.1}% | {} | {:.2} MB | {:.3} | {:.3} |",
+            schedule.name(),
+            if v > 1 {
+                format!(" (v={v})")
+            } else {
+                String::new()
+            },
+            recompute.name(),
+            predicted * 100.0,
+            run.bubble_fraction() * 100.0,
+            run.peak_stashed[0],
+            run.peak_stash_bytes[0] as f64 / 1e6,
+            run.step_time_s(),
+            run.wall_time_s
+        );
     }
     Ok(())
 }

@@ -73,6 +73,13 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     )?;
     let (loss, grads) = if layout.pp > 1 {
         let partition = StagePartition::for_model(&cfg, layout.pp * layout.vpp)?;
+        let stages: Vec<String> = partition
+            .layers
+            .iter()
+            .zip(&partition.costs)
+            .map(|(r, c)| format!("layers {r:?} ({:.2} MFLOP/token)", c / 1e6))
+            .collect();
+        println!("pipeline chunks, split by compute: {}", stages.join(", "));
         let run = pipeline_step(
             &cfg,
             &params,
