@@ -82,3 +82,39 @@ fn measured_bubble_in_device_time_matches_the_textbook() {
         worst[1]
     );
 }
+
+#[test]
+#[ignore = "diagnostic: prints the average cost of each action kind under ZB-H1"]
+fn zb_action_costs() {
+    let (cfg, params) = balanced_model();
+    let batch = TokenBatch {
+        ids: (0..8 * 256).map(|i| (i * 7 % 64) as u32).collect(),
+        batch: 8,
+        seq: 256,
+    };
+    let part = StagePartition::for_model(&cfg, 4).unwrap();
+    let run = pipeline_steps(
+        &cfg,
+        &params,
+        &batch,
+        &layout(Schedule::Zbh1, 1, 4),
+        &part,
+        Duration::from_secs(60),
+        1,
+    )
+    .unwrap();
+    for kind in ['F', 'I', 'W'] {
+        let d: Vec<f64> = run
+            .timeline
+            .iter()
+            .flatten()
+            .filter(|(a, _, _)| a.letter() == kind)
+            .map(|(_, a, b)| b - a)
+            .collect();
+        println!(
+            "{kind}: mean {:.2} ms over {}",
+            d.iter().sum::<f64>() / d.len() as f64 * 1e3,
+            d.len()
+        );
+    }
+}
