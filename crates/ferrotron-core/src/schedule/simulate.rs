@@ -51,6 +51,32 @@ pub struct Timeline {
 }
 
 impl Timeline {
+    /// A chart of stages × time slots of width `slot`: each action fills the slots it occupies with
+    /// its label (`F3`, `B3`, `I3`, `W3`, `.c` for a chunk), idle slots show `.`.
+    pub fn slot_chart(&self, stages: usize, slot: f64) -> String {
+        let slots = (self.makespan / slot).round() as usize;
+        let mut cells = vec![vec![String::from("."); slots]; stages];
+        for e in &self.events {
+            let (a, b) = (
+                (e.start / slot).round() as usize,
+                (e.end / slot).round() as usize,
+            );
+            for cell in cells[e.stage].iter_mut().take(b.min(slots)).skip(a) {
+                *cell = e.action.to_string();
+            }
+        }
+        let width = cells.iter().flatten().map(String::len).max().unwrap_or(1);
+        let mut out = String::new();
+        for (s, row) in cells.iter().enumerate() {
+            out.push_str(&format!("stage {s:>2} |"));
+            for c in row {
+                out.push_str(&format!("{c:>width$}|"));
+            }
+            out.push('\n');
+        }
+        out
+    }
+
     /// Idle time / step time of stage `s`.
     pub fn idle_fraction(&self, s: usize) -> f64 {
         if self.makespan == 0.0 {

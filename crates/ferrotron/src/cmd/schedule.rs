@@ -19,7 +19,8 @@ pub struct ScheduleArgs {
     vpp: usize,
 }
 
-/// Prints a schedule's per-stage action lists and its simulated bubble with unit costs (F = 1, B = 2).
+/// Prints a schedule's per-stage action lists, its simulated timeline as stages × time slots with unit
+/// costs (a forward 1 slot, a backward 2, each zero-bubble half 1), and its bubble.
 pub fn run(a: ScheduleArgs) -> Result<()> {
     let kind = Schedule::parse(&a.schedule).ok_or_else(|| {
         anyhow::anyhow!(
@@ -29,9 +30,13 @@ pub fn run(a: ScheduleArgs) -> Result<()> {
         )
     })?;
     let s = build(kind, a.pp, a.micro_batches, a.vpp)?;
+    println!("action lists (in order):");
     print!("{}", s.chart());
-    let v = a.vpp as f64;
-    let t = simulate(&s, &[ActionCosts::uniform(1.0 / v, 2.0 / v)])?;
+    // Unit costs per chunk action keep every event on whole slots; the bubble fraction does not
+    // depend on the scale.
+    let t = simulate(&s, &[ActionCosts::uniform(1.0, 2.0)])?;
+    println!("\ntime slots (F = 1, B = 2, I = W = 1; `.` idle):");
+    print!("{}", t.slot_chart(a.pp, 1.0));
     println!(
         "bubble (idle / step, worst stage) {:.3}; peak stashed activations per stage {:?}",
         t.bubble_fraction(),
