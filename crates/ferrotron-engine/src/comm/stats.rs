@@ -44,6 +44,22 @@ impl CommStats {
             .or_default()
             .add(&s);
     }
+    /// What happened after `earlier` (a snapshot of the same device's stats).
+    pub fn since(&self, earlier: &CommStats) -> CommStats {
+        let mut out = self.clone();
+        for (k, s) in out.by_op.iter_mut() {
+            if let Some(e) = earlier.by_op.get(k) {
+                s.calls -= e.calls;
+                s.bytes_sent -= e.bytes_sent;
+                s.bytes_received -= e.bytes_received;
+                s.time_blocked_s -= e.time_blocked_s;
+                s.time_transfer_s -= e.time_transfer_s;
+            }
+        }
+        out.compute_time_s -= earlier.compute_time_s;
+        out
+    }
+
     pub fn total(&self) -> OpStats {
         let mut t = OpStats::default();
         self.by_op.values().for_each(|s| t.add(s));

@@ -175,12 +175,14 @@ pub fn pipeline_steps(
                 stash.values().map(ForwardState::stashed_bytes).sum::<usize>() + deferred.values().map(WeightGrads::bytes).sum::<usize>()
             };
             let mut timeline = Vec::new();
+            let mut measured_from = c.stats().clone();
             for pass in 0..=warmup {
                 if pass > 0 {
                     // Only the last pass counts.
                     grads.tensors.iter_mut().for_each(|t| t.fill(0.0));
                     (loss, peak, peak_bytes) = (0.0, 0, 0);
                     timeline.clear();
+                    measured_from = c.stats().clone();
                 }
                 for action in &schedule.actions[s] {
                     let started;
@@ -261,7 +263,7 @@ pub fn pipeline_steps(
             Ok(StageResult {
                 loss,
                 grads,
-                stats: c.stats().clone(),
+                stats: c.stats().since(&measured_from),
                 peak,
                 peak_bytes,
                 end,

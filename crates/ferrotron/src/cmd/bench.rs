@@ -381,6 +381,7 @@ fn pipeline(b: PipelineBench) -> Result<()> {
     }
     rows.push((Schedule::Interleaved, 2, Recompute::None, 8));
     rows.push((Schedule::OneFOneB, 1, Recompute::Full, 8));
+    let mut breakdown = None;
     for (schedule, v, recompute, m) in rows {
         let batch = TokenBatch {
             ids: (0..m * b.seq).map(|i| (i * 7 % 64) as u32).collect(),
@@ -427,6 +428,44 @@ fn pipeline(b: PipelineBench) -> Result<()> {
             run.step_time_s(),
             run.wall_time_s
         );
+        if schedule == Schedule::OneFOneB && recompute == Recompute::None && m == 8 {
+            breakdown = Some((
+                run,
+                simulate(
+                    &build(schedule, p, m, 1)?,
+                    &[ActionCosts::uniform(1.0, 2.0)],
+                )?,
+            ));
+        }
+    }
+    if let Some((run, predicted)) = breakdown {
+        println!("\n1f1b, 8 micro-batches, per stage (device time):");
+        println!("| stage | computing (s) | waiting on neighbours (s) | in collectives (s) | idle measured | idle predicted |\n|---|---|---|---|---|---|");
+        for s in 0..p {
+            let st = &run.stats[s];
+            let waiting: f64 = st
+                .by_op
+                .iter()
+                .filter(|(k, _)| k.starts_with("p2p/"))
+                .map(|(_, o)| o.time_blocked_s)
+                .sum::<f64>()
+                + 0.0;
+            let collectives: f64 = st
+                .by_op
+                .iter()
+                .filter(|(k, _)| !k.starts_with("p2p/"))
+                .map(|(_, o)| o.time_blocked_s)
+                .sum::<f64>()
+                + 0.0;
+            println!(
+                "| {s} | {:.3} | {:.3} | {:.3} | {:.1}% | {:.1}% |",
+                run.busy_s(s),
+                waiting,
+                collectives,
+                run.idle_fraction(s) * 100.0,
+                predicted.idle_fraction(s) * 100.0
+            );
+        }
     }
     Ok(())
 }
