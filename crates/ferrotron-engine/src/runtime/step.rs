@@ -1,7 +1,11 @@
 use crate::error::{EngineError, Result};
 use crate::kernels::Backend;
+use crate::parallel::{pipeline_step, PipelineRun};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
+use ferrotron_core::model::ModelConfig;
+use ferrotron_core::schedule::StagePartition;
+use std::time::Duration;
 
 /// What this build runs: the unsplit model, and (where `pipeline` is allowed) pipeline parallelism
 /// alone. Anything else is refused with a clear error, never silently run unsplit.
@@ -67,4 +71,41 @@ pub fn run_step(
         loss: loss_sum / total as f64,
         peak_activation_bytes: peak,
     })
+}
+
+/// Loss and gathered gradients of one step of `batch` under `layout`: through the pipeline runtime when
+/// `pp > 1` (its run returned too), else on this device in micro-batches, with the layout's recompute.
+pub fn layout_step(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    batch: &TokenBatch,
+    layout: &Layout,
+    be: &dyn Backend,
+) -> Result<(f64, ParamStore, Option<PipelineRun>)> {
+    check_layout_runnable(layout, true)?;
+    if layout.pp > 1 {
+        // Every stage a device thread, its layers chosen by compute.
+        let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
+        let mut run = pipeline_step(
+            cfg,
+            params,
+            batch,
+            layout,
+            &partition,
+            Duration::from_secs(600),
+        )?;
+        let grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
+        return Ok((run.loss, grads, Some(run)));
+    }
+    let tf = Transformer::new(cfg, params).with_recompute(layout.recompute);
+    let mut grads = params.zeros_like();
+    let out = run_step(
+        &tf,
+        be,
+        params,
+        &mut grads,
+        batch,
+        layout.micro_batch_size.min(batch.batch),
+    )?;
+    Ok((out.loss, grads, None))
 }

@@ -1,14 +1,11 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrotron_core::layout::LayoutSpec;
-use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf::{self, StorageDtype};
 use ferrotron_engine::kernels::CpuBackend;
-use ferrotron_engine::parallel::pipeline_step;
-use ferrotron_engine::runtime::{check_layout_runnable, run_step};
-use ferrotron_engine::transformer::{TokenBatch, Transformer};
+use ferrotron_engine::runtime::{check_layout_runnable, layout_step};
+use ferrotron_engine::transformer::TokenBatch;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 #[derive(Args)]
 pub struct GradsArgs {
@@ -90,36 +87,12 @@ pub fn run(a: GradsArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
-    let (mean_loss, grads) = if layout.pp > 1 {
-        // Every stage a device thread, its layers chosen by compute.
-        let partition = StagePartition::for_model(&cfg, layout.pp * layout.vpp)?;
-        let run = pipeline_step(
-            &cfg,
-            &params,
-            &batch,
-            &layout,
-            &partition,
-            Duration::from_secs(600),
-        )?;
-        (run.loss, run.grads)
+    let be = if a.threads == 0 {
+        CpuBackend::default()
     } else {
-        let be = if a.threads == 0 {
-            CpuBackend::default()
-        } else {
-            CpuBackend { threads: a.threads }
-        };
-        let tf = Transformer::new(&cfg, &params).with_recompute(layout.recompute);
-        let mut grads = params.zeros_like();
-        let out = run_step(
-            &tf,
-            &be,
-            &params,
-            &mut grads,
-            &batch,
-            layout.micro_batch_size.min(batch.batch),
-        )?;
-        (out.loss, grads)
+        CpuBackend { threads: a.threads }
     };
+    let (mean_loss, grads, _) = layout_step(&cfg, &params, &batch, &layout, &be)?;
     let loss = [mean_loss as f32];
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> = vec![("loss".into(), vec![], &loss[..])];
     for (spec, g) in grads.specs.iter().zip(&grads.tensors) {

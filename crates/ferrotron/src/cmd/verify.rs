@@ -4,11 +4,9 @@ use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
-use ferrotron_engine::parallel::pipeline_step;
-use ferrotron_engine::runtime::{check_layout_runnable, run_step};
+use ferrotron_engine::runtime::{check_layout_runnable, layout_step, run_step};
 use ferrotron_engine::transformer::{TokenBatch, Transformer};
 use std::path::PathBuf;
-use std::time::Duration;
 
 #[derive(Args)]
 pub struct VerifyArgs {
@@ -71,7 +69,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         &batch,
         batch.batch,
     )?;
-    let (loss, grads) = if layout.pp > 1 {
+    if layout.pp > 1 {
         let partition = StagePartition::for_model(&cfg, layout.pp * layout.vpp)?;
         let stages: Vec<String> = partition
             .layers
@@ -80,28 +78,8 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             .map(|(r, c)| format!("layers {r:?} ({:.2} MFLOP/token)", c / 1e6))
             .collect();
         println!("pipeline chunks, split by compute: {}", stages.join(", "));
-        let run = pipeline_step(
-            &cfg,
-            &params,
-            &batch,
-            &layout,
-            &partition,
-            Duration::from_secs(600),
-        )?;
-        (run.loss, run.grads)
-    } else {
-        let mut g = params.zeros_like();
-        let tf = Transformer::new(&cfg, &params).with_recompute(layout.recompute);
-        let out = run_step(
-            &tf,
-            &be,
-            &params,
-            &mut g,
-            &batch,
-            layout.micro_batch_size.min(batch.batch),
-        )?;
-        (out.loss, g)
-    };
+    }
+    let (loss, grads, _) = layout_step(&cfg, &params, &batch, &layout, &be)?;
     let loss_err = (loss - want.loss).abs() / want.loss.abs().max(1e-30);
     let (mut worst_name, mut worst) = (String::new(), 0f64);
     for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
