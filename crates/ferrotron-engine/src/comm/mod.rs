@@ -134,7 +134,8 @@ pub enum ReduceOp {
 }
 
 /// One device's view of the wire. Every rank of a group must call the same collectives in the same
-/// order (as with MPI and NCCL); point-to-point messages between two ranks arrive in order.
+/// order (as with MPI and NCCL); a point-to-point receive takes the message with its tag, whatever
+/// order the sender sent them in.
 pub trait Comm {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;

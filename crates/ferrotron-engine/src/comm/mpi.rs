@@ -23,6 +23,12 @@ fn code(s: &str) -> u64 {
     })
 }
 
+/// True for a point-to-point message with another tag than a point-to-point receive wants: it waits
+/// in `held` for its own receive.
+fn is_other_p2p(t: &Tally, buf: &[u64], tag: u64) -> bool {
+    t.op == "send" && buf.len() >= HEADER_WORDS && buf[2] == code("send") && buf[1] != tag
+}
+
 /// This process's endpoint of MPI_COMM_WORLD.
 pub struct MpiComm {
     _universe: mpi::environment::Universe,
@@ -35,6 +41,8 @@ pub struct MpiComm {
     stats: CommStats,
     scratch: Vec<u64>,
     recv_buf: Vec<u64>,
+    /// Per source: point-to-point messages that arrived before the receive that wants them.
+    held: Vec<Vec<Vec<u64>>>,
 }
 
 impl MpiComm {
@@ -57,6 +65,7 @@ impl MpiComm {
             },
             scratch: Vec::new(),
             recv_buf: Vec::new(),
+            held: (0..world).map(|_| Vec::new()).collect(),
         })
     }
 
@@ -135,15 +144,8 @@ impl MpiComm {
 
     /// Receives the probed message, checks it belongs to this operation, and hands its elements to
     /// `consume`.
-    fn accept<T: Element>(
-        &mut self,
-        t: &mut Tally,
-        from: usize,
-        status: ffi::MPI_Status,
-        tag: u64,
-        total_len: usize,
-        consume: impl FnOnce(&[T]) -> CommResult<()>,
-    ) -> CommResult<()> {
+    /// Receives the probed message whole (header and payload).
+    fn receive_raw(&mut self, from: usize, status: ffi::MPI_Status) -> Vec<u64> {
         let mut count: c_int = 0;
         // SAFETY: `status` comes from a successful probe.
         unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT64_T, &mut count) };
@@ -162,6 +164,19 @@ impl MpiComm {
                 ffi::RSMPI_STATUS_IGNORE,
             )
         };
+        buf
+    }
+
+    /// Checks that a received message belongs to this operation and hands its elements to `consume`.
+    fn accept<T: Element>(
+        &mut self,
+        t: &mut Tally,
+        from: usize,
+        buf: Vec<u64>,
+        tag: u64,
+        total_len: usize,
+        consume: impl FnOnce(&[T]) -> CommResult<()>,
+    ) -> CommResult<()> {
         let mismatch = |mine: String, theirs: String| CommError::Mismatch {
             op: t.op,
             group: t.group.clone(),
@@ -295,10 +310,22 @@ impl Transport for MpiComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
+        // Point-to-point receives match by tag: a message for a later receive waits in `held`.
+        if t.op == "send" {
+            if let Some(i) = self.held[from].iter().position(|m| m[1] == tag) {
+                let buf = self.held[from].remove(i);
+                return self.accept(t, from, buf, tag, total_len, consume);
+            }
+        }
         let deadline = Instant::now() + self.timeout;
-        let status = loop {
-            if let Some(s) = self.probe(from) {
-                break s;
+        let buf = loop {
+            if let Some(status) = self.probe(from) {
+                let buf = self.receive_raw(from, status);
+                if is_other_p2p(t, &buf, tag) {
+                    self.held[from].push(buf);
+                    continue;
+                }
+                break buf;
             }
             // Keep our own sends moving while we wait (a peer may be waiting for them).
             self.progress_sends(false, t.op, &t.group)?;
@@ -313,7 +340,7 @@ impl Transport for MpiComm {
             }
             std::thread::yield_now();
         };
-        self.accept(t, from, status, tag, total_len, consume)
+        self.accept(t, from, buf, tag, total_len, consume)
     }
 
     fn try_take<T: Element>(
@@ -326,9 +353,11 @@ impl Transport for MpiComm {
     ) -> CommResult<bool> {
         self.progress_sends(false, t.op, &t.group)?;
         match self.probe(from) {
-            Some(status) => self
-                .accept(t, from, status, tag, total_len, consume)
-                .map(|_| true),
+            Some(status) => {
+                let buf = self.receive_raw(from, status);
+                self.accept(t, from, buf, tag, total_len, consume)
+                    .map(|_| true)
+            }
             None => Ok(false),
         }
     }

@@ -120,6 +120,22 @@ pub fn check_all_ops<C: Comm, T: Element>(
         let mut buf = vec![T::default(); len];
         c.recv(prev, &mut buf, 5)?;
         expect_eq(&buf, &input(prev, len, 99, conv), "send/recv")?;
+        // Receives match by tag, whatever order the messages were sent in.
+        c.send(next, &input(me, len, 7, conv), 11)?;
+        c.send(next, &input(me, len, 8, conv), 12)?;
+        let (mut a, mut b) = (vec![T::default(); len], vec![T::default(); len]);
+        c.recv(prev, &mut b, 12)?;
+        c.recv(prev, &mut a, 11)?;
+        expect_eq(
+            &a,
+            &input(prev, len, 7, conv),
+            "recv by tag (first sent, second received)",
+        )?;
+        expect_eq(
+            &b,
+            &input(prev, len, 8, conv),
+            "recv by tag (second sent, first received)",
+        )?;
     }
     Ok(())
 }
