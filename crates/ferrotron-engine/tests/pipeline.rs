@@ -266,3 +266,58 @@ fn pipelines_with_recompute_match_pytorch() {
         }
     }
 }
+
+#[test]
+fn the_timeline_exports_as_a_valid_chrome_trace() {
+    let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let batch = TokenBatch {
+        ids: (0..8 * 16).map(|i| (i * 5 % 512) as u32).collect(),
+        batch: 8,
+        seq: 16,
+    };
+    let part = StagePartition::for_model(&cfg, 4).unwrap();
+    let run = pipeline_step(
+        &cfg,
+        &params,
+        &batch,
+        &layout(Schedule::OneFOneB, 1, 4),
+        &part,
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let text = serde_json::to_string(&run.chrome_trace()).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for stage in 0..4 {
+        let track: Vec<&serde_json::Value> = events
+            .iter()
+            .filter(|e| e["tid"] == stage && e["ph"] == "X")
+            .collect();
+        let count = |cat: &str| track.iter().filter(|e| e["cat"] == cat).count();
+        assert_eq!(
+            (count("forward"), count("backward")),
+            (8, 8),
+            "stage {stage}"
+        );
+        // Valid order: non-overlapping in time, and each micro-batch's backward after its forward.
+        for w in track.windows(2) {
+            let end = w[0]["ts"].as_f64().unwrap() + w[0]["dur"].as_f64().unwrap();
+            assert!(
+                end <= w[1]["ts"].as_f64().unwrap() + 1e-6,
+                "stage {stage}: overlapping events"
+            );
+        }
+        for mb in 0..8 {
+            let at = |cat: &str| {
+                track
+                    .iter()
+                    .position(|e| e["cat"] == cat && e["args"]["micro_batch"] == mb)
+                    .unwrap()
+            };
+            assert!(
+                at("forward") < at("backward"),
+                "stage {stage} micro-batch {mb}"
+            );
+        }
+    }
+}

@@ -63,6 +63,34 @@ impl PipelineRun {
     pub fn idle_fraction(&self, s: usize) -> f64 {
         1.0 - self.busy_s(s) / self.step_time_s()
     }
+    /// The timeline as Chrome trace-event JSON (opens in Perfetto): one track per stage, one complete
+    /// event per action, in device time (microseconds).
+    pub fn chrome_trace(&self) -> serde_json::Value {
+        let mut events = Vec::new();
+        for (s, actions) in self.timeline.iter().enumerate() {
+            events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": format!("stage {s}")}}));
+            for (a, t0, t1) in actions {
+                let cat = match a {
+                    Action::Forward { .. } => "forward",
+                    Action::Backward { .. } => "backward",
+                    Action::BackwardInput { .. } => "backward_input",
+                    Action::BackwardWeight { .. } => "backward_weight",
+                };
+                events.push(serde_json::json!({
+                    "name": a.to_string(),
+                    "cat": cat,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": s,
+                    "ts": t0 * 1e6,
+                    "dur": (t1 - t0) * 1e6,
+                    "args": {"micro_batch": a.mb(), "chunk": a.chunk()},
+                }));
+            }
+        }
+        serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
+    }
+
     /// The worst stage's idle fraction.
     pub fn bubble_fraction(&self) -> f64 {
         (0..self.device_time_s.len())

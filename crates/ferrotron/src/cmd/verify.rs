@@ -23,6 +23,9 @@ pub struct VerifyArgs {
     batch: usize,
     #[arg(long, default_value_t = 32)]
     seq: usize,
+    /// With a pipeline layout: write the split run's timeline as Chrome trace-event JSON (Perfetto).
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Largest accepted relative error, for the loss and for every gradient tensor (f32: 1e-5).
     #[arg(long, default_value_t = 1e-5)]
     tolerance: f64,
@@ -79,7 +82,12 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             .collect();
         println!("pipeline chunks, split by compute: {}", stages.join(", "));
     }
-    let (loss, grads, _) = layout_step(&cfg, &params, &batch, &layout, &be)?;
+    let (loss, grads, run) = layout_step(&cfg, &params, &batch, &layout, &be)?;
+    if let (Some(path), Some(run)) = (&a.trace, &run) {
+        std::fs::write(path, serde_json::to_string(&run.chrome_trace())?)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        println!("trace written to {} (open in Perfetto)", path.display());
+    }
     let loss_err = (loss - want.loss).abs() / want.loss.abs().max(1e-30);
     let (mut worst_name, mut worst) = (String::new(), 0f64);
     for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
