@@ -5,7 +5,7 @@
 //! error should call [`MpiComm::abort`]: mpirun then ends every other rank with a non-zero status.
 
 use super::clock::DeviceClock;
-use super::ring::{Tally, Transport};
+use super::ring::{check_received, Received, Tally, Transport};
 use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
 use mpi::ffi;
@@ -177,39 +177,27 @@ impl MpiComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
-        let mismatch = |mine: String, theirs: String| CommError::Mismatch {
-            op: t.op,
-            group: t.group.clone(),
-            rank: self.rank,
-            peer: from,
-            mine,
-            theirs,
-        };
         if buf.len() < HEADER_WORDS || buf[0] != MAGIC {
-            return Err(mismatch(
-                "a ferrotron message".into(),
-                "something else".into(),
-            ));
+            return Err(CommError::Mismatch {
+                op: t.op,
+                group: t.group.clone(),
+                rank: self.rank,
+                peer: from,
+                mine: "a ferrotron message".into(),
+                theirs: "something else".into(),
+            });
         }
         let h: Vec<u64> = buf[..HEADER_WORDS].to_vec();
-        if h[2] != code(t.op) || h[1] != tag {
-            return Err(mismatch(
-                format!("{} (tag {tag})", t.op),
-                format!("another operation (tag {})", h[1]),
-            ));
-        }
-        if h[3] != total_len as u64 {
-            return Err(mismatch(
-                format!("{total_len} elements"),
-                format!("{} elements", h[3]),
-            ));
-        }
-        if h[5] != code(T::NAME) {
-            return Err(mismatch(
-                format!("element type {}", T::NAME),
-                "another element type".into(),
-            ));
-        }
+        // The header carries codes, not names.
+        let got = Received {
+            op_matches: h[2] == code(t.op),
+            op: "this or another operation",
+            tag: h[1],
+            total_len: h[3] as usize,
+            elem_matches: h[5] == code(T::NAME),
+            elem: "another",
+        };
+        check_received(t, self.rank, from, tag, total_len, T::NAME, &got)?;
         let (len, bytes) = (h[4] as usize, h[7] as usize);
         let depart = f64::from_bits(h[6]);
         t.s.time_blocked_s += self.clock.wait_until(depart);

@@ -78,6 +78,57 @@ pub(crate) trait Transport {
     }
 }
 
+/// What a received message says it is, for [`check_received`]. A backend that carries names says
+/// them; one that carries only codes says whether they matched.
+pub(crate) struct Received<'a> {
+    pub op_matches: bool,
+    pub op: &'a str,
+    pub tag: u64,
+    pub total_len: usize,
+    pub elem_matches: bool,
+    pub elem: &'a str,
+}
+
+/// Checks that a received message belongs to the operation `t` expects (operation and tag, the
+/// sender's total buffer length, element type): ranks that disagree get an error naming both.
+pub(crate) fn check_received(
+    t: &Tally,
+    rank: usize,
+    from: usize,
+    tag: u64,
+    total_len: usize,
+    elem: &str,
+    got: &Received,
+) -> CommResult<()> {
+    let mismatch = |mine: String, theirs: String| CommError::Mismatch {
+        op: t.op,
+        group: t.group.clone(),
+        rank,
+        peer: from,
+        mine,
+        theirs,
+    };
+    if !got.op_matches || got.tag != tag {
+        return Err(mismatch(
+            format!("{} (tag {tag})", t.op),
+            format!("{} (tag {})", got.op, got.tag),
+        ));
+    }
+    if got.total_len != total_len {
+        return Err(mismatch(
+            format!("{total_len} elements"),
+            format!("{} elements", got.total_len),
+        ));
+    }
+    if !got.elem_matches {
+        return Err(mismatch(
+            format!("element type {elem}"),
+            format!("element type {}", got.elem),
+        ));
+    }
+    Ok(())
+}
+
 /// The element range of chunk `c` when `len` elements are cut into `n` nearly equal chunks.
 pub(crate) fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
     (c * len / n)..((c + 1) * len / n)

@@ -6,7 +6,7 @@
 //! 2 cores what they would on N real devices.
 
 use super::clock::DeviceClock;
-use super::ring::{Tally, Transport};
+use super::ring::{check_received, Received, Tally, Transport};
 use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
 use ferrotron_core::topology::Link;
@@ -219,32 +219,15 @@ impl ThreadComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
-        let mismatch = |mine: String, theirs: String| CommError::Mismatch {
-            op: t.op,
-            group: t.group.clone(),
-            rank: self.rank,
-            peer: from,
-            mine,
-            theirs,
+        let got = Received {
+            op_matches: msg.op == t.op,
+            op: msg.op,
+            tag: msg.tag,
+            total_len: msg.total_len,
+            elem_matches: msg.elem == T::NAME,
+            elem: msg.elem,
         };
-        if msg.op != t.op || msg.tag != tag {
-            return Err(mismatch(
-                format!("{} (tag {tag})", t.op),
-                format!("{} (tag {})", msg.op, msg.tag),
-            ));
-        }
-        if msg.total_len != total_len {
-            return Err(mismatch(
-                format!("{total_len} elements"),
-                format!("{} elements", msg.total_len),
-            ));
-        }
-        if msg.elem != T::NAME {
-            return Err(mismatch(
-                format!("element type {}", T::NAME),
-                format!("element type {}", msg.elem),
-            ));
-        }
+        check_received(t, self.rank, from, tag, total_len, T::NAME, &got)?;
         // Waiting for the arrival: the transfer's own duration is moving data, the rest is blocked.
         let wait = self.clock.wait_until(msg.depart + msg.cost);
         let moving = wait.min(msg.cost);
