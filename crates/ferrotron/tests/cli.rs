@@ -442,3 +442,19 @@ fn verify_passes_for_pipelines_and_refuses_what_is_not_built() {
         stderr(&o)
     );
 }
+
+#[test]
+fn benchmarks_refuse_zero_counts_clearly() {
+    for args in [
+        &["bench", "train", "--steps", "0"][..],
+        &["bench", "comm", "--devices", "2,0"],
+        &["bench", "pipeline", "--micro-batches", "0"],
+    ] {
+        let o = ferrotron(args);
+        assert!(
+            !o.status.success() && stderr(&o).contains("invalid value '0'"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+}

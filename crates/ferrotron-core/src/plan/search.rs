@@ -7,6 +7,9 @@ use super::{
 use crate::error::{ConfigError, Result};
 use crate::layout::{Layout, Recompute, Schedule};
 
+/// Micro-batch sizes the search tries (those that divide the batch per replica survive the rules).
+const MICRO_BATCH_SIZES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+
 /// How many of the cheapest candidates (by a closed-form estimate) are simulated exactly.
 const SIMULATED: usize = 32;
 
@@ -43,7 +46,7 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                 };
                 for &schedule in schedules {
                     for zero in 0..=if dp > 1 { 3 } else { 0 } {
-                        for mbs in [1, 2, 4, 8] {
+                        for mbs in MICRO_BATCH_SIZES {
                             for recompute in
                                 [Recompute::None, Recompute::Selective, Recompute::Full]
                             {

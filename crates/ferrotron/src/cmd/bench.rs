@@ -7,6 +7,11 @@ use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
 
+/// Counts that must be at least 1: a clear error from the argument parser rather than a panic later.
+fn positive() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
+}
+
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// Single-device training throughput (the PyTorch peer benchmark's configuration).
@@ -22,24 +27,24 @@ pub enum BenchCommand {
 #[derive(Args)]
 pub struct PipelineBench {
     /// Micro-batch counts to measure.
-    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    #[arg(long, value_parser = positive(), value_delimiter = ',', default_value = "4,8,16")]
     micro_batches: Vec<usize>,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, value_parser = positive(), default_value_t = 4)]
     stages: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, value_parser = positive(), default_value_t = 256)]
     seq: usize,
 }
 
 #[derive(Args)]
 pub struct CommBench {
     /// Group sizes to measure.
-    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    #[arg(long, value_parser = positive(), value_delimiter = ',', default_value = "2,4,8")]
     devices: Vec<usize>,
     /// Largest message in MiB (sizes go from 1 KiB up by factors of 4... to this).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, value_parser = positive(), default_value_t = 256)]
     max_mib: usize,
     /// Repetitions per point (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = positive(), default_value_t = 3)]
     reps: usize,
 }
 
@@ -47,9 +52,9 @@ pub struct CommBench {
 pub struct KernelBench {
     #[arg(long, default_value = "llama-bench")]
     model: String,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
     batch: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, value_parser = positive(), default_value_t = 256)]
     seq: usize,
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -59,13 +64,13 @@ pub struct KernelBench {
 pub struct TrainBench {
     #[arg(long, default_value = "llama-bench")]
     model: String,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
     batch: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, value_parser = positive(), default_value_t = 256)]
     seq: usize,
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, value_parser = positive(), default_value_t = 10)]
     steps: usize,
     /// Kernel threads (0: all cores).
     #[arg(long, default_value_t = 0)]
