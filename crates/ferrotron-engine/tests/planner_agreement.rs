@@ -47,3 +47,122 @@ fn predicted_activation_bytes_equal_the_measured_stash() {
         }
     }
 }
+
+fn f32_plan_input(cfg: &ferrotron_core::model::ModelConfig, seq: usize, batch: usize) -> PlanInput {
+    PlanInput {
+        model: PlanModel::Shape(cfg.clone()),
+        cluster: Cluster::parse("this-machine").unwrap(),
+        seq,
+        global_batch: batch,
+        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32").unwrap(),
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Ferrotron,
+        lora_rank: None,
+        memory_reserve: 0.0,
+        force_cross_node_tp: false,
+    }
+}
+
+fn mesh_run(
+    cfg: &ferrotron_core::model::ModelConfig,
+    params: &ferrotron_engine::transformer::ParamStore,
+    batch: &TokenBatch,
+    l: &Layout,
+) -> ferrotron_engine::parallel::PipelineRun {
+    let part = ferrotron_core::schedule::StagePartition::for_model(cfg, l.pp * l.vpp).unwrap();
+    ferrotron_engine::parallel::pipeline_step(
+        cfg,
+        params,
+        batch,
+        l,
+        &part,
+        std::time::Duration::from_secs(60),
+    )
+    .unwrap()
+}
+
+#[test]
+fn measured_tensor_parallel_bytes_equal_the_planners_figure() {
+    use ferrotron_core::layout::LayoutSpec;
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let (cfg, params) = hf::load_model(&fixture(model)).unwrap();
+        let (b, seq) = (4, 16);
+        let batch = TokenBatch {
+            ids: (0..b * seq).map(|i| (i * 13 % 512) as u32).collect(),
+            batch: b,
+            seq,
+        };
+        let input = f32_plan_input(&cfg, seq, b);
+        for spec in [
+            "tp=2,mbs=2",
+            "tp=4,mbs=1",
+            "tp=2,sp=true,mbs=2",
+            "tp=4,sp=true,mbs=4",
+            "tp=2,pp=2,mbs=1",
+            "tp=2,pp=2,sp=true,mbs=2,recompute=full",
+            "tp=4,recompute=selective,mbs=2",
+        ] {
+            let l = LayoutSpec::parse(spec).unwrap().layout;
+            let run = mesh_run(&cfg, &params, &batch, &l);
+            for (d, stats) in run.stats.iter().enumerate() {
+                let stage = d / l.tp;
+                let predicted = ferrotron_core::plan::tp_bytes_per_device(&input, &cfg, &l, stage);
+                let measured = stats.bytes_sent_by_group("tp") as f64;
+                assert_eq!(measured, predicted, "{model} {spec}: device {d}");
+            }
+            // The plan's stable figure is the busiest device's.
+            let plan = ferrotron_core::plan::evaluate(&input, &l).unwrap();
+            let busiest = run
+                .stats
+                .iter()
+                .map(|s| s.bytes_sent_by_group("tp"))
+                .max()
+                .unwrap();
+            assert_eq!(
+                plan.comm_bytes_per_step.tp, busiest as f64,
+                "{model} {spec}"
+            );
+        }
+    }
+}
+
+#[test]
+fn activation_memory_per_device_drops_as_the_planner_predicts_under_tp_and_sp() {
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let (cfg, params) = hf::load_model(&fixture(model)).unwrap();
+        let (b, seq) = (2, 32);
+        let batch = TokenBatch {
+            ids: (0..b * seq).map(|i| (i * 5 % 512) as u32).collect(),
+            batch: b,
+            seq,
+        };
+        let input = f32_plan_input(&cfg, seq, b);
+        let mut per_device = Vec::new();
+        for (tp, sp) in [(1, false), (2, false), (4, false), (2, true), (4, true)] {
+            let l = Layout {
+                tp,
+                sequence_parallel: sp,
+                micro_batch_size: b,
+                ..Layout::default()
+            };
+            let predicted = stage_memory(&input, &l, 0, 1).activations;
+            let run = mesh_run(&cfg, &params, &batch, &l);
+            for (d, &measured) in run.peak_stash_bytes.iter().enumerate() {
+                assert_eq!(
+                    measured as u64, predicted,
+                    "{model} tp={tp} sp={sp}: device {d}"
+                );
+            }
+            per_device.push(predicted);
+        }
+        // Splitting shrinks every device's stash, and sequence parallelism shrinks it further.
+        assert!(
+            per_device[1] < per_device[0] && per_device[2] < per_device[1],
+            "{per_device:?}"
+        );
+        assert!(
+            per_device[3] < per_device[1] && per_device[4] < per_device[2],
+            "{per_device:?}"
+        );
+    }
+}

@@ -171,10 +171,15 @@ fn bad_settings_and_data_are_refused_clearly() {
     });
     assert!(e.contains("llama-huge") && e.contains("preset"), "{e}");
     let e = err(TrainConfig {
-        layout: "tp=2".into(),
+        layout: "dp=2".into(),
         ..base.clone()
     });
-    assert!(e.contains("tp=2"), "{e}");
+    assert!(e.contains("dp=2"), "{e}");
+    let e = err(TrainConfig {
+        layout: "tp=3".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("tp=3") && e.contains("heads"), "{e}");
     let e = err(TrainConfig {
         layout: "tp=zero".into(),
         ..base.clone()
@@ -235,32 +240,35 @@ fn recompute_gives_identical_gradients_from_a_smaller_stash() {
     }
 }
 
-#[test]
-fn pipeline_training_tracks_the_unsplit_run_step_by_step() {
-    let losses = |layout: &str, tag: &str| -> Vec<f64> {
-        let cfg = TrainConfig {
-            steps: 5,
-            layout: layout.into(),
-            ..tiny_config(tag)
-        };
-        train(&cfg, &mut |_| {}).unwrap();
-        std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
+/// Per-step training losses from `metrics.jsonl` of a run of `steps` steps under `layout`.
+fn losses(layout: &str, steps: usize) -> Vec<f64> {
+    let tag: String = layout
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let cfg = TrainConfig {
+        steps,
+        layout: layout.into(),
+        ..tiny_config(&format!("track-{steps}-{tag}"))
     };
-    let unsplit = losses("mbs=2", "track-unsplit");
-    for layout in [
-        "pp=2,schedule=1f1b,mbs=2",
-        "pp=4,schedule=zbh1,mbs=2",
-        "pp=2,vpp=2,schedule=interleaved,mbs=2",
-    ] {
-        let split = losses(layout, &format!("track-{}", layout.len()));
+    train(&cfg, &mut |_| {}).unwrap();
+    std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn assert_tracks(layouts: &[&str], steps: usize) {
+    let unsplit = losses("mbs=2", steps);
+    assert_eq!(unsplit.len(), steps);
+    for layout in layouts {
+        let split = losses(layout, steps);
+        assert_eq!(split.len(), steps, "{layout}");
         for (step, (a, b)) in split.iter().zip(&unsplit).enumerate() {
             assert!(
                 (a - b).abs() / b <= 1e-5,
@@ -268,4 +276,21 @@ fn pipeline_training_tracks_the_unsplit_run_step_by_step() {
             );
         }
     }
+}
+
+#[test]
+fn pipeline_training_tracks_the_unsplit_run_step_by_step() {
+    assert_tracks(
+        &[
+            "pp=2,schedule=1f1b,mbs=2",
+            "pp=4,schedule=zbh1,mbs=2",
+            "pp=2,vpp=2,schedule=interleaved,mbs=2",
+        ],
+        5,
+    );
+}
+
+#[test]
+fn tensor_parallel_training_tracks_the_unsplit_run_for_ten_steps() {
+    assert_tracks(&["tp=2,mbs=2", "tp=2,sp=true,mbs=2", "tp=2,pp=2,mbs=2"], 10);
 }

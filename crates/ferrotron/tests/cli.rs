@@ -65,6 +65,10 @@ fn grads_writes_loss_and_every_gradient_by_hf_name() {
         ("gpt2_tiny", "dp=1,tp=1,pp=1,mbs=1"),
         ("llama_tiny", "pp=2,mbs=1,schedule=1f1b"),
         ("gpt2_tiny", "pp=4,mbs=1,schedule=gpipe"),
+        ("llama_tiny", "tp=2,mbs=1"),
+        ("llama_tiny", "tp=4,sp=true,mbs=2"),
+        ("gpt2_tiny", "tp=4,mbs=2"),
+        ("gpt2_tiny", "tp=2,pp=2,sp=true,mbs=1"),
     ] {
         let dir = temp_dir(&format!("grads-{model}-{}", layout.len()));
         let out = dir.join("grads.safetensors");
@@ -116,9 +120,15 @@ fn grads_refuses_bad_input_clearly() {
             out.to_str().unwrap(),
         ])
     };
-    let o = run(model.to_str().unwrap(), refs.to_str().unwrap(), "tp=2");
+    let o = run(model.to_str().unwrap(), refs.to_str().unwrap(), "tp=3");
     assert!(
-        !o.status.success() && stderr(&o).contains("tp=2"),
+        !o.status.success() && stderr(&o).contains("4 attention heads do not divide over 3"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(model.to_str().unwrap(), refs.to_str().unwrap(), "dp=2");
+    assert!(
+        !o.status.success() && stderr(&o).contains("dp=2"),
         "{}",
         stderr(&o)
     );
@@ -406,9 +416,12 @@ fn schedule_prints_the_action_lists() {
 }
 
 #[test]
-fn verify_passes_for_pipelines_and_refuses_what_is_not_built() {
+fn verify_passes_for_pipelines_and_tensor_parallel_and_refuses_what_is_not_built() {
     let model = fixture("llama_tiny");
     for layout in [
+        "tp=2",
+        "tp=4,sp=true,mbs=2",
+        "tp=2,pp=2,schedule=zbh1,mbs=2",
         "pp=2,schedule=1f1b,mbs=2",
         "pp=4,schedule=zbh1,mbs=1,recompute=full",
         "pp=2,vpp=2,schedule=interleaved,mbs=1",
@@ -434,10 +447,10 @@ fn verify_passes_for_pipelines_and_refuses_what_is_not_built() {
         "--model",
         model.to_str().unwrap(),
         "--layout",
-        "tp=2",
+        "dp=2",
     ]);
     assert!(
-        !o.status.success() && stderr(&o).contains("tp=2"),
+        !o.status.success() && stderr(&o).contains("dp=2"),
         "{}",
         stderr(&o)
     );

@@ -147,9 +147,11 @@ impl ModelConfig {
                 }
                 Arch::Gpt2 => {
                     let bias = |p: &(String, Option<String>)| p.1.clone().expect("gpt2 has biases");
-                    push(n.qkv[0].0.clone(), vec![h, 3 * h], WeightLayout::InOut);
-                    push(bias(&n.qkv[0]), vec![3 * h], WeightLayout::Other);
-                    push(n.attn_out.0.clone(), vec![h, h], WeightLayout::InOut);
+                    // q, k and v fused; q_dim() = hidden unless a tensor-parallel shard holds fewer heads.
+                    let q = self.q_dim();
+                    push(n.qkv[0].0.clone(), vec![h, 3 * q], WeightLayout::InOut);
+                    push(bias(&n.qkv[0]), vec![3 * q], WeightLayout::Other);
+                    push(n.attn_out.0.clone(), vec![q, h], WeightLayout::InOut);
                     push(bias(&n.attn_out), vec![h], WeightLayout::Other);
                     push(n.norm2_weight.clone(), vec![h], WeightLayout::Other);
                     push(

@@ -82,6 +82,70 @@ pub struct Costs {
     pub dp_time: f64,
 }
 
+/// Bytes one device of pipeline stage `stage` sends to its tensor-parallel group in one step, counted
+/// collective by collective as the engine issues them (ring algorithms: an all-reduce sends
+/// 2(t−1)/t of its buffer, a reduce-scatter or all-gather (t−1)/t of the whole).
+///
+/// Per layer and micro-batch, in units of (t−1)/t of one hidden-state tensor: forward 4 (two
+/// all-reduces, or under sequence parallelism two all-gathers and two reduce-scatters); backward 4
+/// (two all-reduces), or 6 under sequence parallelism (the norm outputs are gathered again for the
+/// weight gradients); a fully recomputed forward repeats its 4. The first stage adds the
+/// vocab-parallel embedding's reduction, the last the output layer's and the cross-entropy's row
+/// maxima and sums (f32 and f64). After the step: replicated parameters whose gradients are partial
+/// (norms and position embeddings under sequence parallelism; KV heads shared by several devices).
+pub fn tp_bytes_per_device(input: &PlanInput, cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
+    if l.tp <= 1 {
+        return 0.0;
+    }
+    let t = l.tp as f64;
+    let ring = (t - 1.0) / t;
+    let m = (input.global_batch / (l.dp * l.micro_batch_size)) as f64;
+    let rows = (l.micro_batch_size * input.seq) as f64;
+    let act = input.precision.weights.bytes();
+    let hidden = ring * rows * cfg.hidden_size as f64 * act;
+    let sp = l.sequence_parallel;
+    let layers = (cfg.num_layers / l.pp) as f64;
+    let recompute = if l.recompute == Recompute::Full {
+        4.0
+    } else {
+        0.0
+    };
+    let per_layer = 4.0 + if sp { 6.0 } else { 4.0 } + recompute;
+    let mut units = layers * per_layer;
+    let (first, last) = (stage == 0, stage == l.pp - 1);
+    if first {
+        // Embedding: all-reduce forward; or reduce-scatter forward and all-gather backward.
+        units += 2.0;
+    }
+    let mut per_micro_batch = 0.0;
+    if last {
+        // Output layer: all-reduce of its input gradient; or gather forward, gather again and
+        // reduce-scatter backward.
+        units += if sp { 3.0 } else { 2.0 };
+        // Cross-entropy: row maxima gathered (f32), two f64 sums per row all-reduced.
+        per_micro_batch += (t - 1.0) * rows * 4.0 + 2.0 * ring * 2.0 * rows * 8.0;
+    }
+    let mut after = 0.0;
+    let grad = input.precision.grads.bytes();
+    let h = cfg.hidden_size as f64;
+    if sp {
+        let norms_per_layer = if cfg.arch == Arch::Gpt2 { 4.0 } else { 2.0 };
+        let mut partial = layers * norms_per_layer * h;
+        if last {
+            partial += if cfg.arch == Arch::Gpt2 { 2.0 * h } else { h };
+        }
+        if first && cfg.arch == Arch::Gpt2 {
+            partial += cfg.max_position_embeddings as f64 * h;
+        }
+        after += 2.0 * ring * partial * grad;
+    }
+    if cfg.num_kv_heads < l.tp {
+        let g = (l.tp / cfg.num_kv_heads) as f64;
+        after += 2.0 * (g - 1.0) / g * layers * 2.0 * (cfg.head_dim as f64 * h) * grad;
+    }
+    m * (units * hidden + per_micro_batch) + after
+}
+
 /// Prices one layout: per-action compute and communication costs for the schedule simulator, and the
 /// data-parallel reduction after it.
 pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device: f64) -> Costs {
@@ -150,8 +214,9 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         })
         .collect();
 
-    let layers_here = (cfg.num_layers / l.pp) as f64;
-    let tp_bytes = layers_here * m as f64 * (4.0 + recompute_ar) * ar_bytes;
+    let tp_bytes = (0..l.pp)
+        .map(|stage| tp_bytes_per_device(input, cfg, l, stage))
+        .fold(0.0, f64::max);
     // Each device sends its boundary activation forward and its gradient backward for every chunk
     // that has a neighbour in that direction.
     let pp_bytes = if l.pp > 1 {

@@ -167,7 +167,13 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 } else {
                     tok
                 };
-                let norm = (2.0 * tok * cfg.hidden_size as f64 + stats) * act_bytes;
+                // Under sequence parallelism the final norm runs on this device's rows.
+                let rows_here = if l.sequence_parallel && l.tp > 1 {
+                    l.tp as f64
+                } else {
+                    1.0
+                };
+                let norm = (2.0 * tok * cfg.hidden_size as f64 + stats) * act_bytes / rows_here;
                 norm + 4.0 * tok * padded_vocab(cfg, l.tp) as f64 / l.tp as f64
             } else {
                 0.0

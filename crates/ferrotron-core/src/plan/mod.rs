@@ -9,7 +9,7 @@ mod memory;
 mod search;
 mod spec;
 
-pub use cost::{layer_forward_flops, step_flops, Traffic};
+pub use cost::{layer_forward_flops, step_flops, tp_bytes_per_device, Traffic};
 pub use explain::search_notes;
 pub use memory::{layer_activation_bytes, padded_vocab, params_on_device, stage_memory};
 pub use search::search;

@@ -172,6 +172,10 @@ pub trait Comm {
     fn send<T: Element>(&mut self, to: usize, buf: &[T], tag: u64) -> CommResult<()>;
     fn recv<T: Element>(&mut self, from: usize, buf: &mut [T], tag: u64) -> CommResult<()>;
 
+    /// Device time so far (seconds): the virtual clock on the threads backend, the thread's CPU
+    /// time plus waits elsewhere.
+    fn device_time(&mut self) -> f64;
+
     /// What this device has sent, received and waited for so far.
     fn stats(&self) -> &CommStats;
 

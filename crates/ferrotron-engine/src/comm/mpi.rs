@@ -212,6 +212,9 @@ impl MpiComm {
 }
 
 impl Transport for MpiComm {
+    fn clock(&mut self) -> f64 {
+        self.device_time()
+    }
     fn my_rank(&self) -> usize {
         self.rank
     }

@@ -21,6 +21,8 @@ pub(crate) struct Tally {
 /// Point-to-point messaging with accounting: what a backend provides.
 pub(crate) trait Transport {
     fn my_rank(&self) -> usize;
+    /// Device time so far (seconds).
+    fn clock(&mut self) -> f64;
     fn world(&self) -> usize;
     fn comm_stats(&self) -> &CommStats;
     /// Brings the device clock up to date with the compute done since the last pause.
@@ -386,6 +388,10 @@ fn advance<X: Transport, T: Element>(
 }
 
 impl<X: Transport> Comm for X {
+    fn device_time(&mut self) -> f64 {
+        self.clock()
+    }
+
     fn rank(&self) -> usize {
         self.my_rank()
     }

@@ -364,6 +364,9 @@ impl Transport for ThreadComm {
             }),
         }
     }
+    fn clock(&mut self) -> f64 {
+        self.device_time()
+    }
     fn my_rank(&self) -> usize {
         self.rank
     }

@@ -274,6 +274,33 @@ impl Backend for CpuBackend {
     ) -> f64 {
         loss::cross_entropy(self, logits, vocab, targets, scale)
     }
+    fn shard_logit_max(&self, logits: &[f32], vocab: usize, valid: usize, max: &mut [f32]) {
+        loss::shard_logit_max(self, logits, vocab, valid, max)
+    }
+    fn shard_exp_sums(
+        &self,
+        logits: &mut [f32],
+        vocab: usize,
+        valid: usize,
+        start: u32,
+        targets: &[Option<u32>],
+        max: &[f32],
+        sums: &mut [f64],
+    ) {
+        loss::shard_exp_sums(self, logits, vocab, valid, start, targets, max, sums)
+    }
+    fn shard_softmax_grad(
+        &self,
+        exp_logits: &mut [f32],
+        vocab: usize,
+        valid: usize,
+        start: u32,
+        targets: &[Option<u32>],
+        sums: &[f64],
+        scale: f32,
+    ) {
+        loss::shard_softmax_grad(self, exp_logits, vocab, valid, start, targets, sums, scale)
+    }
     fn add_assign(&self, y: &mut [f32], x: &[f32]) {
         assert_eq!(y.len(), x.len(), "add_assign: lengths");
         self.for_rows(y, 4096, |c, yc| {

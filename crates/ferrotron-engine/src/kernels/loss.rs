@@ -61,3 +61,117 @@ pub(crate) fn cross_entropy<T: Real>(
     // A fixed summation order: the same loss on every run and every thread count.
     losses.iter().sum()
 }
+
+/// The target's column in a shard holding ids `start..start + valid`, if it holds it.
+fn local_target(target: u32, start: u32, valid: usize) -> Option<usize> {
+    let t = target.checked_sub(start)? as usize;
+    (t < valid).then_some(t)
+}
+
+/// Runs `f(row, i)` over the rows of `buf`, in parallel when the backend may.
+fn each_row<T: Real>(
+    be: &CpuBackend,
+    buf: &mut [T],
+    width: usize,
+    f: impl Fn(&mut [T], usize) + Sync + Send,
+) {
+    if be.threads > 1 {
+        buf.par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(i, r)| f(r, i));
+    } else {
+        buf.chunks_mut(width).enumerate().for_each(|(i, r)| f(r, i));
+    }
+}
+
+pub(crate) fn shard_logit_max<T: Real>(
+    be: &CpuBackend,
+    logits: &[T],
+    vocab: usize,
+    valid: usize,
+    max: &mut [T],
+) {
+    assert_eq!(
+        logits.len(),
+        vocab * max.len(),
+        "shard_logit_max: logits length"
+    );
+    each_row(be, max, 1, |m, i| {
+        m[0] = simd::vectorized(|| simd::max(&logits[i * vocab..][..valid]))
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn shard_exp_sums<T: Real>(
+    be: &CpuBackend,
+    logits: &mut [T],
+    vocab: usize,
+    valid: usize,
+    start: u32,
+    targets: &[Option<u32>],
+    max: &[T],
+    sums: &mut [f64],
+) {
+    assert_eq!(
+        logits.len(),
+        vocab * targets.len(),
+        "shard_exp_sums: logits length"
+    );
+    assert_eq!(
+        sums.len(),
+        2 * targets.len(),
+        "shard_exp_sums: two sums per row"
+    );
+    let rows: Vec<(&mut [T], &mut [f64])> =
+        logits.chunks_mut(vocab).zip(sums.chunks_mut(2)).collect();
+    let work = |(i, (row, s)): (usize, (&mut [T], &mut [f64]))| {
+        let Some(target) = targets[i] else {
+            s.fill(0.0);
+            return;
+        };
+        let real = &mut row[..valid];
+        let shifted_target =
+            local_target(target, start, valid).map_or(0.0, |t| (real[t] - max[i]).to_f64());
+        let sum = simd::vectorized(|| {
+            real.iter_mut().for_each(|x| *x = (*x - max[i]).exp());
+            real.chunks(256).map(|b| simd::sum(b).to_f64()).sum::<f64>()
+        });
+        s[0] = sum;
+        s[1] = shifted_target;
+    };
+    if be.threads > 1 {
+        rows.into_par_iter().enumerate().for_each(work);
+    } else {
+        rows.into_iter().enumerate().for_each(work);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn shard_softmax_grad<T: Real>(
+    be: &CpuBackend,
+    exp_logits: &mut [T],
+    vocab: usize,
+    valid: usize,
+    start: u32,
+    targets: &[Option<u32>],
+    sums: &[f64],
+    scale: T,
+) {
+    assert_eq!(
+        exp_logits.len(),
+        vocab * targets.len(),
+        "shard_softmax_grad: logits length"
+    );
+    each_row(be, exp_logits, vocab, |row, i| {
+        let Some(target) = targets[i] else {
+            row.fill(T::ZERO);
+            return;
+        };
+        let inv_scale = T::of(1.0 / sums[2 * i]) * scale;
+        simd::vectorized(|| row[..valid].iter_mut().for_each(|x| *x *= inv_scale));
+        row[valid..].fill(T::ZERO);
+        if let Some(t) = local_target(target, start, valid) {
+            row[t] -= scale;
+        }
+    });
+}

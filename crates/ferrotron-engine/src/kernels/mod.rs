@@ -23,6 +23,10 @@ pub use rope::RopeTable;
 
 use ferrotron_core::model::WeightLayout;
 
+/// A token id that selects no row of an embedding table: its output row is zero and it receives no
+/// gradient (a vocab-parallel shard's table holds only some of the vocabulary).
+pub const MASKED_ID: u32 = u32::MAX;
+
 /// Shape of one attention call: `batch` sequences of `seq` tokens, `heads` query heads sharing
 /// `kv_heads` key/value heads (grouped-query attention), each `head_dim` wide.
 #[derive(Debug, Clone, Copy)]
@@ -97,7 +101,7 @@ pub trait Backend: Sync {
         dbias: Option<&mut [f32]>,
     );
 
-    /// `out[t] (+)= table[ids[t]]`, rows of width `dim`.
+    /// `out[t] (+)= table[ids[t]]`, rows of width `dim`; a [`MASKED_ID`] row is zero (or left as is).
     fn embedding_forward(
         &self,
         ids: &[u32],
@@ -106,7 +110,7 @@ pub trait Backend: Sync {
         out: &mut [f32],
         accumulate: bool,
     );
-    /// `dtable[ids[t]] += dout[t]`.
+    /// `dtable[ids[t]] += dout[t]`, skipping [`MASKED_ID`].
     fn embedding_backward_weight(&self, ids: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]);
 
     /// RMSNorm; saves the per-row reciprocal RMS for backward.
@@ -208,6 +212,37 @@ pub trait Backend: Sync {
         targets: &[Option<u32>],
         scale: f32,
     ) -> f64;
+
+    /// Vocab-parallel cross-entropy, first pass over one shard of the vocabulary: rows `vocab` wide,
+    /// of which the first `valid` columns are real (the rest is padding). Writes each row's maximum.
+    fn shard_logit_max(&self, logits: &[f32], vocab: usize, valid: usize, max: &mut [f32]);
+    /// Second pass, given the group's row maxima: replaces the real columns by `exp(x − max)` and
+    /// writes per row `[Σ exp, logit[target] − max]`, the second 0 where the target (a global id; this
+    /// shard holds ids `start..start + valid`) is elsewhere or the row has none.
+    #[allow(clippy::too_many_arguments)]
+    fn shard_exp_sums(
+        &self,
+        logits: &mut [f32],
+        vocab: usize,
+        valid: usize,
+        start: u32,
+        targets: &[Option<u32>],
+        max: &[f32],
+        sums: &mut [f64],
+    );
+    /// Third pass, given the group's sums: replaces the row by `scale · (softmax − onehot)`; padding
+    /// columns and rows without a target get zero.
+    #[allow(clippy::too_many_arguments)]
+    fn shard_softmax_grad(
+        &self,
+        exp_logits: &mut [f32],
+        vocab: usize,
+        valid: usize,
+        start: u32,
+        targets: &[Option<u32>],
+        sums: &[f64],
+        scale: f32,
+    );
 
     /// `y += x`.
     fn add_assign(&self, y: &mut [f32], x: &[f32]);

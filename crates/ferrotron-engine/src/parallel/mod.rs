@@ -2,5 +2,7 @@
 //! nothing of them.
 
 mod pipeline;
+pub mod tensor;
 
-pub use pipeline::{pipeline_step, pipeline_steps, PipelineRun};
+pub use pipeline::{pipeline_step, pipeline_steps, DeviceResult, MeshStep, PipelineRun};
+pub use tensor::{TpGroup, TpShard};

@@ -7,5 +7,5 @@ mod train;
 
 pub use memory::MemoryTerms;
 pub use source::{resolve_model, ModelSource};
-pub use step::{check_layout_runnable, layout_step, run_step, StepOutput};
+pub use step::{check_layout_runnable, layout_step, layout_step_on, run_step, StepOutput};
 pub use train::{train, StepReport, TrainConfig, TrainSummary};

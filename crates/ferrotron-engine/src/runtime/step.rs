@@ -1,31 +1,34 @@
 use crate::error::{EngineError, Result};
 use crate::kernels::Backend;
-use crate::parallel::{pipeline_step, PipelineRun};
+use crate::comm::Comm;
+use crate::parallel::{pipeline_step, MeshStep, PipelineRun};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::schedule::StagePartition;
 use std::time::Duration;
 
-/// What this build runs: the unsplit model, and (where `pipeline` is allowed) pipeline parallelism
-/// alone. Anything else is refused with a clear error, never silently run unsplit.
-pub fn check_layout_runnable(layout: &Layout, pipeline: bool) -> Result<()> {
-    let plain = layout.dp == 1 && layout.tp == 1 && layout.zero == 0 && !layout.sequence_parallel;
-    if plain && layout.pp == 1 && layout.vpp == 1 {
-        return Ok(());
+/// What this build runs: the unsplit model and, where `mesh` is allowed, pipeline and tensor
+/// parallelism (with sequence parallelism) on a pp × tp mesh. Anything else is refused with a clear
+/// error, never silently run unsplit.
+pub fn check_layout_runnable(layout: &Layout, mesh: bool) -> Result<()> {
+    let plain = layout.dp == 1 && layout.zero == 0;
+    let single = layout.tp == 1 && layout.pp == 1 && layout.vpp == 1 && !layout.sequence_parallel;
+    if plain && (single || mesh) {
+        return Ok(()); // the mesh runtime names the schedules and splits it cannot run
     }
-    if plain && pipeline && layout.pp > 1 {
-        return Ok(()); // the pipeline runtime names the schedules it does not run yet
-    }
-    let what = if pipeline {
-        "pipeline parallelism (pp) alone"
+    let what = if mesh {
+        "pipeline and tensor parallelism (pp, tp, sp)"
     } else {
         "the unsplit model"
     };
     Err(EngineError::Invalid(format!(
-        "layout `{layout}` needs data or tensor parallelism, ZeRO or sequence parallelism{}, which this build \
-         does not run yet; here it runs {what}",
-        if pipeline { "" } else { " or a pipeline" }
+        "layout `{layout}` needs {}, which this build does not run yet; here it runs {what}",
+        if mesh {
+            "data parallelism or ZeRO"
+        } else {
+            "data, tensor or pipeline parallelism, or ZeRO"
+        }
     )))
 }
 
@@ -73,8 +76,9 @@ pub fn run_step(
     })
 }
 
-/// Loss and gathered gradients of one step of `batch` under `layout`: through the pipeline runtime when
-/// `pp > 1` (its run returned too), else on this device in micro-batches, with the layout's recompute.
+/// Loss and gathered gradients of one step of `batch` under `layout`: through the mesh runtime when
+/// `pp > 1` or `tp > 1` (its run returned too), else on this device in micro-batches, with the
+/// layout's recompute.
 pub fn layout_step(
     cfg: &ModelConfig,
     params: &ParamStore,
@@ -83,8 +87,8 @@ pub fn layout_step(
     be: &dyn Backend,
 ) -> Result<(f64, ParamStore, Option<PipelineRun>)> {
     check_layout_runnable(layout, true)?;
-    if layout.pp > 1 {
-        // Every stage a device thread, its layers chosen by compute.
+    if layout.pp > 1 || layout.tp > 1 {
+        // Every device a thread, each stage's layers chosen by compute.
         let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
         let mut run = pipeline_step(
             cfg,
@@ -108,4 +112,22 @@ pub fn layout_step(
         layout.micro_batch_size.min(batch.batch),
     )?;
     Ok((out.loss, grads, None))
+}
+
+/// [`layout_step`] with one device per process (MPI): this process runs device `c.rank()` of the
+/// mesh; rank 0 returns the loss and gathered gradients, every other rank `None`.
+pub fn layout_step_on<C: Comm>(
+    c: &mut C,
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    batch: &TokenBatch,
+    layout: &Layout,
+) -> Result<Option<(f64, ParamStore, PipelineRun)>> {
+    check_layout_runnable(layout, true)?;
+    let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
+    let step = MeshStep::new(cfg, params, batch, layout, &partition)?;
+    Ok(step.run_collected(c)?.map(|mut run| {
+        let grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
+        (run.loss, grads, run)
+    }))
 }

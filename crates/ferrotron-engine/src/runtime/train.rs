@@ -6,7 +6,7 @@ use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::kernels::CpuBackend;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
-use crate::parallel::pipeline_step;
+use crate::parallel::{pipeline_step, TpShard};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::schedule::StagePartition;
@@ -230,24 +230,26 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         std::fs::File::create(&metrics_path).map_err(|e| EngineError::io(&metrics_path, e))?;
 
     let tf = Transformer::new(&model_cfg, &params).with_recompute(layout.layout.recompute);
-    // Pipeline layouts: the stages' layer ranges, and how many parameters each stage holds.
-    let partition = (layout.layout.pp > 1)
-        .then(|| StagePartition::for_model(&model_cfg, layout.layout.pp * layout.layout.vpp))
+    // Pipeline and tensor-parallel layouts: the stages' layer ranges, and how many parameters each
+    // device (rank order: tp fastest, then stage) holds.
+    let (pp, tp, vpp) = (layout.layout.pp, layout.layout.tp, layout.layout.vpp);
+    let partition = (pp > 1 || tp > 1)
+        .then(|| StagePartition::for_model(&model_cfg, pp * vpp))
         .transpose()?;
-    let stage_params: Vec<usize> = match &partition {
-        Some(part) => (0..layout.layout.pp)
-            .map(|s| {
-                let ranges: Vec<_> = (0..layout.layout.vpp)
-                    .map(|k| part.layers[k * layout.layout.pp + s].clone())
-                    .collect();
-                params
-                    .specs
+    let device_params: Vec<usize> = match &partition {
+        Some(part) => (0..pp * tp)
+            .map(|d| -> Result<usize> {
+                let (s, t) = (d / tp, d % tp);
+                let local = TpShard::new(&model_cfg, tp, t, false)?.local_config(&model_cfg);
+                let ranges: Vec<_> = (0..vpp).map(|k| part.layers[k * pp + s].clone()).collect();
+                Ok(local
+                    .param_specs()
                     .iter()
                     .filter(|p| ranges.iter().any(|r| model_cfg.stage_owns(&p.name, r)))
                     .map(|p| p.numel())
-                    .sum()
+                    .sum())
             })
-            .collect(),
+            .collect::<Result<_>>()?,
         None => vec![params.numel()],
     };
     let mut grads = params.zeros_like();
@@ -287,9 +289,9 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
                     Duration::from_secs(600),
                 )?;
                 grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
-                let devices: Vec<DeviceReport> = (0..layout.layout.pp)
+                let devices: Vec<DeviceReport> = (0..pp * tp)
                     .map(|s| {
-                        let held = stage_params[s] as u64;
+                        let held = device_params[s] as u64;
                         let memory = MemoryTerms {
                             weights: 4 * held,
                             gradients: 4 * held,

@@ -1,5 +1,6 @@
 //! One transformer block: forward (keeping what backward needs) and backward.
 
+use super::collectives::ShardCollectives;
 use super::weights::{WeightJob, WeightSink};
 use super::{ParamStore, Transformer};
 use crate::kernels::{AttnShape, Backend, LinearShape};
@@ -210,7 +211,7 @@ impl LayerIds {
                 lin(&n.qkv[1], h, cfg.kv_dim()),
                 lin(&n.qkv[2], h, cfg.kv_dim()),
             ],
-            Arch::Gpt2 => vec![lin(&n.qkv[0], h, 3 * h)],
+            Arch::Gpt2 => vec![lin(&n.qkv[0], h, 3 * cfg.q_dim())],
         };
         Self {
             norm1: norm(&n.norm1_weight, &n.norm1_bias),
@@ -266,20 +267,20 @@ fn attn_shape(cfg: &ModelConfig, batch: usize, seq: usize) -> AttnShape {
     }
 }
 
-/// Splits GPT-2's fused `[rows, 3h]` projection into contiguous q, k, v.
-fn split_qkv(qkv: &[f32], h: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let rows = qkv.len() / (3 * h);
-    let (mut q, mut k, mut v) = (
-        Vec::with_capacity(rows * h),
-        Vec::with_capacity(rows * h),
-        Vec::with_capacity(rows * h),
+/// Splits GPT-2's fused `[rows, 3q]` projection into contiguous q, k, v (`q` wide each).
+fn split_qkv(qkv: &[f32], q: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = qkv.len() / (3 * q);
+    let (mut qs, mut ks, mut vs) = (
+        Vec::with_capacity(rows * q),
+        Vec::with_capacity(rows * q),
+        Vec::with_capacity(rows * q),
     );
-    for r in qkv.chunks_exact(3 * h) {
-        q.extend_from_slice(&r[..h]);
-        k.extend_from_slice(&r[h..2 * h]);
-        v.extend_from_slice(&r[2 * h..]);
+    for r in qkv.chunks_exact(3 * q) {
+        qs.extend_from_slice(&r[..q]);
+        ks.extend_from_slice(&r[q..2 * q]);
+        vs.extend_from_slice(&r[2 * q..]);
     }
-    (q, k, v)
+    (qs, ks, vs)
 }
 
 /// Drops the attention probabilities from a stash (selective recompute: backward recomputes them).
@@ -287,9 +288,35 @@ pub(crate) fn drop_probs(acts: &mut LayerActs) {
     acts.probs = Vec::new();
 }
 
+/// A row-parallel layer: each device's partial product, summed over the group, then the bias (added
+/// once, after the sum). Unsplit, the bias is fused into the product.
+fn row_parallel_forward(
+    lin: &Lin,
+    be: &dyn Backend,
+    tp: &dyn ShardCollectives,
+    p: &ParamStore,
+    x: &[f32],
+    rows: usize,
+) -> Vec<f32> {
+    if tp.size() == 1 {
+        return lin.forward(be, p, x, rows);
+    }
+    let mut y = vec![0f32; rows * lin.out_dim];
+    be.linear_forward(lin.shape(rows), x, &p.tensors[lin.w], None, &mut y);
+    let mut y = tp.reduce(y);
+    if let Some(b) = lin.b {
+        let bias = &p.tensors[b];
+        y.chunks_exact_mut(lin.out_dim)
+            .for_each(|r| be.add_assign(r, bias));
+    }
+    y
+}
+
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     m: &Transformer,
     be: &dyn Backend,
+    tp: &dyn ShardCollectives,
     p: &ParamStore,
     ids: &LayerIds,
     x: Vec<f32>,
@@ -297,17 +324,21 @@ pub(crate) fn forward(
     positions: &[u32],
 ) -> (Vec<f32>, LayerActs) {
     let cfg = &m.cfg;
-    let rows = x.len() / cfg.hidden_size;
+    let rows = batch * seq;
     let eps = cfg.norm_eps as f32;
+    // Norms and residuals run on this device's rows; the split regions on every row.
     let n1 = ids.norm1.forward(be, p, &x, eps);
+    let n1_all = tp.gather_rows(&n1.out);
+    let n1_in = n1_all.as_deref().unwrap_or(&n1.out);
     let (mut q, mut k, v) = match cfg.arch {
         Arch::Llama => (
-            ids.qkv[0].forward(be, p, &n1.out, rows),
-            ids.qkv[1].forward(be, p, &n1.out, rows),
-            ids.qkv[2].forward(be, p, &n1.out, rows),
+            ids.qkv[0].forward(be, p, n1_in, rows),
+            ids.qkv[1].forward(be, p, n1_in, rows),
+            ids.qkv[2].forward(be, p, n1_in, rows),
         ),
-        Arch::Gpt2 => split_qkv(&ids.qkv[0].forward(be, p, &n1.out, rows), cfg.hidden_size),
+        Arch::Gpt2 => split_qkv(&ids.qkv[0].forward(be, p, n1_in, rows), cfg.q_dim()),
     };
+    drop(n1_all);
     if let Some(rope) = &m.rope {
         be.rope_forward(rope, positions, cfg.num_heads, &mut q);
         be.rope_forward(rope, positions, cfg.num_kv_heads, &mut k);
@@ -316,20 +347,23 @@ pub(crate) fn forward(
     let mut attn = vec![0f32; rows * cfg.q_dim()];
     let mut probs = vec![0f32; shape.probs_len()];
     be.attention_forward(shape, &q, &k, &v, &mut attn, &mut probs);
-    let mut x_mid = ids.attn_out.forward(be, p, &attn, rows);
+    let mut x_mid = row_parallel_forward(&ids.attn_out, be, tp, p, &attn, rows);
     be.add_assign(&mut x_mid, &x);
     let n2 = ids.norm2.forward(be, p, &x_mid, eps);
+    let n2_all = tp.gather_rows(&n2.out);
+    let n2_in = n2_all.as_deref().unwrap_or(&n2.out);
     let mlp_pre: Vec<Vec<f32>> = ids
         .mlp_in
         .iter()
-        .map(|l| l.forward(be, p, &n2.out, rows))
+        .map(|l| l.forward(be, p, n2_in, rows))
         .collect();
+    drop(n2_all);
     let mut mlp_act = vec![0f32; rows * cfg.intermediate_size];
     match cfg.arch {
         Arch::Llama => be.swiglu_forward(&mlp_pre[0], &mlp_pre[1], &mut mlp_act),
         Arch::Gpt2 => be.gelu_forward(&mlp_pre[0], &mut mlp_act),
     }
-    let mut out = ids.mlp_out.forward(be, p, &mlp_act, rows);
+    let mut out = row_parallel_forward(&ids.mlp_out, be, tp, p, &mlp_act, rows);
     be.add_assign(&mut out, &x_mid);
     let acts = LayerActs {
         x_in: x,
@@ -347,11 +381,13 @@ pub(crate) fn forward(
     (out, acts)
 }
 
-/// Turns `dx` (the gradient at the block's output) into the gradient at its input, in place.
+/// Turns `dx` (the gradient at the block's output, on this device's rows) into the gradient at its
+/// input, in place.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     m: &Transformer,
     be: &dyn Backend,
+    tp: &dyn ShardCollectives,
     p: &ParamStore,
     g: &mut WeightSink,
     ids: &LayerIds,
@@ -361,37 +397,48 @@ pub(crate) fn backward(
     (batch, seq): (usize, usize),
 ) {
     let cfg = &m.cfg;
-    let (rows, h, f) = (
-        dx.len() / cfg.hidden_size,
-        cfg.hidden_size,
-        cfg.intermediate_size,
-    );
-    // MLP branch: out = x_mid + down(act(in(norm2(x_mid))))
+    let (rows, h, f) = (batch * seq, cfg.hidden_size, cfg.intermediate_size);
+    // MLP branch: out = x_mid + down(act(in(norm2(x_mid)))). The split region sees every row: the
+    // gradient at its output is gathered, its input gradient (a partial sum) reduced back.
     let mut dact = vec![0f32; rows * f];
-    ids.mlp_out
-        .backward(be, p, g, dx, &a.mlp_act, &mut dact, false);
+    {
+        let dout_all = tp.gather_rows(dx);
+        let dout = dout_all.as_deref().unwrap_or(dx);
+        ids.mlp_out
+            .backward(be, p, g, dout, &a.mlp_act, &mut dact, false);
+    }
     drop(a.mlp_act);
     let mut dn2 = vec![0f32; rows * h];
-    match cfg.arch {
-        Arch::Llama => {
-            let (mut dgate, mut dup) = (vec![0f32; rows * f], vec![0f32; rows * f]);
-            be.swiglu_backward(&dact, &a.mlp_pre[0], &a.mlp_pre[1], &mut dgate, &mut dup);
-            ids.mlp_in[0].backward(be, p, g, &dgate, &a.n2.out, &mut dn2, false);
-            ids.mlp_in[1].backward(be, p, g, &dup, &a.n2.out, &mut dn2, true);
-        }
-        Arch::Gpt2 => {
-            let mut dpre = vec![0f32; rows * f];
-            be.gelu_backward(&dact, &a.mlp_pre[0], &mut dpre);
-            ids.mlp_in[0].backward(be, p, g, &dpre, &a.n2.out, &mut dn2, false);
+    {
+        let n2_all = tp.gather_rows(&a.n2.out);
+        let n2_in = n2_all.as_deref().unwrap_or(&a.n2.out);
+        match cfg.arch {
+            Arch::Llama => {
+                let (mut dgate, mut dup) = (vec![0f32; rows * f], vec![0f32; rows * f]);
+                be.swiglu_backward(&dact, &a.mlp_pre[0], &a.mlp_pre[1], &mut dgate, &mut dup);
+                ids.mlp_in[0].backward(be, p, g, &dgate, n2_in, &mut dn2, false);
+                ids.mlp_in[1].backward(be, p, g, &dup, n2_in, &mut dn2, true);
+            }
+            Arch::Gpt2 => {
+                let mut dpre = vec![0f32; rows * f];
+                be.gelu_backward(&dact, &a.mlp_pre[0], &mut dpre);
+                ids.mlp_in[0].backward(be, p, g, &dpre, n2_in, &mut dn2, false);
+            }
         }
     }
+    let dn2 = tp.reduce(dn2);
     ids.norm2
         .backward(be, p, g, &dn2, &a.x_mid, &a.n2, dx, true);
+    drop(dn2);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
     let mut dattn = vec![0f32; rows * cfg.q_dim()];
-    ids.attn_out
-        .backward(be, p, g, dx, &a.attn, &mut dattn, false);
+    {
+        let dout_all = tp.gather_rows(dx);
+        let dout = dout_all.as_deref().unwrap_or(dx);
+        ids.attn_out
+            .backward(be, p, g, dout, &a.attn, &mut dattn, false);
+    }
     let shape = attn_shape(cfg, batch, seq);
     if a.probs.is_empty() {
         // Selective recompute dropped the attention probabilities: recompute them from Q and K.
@@ -413,21 +460,27 @@ pub(crate) fn backward(
         be.rope_backward(rope, positions, cfg.num_kv_heads, &mut dk);
     }
     let mut dn1 = vec![0f32; rows * h];
-    match cfg.arch {
-        Arch::Llama => {
-            ids.qkv[0].backward(be, p, g, &dq, &a.n1.out, &mut dn1, false);
-            ids.qkv[1].backward(be, p, g, &dk, &a.n1.out, &mut dn1, true);
-            ids.qkv[2].backward(be, p, g, &dv, &a.n1.out, &mut dn1, true);
-        }
-        Arch::Gpt2 => {
-            let mut dqkv = Vec::with_capacity(rows * 3 * h);
-            for r in 0..rows {
-                for part in [&dq, &dk, &dv] {
-                    dqkv.extend_from_slice(&part[r * h..(r + 1) * h]);
-                }
+    {
+        let n1_all = tp.gather_rows(&a.n1.out);
+        let n1_in = n1_all.as_deref().unwrap_or(&a.n1.out);
+        match cfg.arch {
+            Arch::Llama => {
+                ids.qkv[0].backward(be, p, g, &dq, n1_in, &mut dn1, false);
+                ids.qkv[1].backward(be, p, g, &dk, n1_in, &mut dn1, true);
+                ids.qkv[2].backward(be, p, g, &dv, n1_in, &mut dn1, true);
             }
-            ids.qkv[0].backward(be, p, g, &dqkv, &a.n1.out, &mut dn1, false);
+            Arch::Gpt2 => {
+                let q = cfg.q_dim();
+                let mut dqkv = Vec::with_capacity(rows * 3 * q);
+                for r in 0..rows {
+                    for part in [&dq, &dk, &dv] {
+                        dqkv.extend_from_slice(&part[r * q..(r + 1) * q]);
+                    }
+                }
+                ids.qkv[0].backward(be, p, g, &dqkv, n1_in, &mut dn1, false);
+            }
         }
     }
+    let dn1 = tp.reduce(dn1);
     ids.norm1.backward(be, p, g, &dn1, &a.x_in, &a.n1, dx, true);
 }

@@ -2,15 +2,17 @@
 //! model or one pipeline stage of it (a contiguous range of layers). It knows nothing about devices or
 //! communication; the parallel runtime decides what runs where.
 
+mod collectives;
 mod layer;
 mod params;
 mod weights;
 
+pub use collectives::{ShardCollectives, Unsplit};
 pub use params::ParamStore;
 pub use weights::WeightGrads;
 use weights::{WeightJob, WeightSink};
 
-use crate::kernels::{Backend, RopeTable};
+use crate::kernels::{Backend, RopeTable, MASKED_ID};
 use ferrotron_core::layout::Recompute;
 use ferrotron_core::model::{Arch, ModelConfig, WeightLayout};
 use layer::{LayerActs, LayerIds, Lin, NormIds, NormStash};
@@ -36,7 +38,8 @@ impl TokenBatch {
     }
 }
 
-/// What a stage receives: token ids (the first stage) or the previous stage's hidden states.
+/// What a stage receives: token ids (the first stage) or the previous stage's hidden states (this
+/// device's rows of them under sequence parallelism).
 pub enum StageInput<'a> {
     Tokens(&'a TokenBatch),
     Hidden {
@@ -48,6 +51,7 @@ pub enum StageInput<'a> {
 
 /// Everything the forward pass kept for the backward pass.
 pub struct ForwardState {
+    /// Every row of the micro-batch (`batch · seq`); hidden states hold this device's block of them.
     rows: usize,
     batch: usize,
     seq: usize,
@@ -61,7 +65,8 @@ pub struct ForwardState {
     final_norm: Option<NormStash>,
     /// `[rows, vocab]` on the last stage; replaced by the logits' gradient once the loss is taken.
     pub logits: Vec<f32>,
-    /// The hidden states this stage hands to the next one (empty on the last stage).
+    /// The hidden states this stage hands to the next one (empty on the last stage); under sequence
+    /// parallelism this device's rows only.
     pub output: Vec<f32>,
 }
 
@@ -88,6 +93,46 @@ pub struct Transformer {
     head: Option<Lin>,
     rope: Option<RopeTable>,
     recompute: Recompute,
+    vocab: VocabSlice,
+}
+
+/// The part of the vocabulary this model's embedding and output rows stand for: ids
+/// `start..start + valid` of `total`; rows past `valid` are padding (a vocab-parallel shard of a
+/// vocabulary that does not split evenly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VocabSlice {
+    pub start: usize,
+    pub valid: usize,
+    pub total: usize,
+}
+
+impl VocabSlice {
+    pub fn whole(vocab: usize) -> Self {
+        Self {
+            start: 0,
+            valid: vocab,
+            total: vocab,
+        }
+    }
+    pub fn is_whole(&self) -> bool {
+        self.start == 0 && self.valid == self.total
+    }
+    /// Token ids as rows of this slice's table; ids held elsewhere become [`MASKED_ID`].
+    fn local_ids(&self, ids: &[u32]) -> Vec<u32> {
+        assert!(
+            ids.iter().all(|&i| (i as usize) < self.total),
+            "token id beyond the vocabulary"
+        );
+        if self.is_whole() {
+            return ids.to_vec();
+        }
+        ids.iter()
+            .map(|&i| match (i as usize).checked_sub(self.start) {
+                Some(l) if l < self.valid => l as u32,
+                _ => MASKED_ID,
+            })
+            .collect()
+    }
 }
 
 impl Transformer {
@@ -132,9 +177,21 @@ impl Transformer {
             rope: (cfg.arch == Arch::Llama)
                 .then(|| RopeTable::new(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)),
             layer_range: layers,
+            vocab: VocabSlice::whole(cfg.vocab_size),
             cfg: cfg.clone(),
             recompute: Recompute::None,
         }
+    }
+
+    /// A vocab-parallel shard: this model's `cfg.vocab_size` embedding and output rows are the ids of
+    /// `slice` (then padding).
+    pub fn with_vocab_slice(mut self, slice: VocabSlice) -> Self {
+        assert!(
+            slice.valid <= self.cfg.vocab_size,
+            "vocab slice larger than the shard's table"
+        );
+        self.vocab = slice;
+        self
     }
 
     /// Trades compute for activation memory: `Full` keeps only each layer's input and runs the layer
@@ -145,13 +202,15 @@ impl Transformer {
     }
 
     pub fn forward(&self, be: &dyn Backend, p: &ParamStore, batch: &TokenBatch) -> ForwardState {
-        self.forward_stage(be, p, StageInput::Tokens(batch))
+        self.forward_stage(be, &Unsplit, p, StageInput::Tokens(batch))
     }
 
-    /// Runs this stage forward, keeping what its backward needs.
+    /// Runs this stage forward, keeping what its backward needs; `tp` is this device's
+    /// tensor-parallel group ([`Unsplit`] for the whole model).
     pub fn forward_stage(
         &self,
         be: &dyn Backend,
+        tp: &dyn ShardCollectives,
         p: &ParamStore,
         input: StageInput,
     ) -> ForwardState {
@@ -162,8 +221,10 @@ impl Transformer {
                     .embed
                     .expect("token input needs the stage with the embedding");
                 let mut x = vec![0f32; b.batch * b.seq * h];
-                be.embedding_forward(&b.ids, &p.tensors[embed], h, &mut x, false);
-                (x, b.ids.clone(), b.batch, b.seq)
+                let local = self.vocab.local_ids(&b.ids);
+                be.embedding_forward(&local, &p.tensors[embed], h, &mut x, false);
+                // Each device looked up the ids its vocabulary slice holds: the rows sum over the group.
+                (tp.reduce(x), local, b.batch, b.seq)
             }
             StageInput::Hidden { x, batch, seq } => (x, Vec::new(), batch, seq),
         };
@@ -172,15 +233,21 @@ impl Transformer {
             "sequence longer than the model's positions"
         );
         let rows = batch * seq;
-        assert_eq!(x.len(), rows * h, "stage input has the wrong size");
+        let (block, blocks) = tp.row_block();
+        assert!(
+            rows.is_multiple_of(blocks),
+            "rows do not split over the sequence-parallel group"
+        );
+        assert_eq!(x.len(), rows / blocks * h, "stage input has the wrong size");
         let positions: Vec<u32> = (0..rows).map(|i| (i % seq) as u32).collect();
         if let Some(wpe) = self.pos_embed {
-            be.embedding_forward(&positions, &p.tensors[wpe], h, &mut x, true);
+            let mine = &positions[block * rows / blocks..(block + 1) * rows / blocks];
+            be.embedding_forward(mine, &p.tensors[wpe], h, &mut x, true);
         }
         let (mut layers, mut layer_inputs) = (Vec::with_capacity(self.layers.len()), Vec::new());
         for ids in &self.layers {
             let input = (self.recompute == Recompute::Full).then(|| x.clone());
-            let (out, mut acts) = layer::forward(self, be, p, ids, x, (batch, seq), &positions);
+            let (out, mut acts) = layer::forward(self, be, tp, p, ids, x, (batch, seq), &positions);
             match (input, self.recompute) {
                 (Some(input), _) => layer_inputs.push(input),
                 (None, Recompute::Selective) => {
@@ -208,9 +275,10 @@ impl Transformer {
             (Some(norm), Some(head)) => {
                 let normed = norm.forward(be, p, &x, self.cfg.norm_eps as f32);
                 let mut logits = vec![0f32; rows * self.cfg.vocab_size];
+                let normed_all = tp.gather_rows(&normed.out);
                 be.linear_forward(
                     head.shape(rows),
-                    &normed.out,
+                    normed_all.as_deref().unwrap_or(&normed.out),
                     &p.tensors[head.w],
                     None,
                     &mut logits,
@@ -235,7 +303,7 @@ impl Transformer {
         targets: &[Option<u32>],
         loss_scale: f32,
     ) -> f64 {
-        self.backward_stage(be, p, grads, state, None, targets, loss_scale)
+        self.backward_stage(be, &Unsplit, p, grads, state, None, targets, loss_scale)
             .0
     }
 
@@ -246,6 +314,7 @@ impl Transformer {
     pub fn backward_stage(
         &self,
         be: &dyn Backend,
+        tp: &dyn ShardCollectives,
         p: &ParamStore,
         grads: &mut ParamStore,
         state: ForwardState,
@@ -255,6 +324,7 @@ impl Transformer {
     ) -> (f64, Option<Vec<f32>>) {
         self.backward_with(
             be,
+            tp,
             p,
             &mut WeightSink::Now(grads),
             state,
@@ -270,6 +340,7 @@ impl Transformer {
     pub fn backward_stage_input(
         &self,
         be: &dyn Backend,
+        tp: &dyn ShardCollectives,
         p: &ParamStore,
         state: ForwardState,
         dout: Option<Vec<f32>>,
@@ -279,6 +350,7 @@ impl Transformer {
         let mut jobs = Vec::new();
         let (loss, dx) = self.backward_with(
             be,
+            tp,
             p,
             &mut WeightSink::Later(&mut jobs),
             state,
@@ -293,6 +365,7 @@ impl Transformer {
     fn backward_with(
         &self,
         be: &dyn Backend,
+        tp: &dyn ShardCollectives,
         p: &ParamStore,
         sink: &mut WeightSink,
         mut state: ForwardState,
@@ -300,16 +373,22 @@ impl Transformer {
         targets: &[Option<u32>],
         loss_scale: f32,
     ) -> (f64, Option<Vec<f32>>) {
-        let (rows, h, v) = (state.rows, self.cfg.hidden_size, self.cfg.vocab_size);
+        let (rows, h) = (state.rows, self.cfg.hidden_size);
+        let blocks = tp.row_block().1;
         let mut loss_sum = 0.0;
         let mut dx = match (&self.final_norm, &self.head, state.final_norm.take()) {
             (Some(norm), Some(head), Some(stash)) => {
-                loss_sum = be.cross_entropy(&mut state.logits, v, targets, loss_scale);
+                loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
                 let dlogits = std::mem::take(&mut state.logits);
                 let mut dnormed = vec![0f32; rows * h];
-                head.backward(be, p, sink, &dlogits, &stash.out, &mut dnormed, false);
+                {
+                    let normed_all = tp.gather_rows(&stash.out);
+                    let normed = normed_all.as_deref().unwrap_or(&stash.out);
+                    head.backward(be, p, sink, &dlogits, normed, &mut dnormed, false);
+                }
                 drop(dlogits);
-                let mut dx = vec![0f32; rows * h];
+                let dnormed = tp.reduce(dnormed);
+                let mut dx = vec![0f32; rows / blocks * h];
                 norm.backward(
                     be,
                     p,
@@ -324,13 +403,18 @@ impl Transformer {
             }
             _ => dout.expect("a stage without the loss needs the gradient at its output"),
         };
-        assert_eq!(dx.len(), rows * h, "output gradient has the wrong size");
+        assert_eq!(
+            dx.len(),
+            rows / blocks * h,
+            "output gradient has the wrong size"
+        );
         let dims = (state.batch, state.seq);
         if state.layer_inputs.is_empty() {
             for (ids, acts) in self.layers.iter().zip(state.layers.drain(..)).rev() {
                 layer::backward(
                     self,
                     be,
+                    tp,
                     p,
                     sink,
                     ids,
@@ -343,10 +427,11 @@ impl Transformer {
         } else {
             // Full recompute: run each layer's forward again from its kept input, then its backward.
             for (ids, input) in self.layers.iter().zip(state.layer_inputs.drain(..)).rev() {
-                let (_, acts) = layer::forward(self, be, p, ids, input, dims, &state.positions);
+                let (_, acts) = layer::forward(self, be, tp, p, ids, input, dims, &state.positions);
                 layer::backward(
                     self,
                     be,
+                    tp,
                     p,
                     sink,
                     ids,
@@ -367,11 +452,15 @@ impl Transformer {
             }),
         };
         if let Some(wpe) = self.pos_embed {
-            embedding_grad(wpe, &state.positions, &dx);
+            let block = tp.row_block().0;
+            let mine = &state.positions[block * rows / blocks..(block + 1) * rows / blocks];
+            embedding_grad(wpe, mine, &dx);
         }
         match self.embed {
             Some(embed) => {
-                embedding_grad(embed, &state.ids, &dx);
+                // The embedding's rows are every row's: gather them back from the sequence shards.
+                let dx_all = tp.gather_rows(&dx);
+                embedding_grad(embed, &state.ids, dx_all.as_deref().unwrap_or(&dx));
                 (loss_sum, None)
             }
             None => (loss_sum, Some(dx)),
@@ -389,6 +478,38 @@ impl Transformer {
         let n = batch.predicted_tokens().max(1);
         let state = self.forward(be, p, batch);
         self.backward(be, p, grads, state, &batch.targets(), 1.0 / n as f32) / n as f64
+    }
+
+    /// Cross-entropy of `logits` against `targets`, summed over rows; replaces `logits` by
+    /// `scale · ∂loss/∂logits`. A vocab-parallel shard never sees the whole row: the row maximum, the
+    /// sum of exponentials and the target's logit are reduced over the group instead.
+    fn loss_and_logit_grad(
+        &self,
+        be: &dyn Backend,
+        tp: &dyn ShardCollectives,
+        logits: &mut [f32],
+        targets: &[Option<u32>],
+        scale: f32,
+    ) -> f64 {
+        let v = self.cfg.vocab_size;
+        if tp.size() == 1 && self.vocab.is_whole() {
+            return be.cross_entropy(logits, v, targets, scale);
+        }
+        let (valid, start) = (self.vocab.valid, self.vocab.start as u32);
+        let mut max = vec![0f32; targets.len()];
+        be.shard_logit_max(logits, v, valid, &mut max);
+        tp.max(&mut max);
+        let mut sums = vec![0f64; 2 * targets.len()];
+        be.shard_exp_sums(logits, v, valid, start, targets, &max, &mut sums);
+        tp.sum(&mut sums);
+        be.shard_softmax_grad(logits, v, valid, start, targets, &sums, scale);
+        // loss = ln Σexp(x − max) − (logit[target] − max), rows summed in a fixed order.
+        targets
+            .iter()
+            .zip(sums.chunks_exact(2))
+            .filter(|(t, _)| t.is_some())
+            .map(|(_, s)| s[0].ln() - s[1])
+            .sum()
     }
 
     /// Mean next-token loss without gradients (validation).

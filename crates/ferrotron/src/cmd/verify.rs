@@ -4,6 +4,7 @@ use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::parallel::TpShard;
 use ferrotron_engine::runtime::{check_layout_runnable, layout_step, run_step};
 use ferrotron_engine::transformer::{TokenBatch, Transformer};
 use std::path::PathBuf;
@@ -82,6 +83,9 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             .collect();
         println!("pipeline chunks, split by compute: {}", stages.join(", "));
     }
+    if layout.tp > 1 {
+        println!("tensor parallel: {}", describe_tp_split(&cfg, layout.tp)?);
+    }
     let (loss, grads, run) = layout_step(&cfg, &params, &batch, &layout, &be)?;
     if let (Some(path), Some(run)) = (&a.trace, &run) {
         std::fs::write(path, serde_json::to_string(&run.chrome_trace())?)
@@ -123,4 +127,30 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     }
     println!("OK: the split computes the same loss and gradients");
     Ok(())
+}
+
+/// What each device of a tensor-parallel group holds, in words.
+fn describe_tp_split(cfg: &ferrotron_core::model::ModelConfig, tp: usize) -> Result<String> {
+    let first = TpShard::new(cfg, tp, 0, false)?.local_config(cfg);
+    let kv = if cfg.num_kv_heads < tp {
+        format!(
+            "1 KV head (each replicated on {} devices)",
+            tp / cfg.num_kv_heads
+        )
+    } else {
+        format!("{} KV heads", first.num_kv_heads)
+    };
+    let padded = first.vocab_size * tp;
+    let vocab = if padded == cfg.vocab_size {
+        format!("{} vocabulary rows", first.vocab_size)
+    } else {
+        format!(
+            "{} vocabulary rows (vocabulary padded {} -> {padded})",
+            first.vocab_size, cfg.vocab_size
+        )
+    };
+    Ok(format!(
+        "each of {tp} devices holds {} heads, {kv}, {} MLP columns, {vocab}",
+        first.num_heads, first.intermediate_size
+    ))
 }

@@ -1,0 +1,466 @@
+//! Tensor parallelism (Megatron's splits): which slice of every Hugging Face tensor a device of the
+//! tensor-parallel group holds, the shard's own model shape, cutting a full tensor into a shard and
+//! gathering shards back, and the group's collectives for the executor. One module, used by loading,
+//! `grads`, `verify`, checkpoints and tests.
+//!
+//! - Attention: q/k/v column-parallel by heads, the output projection row-parallel. When tp exceeds
+//!   the KV heads (tp a multiple of them), each KV head is replicated over the tp/kv devices whose query
+//!   heads use it, and its gradient summed over them.
+//! - MLP: gate/up (GPT-2 c_fc) column-parallel, down (c_proj) row-parallel; the intermediate size may
+//!   split unevenly (the first devices take one more column).
+//! - Embedding and output layer: vocab-parallel, the vocabulary padded to a multiple of tp; padding
+//!   rows are zero, masked out of the loss, and dropped when gathering.
+//! - Norms, row-parallel biases, GPT-2's position embedding: replicated. Without sequence parallelism
+//!   their gradients are identical on every device by construction (every device sees every row);
+//!   with it each device sees its rows only, so their gradients are summed over the group.
+
+use crate::comm::{Comm, CommError, Group, ReduceOp};
+use crate::error::{EngineError, Result};
+use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
+use ferrotron_core::model::{Arch, ModelConfig, ParamSpec};
+use std::cell::RefCell;
+use std::ops::Range;
+
+/// One device's place in a tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpShard {
+    pub size: usize,
+    pub rank: usize,
+    pub sequence_parallel: bool,
+}
+
+/// How a tensor is cut: along `dim`, this device keeps the concatenation of `ranges`, then `pad`
+/// zero rows (the vocabulary's padding). A tensor kept whole has one range covering `dim` 0.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slice {
+    pub dim: usize,
+    pub ranges: Vec<Range<usize>>,
+    pub pad: usize,
+}
+
+/// One contiguous range, as a slice's list of ranges.
+fn one(r: Range<usize>) -> Vec<Range<usize>> {
+    std::iter::once(r).collect()
+}
+
+/// `len` split into `parts` nearly equal pieces (the first `len % parts` one longer); piece `i`.
+fn piece(len: usize, parts: usize, i: usize) -> Range<usize> {
+    let (base, extra) = (len / parts, len % parts);
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+impl TpShard {
+    /// Checks that `cfg` splits over `size` devices, with a clear error naming what does not divide.
+    pub fn check(cfg: &ModelConfig, size: usize) -> Result<()> {
+        let bad = |what: String| {
+            Err(EngineError::Invalid(format!(
+                "tensor parallelism tp={size}: {what}"
+            )))
+        };
+        if size == 0 {
+            return bad("tp must be at least 1".into());
+        }
+        if !cfg.num_heads.is_multiple_of(size) {
+            return bad(format!(
+                "{} attention heads do not divide over {size} devices (tp must divide the heads)",
+                cfg.num_heads
+            ));
+        }
+        let kv = cfg.num_kv_heads;
+        if !kv.is_multiple_of(size) && !size.is_multiple_of(kv) {
+            return bad(format!(
+                "{kv} key/value heads neither divide over {size} devices nor replicate evenly onto them \
+                 (tp must divide the KV heads or be a multiple of them)"
+            ));
+        }
+        if cfg.intermediate_size < size {
+            return bad(format!(
+                "the MLP's {} columns are fewer than the devices",
+                cfg.intermediate_size
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn new(
+        cfg: &ModelConfig,
+        size: usize,
+        rank: usize,
+        sequence_parallel: bool,
+    ) -> Result<Self> {
+        Self::check(cfg, size)?;
+        if rank >= size {
+            return Err(EngineError::Invalid(format!(
+                "tensor-parallel rank {rank} of {size}"
+            )));
+        }
+        Ok(Self {
+            size,
+            rank,
+            sequence_parallel: sequence_parallel && size > 1,
+        })
+    }
+
+    /// KV heads this device holds and the first of them.
+    fn kv_heads(&self, cfg: &ModelConfig) -> Range<usize> {
+        let kv = cfg.num_kv_heads;
+        if kv.is_multiple_of(self.size) {
+            let n = kv / self.size;
+            self.rank * n..(self.rank + 1) * n
+        } else {
+            // tp = k·kv: devices k·j .. k·j + k − 1 share KV head j.
+            let j = self.rank / (self.size / kv);
+            j..j + 1
+        }
+    }
+
+    fn heads(&self, cfg: &ModelConfig) -> Range<usize> {
+        let n = cfg.num_heads / self.size;
+        self.rank * n..(self.rank + 1) * n
+    }
+
+    fn ffn(&self, cfg: &ModelConfig) -> Range<usize> {
+        piece(cfg.intermediate_size, self.size, self.rank)
+    }
+
+    /// Rows of the padded vocabulary per device.
+    fn vocab_rows(&self, cfg: &ModelConfig) -> usize {
+        cfg.vocab_size.div_ceil(self.size)
+    }
+
+    /// The ids this device's embedding and output rows stand for.
+    pub fn vocab_slice(&self, cfg: &ModelConfig) -> VocabSlice {
+        let rows = self.vocab_rows(cfg);
+        let start = (self.rank * rows).min(cfg.vocab_size);
+        VocabSlice {
+            start,
+            valid: rows.min(cfg.vocab_size - start),
+            total: cfg.vocab_size,
+        }
+    }
+
+    /// The shape of this device's part of the model: its heads, KV heads, MLP columns and vocabulary
+    /// rows. Its [`ModelConfig::param_specs`] are the shard's tensors, by their Hugging Face names.
+    pub fn local_config(&self, cfg: &ModelConfig) -> ModelConfig {
+        ModelConfig {
+            num_heads: cfg.num_heads / self.size,
+            num_kv_heads: self.kv_heads(cfg).len(),
+            intermediate_size: self.ffn(cfg).len(),
+            vocab_size: self.vocab_rows(cfg),
+            ..cfg.clone()
+        }
+    }
+
+    /// Which part of parameter `name` (of the full model `cfg`) this device holds. A name without a
+    /// tensor-parallel rule is an error, never replication.
+    pub fn slice(&self, cfg: &ModelConfig, name: &str) -> Result<Slice> {
+        let spec = cfg
+            .param_specs()
+            .into_iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| {
+                EngineError::Invalid(format!("`{name}` is not a parameter of this model"))
+            })?;
+        let hd = cfg.head_dim;
+        let heads = self.heads(cfg);
+        let (q, kv, ffn) = (
+            heads.start * hd..heads.end * hd,
+            self.kv_heads(cfg).start * hd..self.kv_heads(cfg).end * hd,
+            self.ffn(cfg),
+        );
+        let whole = Slice {
+            dim: 0,
+            ranges: one(0..spec.shape[0]),
+            pad: 0,
+        };
+        let cut = |dim: usize, ranges: Vec<Range<usize>>| Slice {
+            dim,
+            ranges,
+            pad: 0,
+        };
+        if name == cfg.embedding_name() || name == "lm_head.weight" {
+            let v = self.vocab_slice(cfg);
+            return Ok(Slice {
+                dim: 0,
+                ranges: one(v.start..v.start + v.valid),
+                pad: self.vocab_rows(cfg) - v.valid,
+            });
+        }
+        let is = |suffix: &str| name.ends_with(suffix);
+        let replicated = match cfg.arch {
+            Arch::Llama => is("norm.weight"),
+            Arch::Gpt2 => {
+                Some(name) == cfg.position_embedding_name()
+                    || name.contains(".ln_")
+                    || is("c_proj.bias")
+            }
+        };
+        if replicated {
+            return Ok(whole);
+        }
+        let rule = match cfg.arch {
+            Arch::Llama if is("self_attn.q_proj.weight") => Some(cut(0, vec![q])),
+            Arch::Llama if is("self_attn.k_proj.weight") || is("self_attn.v_proj.weight") => {
+                Some(cut(0, vec![kv]))
+            }
+            Arch::Llama if is("self_attn.o_proj.weight") => Some(cut(1, vec![q])),
+            Arch::Llama if is("mlp.gate_proj.weight") || is("mlp.up_proj.weight") => {
+                Some(cut(0, vec![ffn]))
+            }
+            Arch::Llama if is("mlp.down_proj.weight") => Some(cut(1, vec![ffn])),
+            Arch::Gpt2 if is("attn.c_attn.weight") || is("attn.c_attn.bias") => {
+                // Fused [q | k | v] columns: this device's heads of each.
+                let h = cfg.hidden_size;
+                let ranges = (0..3).map(|k| k * h + q.start..k * h + q.end).collect();
+                Some(cut(if is("weight") { 1 } else { 0 }, ranges))
+            }
+            Arch::Gpt2 if is("attn.c_proj.weight") => Some(cut(0, vec![q])),
+            Arch::Gpt2 if is("mlp.c_fc.weight") => Some(cut(1, vec![ffn])),
+            Arch::Gpt2 if is("mlp.c_fc.bias") => Some(cut(0, vec![ffn])),
+            Arch::Gpt2 if is("mlp.c_proj.weight") => Some(cut(0, vec![ffn])),
+            _ => None,
+        };
+        rule.ok_or_else(|| {
+            EngineError::Invalid(format!(
+                "parameter `{name}` has no tensor-parallel implementation (refusing to replicate it)"
+            ))
+        })
+    }
+
+    /// This device's shard of a full tensor.
+    pub fn cut(&self, spec: &ParamSpec, slice: &Slice, full: &[f32]) -> Vec<f32> {
+        let (outer, len, inner) = dims(&spec.shape, slice.dim);
+        let kept: usize = slice.ranges.iter().map(Range::len).sum::<usize>() + slice.pad;
+        let mut out = Vec::with_capacity(outer * kept * inner);
+        for o in 0..outer {
+            for r in &slice.ranges {
+                out.extend_from_slice(
+                    &full[(o * len + r.start) * inner..(o * len + r.end) * inner],
+                );
+            }
+            out.resize(out.len() + slice.pad * inner, 0.0);
+        }
+        out
+    }
+
+    /// This device's shard of every parameter of `full` (the whole model), by Hugging Face name.
+    pub fn shard_store(&self, cfg: &ModelConfig, full: &ParamStore) -> Result<ParamStore> {
+        let local = self.local_config(cfg);
+        let mut store = ParamStore::zeros(
+            local
+                .param_specs()
+                .into_iter()
+                .filter(|s| full.id(&s.name).is_some())
+                .collect(),
+        );
+        for (i, spec) in store.specs.clone().iter().enumerate() {
+            let id = full.id(&spec.name).expect("filtered above");
+            let slice = self.slice(cfg, &spec.name)?;
+            let t = self.cut(&full.specs[id], &slice, &full.tensors[id]);
+            assert_eq!(
+                t.len(),
+                spec.numel(),
+                "shard of {} has the shard's shape",
+                spec.name
+            );
+            store.tensors[i] = t;
+        }
+        Ok(store)
+    }
+
+    /// Names of replicated parameters whose gradient each device computes from its rows only, so the
+    /// group must sum it: the norms and the position embedding, under sequence parallelism.
+    pub fn partial_grad_names(&self, cfg: &ModelConfig, store: &ParamStore) -> Vec<String> {
+        if !self.sequence_parallel {
+            return Vec::new();
+        }
+        store
+            .specs
+            .iter()
+            .map(|s| s.name.clone())
+            .filter(|n| {
+                let norm = n.contains("norm") || n.contains(".ln_");
+                norm || Some(n.as_str()) == cfg.position_embedding_name()
+            })
+            .collect()
+    }
+
+    /// The devices that hold the same KV heads as this one (more than one only when tp exceeds the KV
+    /// heads); their k/v gradients are partial sums.
+    pub fn kv_replicas(&self, cfg: &ModelConfig) -> Vec<usize> {
+        let kv = cfg.num_kv_heads;
+        if kv.is_multiple_of(self.size) {
+            return vec![self.rank];
+        }
+        let k = self.size / kv;
+        let j = self.rank / k;
+        (j * k..(j + 1) * k).collect()
+    }
+}
+
+/// A shape seen as `[outer, len, inner]` around `dim`.
+fn dims(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+    let outer = shape[..dim].iter().product();
+    let inner = shape[dim + 1..].iter().product();
+    (outer, shape[dim], inner)
+}
+
+/// Reassembles a full tensor from every device's shard (in group order). Replicated copies are
+/// identical (see [`finish_grads`]); the first device's is taken. Padding is dropped.
+pub fn gather_tensor(cfg: &ModelConfig, spec: &ParamSpec, shards: &[&[f32]]) -> Result<Vec<f32>> {
+    let size = shards.len();
+    let mut out = vec![0f32; spec.numel()];
+    // Positions along the cut dimension already taken from an earlier device.
+    let mut filled: Vec<bool> = Vec::new();
+    for (rank, shard) in shards.iter().enumerate() {
+        let tp = TpShard::new(cfg, size, rank, false)?;
+        let slice = tp.slice(cfg, &spec.name)?;
+        let (outer, len, inner) = dims(&spec.shape, slice.dim);
+        filled.resize(len, false);
+        let kept: usize = slice.ranges.iter().map(Range::len).sum::<usize>() + slice.pad;
+        if shard.len() != outer * kept * inner {
+            return Err(EngineError::Invalid(format!(
+                "tensor-parallel rank {rank}: shard of `{}` has {} elements, expected {}",
+                spec.name,
+                shard.len(),
+                outer * kept * inner
+            )));
+        }
+        let mut src = 0;
+        for o in 0..outer {
+            for r in &slice.ranges {
+                let n = r.len() * inner;
+                if !filled[r.start] {
+                    out[(o * len + r.start) * inner..][..n].copy_from_slice(&shard[src..src + n]);
+                }
+                src += n;
+            }
+            src += slice.pad * inner;
+        }
+        for r in &slice.ranges {
+            filled[r.clone()].iter_mut().for_each(|f| *f = true);
+        }
+    }
+    Ok(out)
+}
+
+/// Sums, over the group, the gradients that are partial on each device: replicated parameters under
+/// sequence parallelism, and KV heads replicated over several devices. Afterwards every copy of a
+/// parameter holds the same, complete gradient.
+pub fn finish_grads<C: Comm>(
+    c: &mut C,
+    cfg: &ModelConfig,
+    tp: &TpShard,
+    group: &Group,
+    grads: &mut ParamStore,
+) -> Result<()> {
+    for name in tp.partial_grad_names(cfg, grads) {
+        let id = grads.id(&name).expect("listed from the store");
+        c.all_reduce(group, &mut grads.tensors[id], ReduceOp::Sum)?;
+    }
+    let replicas = tp.kv_replicas(cfg);
+    if replicas.len() > 1 {
+        let sub = Group::new("tp", replicas.iter().map(|&r| group.ranks[r]).collect());
+        let kv_names: Vec<String> = grads
+            .specs
+            .iter()
+            .map(|s| s.name.clone())
+            .filter(|n| n.ends_with("k_proj.weight") || n.ends_with("v_proj.weight"))
+            .collect();
+        for name in kv_names {
+            let id = grads.id(&name).expect("listed from the store");
+            c.all_reduce(&sub, &mut grads.tensors[id], ReduceOp::Sum)?;
+        }
+    }
+    Ok(())
+}
+
+/// The tensor-parallel group's collectives over a [`Comm`], for the executor. The executor cannot
+/// stop midway, so the first failure is kept (and later calls do nothing); the caller collects it
+/// with [`TpGroup::result`] after each forward or backward.
+pub struct TpGroup<'a, C: Comm> {
+    comm: RefCell<&'a mut C>,
+    group: Group,
+    shard: TpShard,
+    error: RefCell<Option<CommError>>,
+}
+
+impl<'a, C: Comm> TpGroup<'a, C> {
+    pub fn new(comm: &'a mut C, group: Group, shard: TpShard) -> Self {
+        Self {
+            comm: RefCell::new(comm),
+            group,
+            shard,
+            error: RefCell::new(None),
+        }
+    }
+
+    /// The first communication failure since the last call, if any.
+    pub fn result(&self) -> std::result::Result<(), CommError> {
+        self.error.borrow_mut().take().map_or(Ok(()), Err)
+    }
+
+    fn run(&self, f: impl FnOnce(&mut C, &Group) -> std::result::Result<(), CommError>) {
+        if self.error.borrow().is_some() {
+            return;
+        }
+        if let Err(e) = f(&mut self.comm.borrow_mut(), &self.group) {
+            *self.error.borrow_mut() = Some(e);
+        }
+    }
+
+    /// Access to the communicator between executor calls (pipeline sends, the final reductions).
+    pub fn comm(&self) -> std::cell::RefMut<'_, &'a mut C> {
+        self.comm.borrow_mut()
+    }
+}
+
+impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
+    fn size(&self) -> usize {
+        self.shard.size
+    }
+    fn row_block(&self) -> (usize, usize) {
+        if self.shard.sequence_parallel {
+            (self.shard.rank, self.shard.size)
+        } else {
+            (0, 1)
+        }
+    }
+    fn gather_rows(&self, x: &[f32]) -> Option<Vec<f32>> {
+        if !self.shard.sequence_parallel {
+            return None;
+        }
+        let mut out = vec![0f32; x.len() * self.shard.size];
+        self.run(|c, g| c.all_gather(g, x, &mut out));
+        Some(out)
+    }
+    fn reduce(&self, mut x: Vec<f32>) -> Vec<f32> {
+        if self.shard.size == 1 {
+            return x;
+        }
+        if self.shard.sequence_parallel {
+            let mut out = vec![0f32; x.len() / self.shard.size];
+            self.run(|c, g| c.reduce_scatter(g, &x, &mut out, ReduceOp::Sum));
+            return out;
+        }
+        self.run(|c, g| c.all_reduce(g, &mut x, ReduceOp::Sum));
+        x
+    }
+    fn max(&self, x: &mut [f32]) {
+        if self.shard.size == 1 {
+            return;
+        }
+        // Gathered rather than reduced: the ring reduces sums only, and a row maximum is small.
+        let mut all = vec![0f32; x.len() * self.shard.size];
+        self.run(|c, g| c.all_gather(g, x, &mut all));
+        for part in all.chunks_exact(x.len()) {
+            x.iter_mut().zip(part).for_each(|(m, &v)| *m = m.max(v));
+        }
+    }
+    fn sum(&self, x: &mut [f64]) {
+        if self.shard.size > 1 {
+            self.run(|c, g| c.all_reduce(g, x, ReduceOp::Sum));
+        }
+    }
+}

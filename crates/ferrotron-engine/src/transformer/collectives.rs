@@ -1,0 +1,45 @@
+//! The collectives a tensor-parallel shard of the model calls at the edges of its split regions
+//! (Megatron's f and g operators). The executor calls them unconditionally; for the unsplit model
+//! every one is the identity ([`Unsplit`]), and the parallel layer implements them over a process group.
+
+/// What a shard of the model needs from its tensor-parallel group.
+///
+/// Without sequence parallelism the hidden states between split regions are whole on every device:
+/// `gather_rows` returns `None` and `reduce` is an all-reduce. With it, each device holds a contiguous
+/// block of the rows (`row_block`): `gather_rows` is an all-gather and `reduce` a reduce-scatter.
+pub trait ShardCollectives {
+    /// Devices in the tensor-parallel group (1: the unsplit model).
+    fn size(&self) -> usize;
+    /// This device's block of the rows of a hidden state as (index, blocks); (0, 1) when rows are whole.
+    fn row_block(&self) -> (usize, usize);
+    /// Every row of a hidden state whose rows are sharded (the input of a column-parallel layer, the
+    /// gradient at a row-parallel layer's output); `None` when `x` already holds every row.
+    fn gather_rows(&self, x: &[f32]) -> Option<Vec<f32>>;
+    /// Sums the group's partial results (a row-parallel layer's output, a column-parallel layer's input
+    /// gradient, the vocab-parallel embedding), keeping this device's rows under sequence parallelism.
+    fn reduce(&self, x: Vec<f32>) -> Vec<f32>;
+    /// Element-wise maximum over the group (vocab-parallel cross-entropy).
+    fn max(&self, x: &mut [f32]);
+    /// Element-wise sum over the group, in f64 (vocab-parallel cross-entropy).
+    fn sum(&self, x: &mut [f64]);
+}
+
+/// The unsplit model: one device, nothing to exchange.
+pub struct Unsplit;
+
+impl ShardCollectives for Unsplit {
+    fn size(&self) -> usize {
+        1
+    }
+    fn row_block(&self) -> (usize, usize) {
+        (0, 1)
+    }
+    fn gather_rows(&self, _x: &[f32]) -> Option<Vec<f32>> {
+        None
+    }
+    fn reduce(&self, x: Vec<f32>) -> Vec<f32> {
+        x
+    }
+    fn max(&self, _x: &mut [f32]) {}
+    fn sum(&self, _x: &mut [f64]) {}
+}
