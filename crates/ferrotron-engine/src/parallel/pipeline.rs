@@ -382,7 +382,11 @@ impl<'a> MeshStep<'a> {
 
     /// The parameters device `rank` holds, as its shard names and shapes them (in store order).
     pub fn device_specs(&self, rank: usize) -> Result<Vec<ferrotron_core::model::ParamSpec>> {
-        let (p, v, tp) = (self.layout.pp.max(1), self.layout.vpp.max(1), self.layout.tp.max(1));
+        let (p, v, tp) = (
+            self.layout.pp.max(1),
+            self.layout.vpp.max(1),
+            self.layout.tp.max(1),
+        );
         let (s, t) = (rank / tp, rank % tp);
         let local = TpShard::new(self.cfg, tp, t, false)?.local_config(self.cfg);
         let ranges: Vec<_> = (0..v)
@@ -448,7 +452,8 @@ impl<'a> MeshStep<'a> {
                 timeline: Vec::new(),
             });
         }
-        self.combine(results, wall.elapsed().as_secs_f64()).map(Some)
+        self.combine(results, wall.elapsed().as_secs_f64())
+            .map(Some)
     }
 
     /// Combines every device's result (in rank order) into the step's loss and full gradients.

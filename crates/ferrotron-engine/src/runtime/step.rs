@@ -1,6 +1,6 @@
+use crate::comm::Comm;
 use crate::error::{EngineError, Result};
 use crate::kernels::Backend;
-use crate::comm::Comm;
 use crate::parallel::{pipeline_step, MeshStep, PipelineRun};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;

@@ -24,6 +24,10 @@ pub struct GradsArgs {
     /// Kernel threads (0: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Where the devices run: `threads` (one process) or `mpi` (one rank per device, under mpirun;
+    /// needs a build with `--features mpi`).
+    #[arg(long, default_value = "threads")]
+    backend: String,
 }
 
 /// Reads `input_ids` ([batch, seq], int64 or int32) from a safetensors file.
@@ -92,7 +96,19 @@ pub fn run(a: GradsArgs) -> Result<()> {
     } else {
         CpuBackend { threads: a.threads }
     };
-    let (mean_loss, grads, _) = layout_step(&cfg, &params, &batch, &layout, &be)?;
+    let (mean_loss, grads) = match super::backend::Backend::parse(&a.backend)? {
+        super::backend::Backend::Threads => {
+            let (loss, grads, _) = layout_step(&cfg, &params, &batch, &layout, &be)?;
+            (loss, grads)
+        }
+        // Every rank computes its device; rank 0 writes the gathered result.
+        super::backend::Backend::Mpi => {
+            match super::backend::mpi_layout_step(&cfg, &params, &batch, &layout)? {
+                Some((loss, grads, _)) => (loss, grads),
+                None => return Ok(()),
+            }
+        }
+    };
     let loss = [mean_loss as f32];
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> = vec![("loss".into(), vec![], &loss[..])];
     for (spec, g) in grads.specs.iter().zip(&grads.tensors) {

@@ -30,6 +30,10 @@ pub struct VerifyArgs {
     /// Largest accepted relative error, for the loss and for every gradient tensor (f32: 1e-5).
     #[arg(long, default_value_t = 1e-5)]
     tolerance: f64,
+    /// Where the split model's devices run: `threads` (one process) or `mpi` (one rank per device,
+    /// under mpirun; needs a build with `--features mpi`). Rank 0 runs the unsplit model and reports.
+    #[arg(long, default_value = "threads")]
+    backend: String,
 }
 
 /// Runs the unsplit model and the split one on the same batch and compares loss and every gradient.
@@ -64,15 +68,16 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         );
     }
     let be = CpuBackend::default();
-    let mut reference = params.zeros_like();
-    let want = run_step(
-        &Transformer::new(&cfg, &params),
-        &be,
-        &params,
-        &mut reference,
-        &batch,
-        batch.batch,
-    )?;
+    let backend = super::backend::Backend::parse(&a.backend)?;
+    let (loss, grads, run) = match backend {
+        super::backend::Backend::Threads => layout_step(&cfg, &params, &batch, &layout, &be)?,
+        super::backend::Backend::Mpi => {
+            match super::backend::mpi_layout_step(&cfg, &params, &batch, &layout)? {
+                Some((loss, grads, run)) => (loss, grads, Some(run)),
+                None => return Ok(()), // rank 0 reports
+            }
+        }
+    };
     if layout.pp > 1 {
         let partition = StagePartition::for_model(&cfg, layout.pp * layout.vpp)?;
         let stages: Vec<String> = partition
@@ -86,7 +91,21 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     if layout.tp > 1 {
         println!("tensor parallel: {}", describe_tp_split(&cfg, layout.tp)?);
     }
-    let (loss, grads, run) = layout_step(&cfg, &params, &batch, &layout, &be)?;
+    if backend == super::backend::Backend::Mpi {
+        println!(
+            "split run: one MPI rank per device ({} ranks)",
+            layout.world_size()
+        );
+    }
+    let mut reference = params.zeros_like();
+    let want = run_step(
+        &Transformer::new(&cfg, &params),
+        &be,
+        &params,
+        &mut reference,
+        &batch,
+        batch.batch,
+    )?;
     if let (Some(path), Some(run)) = (&a.trace, &run) {
         std::fs::write(path, serde_json::to_string(&run.chrome_trace())?)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;

@@ -1,0 +1,138 @@
+//! `grads` and `verify` with one MPI rank per device, under a real `mpirun` (built with
+//! `--features mpi`; needs OpenMPI).
+#![cfg(feature = "mpi")]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn mpirun(np: usize, args: &[&str]) -> (bool, String) {
+    let out = Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+            env!("CARGO_BIN_EXE_ferrotron"),
+        ])
+        .args(args)
+        .output()
+        .expect("mpirun runs (install openmpi-bin)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[test]
+fn verify_tensor_and_pipeline_layouts_with_one_rank_per_device() {
+    for (model, layout, np) in [
+        ("llama_tiny", "tp=2", 2),
+        ("gpt2_tiny", "tp=2,sp=true,mbs=2", 2),
+        ("llama_tiny", "tp=4,sp=true,mbs=2", 4),
+        ("gpt2_tiny", "tp=2,pp=2,mbs=2", 4),
+        ("llama_tiny", "pp=2,schedule=zbh1,mbs=2", 2),
+    ] {
+        let m = fixture(model);
+        let (ok, text) = mpirun(
+            np,
+            &[
+                "verify",
+                "--model",
+                m.to_str().unwrap(),
+                "--layout",
+                layout,
+                "--backend",
+                "mpi",
+            ],
+        );
+        assert!(
+            ok && text.contains("OK: the split computes the same loss and gradients")
+                && text.contains(&format!("one MPI rank per device ({np} ranks)")),
+            "{model} {layout}: {text}"
+        );
+    }
+}
+
+#[test]
+fn grads_under_mpi_match_pytorch() {
+    let dir = std::env::temp_dir().join(format!("ferrotron-mpi-grads-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("grads.safetensors");
+    let refs = fixture("llama_tiny").join("reference_grads.safetensors");
+    let (ok, text) = mpirun(
+        4,
+        &[
+            "grads",
+            "--model",
+            fixture("llama_tiny").to_str().unwrap(),
+            "--tokens",
+            refs.to_str().unwrap(),
+            "--layout",
+            "tp=4",
+            "--backend",
+            "mpi",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    let read = |p: &PathBuf| {
+        let bytes = std::fs::read(p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensors()
+            .into_iter()
+            .filter(|(_, v)| v.dtype() == safetensors::Dtype::F32)
+            .map(|(n, v)| {
+                let data: Vec<f32> = v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                (n, data)
+            })
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (got, want) = (read(&out), read(&refs));
+    let loss_err = (got["loss"][0] - want["loss_f32"][0]).abs() / want["loss_f32"][0];
+    assert!(loss_err <= 1e-5, "loss {loss_err:e}");
+    for (name, w) in want.iter().filter(|(n, _)| n.starts_with("grad_f32.")) {
+        let g = &got[&name.replace("grad_f32.", "grad.")];
+        let num: f64 = g
+            .iter()
+            .zip(w)
+            .map(|(&a, &b)| ((a - b) as f64).powi(2))
+            .sum();
+        let den: f64 = w.iter().map(|&b| (b as f64).powi(2)).sum();
+        assert!((num / den).sqrt() <= 1e-5, "{name}");
+    }
+}
+
+#[test]
+fn a_job_of_the_wrong_size_is_refused_clearly() {
+    let m = fixture("llama_tiny");
+    let (ok, text) = mpirun(
+        2,
+        &[
+            "verify",
+            "--model",
+            m.to_str().unwrap(),
+            "--layout",
+            "tp=4",
+            "--backend",
+            "mpi",
+        ],
+    );
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("needs 4 devices, the job has 2 ranks"),
+        "{text}"
+    );
+}
