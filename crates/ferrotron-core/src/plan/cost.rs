@@ -162,8 +162,9 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let eff = cal.gemm_efficiency_max * width / (width + cal.gemm_half_width);
     let speed = c.peak_flops * eff;
 
-    // Tensor parallel: 2 all-reduces in forward and 2 in backward per layer (reduce-scatter +
-    // all-gather with sequence parallelism: the same bytes), 2 more when the forward is recomputed.
+    // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer, 2 more when the
+    // forward is recomputed (sequence parallelism moves about the same; its exact bytes are counted
+    // by `tp_bytes_per_device`).
     let ar_bytes = if l.tp > 1 {
         2.0 * (t - 1.0) / t * boundary
     } else {
