@@ -25,19 +25,7 @@ fn predicted_activation_bytes_equal_the_measured_stash() {
             let measured = Transformer::new(&cfg, &params)
                 .forward(&CpuBackend::default(), &params, &batch)
                 .stashed_bytes();
-            let input = PlanInput {
-                model: PlanModel::Shape(cfg.clone()),
-                cluster: Cluster::parse("this-machine").unwrap(),
-                seq,
-                global_batch: mbs,
-                precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")
-                    .unwrap(),
-                optimizer: OptimizerKind::Adam,
-                activation_model: ActivationModel::Ferrotron,
-                lora_rank: None,
-                memory_reserve: 0.0,
-                force_cross_node_tp: false,
-            };
+            let input = f32_plan_input(&cfg, seq, mbs);
             let layout = Layout {
                 micro_batch_size: mbs,
                 ..Layout::default()
@@ -48,6 +36,7 @@ fn predicted_activation_bytes_equal_the_measured_stash() {
     }
 }
 
+/// The engine's precision (everything f32) and the ferrotron activation model.
 fn f32_plan_input(cfg: &ferrotron_core::model::ModelConfig, seq: usize, batch: usize) -> PlanInput {
     PlanInput {
         model: PlanModel::Shape(cfg.clone()),

@@ -2,14 +2,10 @@
 //! `--features mpi`; needs OpenMPI).
 #![cfg(feature = "mpi")]
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
+use common::*;
+use std::process::Command;
 
 fn mpirun(np: usize, args: &[&str]) -> (bool, String) {
     let out = Command::new("mpirun")
@@ -84,34 +80,13 @@ fn grads_under_mpi_match_pytorch() {
         ],
     );
     assert!(ok, "{text}");
-    let read = |p: &PathBuf| {
-        let bytes = std::fs::read(p).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        st.tensors()
-            .into_iter()
-            .filter(|(_, v)| v.dtype() == safetensors::Dtype::F32)
-            .map(|(n, v)| {
-                let data: Vec<f32> = v
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect();
-                (n, data)
-            })
-            .collect::<std::collections::BTreeMap<_, _>>()
-    };
-    let (got, want) = (read(&out), read(&refs));
-    let loss_err = (got["loss"][0] - want["loss_f32"][0]).abs() / want["loss_f32"][0];
+    let (got, want) = (read_f32(&out), read_f32(&refs));
+    let loss_err = (got["loss"].1[0] - want["loss_f32"].1[0]).abs() / want["loss_f32"].1[0];
     assert!(loss_err <= 1e-5, "loss {loss_err:e}");
     for (name, w) in want.iter().filter(|(n, _)| n.starts_with("grad_f32.")) {
         let g = &got[&name.replace("grad_f32.", "grad.")];
-        let num: f64 = g
-            .iter()
-            .zip(w)
-            .map(|(&a, &b)| ((a - b) as f64).powi(2))
-            .sum();
-        let den: f64 = w.iter().map(|&b| (b as f64).powi(2)).sum();
-        assert!((num / den).sqrt() <= 1e-5, "{name}");
+        assert_eq!(g.0, w.0, "{name}: full Hugging Face shape");
+        assert!(rel_err(&g.1, &w.1) <= 1e-5, "{name}");
     }
 }
 

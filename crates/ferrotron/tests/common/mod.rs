@@ -1,0 +1,43 @@
+#![allow(dead_code)]
+//! Helpers shared by the command-line tests.
+
+use std::path::PathBuf;
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// Every f32 tensor of a safetensors file: name → (shape, values).
+pub fn read_f32(path: &PathBuf) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .filter(|(_, v)| v.dtype() == safetensors::Dtype::F32)
+        .map(|(n, v)| {
+            (
+                n,
+                (
+                    v.shape().to_vec(),
+                    v.data()
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// ‖a − b‖ / ‖b‖.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
