@@ -464,3 +464,55 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotron_core::model::preset;
+
+    #[test]
+    fn every_parameter_has_a_rule_and_the_shards_cover_the_model() {
+        for name in ["llama-tiny", "gpt2-tiny", "llama-small"] {
+            let cfg = preset(name).unwrap();
+            for tp in [1, 2, 4] {
+                let mut held = 0;
+                for rank in 0..tp {
+                    let shard = TpShard::new(&cfg, tp, rank, false).unwrap();
+                    let local = shard.local_config(&cfg);
+                    for spec in cfg.param_specs() {
+                        let slice = shard.slice(&cfg, &spec.name).unwrap();
+                        let kept: usize = slice.ranges.iter().map(Range::len).sum();
+                        let local_spec = local
+                            .param_specs()
+                            .into_iter()
+                            .find(|s| s.name == spec.name)
+                            .unwrap();
+                        let (outer, _, inner) = dims(&spec.shape, slice.dim);
+                        assert_eq!(
+                            outer * (kept + slice.pad) * inner,
+                            local_spec.numel(),
+                            "{name} tp={tp}: {}",
+                            spec.name
+                        );
+                        held += local_spec.numel();
+                    }
+                }
+                assert!(
+                    held >= cfg.num_params(),
+                    "{name} tp={tp}: shards miss parameters"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_parameters_are_errors_not_replicas() {
+        let cfg = preset("llama-tiny").unwrap();
+        let shard = TpShard::new(&cfg, 2, 0, false).unwrap();
+        let e = shard
+            .slice(&cfg, "model.layers.0.mlp.mystery_proj.weight")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mystery_proj"), "{e}");
+    }
+}
