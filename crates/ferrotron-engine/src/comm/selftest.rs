@@ -203,6 +203,33 @@ pub fn bench_op<C: Comm>(c: &mut C, op: &str, elems: usize, reps: usize) -> Resu
     Ok(t[t.len() / 2])
 }
 
+/// The fastest any 2-rank all-reduce of `elems` f32 can be on this machine, as a bus bandwidth (bytes/s):
+/// each rank, on its own thread, does only the memory work the result needs — add the peer's half
+/// into its own (read two, write one) and copy the peer's reduced half (read one, write one) — with
+/// no messages, locks or waiting at all. Best of `reps`.
+pub fn all_reduce_memory_ceiling(elems: usize, reps: usize) -> f64 {
+    let half = elems / 2;
+    let mut bufs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..2)
+        .map(|_| (vec![1f32; half], vec![2f32; half], vec![0f32; half]))
+        .collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t0 = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for (own, peer, other_half) in bufs.iter_mut() {
+                s.spawn(move || {
+                    own.iter_mut().zip(peer.iter()).for_each(|(a, &b)| *a += b);
+                    other_half.copy_from_slice(peer);
+                    std::hint::black_box((&own, &other_half));
+                });
+            }
+        });
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    // Bus bandwidth of a 2-rank all-reduce is S/t (2(n−1)/n = 1).
+    (elems * 4) as f64 / best
+}
+
 /// nccl-tests conventions: algorithm bandwidth S/t; bus bandwidth scales it by the share of the data
 /// each device must send (2(n−1)/n all-reduce, (n−1)/n all-gather and reduce-scatter, 1 broadcast).
 pub fn bench_row(backend: &str, op: &str, n: usize, elems: usize, seconds: f64) -> String {

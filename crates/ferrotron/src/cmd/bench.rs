@@ -328,9 +328,16 @@ fn kernels(b: KernelBench) -> Result<()> {
 /// The threads backend's table; `ferrotron-mpi-selftest bench` prints the MPI backend's.
 fn comm(b: CommBench) -> Result<()> {
     use ferrotron_engine::comm::selftest::{
-        bench_op, bench_row, bench_sizes, BENCH_HEADER, BENCH_OPS,
+        all_reduce_memory_ceiling, bench_op, bench_row, bench_sizes, BENCH_HEADER, BENCH_OPS,
     };
     use ferrotron_engine::comm::ThreadWorld;
+    let elems = (b.max_mib.min(64) << 20) / 4;
+    println!(
+        "memory-bandwidth ceiling of a 2-rank {} MiB all-reduce on this machine (only the adds and copies \
+         the result needs, no messages): {:.2} GB/s bus bandwidth",
+        elems * 4 >> 20,
+        all_reduce_memory_ceiling(elems, 5) / 1e9
+    );
     println!("ferrotron bench comm: threads backend, f32, median of {} reps, wall time of the slowest rank", b.reps);
     println!("{BENCH_HEADER}");
     for &n in &b.devices {
