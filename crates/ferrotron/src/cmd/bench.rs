@@ -335,7 +335,7 @@ fn comm(b: CommBench) -> Result<()> {
     println!(
         "memory-bandwidth ceiling of a 2-rank {} MiB all-reduce on this machine (only the adds and copies \
          the result needs, no messages): {:.2} GB/s bus bandwidth",
-        elems * 4 >> 20,
+        (elems * 4) >> 20,
         all_reduce_memory_ceiling(elems, 5) / 1e9
     );
     println!("ferrotron bench comm: threads backend, f32, median of {} reps, wall time of the slowest rank", b.reps);
