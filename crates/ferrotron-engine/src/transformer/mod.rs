@@ -5,10 +5,12 @@
 mod collectives;
 mod layer;
 mod params;
+mod residency;
 mod weights;
 
 pub use collectives::{ShardCollectives, Unsplit};
 pub use params::ParamStore;
+pub use residency::{Residency, Resident, Unit};
 pub use weights::WeightGrads;
 use weights::{WeightJob, WeightSink};
 
@@ -94,6 +96,26 @@ pub struct Transformer {
     rope: Option<RopeTable>,
     recompute: Recompute,
     vocab: VocabSlice,
+}
+
+/// Accumulates an embedding table's gradient (now or deferred).
+fn embedding_grad(
+    be: &dyn Backend,
+    sink: &mut WeightSink,
+    table: usize,
+    ids: &[u32],
+    dout: &[f32],
+    dim: usize,
+) {
+    match sink {
+        WeightSink::Now(g) => be.embedding_backward_weight(ids, dout, dim, &mut g.tensors[table]),
+        WeightSink::Later(jobs) => jobs.push(WeightJob::Embedding {
+            table,
+            ids: ids.to_vec(),
+            dout: dout.to_vec(),
+            dim,
+        }),
+    }
 }
 
 /// The part of the vocabulary this model's embedding and output rows stand for: ids
@@ -214,19 +236,21 @@ impl Transformer {
         p: &ParamStore,
         input: StageInput,
     ) -> ForwardState {
+        self.forward_stage_in(be, tp, &Resident::new(p), input)
+    }
+
+    /// [`Transformer::forward_stage`] with the parameters held by `res`, one unit at a time.
+    pub fn forward_stage_in(
+        &self,
+        be: &dyn Backend,
+        tp: &dyn ShardCollectives,
+        res: &dyn Residency,
+        input: StageInput,
+    ) -> ForwardState {
         let h = self.cfg.hidden_size;
-        let (mut x, ids, batch, seq) = match input {
-            StageInput::Tokens(b) => {
-                let embed = self
-                    .embed
-                    .expect("token input needs the stage with the embedding");
-                let mut x = vec![0f32; b.batch * b.seq * h];
-                let local = self.vocab.local_ids(&b.ids);
-                be.embedding_forward(&local, &p.tensors[embed], h, &mut x, false);
-                // Each device looked up the ids its vocabulary slice holds: the rows sum over the group.
-                (tp.reduce(x), local, b.batch, b.seq)
-            }
-            StageInput::Hidden { x, batch, seq } => (x, Vec::new(), batch, seq),
+        let (batch, seq) = match &input {
+            StageInput::Tokens(b) => (b.batch, b.seq),
+            StageInput::Hidden { batch, seq, .. } => (*batch, *seq),
         };
         assert!(
             seq <= self.cfg.max_position_embeddings,
@@ -238,16 +262,49 @@ impl Transformer {
             rows.is_multiple_of(blocks),
             "rows do not split over the sequence-parallel group"
         );
-        assert_eq!(x.len(), rows / blocks * h, "stage input has the wrong size");
         let positions: Vec<u32> = (0..rows).map(|i| (i % seq) as u32).collect();
-        if let Some(wpe) = self.pos_embed {
-            let mine = &positions[block * rows / blocks..(block + 1) * rows / blocks];
-            be.embedding_forward(mine, &p.tensors[wpe], h, &mut x, true);
-        }
+        let mine = &positions[block * rows / blocks..(block + 1) * rows / blocks];
+        let (mut x, ids) = match input {
+            StageInput::Tokens(b) => {
+                let embed = self
+                    .embed
+                    .expect("token input needs the stage with the embedding");
+                let local = self.vocab.local_ids(&b.ids);
+                let mut x = Vec::new();
+                res.params(Unit::Embedding, &mut |p| {
+                    let mut e = vec![0f32; rows * h];
+                    be.embedding_forward(&local, &p.tensors[embed], h, &mut e, false);
+                    // Each device looked up the ids its vocabulary slice holds: the rows sum over
+                    // the group.
+                    x = tp.reduce(e);
+                    if let Some(wpe) = self.pos_embed {
+                        be.embedding_forward(mine, &p.tensors[wpe], h, &mut x, true);
+                    }
+                });
+                (x, local)
+            }
+            StageInput::Hidden { x, .. } => (x, Vec::new()),
+        };
+        assert_eq!(x.len(), rows / blocks * h, "stage input has the wrong size");
         let (mut layers, mut layer_inputs) = (Vec::with_capacity(self.layers.len()), Vec::new());
-        for ids in &self.layers {
+        for (i, ids) in self.layers.iter().enumerate() {
             let input = (self.recompute == Recompute::Full).then(|| x.clone());
-            let (out, mut acts) = layer::forward(self, be, tp, p, ids, x, (batch, seq), &positions);
+            let mut layer_in = Some(x);
+            let mut result = None;
+            res.params(Unit::Layer(self.layer_range.start + i), &mut |p| {
+                let x = layer_in.take().expect("a layer runs once");
+                result = Some(layer::forward(
+                    self,
+                    be,
+                    tp,
+                    p,
+                    ids,
+                    x,
+                    (batch, seq),
+                    &positions,
+                ));
+            });
+            let (out, mut acts) = result.expect("the layer ran");
             match (input, self.recompute) {
                 (Some(input), _) => layer_inputs.push(input),
                 (None, Recompute::Selective) => {
@@ -273,19 +330,21 @@ impl Transformer {
         };
         match (&self.final_norm, &self.head) {
             (Some(norm), Some(head)) => {
-                let normed = norm.forward(be, p, &x, self.cfg.norm_eps as f32);
-                let mut logits = vec![0f32; rows * self.cfg.vocab_size];
-                let normed_all = tp.gather_rows(&normed.out);
-                be.linear_forward(
-                    head.shape(rows),
-                    normed_all.as_deref().unwrap_or(&normed.out),
-                    &p.tensors[head.w],
-                    None,
-                    &mut logits,
-                );
+                res.params(Unit::Head, &mut |p| {
+                    let normed = norm.forward(be, p, &x, self.cfg.norm_eps as f32);
+                    let mut logits = vec![0f32; rows * self.cfg.vocab_size];
+                    let normed_all = tp.gather_rows(&normed.out);
+                    be.linear_forward(
+                        head.shape(rows),
+                        normed_all.as_deref().unwrap_or(&normed.out),
+                        &p.tensors[head.w],
+                        None,
+                        &mut logits,
+                    );
+                    state.final_norm = Some(normed);
+                    state.logits = logits;
+                });
                 state.final_in = x;
-                state.final_norm = Some(normed);
-                state.logits = logits;
             }
             _ => state.output = x,
         }
@@ -322,16 +381,10 @@ impl Transformer {
         targets: &[Option<u32>],
         loss_scale: f32,
     ) -> (f64, Option<Vec<f32>>) {
-        self.backward_with(
-            be,
-            tp,
-            p,
-            &mut WeightSink::Now(grads),
-            state,
-            dout,
-            targets,
-            loss_scale,
-        )
+        let res = Resident::with_grads(p, grads);
+        let (loss, dx, _) =
+            self.backward_stage_in(be, tp, &res, state, dout, targets, loss_scale, false);
+        (loss, dx)
     }
 
     /// The input-gradient half of [`Transformer::backward_stage`]: returns what it returns plus the
@@ -347,58 +400,62 @@ impl Transformer {
         targets: &[Option<u32>],
         loss_scale: f32,
     ) -> (f64, Option<Vec<f32>>, WeightGrads) {
-        let mut jobs = Vec::new();
-        let (loss, dx) = self.backward_with(
+        let (loss, dx, w) = self.backward_stage_in(
             be,
             tp,
-            p,
-            &mut WeightSink::Later(&mut jobs),
+            &Resident::new(p),
             state,
             dout,
             targets,
             loss_scale,
+            true,
         );
-        (loss, dx, WeightGrads(jobs))
+        (loss, dx, w.expect("deferred weight gradients"))
     }
 
+    /// [`Transformer::backward_stage`] with the parameters (and, unless `defer_weights`, the
+    /// gradients) held by `res`, one unit at a time. With `defer_weights` the weight gradients are
+    /// returned for later instead (zero-bubble schedules).
     #[allow(clippy::too_many_arguments)]
-    fn backward_with(
+    pub fn backward_stage_in(
         &self,
         be: &dyn Backend,
         tp: &dyn ShardCollectives,
-        p: &ParamStore,
-        sink: &mut WeightSink,
+        res: &dyn Residency,
         mut state: ForwardState,
         dout: Option<Vec<f32>>,
         targets: &[Option<u32>],
         loss_scale: f32,
-    ) -> (f64, Option<Vec<f32>>) {
+        defer_weights: bool,
+    ) -> (f64, Option<Vec<f32>>, Option<WeightGrads>) {
         let (rows, h) = (state.rows, self.cfg.hidden_size);
         let blocks = tp.row_block().1;
+        let mut jobs = Vec::new();
+        // Runs one unit's backward with its parameters present and its weight gradients going
+        // where they should.
+        let mut in_unit = |unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut WeightSink)| {
+            if defer_weights {
+                res.params(unit, &mut |p| f(p, &mut WeightSink::Later(&mut jobs)))
+            } else {
+                res.params_and_grads(unit, &mut |p, g| f(p, &mut WeightSink::Now(g)))
+            }
+        };
         let mut loss_sum = 0.0;
         let mut dx = match (&self.final_norm, &self.head, state.final_norm.take()) {
             (Some(norm), Some(head), Some(stash)) => {
                 loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
                 let dlogits = std::mem::take(&mut state.logits);
-                let mut dnormed = vec![0f32; rows * h];
-                {
+                let mut dx = vec![0f32; rows / blocks * h];
+                let final_in = std::mem::take(&mut state.final_in);
+                in_unit(Unit::Head, &mut |p, sink| {
+                    let mut dnormed = vec![0f32; rows * h];
                     let normed_all = tp.gather_rows(&stash.out);
                     let normed = normed_all.as_deref().unwrap_or(&stash.out);
                     head.backward(be, p, sink, &dlogits, normed, &mut dnormed, false);
-                }
-                drop(dlogits);
-                let dnormed = tp.reduce(dnormed);
-                let mut dx = vec![0f32; rows / blocks * h];
-                norm.backward(
-                    be,
-                    p,
-                    sink,
-                    &dnormed,
-                    &state.final_in,
-                    &stash,
-                    &mut dx,
-                    false,
-                );
+                    drop(normed_all);
+                    let dnormed = tp.reduce(dnormed);
+                    norm.backward(be, p, sink, &dnormed, &final_in, &stash, &mut dx, false);
+                });
                 dx
             }
             _ => dout.expect("a stage without the loss needs the gradient at its output"),
@@ -409,62 +466,58 @@ impl Transformer {
             "output gradient has the wrong size"
         );
         let dims = (state.batch, state.seq);
+        let first = self.layer_range.start;
+        let positions = &state.positions;
         if state.layer_inputs.is_empty() {
-            for (ids, acts) in self.layers.iter().zip(state.layers.drain(..)).rev() {
-                layer::backward(
-                    self,
-                    be,
-                    tp,
-                    p,
-                    sink,
-                    ids,
-                    acts,
-                    &mut dx,
-                    &state.positions,
-                    dims,
-                );
+            for ((i, ids), acts) in self
+                .layers
+                .iter()
+                .enumerate()
+                .zip(state.layers.drain(..))
+                .rev()
+            {
+                let mut acts = Some(acts);
+                in_unit(Unit::Layer(first + i), &mut |p, sink| {
+                    let acts = acts.take().expect("a layer's backward runs once");
+                    layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
+                });
             }
         } else {
             // Full recompute: run each layer's forward again from its kept input, then its backward.
-            for (ids, input) in self.layers.iter().zip(state.layer_inputs.drain(..)).rev() {
-                let (_, acts) = layer::forward(self, be, tp, p, ids, input, dims, &state.positions);
-                layer::backward(
-                    self,
-                    be,
-                    tp,
-                    p,
-                    sink,
-                    ids,
-                    acts,
-                    &mut dx,
-                    &state.positions,
-                    dims,
-                );
+            for ((i, ids), input) in self
+                .layers
+                .iter()
+                .enumerate()
+                .zip(state.layer_inputs.drain(..))
+                .rev()
+            {
+                let mut input = Some(input);
+                in_unit(Unit::Layer(first + i), &mut |p, sink| {
+                    let x = input.take().expect("a layer's backward runs once");
+                    let (_, acts) = layer::forward(self, be, tp, p, ids, x, dims, positions);
+                    layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
+                });
             }
         }
-        let mut embedding_grad = |table: usize, ids: &[u32], dout: &[f32]| match sink {
-            WeightSink::Now(g) => be.embedding_backward_weight(ids, dout, h, &mut g.tensors[table]),
-            WeightSink::Later(jobs) => jobs.push(WeightJob::Embedding {
-                table,
-                ids: ids.to_vec(),
-                dout: dout.to_vec(),
-                dim: h,
-            }),
-        };
-        if let Some(wpe) = self.pos_embed {
-            let block = tp.row_block().0;
-            let mine = &state.positions[block * rows / blocks..(block + 1) * rows / blocks];
-            embedding_grad(wpe, mine, &dx);
-        }
-        match self.embed {
+        let loss_and_dx = match self.embed {
             Some(embed) => {
+                let block = tp.row_block().0;
+                let mine = &positions[block * rows / blocks..(block + 1) * rows / blocks];
                 // The embedding's rows are every row's: gather them back from the sequence shards.
                 let dx_all = tp.gather_rows(&dx);
-                embedding_grad(embed, &state.ids, dx_all.as_deref().unwrap_or(&dx));
+                let dx_all = dx_all.as_deref().unwrap_or(&dx);
+                in_unit(Unit::Embedding, &mut |_, sink| {
+                    if let Some(wpe) = self.pos_embed {
+                        embedding_grad(be, sink, wpe, mine, &dx, h);
+                    }
+                    embedding_grad(be, sink, embed, &state.ids, dx_all, h);
+                });
                 (loss_sum, None)
             }
             None => (loss_sum, Some(dx)),
-        }
+        };
+        let deferred = defer_weights.then(|| WeightGrads(jobs));
+        (loss_and_dx.0, loss_and_dx.1, deferred)
     }
 
     /// One forward and backward over `batch`, gradients accumulated into `grads`. Returns the mean loss.

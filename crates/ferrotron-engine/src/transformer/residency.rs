@@ -1,0 +1,62 @@
+//! Where a device's parameters and gradients are while the executor runs. By default every tensor is
+//! present for the whole pass ([`Resident`]); a sharded runtime (ZeRO-3) gathers a unit's parameters
+//! just before the executor uses them and frees them after, and (ZeRO-2/3) reduces a unit's gradients
+//! away as soon as its backward is done. The executor brackets each unit's work with these calls and
+//! knows nothing else of it.
+
+use super::ParamStore;
+use std::cell::RefCell;
+
+/// The groups of parameters the executor uses together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    /// The token (and position) embedding, on the first stage.
+    Embedding,
+    /// Transformer block `i` (its index in the whole model).
+    Layer(usize),
+    /// The final norm and the output layer (the tied embedding when tied), on the last stage.
+    Head,
+}
+
+pub trait Residency {
+    /// Runs `f` with `unit`'s parameters present in the store it is given.
+    fn params(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore));
+    /// Runs `f` with `unit`'s parameters present and a gradient store its weight gradients accumulate
+    /// into.
+    fn params_and_grads(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore));
+}
+
+/// Every parameter present throughout; gradients (if any) accumulate in one store.
+pub struct Resident<'a> {
+    params: &'a ParamStore,
+    grads: RefCell<Option<&'a mut ParamStore>>,
+}
+
+impl<'a> Resident<'a> {
+    /// Parameters only (a forward pass, or a backward whose weight gradients are deferred).
+    pub fn new(params: &'a ParamStore) -> Self {
+        Self {
+            params,
+            grads: RefCell::new(None),
+        }
+    }
+    pub fn with_grads(params: &'a ParamStore, grads: &'a mut ParamStore) -> Self {
+        Self {
+            params,
+            grads: RefCell::new(Some(grads)),
+        }
+    }
+}
+
+impl Residency for Resident<'_> {
+    fn params(&self, _unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
+        f(self.params)
+    }
+    fn params_and_grads(&self, _unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
+        let mut grads = self.grads.borrow_mut();
+        let g = grads
+            .as_deref_mut()
+            .expect("a backward that accumulates weight gradients needs a gradient store");
+        f(self.params, g)
+    }
+}
