@@ -516,7 +516,7 @@ impl Transformer {
             }
             None => (loss_sum, Some(dx)),
         };
-        let deferred = defer_weights.then(|| WeightGrads(jobs));
+        let deferred = defer_weights.then_some(WeightGrads(jobs));
         (loss_and_dx.0, loss_and_dx.1, deferred)
     }
 
