@@ -67,8 +67,23 @@ impl AdamW {
         }
     }
 
+    /// Bytes the moments hold.
+    pub fn state_bytes(&self) -> usize {
+        let n: usize = self.m.iter().chain(&self.v).map(Vec::len).sum();
+        4 * n
+    }
+
+    /// [`AdamW::step`] on the calling thread only (a device thread: its work shows on its clock).
+    pub fn step_serial(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32) {
+        self.step_on(params, grads, lr, false)
+    }
+
     /// One update with learning rate `lr` (PyTorch's AdamW arithmetic).
     pub fn step(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32) {
+        self.step_on(params, grads, lr, true)
+    }
+
+    fn step_on(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32, threaded: bool) {
         self.step += 1;
         let c = self.cfg;
         let bc1 = 1.0 - (c.beta1 as f64).powi(self.step as i32);
@@ -91,11 +106,15 @@ impl AdamW {
             .zip(&mut self.m)
             .zip(&mut self.v)
         {
-            p.par_chunks_mut(CHUNK)
-                .zip(g.par_chunks(CHUNK))
-                .zip(m.par_chunks_mut(CHUNK))
-                .zip(v.par_chunks_mut(CHUNK))
-                .for_each(|(((p, g), m), v)| update(p, g, m, v));
+            if threaded {
+                p.par_chunks_mut(CHUNK)
+                    .zip(g.par_chunks(CHUNK))
+                    .zip(m.par_chunks_mut(CHUNK))
+                    .zip(v.par_chunks_mut(CHUNK))
+                    .for_each(|(((p, g), m), v)| update(p, g, m, v));
+            } else {
+                update(p, g, m, v);
+            }
         }
     }
 }

@@ -1,8 +1,11 @@
 //! Running a model split over devices. Each parallel dimension has its own file; the model code knows
 //! nothing of them.
 
+pub mod data;
+mod mesh;
 mod pipeline;
 pub mod tensor;
 
-pub use pipeline::{pipeline_step, pipeline_steps, DeviceResult, MeshStep, PipelineRun};
+pub use mesh::{Device, MeshStep, StepReport};
+pub use pipeline::{pipeline_step, pipeline_steps, DeviceResult, PipelineRun};
 pub use tensor::{TpGroup, TpShard};

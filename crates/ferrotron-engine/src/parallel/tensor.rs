@@ -188,15 +188,7 @@ impl TpShard {
             });
         }
         let is = |suffix: &str| name.ends_with(suffix);
-        let replicated = match cfg.arch {
-            Arch::Llama => is("norm.weight"),
-            Arch::Gpt2 => {
-                Some(name) == cfg.position_embedding_name()
-                    || name.contains(".ln_")
-                    || is("c_proj.bias")
-            }
-        };
-        if replicated {
+        if self.is_replicated(cfg, name) {
             return Ok(whole);
         }
         let rule = match cfg.arch {
@@ -269,21 +261,37 @@ impl TpShard {
         Ok(store)
     }
 
-    /// Names of replicated parameters whose gradient each device computes from its rows only, so the
-    /// group must sum it: the norms and the position embedding, under sequence parallelism.
-    pub fn partial_grad_names(&self, cfg: &ModelConfig, store: &ParamStore) -> Vec<String> {
-        if !self.sequence_parallel {
-            return Vec::new();
+    /// Whether parameter `name` is replicated whole on every device of the group (norms, row-parallel
+    /// biases, GPT-2's position embedding).
+    pub fn is_replicated(&self, cfg: &ModelConfig, name: &str) -> bool {
+        let is = |suffix: &str| name.ends_with(suffix);
+        match cfg.arch {
+            Arch::Llama => is("norm.weight"),
+            Arch::Gpt2 => {
+                Some(name) == cfg.position_embedding_name()
+                    || name.contains(".ln_")
+                    || is("c_proj.bias")
+            }
         }
-        store
-            .specs
-            .iter()
-            .map(|s| s.name.clone())
-            .filter(|n| {
-                let norm = n.contains("norm") || n.contains(".ln_");
-                norm || Some(n.as_str()) == cfg.position_embedding_name()
-            })
-            .collect()
+    }
+
+    /// Whether a replicated parameter's gradient is computed from this device's rows only under
+    /// sequence parallelism (so the group must sum it): the norms and the position embedding.
+    /// Row-parallel biases see every row (their gradient comes from the gathered output gradient).
+    pub fn sums_over_group(&self, cfg: &ModelConfig, name: &str) -> bool {
+        self.is_replicated(cfg, name) && !name.ends_with("c_proj.bias")
+    }
+
+    /// Whether this device counts parameter `name` in the global gradient norm: every sharded
+    /// tensor; a replicated one on tensor-parallel rank 0 only; a shared KV head on its first holder.
+    pub fn counts_in_norm(&self, cfg: &ModelConfig, name: &str) -> bool {
+        if self.is_replicated(cfg, name) {
+            return self.rank == 0;
+        }
+        if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+            return self.kv_replicas(cfg)[0] == self.rank;
+        }
+        true
     }
 
     /// The devices that hold the same KV heads as this one (more than one only when tp exceeds the KV
@@ -347,30 +355,29 @@ pub fn gather_tensor(cfg: &ModelConfig, spec: &ParamSpec, shards: &[&[f32]]) -> 
 
 /// Sums, over the group, the gradients that are partial on each device: replicated parameters under
 /// sequence parallelism, and KV heads replicated over several devices. Afterwards every copy of a
-/// parameter holds the same, complete gradient.
+/// parameter holds the same, complete gradient. `grads` are the tensors of `specs` (whole, or the
+/// same piece of each on every device of the group).
 pub fn finish_grads<C: Comm>(
     c: &mut C,
     cfg: &ModelConfig,
     tp: &TpShard,
     group: &Group,
-    grads: &mut ParamStore,
+    specs: &[ParamSpec],
+    grads: &mut [Vec<f32>],
 ) -> Result<()> {
-    for name in tp.partial_grad_names(cfg, grads) {
-        let id = grads.id(&name).expect("listed from the store");
-        c.all_reduce(group, &mut grads.tensors[id], ReduceOp::Sum)?;
+    let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+    for (i, name) in names.iter().enumerate() {
+        if tp.sequence_parallel && tp.sums_over_group(cfg, name) {
+            c.all_reduce(group, &mut grads[i], ReduceOp::Sum)?;
+        }
     }
     let replicas = tp.kv_replicas(cfg);
     if replicas.len() > 1 {
         let sub = Group::new("tp", replicas.iter().map(|&r| group.ranks[r]).collect());
-        let kv_names: Vec<String> = grads
-            .specs
-            .iter()
-            .map(|s| s.name.clone())
-            .filter(|n| n.ends_with("k_proj.weight") || n.ends_with("v_proj.weight"))
-            .collect();
-        for name in kv_names {
-            let id = grads.id(&name).expect("listed from the store");
-            c.all_reduce(&sub, &mut grads.tensors[id], ReduceOp::Sum)?;
+        for (i, name) in names.iter().enumerate() {
+            if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+                c.all_reduce(&sub, &mut grads[i], ReduceOp::Sum)?;
+            }
         }
     }
     Ok(())
@@ -406,6 +413,17 @@ impl<'a, C: Comm> TpGroup<'a, C> {
             return;
         }
         if let Err(e) = f(&mut self.comm.borrow_mut(), &self.group) {
+            *self.error.borrow_mut() = Some(e);
+        }
+    }
+
+    /// Runs `f` on the communicator unless an earlier call failed; a failure is kept for
+    /// [`TpGroup::result`] (for hooks the executor calls, which cannot return errors).
+    pub fn with_comm(&self, f: impl FnOnce(&mut C) -> std::result::Result<(), CommError>) {
+        if self.error.borrow().is_some() {
+            return;
+        }
+        if let Err(e) = f(&mut self.comm.borrow_mut()) {
             *self.error.borrow_mut() = Some(e);
         }
     }

@@ -28,6 +28,21 @@ impl ParamStore {
         }
     }
 
+    /// A store of `tensors` named and shaped by `specs` (a shard's pieces may be any length).
+    pub fn from_tensors(specs: Vec<ParamSpec>, tensors: Vec<Vec<f32>>) -> Self {
+        assert_eq!(specs.len(), tensors.len(), "one tensor per spec");
+        let index = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.clone(), i))
+            .collect();
+        Self {
+            specs,
+            tensors,
+            index,
+        }
+    }
+
     pub fn zeros_like(&self) -> Self {
         Self::zeros(self.specs.clone())
     }

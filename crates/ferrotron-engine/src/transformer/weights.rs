@@ -50,6 +50,23 @@ impl WeightGrads {
             .sum()
     }
 
+    /// Indices of the tensors whose gradients this work accumulates.
+    pub fn tensors(&self) -> Vec<usize> {
+        let mut ids: Vec<usize> = self
+            .0
+            .iter()
+            .flat_map(|j| match j {
+                WeightJob::Linear { lin, .. } => vec![Some(lin.w), lin.b],
+                WeightJob::Norm { norm, .. } => vec![Some(norm.w), norm.b],
+                WeightJob::Embedding { table, .. } => vec![Some(*table)],
+            })
+            .flatten()
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
     /// Accumulates every deferred weight gradient into `g`.
     pub fn apply(self, be: &dyn Backend, g: &mut ParamStore) {
         for job in self.0 {
