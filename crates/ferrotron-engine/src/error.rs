@@ -25,6 +25,13 @@ pub enum EngineError {
     Invalid(String),
     #[error(transparent)]
     Comm(#[from] crate::comm::CommError),
+    /// A device went over the capacity it was given; `at` is what it held, by term, at that moment.
+    #[error("device {device} is out of memory: it needed more than its capacity of {} at this moment:\n{}", crate::memory::format_bytes(*capacity), crate::memory::format_terms(at))]
+    OutOfMemory {
+        device: usize,
+        capacity: u64,
+        at: Box<crate::memory::MemoryTerms>,
+    },
 }
 
 impl EngineError {

@@ -4,6 +4,7 @@
 pub mod error;
 pub mod hf;
 pub mod kernels;
+pub mod memory;
 pub mod transformer;
 
 pub use error::{EngineError, Result};

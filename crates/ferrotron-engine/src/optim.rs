@@ -67,6 +67,14 @@ impl AdamW {
         }
     }
 
+    /// Gives back spare capacity of the moment buffers.
+    pub fn shrink(&mut self) {
+        self.m
+            .iter_mut()
+            .chain(self.v.iter_mut())
+            .for_each(Vec::shrink_to_fit);
+    }
+
     /// Bytes the moments hold.
     pub fn state_bytes(&self) -> usize {
         let n: usize = self.m.iter().chain(&self.v).map(Vec::len).sum();
@@ -75,15 +83,33 @@ impl AdamW {
 
     /// [`AdamW::step`] on the calling thread only (a device thread: its work shows on its clock).
     pub fn step_serial(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32) {
+        let mut p: Vec<&mut [f32]> = params
+            .tensors
+            .iter_mut()
+            .map(|t| t.as_mut_slice())
+            .collect();
+        let g: Vec<&[f32]> = grads.tensors.iter().map(Vec::as_slice).collect();
+        self.step_on(&mut p, &g, lr, false)
+    }
+
+    /// One update of parameter slices `params[i]` (each the start of moment `i`; a ZeRO shard's piece
+    /// of a tensor), on the calling thread.
+    pub fn step_slices(&mut self, params: &mut [&mut [f32]], grads: &[&[f32]], lr: f32) {
         self.step_on(params, grads, lr, false)
     }
 
     /// One update with learning rate `lr` (PyTorch's AdamW arithmetic).
     pub fn step(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32) {
-        self.step_on(params, grads, lr, true)
+        let mut p: Vec<&mut [f32]> = params
+            .tensors
+            .iter_mut()
+            .map(|t| t.as_mut_slice())
+            .collect();
+        let g: Vec<&[f32]> = grads.tensors.iter().map(Vec::as_slice).collect();
+        self.step_on(&mut p, &g, lr, true)
     }
 
-    fn step_on(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32, threaded: bool) {
+    fn step_on(&mut self, params: &mut [&mut [f32]], grads: &[&[f32]], lr: f32, threaded: bool) {
         self.step += 1;
         let c = self.cfg;
         let bc1 = 1.0 - (c.beta1 as f64).powi(self.step as i32);
@@ -100,9 +126,8 @@ impl AdamW {
             }
         };
         for (((p, g), m), v) in params
-            .tensors
             .iter_mut()
-            .zip(&grads.tensors)
+            .zip(grads)
             .zip(&mut self.m)
             .zip(&mut self.v)
         {

@@ -6,6 +6,7 @@
 
 use super::stats::{CommStats, OpStats};
 use super::{Comm, CommError, CommResult, Element, Group, ReduceOp};
+use crate::memory::{self, Term};
 use std::ops::Range;
 
 /// What one call of an operation did; added to the stats when it ends.
@@ -403,6 +404,7 @@ impl<X: Transport> Comm for X {
     }
 
     fn all_reduce<T: Element>(&mut self, g: &Group, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let mut t = self.begin(g.kind, "all_reduce", &g.name);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         run_all(
@@ -423,6 +425,7 @@ impl<X: Transport> Comm for X {
         output: &mut [T],
         op: ReduceOp,
     ) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let mut t = self.begin(g.kind, "reduce_scatter", &g.name);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         check_shards(g, input.len(), output.len())?;
@@ -458,6 +461,7 @@ impl<X: Transport> Comm for X {
         input: &[T],
         output: &mut [T],
     ) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let counts = vec![input.len(); g.size()];
         self.all_gather_uneven(g, input, &counts, output)
     }
@@ -469,6 +473,7 @@ impl<X: Transport> Comm for X {
         counts: &[usize],
         output: &mut [T],
     ) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let mut t = self.begin(g.kind, "all_gather", &g.name);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         let ranges = gather_ranges(g, i, input.len(), counts, output.len())?;
@@ -485,6 +490,7 @@ impl<X: Transport> Comm for X {
     }
 
     fn broadcast<T: Element>(&mut self, g: &Group, buf: &mut [T], root: usize) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let mut t = self.begin(g.kind, "broadcast", &g.name);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         if root >= n {
@@ -510,11 +516,13 @@ impl<X: Transport> Comm for X {
     }
 
     fn barrier(&mut self, g: &Group) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let mut token = [0u8];
         self.all_reduce(g, &mut token, ReduceOp::Sum)
     }
 
     fn send<T: Element>(&mut self, to: usize, buf: &[T], tag: u64) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         if to >= self.world() {
             return Err(CommError::Usage(format!(
                 "send: rank {to} is outside the world of {}",
@@ -528,6 +536,7 @@ impl<X: Transport> Comm for X {
     }
 
     fn recv<T: Element>(&mut self, from: usize, buf: &mut [T], tag: u64) -> CommResult<()> {
+        let _buffers = memory::scope(Term::CommBuffers);
         if from >= self.world() {
             return Err(CommError::Usage(format!(
                 "recv: rank {from} is outside the world of {}",
@@ -551,6 +560,7 @@ impl<X: Transport> Comm for X {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> CommResult<Pending<T>> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         let steps = all_reduce_steps::<T>(n, i, buf.len(), op);
         let len = buf.len();
@@ -563,6 +573,7 @@ impl<X: Transport> Comm for X {
         input: Vec<T>,
         op: ReduceOp,
     ) -> CommResult<Pending<T>> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         if !input.len().is_multiple_of(n) {
             return Err(CommError::Usage(format!(
@@ -585,6 +596,7 @@ impl<X: Transport> Comm for X {
     }
 
     fn start_all_gather<T: Element>(&mut self, g: &Group, input: &[T]) -> CommResult<Pending<T>> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let (n, i) = (g.size(), g.index_of(self.my_rank())?);
         let counts = vec![input.len(); n];
         let ranges = gather_ranges(g, i, input.len(), &counts, n * input.len())?;
@@ -596,6 +608,7 @@ impl<X: Transport> Comm for X {
     }
 
     fn test<T: Element>(&mut self, p: &mut Pending<T>) -> CommResult<bool> {
+        let _buffers = memory::scope(Term::CommBuffers);
         self.resume();
         let done = advance(self, p, false);
         self.pause();
@@ -603,6 +616,7 @@ impl<X: Transport> Comm for X {
     }
 
     fn wait<T: Element>(&mut self, mut p: Pending<T>) -> CommResult<Vec<T>> {
+        let _buffers = memory::scope(Term::CommBuffers);
         self.resume();
         advance(self, &mut p, true)?;
         let t = p.tally.take().expect("tally present until completion");

@@ -16,6 +16,7 @@
 
 use super::tensor::TpGroup;
 use crate::comm::{Comm, CommError, Group, Pending, ReduceOp};
+use crate::memory::{self, Term};
 use crate::optim::AdamW;
 use crate::transformer::{ParamStore, Residency, Unit};
 use ferrotron_core::model::ModelConfig;
@@ -51,6 +52,19 @@ fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {
     rank * n..(rank + 1) * n
 }
 
+/// Rank `rank`'s piece of each tensor, padded, concatenated.
+fn own_pieces(tensors: &[&[f32]], dp: usize, rank: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for t in tensors {
+        let r = piece(t.len(), dp, rank);
+        let end = r.end.min(t.len());
+        let start = r.start.min(end);
+        out.extend_from_slice(&t[start..end]);
+        out.resize(out.len() + r.len() - (end - start), 0.0);
+    }
+    out
+}
+
 /// One device's parameters, gradients and optimizer state under ZeRO stage `stage` over `dp` replicas.
 pub struct ZeroState {
     pub stage: u8,
@@ -64,7 +78,8 @@ pub struct ZeroState {
     grads: RefCell<ParamStore>,
     /// ZeRO-3: this rank's pieces of the parameters, the only lasting copy.
     param_pieces: Vec<Vec<f32>>,
-    /// ZeRO ≥ 1: this rank's pieces of the step's reduced gradients.
+    /// ZeRO-2/3: this rank's pieces of the step's reduced gradients (ZeRO-1 files its reduced
+    /// pieces in place, in the whole gradients).
     grad_pieces: RefCell<Vec<Vec<f32>>>,
     /// Tensor indices of each unit this device holds.
     units: HashMap<Unit, Vec<usize>>,
@@ -113,19 +128,37 @@ impl ZeroState {
                 .collect()
         };
         let sharded = stage >= 1 && dp > 1;
-        let moments_of = if sharded {
-            ParamStore::from_tensors(params.specs.clone(), pieces(&params))
-        } else {
-            params.clone()
+        let opt = {
+            let _states = memory::scope(Term::OptimizerStates);
+            // Moments for what this rank updates: every element, or its pieces.
+            let shapes = ParamStore::from_tensors(
+                params.specs.clone(),
+                params
+                    .tensors
+                    .iter()
+                    .map(|t| {
+                        let n = if sharded {
+                            piece(t.len(), dp, dp_rank).len()
+                        } else {
+                            t.len()
+                        };
+                        vec![0f32; n]
+                    })
+                    .collect(),
+            );
+            let mut opt = AdamW::new(adam, &shapes);
+            drop(shapes);
+            opt.shrink();
+            opt
         };
-        let opt = AdamW::new(adam, &moments_of);
-        drop(moments_of);
         let mut param_pieces = Vec::new();
         let mut params = params;
         if stage == 3 && dp > 1 {
+            let _weights = memory::scope(Term::Weights);
             param_pieces = pieces(&params);
             params.tensors.iter_mut().for_each(|t| *t = Vec::new());
         }
+        let _grads_term = memory::scope(Term::Gradients);
         let grads = if stage >= 2 && dp > 1 {
             ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); params.specs.len()])
         } else {
@@ -134,7 +167,7 @@ impl ZeroState {
             g.tensors.iter_mut().for_each(|t| t.fill(0.0));
             g
         };
-        let grad_pieces = if sharded {
+        let grad_pieces = if stage >= 2 && dp > 1 {
             params
                 .specs
                 .iter()
@@ -234,6 +267,8 @@ impl ZeroState {
             let p = self.params.borrow();
             ids.iter().map(|&i| p.specs[i].numel()).collect()
         };
+        // A gathered unit's parameters are transient buffers (the lasting copy is the pieces).
+        let _buffers = memory::scope(Term::CommBuffers);
         let mine: Vec<f32> = ids
             .iter()
             .flat_map(|&i| self.param_pieces[i].iter().copied())
@@ -265,6 +300,7 @@ impl ZeroState {
 
     /// Reduce-scatters whole gradients `ids` into this rank's pieces and frees them (ZeRO-2/3).
     fn scatter_grads<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+        let _buffers = memory::scope(Term::CommBuffers);
         let (buf, lens) = {
             let g = self.grads.borrow();
             let ts: Vec<&[f32]> = ids.iter().map(|&i| g.tensors[i].as_slice()).collect();
@@ -287,8 +323,10 @@ impl ZeroState {
         Ok(())
     }
 
-    /// Allocates zeroed whole gradients for `ids` (ZeRO-2/3).
+    /// Allocates zeroed whole gradients for `ids` (ZeRO-2/3): a bucket that lives until it is
+    /// reduce-scattered, so it counts as a communication buffer.
     fn open_grads(&self, ids: &[usize]) {
+        let _bucket = memory::scope(Term::CommBuffers);
         let mut g = self.grads.borrow_mut();
         for &i in ids {
             g.tensors[i] = vec![0f32; g.specs[i].numel()];
@@ -305,16 +343,18 @@ impl ZeroState {
         Ok(())
     }
 
-    /// Files the result of a bucket's reduction: whole sums (ZeRO-0) or this rank's pieces (ZeRO-1).
+    /// Files the result of a bucket's reduction: whole sums (ZeRO-0), or this rank's pieces into
+    /// their place in the whole gradients (ZeRO-1; the rest of them is stale from then on).
     fn file_reduced(&self, ids: &[usize], out: &[f32]) {
         if self.sharded() {
-            let lens: Vec<usize> = {
-                let g = self.grads.borrow();
-                ids.iter().map(|&i| g.tensors[i].len()).collect()
-            };
-            let mut pieces = self.grad_pieces.borrow_mut();
-            for (id, p) in self.split_pieces(ids, &lens, out) {
-                pieces[id] = p;
+            let mut g = self.grads.borrow_mut();
+            let mut at = 0;
+            for &i in ids {
+                let t = &mut g.tensors[i];
+                let (own, n) = (self.own_range(t.len()), piece(t.len(), self.dp, 0).len());
+                let len = own.len();
+                t[own].copy_from_slice(&out[at..at + len]);
+                at += n;
             }
         } else {
             let mut g = self.grads.borrow_mut();
@@ -331,6 +371,7 @@ impl ZeroState {
     /// bucket (one collective in flight per group).
     fn start_bucket<C: Comm>(&self, c: &mut C, ids: Vec<usize>) -> Result<(), CommError> {
         self.finish_in_flight(c)?;
+        let _buffers = memory::scope(Term::CommBuffers);
         let buf: Vec<f32> = {
             let g = self.grads.borrow();
             let ts: Vec<&[f32]> = ids.iter().map(|&i| g.tensors[i].as_slice()).collect();
@@ -422,12 +463,36 @@ impl ZeroState {
         self.finish_in_flight(c)
     }
 
-    /// The gradients this rank holds after the reduction, by tensor: whole (no sharding) or its pieces.
-    pub fn with_grad_view<R>(&self, f: impl FnOnce(&mut [Vec<f32>]) -> R) -> R {
-        if self.sharded() {
-            f(&mut self.grad_pieces.borrow_mut())
+    /// The part of a tensor of `len` elements this rank owns (its piece without the padding).
+    fn own_range(&self, len: usize) -> Range<usize> {
+        let r = piece(len, self.dp, self.dp_rank);
+        let end = r.end.min(len);
+        r.start.min(end)..end
+    }
+
+    /// The gradients this rank holds after the reduction, by tensor: whole (no sharding) or the
+    /// part it owns (the same part of each tensor on every device that shares the layout).
+    pub fn with_grad_view<R>(&self, f: impl FnOnce(&mut [&mut [f32]]) -> R) -> R {
+        if self.stage >= 2 && self.dp > 1 {
+            let mut pieces = self.grad_pieces.borrow_mut();
+            let mut view: Vec<&mut [f32]> = pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
+            f(&mut view)
+        } else if self.sharded() {
+            let mut g = self.grads.borrow_mut();
+            let mut view: Vec<&mut [f32]> = g
+                .tensors
+                .iter_mut()
+                .map(|t| {
+                    let own = self.own_range(t.len());
+                    &mut t[own]
+                })
+                .collect();
+            f(&mut view)
         } else {
-            f(&mut self.grads.borrow_mut().tensors)
+            let mut g = self.grads.borrow_mut();
+            let mut view: Vec<&mut [f32]> =
+                g.tensors.iter_mut().map(|t| t.as_mut_slice()).collect();
+            f(&mut view)
         }
     }
 
@@ -444,56 +509,71 @@ impl ZeroState {
             self.opt.step_serial(params, grads, lr);
             return Ok(());
         }
+        // The owned gradients: pieces (ZeRO-2/3) or the owned part of the whole ones (ZeRO-1).
+        let (dp, rank) = (self.dp, self.dp_rank);
+        let own = |len: usize| {
+            let r = piece(len, dp, rank);
+            let end = r.end.min(len);
+            r.start.min(end)..end
+        };
         let pieces = std::mem::take(self.grad_pieces.get_mut());
-        let specs = self.params.get_mut().specs.clone();
-        let grads = ParamStore::from_tensors(specs.clone(), pieces);
-        if self.stage == 3 {
-            let mut owned = ParamStore::from_tensors(specs, std::mem::take(&mut self.param_pieces));
-            self.opt.step_serial(&mut owned, &grads, lr);
-            self.param_pieces = owned.tensors;
+        let whole = std::mem::replace(self.grads.get_mut(), ParamStore::zeros(Vec::new()));
+        let g: Vec<&[f32]> = if self.stage >= 2 {
+            pieces.iter().map(Vec::as_slice).collect()
         } else {
-            // In f32 the parameters are their own master copy: update this rank's piece in place.
-            let mut owned: Vec<Vec<f32>> = {
-                let params = self.params.get_mut();
-                params
-                    .tensors
-                    .iter()
-                    .map(|t| {
-                        let r = piece(t.len(), self.dp, self.dp_rank);
-                        let end = r.end.min(t.len());
-                        let start = r.start.min(end);
-                        let mut p = t[start..end].to_vec();
-                        p.resize(r.len(), 0.0);
-                        p
-                    })
-                    .collect()
-            };
-            let mut store = ParamStore::from_tensors(specs, std::mem::take(&mut owned));
-            self.opt.step_serial(&mut store, &grads, lr);
-            // All-gather every tensor's updated pieces.
-            let mine: Vec<f32> = store.tensors.concat();
-            let mut all = vec![0f32; mine.len() * self.dp];
-            c.all_gather(&self.dp_group, &mine, &mut all)?;
+            whole.tensors.iter().map(|t| &t[own(t.len())]).collect()
+        };
+        if self.stage == 3 {
+            let mut p: Vec<&mut [f32]> = self
+                .param_pieces
+                .iter_mut()
+                .map(|t| t.as_mut_slice())
+                .collect();
+            self.opt.step_slices(&mut p, &g, lr);
+        } else {
+            // In f32 the parameters are their own master copy: update this rank's part in place,
+            // then gather every part.
             let params = self.params.get_mut();
+            let mut p: Vec<&mut [f32]> = params
+                .tensors
+                .iter_mut()
+                .map(|t| {
+                    let r = own(t.len());
+                    &mut t[r]
+                })
+                .collect();
+            self.opt.step_slices(&mut p, &g, lr);
+            let (mine, mut all) = {
+                let _buffers = memory::scope(Term::CommBuffers);
+                let ts: Vec<&[f32]> = params.tensors.iter().map(Vec::as_slice).collect();
+                let mine: Vec<f32> = own_pieces(&ts, dp, rank);
+                let all = vec![0f32; mine.len() * dp];
+                (mine, all)
+            };
+            c.all_gather(&self.dp_group, &mine, &mut all)?;
             let block = mine.len();
             let mut at = 0;
             for t in params.tensors.iter_mut() {
-                let n = piece(t.len(), self.dp, 0).len();
-                let len = t.len();
-                t.clear();
-                for k in 0..self.dp {
-                    t.extend_from_slice(&all[k * block + at..k * block + at + n]);
+                let (len, n) = (t.len(), piece(t.len(), dp, 0).len());
+                for k in 0..dp {
+                    let r = piece(len, dp, k);
+                    let end = r.end.min(len);
+                    let start = r.start.min(end);
+                    t[start..end]
+                        .copy_from_slice(&all[k * block + at..k * block + at + (end - start)]);
                 }
-                t.truncate(len);
                 at += n;
             }
         }
-        *self.grad_pieces.get_mut() = grads.tensors;
+        drop(g);
+        *self.grad_pieces.get_mut() = pieces;
+        *self.grads.get_mut() = whole;
         Ok(())
     }
 
     /// The device's whole parameters (ZeRO-3: gathered from the pieces; every dp rank must call it).
     pub fn full_params<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
+        let _other = memory::scope(Term::Other);
         if self.stage == 3 && self.dp > 1 {
             let ids: Vec<usize> = (0..self.param_pieces.len()).collect();
             self.gather(c, &ids)?;
@@ -507,12 +587,18 @@ impl ZeroState {
     /// The device's whole reduced gradients (gathered from the pieces when sharded; every dp rank must
     /// call it).
     pub fn full_grads<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
+        let _other = memory::scope(Term::Other);
         let specs = self.params.borrow().specs.clone();
         if !self.sharded() {
             return Ok(self.grads.borrow().clone());
         }
-        let pieces = self.grad_pieces.borrow();
-        let mine: Vec<f32> = pieces.concat();
+        let mine: Vec<f32> = if self.stage >= 2 {
+            self.grad_pieces.borrow().concat()
+        } else {
+            let g = self.grads.borrow();
+            let ts: Vec<&[f32]> = g.tensors.iter().map(Vec::as_slice).collect();
+            own_pieces(&ts, self.dp, self.dp_rank)
+        };
         let mut all = vec![0f32; mine.len() * self.dp];
         c.all_gather(&self.dp_group, &mine, &mut all)?;
         let block = mine.len();

@@ -9,6 +9,7 @@ use super::pipeline::{DeviceResult, PipelineRun, StageOutcome, StageRun};
 use super::tensor::{finish_grads, gather_tensor, TpGroup, TpShard};
 use crate::comm::{Comm, CommStats, DeviceMesh, Dim, Group, ReduceOp};
 use crate::error::{EngineError, Result};
+use crate::memory::{self, Term};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
@@ -146,12 +147,15 @@ impl<'a> MeshStep<'a> {
         let shard = TpShard::new(cfg, self.mesh.tp, t, layout.sequence_parallel)?;
         let local = shard.local_config(cfg);
         let ranges = self.ranges(rank);
-        let store = shard.shard_store(
-            cfg,
-            &self
-                .params
-                .subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r))),
-        )?;
+        let store = {
+            let _weights = memory::scope(Term::Weights);
+            shard.shard_store(
+                cfg,
+                &self
+                    .params
+                    .subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r))),
+            )?
+        };
         let chunks = ranges
             .iter()
             .map(|r| {
@@ -190,11 +194,15 @@ impl<'a> MeshStep<'a> {
             boundary,
             scale: self.scale,
             counts_loss: t == 0,
+            device: dev.rank,
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
         let tpg = TpGroup::new(c, tp_group.clone(), dev.shard);
-        let out = run.execute(&tpg, &dev.zero, &dev.chunks)?;
+        let out = {
+            let _activations = memory::scope(Term::Activations);
+            run.execute(&tpg, &dev.zero, &dev.chunks)?
+        };
         drop(tpg);
         dev.zero.reduce_grads(c)?;
         let specs = dev.zero.specs();
@@ -207,7 +215,7 @@ impl<'a> MeshStep<'a> {
                     .iter()
                     .position(|sp| sp.name == self.cfg.embedding_name())
                     .expect("tied embedding on the first and last stage");
-                c.all_reduce(&g, &mut grads[id], ReduceOp::Sum)?;
+                c.all_reduce(&g, grads[id], ReduceOp::Sum)?;
             }
             finish_grads(c, self.cfg, &dev.shard, &tp_group, &specs, grads)
         })?;
@@ -242,13 +250,16 @@ impl<'a> MeshStep<'a> {
     /// Runs device `c.rank()`'s part of the step `1 + warmup` times (only the last counts) and returns
     /// its loss, its gradients (reduced over replicas, whole) and what it measured.
     pub fn run_device<C: Comm>(&self, c: &mut C, warmup: usize) -> Result<DeviceResult> {
+        memory::set_device(c.rank());
         let dev = self.device(c.rank(), AdamWConfig::default())?;
         let mut measured_from = c.stats().clone();
         let mut last = None;
         for _ in 0..=warmup {
             measured_from = c.stats().clone();
+            memory::reset_peaks(c.rank());
             last = Some(self.step_device(c, &dev)?);
         }
+        let measured = memory::device_memory(c.rank());
         let StageOutcome {
             loss,
             peak,
@@ -265,6 +276,7 @@ impl<'a> MeshStep<'a> {
             peak_bytes,
             end,
             timeline,
+            memory: measured,
         })
     }
 
@@ -282,9 +294,11 @@ impl<'a> MeshStep<'a> {
         clip: f64,
         on_step: &mut dyn FnMut(&mut C, &Device, &StepReport) -> Result<()>,
     ) -> Result<Device> {
+        memory::set_device(c.rank());
         let mut dev = self.device(c.rank(), adam)?;
         for step in 0..steps {
             self.set_batch(&batch_of(step))?;
+            memory::reset_peaks(c.rank());
             let from = c.stats().clone();
             let wall = std::time::Instant::now();
             let StageOutcome {
@@ -320,6 +334,7 @@ impl<'a> MeshStep<'a> {
                     _ => 0.0,
                 },
                 wall_s: wall.elapsed().as_secs_f64(),
+                memory: memory::device_memory(c.rank()),
             };
             on_step(c, &dev, &report)?;
         }
@@ -430,6 +445,7 @@ impl<'a> MeshStep<'a> {
                 peak_bytes: head[4] as usize,
                 end: head[1],
                 timeline: Vec::new(),
+                memory: memory::DeviceMemory::default(),
             });
         }
         self.combine(results, wall.elapsed().as_secs_f64())
@@ -474,6 +490,7 @@ impl<'a> MeshStep<'a> {
             wall_time_s,
             timeline: Vec::new(),
             stages: self.mesh.pp,
+            memory: Vec::new(),
         };
         for r in results {
             run.loss += r.loss;
@@ -483,6 +500,7 @@ impl<'a> MeshStep<'a> {
             run.peak_stash_bytes.push(r.peak_bytes);
             run.device_time_s.push(r.end);
             run.timeline.push(r.timeline);
+            run.memory.push(r.memory);
         }
         run.loss /= self.total_tokens as f64;
         run.grads = full;
@@ -510,6 +528,8 @@ pub struct StepReport {
     pub busy_s: f64,
     pub span_s: f64,
     pub wall_s: f64,
+    /// This device's memory during the step, measured by term.
+    pub memory: memory::DeviceMemory,
 }
 
 fn micro_batches(batch: &TokenBatch, mbs: usize) -> Vec<TokenBatch> {

@@ -40,8 +40,10 @@ pub struct PipelineRun {
     /// Per stage: every action with its start and end in device time (the time its inputs arrived
     /// counts as waiting, not as the action).
     pub timeline: Vec<Vec<(Action, f64, f64)>>,
-    /// Pipeline stages (devices are `stages · tp`).
+    /// Pipeline stages (devices are `stages · dp · tp`).
     pub stages: usize,
+    /// Per device: memory during the step, measured by term.
+    pub memory: Vec<crate::memory::DeviceMemory>,
 }
 
 impl PipelineRun {
@@ -125,6 +127,8 @@ pub struct DeviceResult {
     pub peak_bytes: usize,
     pub end: f64,
     pub timeline: Vec<(Action, f64, f64)>,
+    /// Memory during the measured pass, by term.
+    pub memory: crate::memory::DeviceMemory,
 }
 
 const FORWARD: u64 = 0;
@@ -152,6 +156,8 @@ pub(crate) struct StageRun<'a> {
     pub scale: f32,
     /// Whether this device counts the loss (tensor-parallel rank 0).
     pub counts_loss: bool,
+    /// This device's rank (its memory account).
+    pub device: usize,
 }
 
 /// What a device's pass over its action list measured.
@@ -192,6 +198,13 @@ impl StageRun<'_> {
             };
         let mut timeline = Vec::new();
         for action in &self.schedule.actions[s] {
+            if let Some(at) = crate::memory::over_capacity(self.device) {
+                return Err(EngineError::OutOfMemory {
+                    device: self.device,
+                    capacity: crate::memory::capacity(self.device).unwrap_or(0),
+                    at: Box::new(at),
+                });
+            }
             let started;
             match *action {
                 Action::Forward { mb, chunk } => {

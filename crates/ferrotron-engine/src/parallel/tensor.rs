@@ -363,12 +363,12 @@ pub fn finish_grads<C: Comm>(
     tp: &TpShard,
     group: &Group,
     specs: &[ParamSpec],
-    grads: &mut [Vec<f32>],
+    grads: &mut [&mut [f32]],
 ) -> Result<()> {
     let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
     for (i, name) in names.iter().enumerate() {
         if tp.sequence_parallel && tp.sums_over_group(cfg, name) {
-            c.all_reduce(group, &mut grads[i], ReduceOp::Sum)?;
+            c.all_reduce(group, grads[i], ReduceOp::Sum)?;
         }
     }
     let replicas = tp.kv_replicas(cfg);
@@ -376,7 +376,7 @@ pub fn finish_grads<C: Comm>(
         let sub = Group::new("tp", replicas.iter().map(|&r| group.ranks[r]).collect());
         for (i, name) in names.iter().enumerate() {
             if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
-                c.all_reduce(&sub, &mut grads[i], ReduceOp::Sum)?;
+                c.all_reduce(&sub, grads[i], ReduceOp::Sum)?;
             }
         }
     }

@@ -1,10 +1,10 @@
-use super::memory::MemoryTerms;
 use super::source::{resolve_model, ModelSource};
 use super::step::{check_layout_runnable, run_step};
 use crate::data::{self, SequenceSampler, TokenSplit};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::kernels::CpuBackend;
+use crate::memory::MemoryTerms;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::parallel::{pipeline_step, TpShard};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};

@@ -1,0 +1,327 @@
+//! Memory measured, not summed: a global allocator that attributes every live allocation to the
+//! device whose thread made it and to the term the code was in (weights, gradients, …), so the peak
+//! per device per term is a measurement. The runtime reports it in the planner's terms, so
+//! measurement and prediction line up.
+//!
+//! Each allocation carries a small header with its device and term, so freeing (on any thread) is
+//! charged back to where it was counted. A device thread declares itself with [`set_device`]; code
+//! declares what it allocates for with [`scope`]. Allocations outside a device are not counted.
+
+pub use ferrotron_core::plan::MemoryTerms;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+
+/// What an allocation is for: the planner's six terms, and everything else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Term {
+    Weights = 0,
+    Gradients = 1,
+    MasterWeights = 2,
+    OptimizerStates = 3,
+    Activations = 4,
+    CommBuffers = 5,
+    Other = 6,
+}
+
+const TERMS: usize = 7;
+/// Devices one process can account for (threads backend: one per device thread).
+pub const MAX_DEVICES: usize = 64;
+const NO_DEVICE: u16 = u16::MAX;
+
+thread_local! {
+    /// (device, term) of this thread's allocations.
+    static CURRENT: Cell<(u16, u8)> = const { Cell::new((NO_DEVICE, Term::Other as u8)) };
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const ZERO: AtomicI64 = AtomicI64::new(0);
+#[allow(clippy::declare_interior_mutable_const)]
+const ROW: [AtomicI64; TERMS] = [ZERO; TERMS];
+static LIVE: [[AtomicI64; TERMS]; MAX_DEVICES] = [ROW; MAX_DEVICES];
+static PEAK: [[AtomicI64; TERMS]; MAX_DEVICES] = [ROW; MAX_DEVICES];
+static PEAK_TOTAL: [AtomicI64; MAX_DEVICES] = [ZERO; MAX_DEVICES];
+#[allow(clippy::declare_interior_mutable_const)]
+const NO_CAP: AtomicU64 = AtomicU64::new(u64::MAX);
+static CAPACITY: [AtomicU64; MAX_DEVICES] = [NO_CAP; MAX_DEVICES];
+/// Per device: the live bytes per term when it first went over its capacity (first entry: a flag).
+#[allow(clippy::declare_interior_mutable_const)]
+const NO_OOM: [AtomicI64; TERMS + 1] = [ZERO; TERMS + 1];
+static OOM: [[AtomicI64; TERMS + 1]; MAX_DEVICES] = [NO_OOM; MAX_DEVICES];
+
+/// The allocator: the system's, plus a header per allocation and the counters.
+pub struct TrackingAllocator;
+
+/// Bytes in front of every allocation: its device and term, at an offset that keeps the alignment.
+fn header(align: usize) -> usize {
+    align.max(16)
+}
+
+fn charge(device: u16, term: u8, bytes: i64) {
+    let d = device as usize;
+    if d >= MAX_DEVICES {
+        return;
+    }
+    let t = term as usize;
+    let now = LIVE[d][t].fetch_add(bytes, Relaxed) + bytes;
+    if bytes > 0 {
+        PEAK[d][t].fetch_max(now, Relaxed);
+        let total: i64 = LIVE[d].iter().map(|x| x.load(Relaxed)).sum();
+        PEAK_TOTAL[d].fetch_max(total, Relaxed);
+        if total as u64 > CAPACITY[d].load(Relaxed) && OOM[d][0].swap(1, Relaxed) == 0 {
+            for (k, live) in LIVE[d].iter().enumerate() {
+                OOM[d][k + 1].store(live.load(Relaxed), Relaxed);
+            }
+        }
+    }
+}
+
+// SAFETY: every allocation is the system's with a header in front; the header records what the
+// accounting needs and is never handed out.
+unsafe impl GlobalAlloc for TrackingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let h = header(layout.align());
+        let Ok(full) = Layout::from_size_align(layout.size() + h, layout.align().max(16)) else {
+            return std::ptr::null_mut();
+        };
+        let base = System.alloc(full);
+        if base.is_null() {
+            return base;
+        }
+        let (device, term) = CURRENT.try_with(Cell::get).unwrap_or((NO_DEVICE, 0));
+        let p = base.add(h);
+        (p.sub(4) as *mut u16).write_unaligned(device);
+        p.sub(2).write(term);
+        charge(device, term, layout.size() as i64);
+        p
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
+        let h = header(layout.align());
+        let device = (p.sub(4) as *const u16).read_unaligned();
+        let term = p.sub(2).read();
+        charge(device, term, -(layout.size() as i64));
+        let full = Layout::from_size_align_unchecked(layout.size() + h, layout.align().max(16));
+        System.dealloc(p.sub(h), full)
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let h = header(layout.align());
+        let device = (p.sub(4) as *const u16).read_unaligned();
+        let term = p.sub(2).read();
+        let full = Layout::from_size_align_unchecked(layout.size() + h, layout.align().max(16));
+        let base = System.realloc(p.sub(h), full, new_size + h);
+        if base.is_null() {
+            return base;
+        }
+        // The header moved with the block: the allocation keeps its device and term.
+        charge(device, term, new_size as i64 - layout.size() as i64);
+        base.add(h)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: TrackingAllocator = TrackingAllocator;
+
+/// Counts this thread's allocations to `device` from now on (a device thread calls it first).
+pub fn set_device(device: usize) {
+    let d = if device < MAX_DEVICES {
+        device as u16
+    } else {
+        NO_DEVICE
+    };
+    CURRENT.with(|c| c.set((d, c.get().1)));
+}
+
+/// Stops counting this thread's allocations.
+pub fn clear_device() {
+    CURRENT.with(|c| c.set((NO_DEVICE, Term::Other as u8)));
+}
+
+/// While the guard lives, this thread's allocations count as `term`.
+pub fn scope(term: Term) -> TermGuard {
+    let before = CURRENT.with(|c| {
+        let old = c.get();
+        c.set((old.0, term as u8));
+        old.1
+    });
+    TermGuard(before)
+}
+
+/// Restores the previous term when dropped.
+pub struct TermGuard(u8);
+
+impl Drop for TermGuard {
+    fn drop(&mut self) {
+        let t = self.0;
+        CURRENT.with(|c| c.set((c.get().0, t)));
+    }
+}
+
+/// Live and peak bytes of one device, by term.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemory {
+    pub live: [u64; TERMS],
+    pub peak: [u64; TERMS],
+    /// The highest total at any moment (not the sum of the terms' peaks).
+    pub peak_total: u64,
+}
+
+fn terms_of(v: &[u64; TERMS]) -> MemoryTerms {
+    MemoryTerms {
+        weights: v[0],
+        gradients: v[1],
+        master_weights: v[2],
+        optimizer_states: v[3],
+        activations: v[4],
+        comm_buffers: v[5],
+        total: 0,
+    }
+    .with_total()
+}
+
+impl DeviceMemory {
+    /// Peak per term, in the planner's terms (`total` is the highest total at any moment; `other`
+    /// is reported separately).
+    pub fn peak_terms(&self) -> MemoryTerms {
+        MemoryTerms {
+            total: self.peak_total,
+            ..terms_of(&self.peak)
+        }
+    }
+    pub fn peak_other(&self) -> u64 {
+        self.peak[6]
+    }
+}
+
+/// What device `device` holds now and has held at most since the last [`reset_peaks`].
+pub fn device_memory(device: usize) -> DeviceMemory {
+    let mut m = DeviceMemory::default();
+    if device >= MAX_DEVICES {
+        return m;
+    }
+    for t in 0..TERMS {
+        m.live[t] = LIVE[device][t].load(Relaxed).max(0) as u64;
+        m.peak[t] = PEAK[device][t].load(Relaxed).max(0) as u64;
+    }
+    m.peak_total = PEAK_TOTAL[device].load(Relaxed).max(0) as u64;
+    m
+}
+
+/// Starts measuring peaks afresh on `device` (from what it holds now).
+pub fn reset_peaks(device: usize) {
+    if device >= MAX_DEVICES {
+        return;
+    }
+    let mut total = 0;
+    for t in 0..TERMS {
+        let live = LIVE[device][t].load(Relaxed);
+        PEAK[device][t].store(live, Relaxed);
+        total += live;
+    }
+    PEAK_TOTAL[device].store(total, Relaxed);
+}
+
+/// Gives `device` a capacity in bytes (`None`: unlimited) and clears any earlier overflow.
+pub fn set_capacity(device: usize, bytes: Option<u64>) {
+    if device < MAX_DEVICES {
+        CAPACITY[device].store(bytes.unwrap_or(u64::MAX), Relaxed);
+        OOM[device].iter().for_each(|x| x.store(0, Relaxed));
+    }
+}
+
+/// If `device` has gone over its capacity: the live bytes per term at that moment.
+pub fn over_capacity(device: usize) -> Option<MemoryTerms> {
+    if device >= MAX_DEVICES || OOM[device][0].load(Relaxed) == 0 {
+        return None;
+    }
+    let mut v = [0u64; TERMS];
+    for (t, x) in v.iter_mut().enumerate() {
+        *x = OOM[device][t + 1].load(Relaxed).max(0) as u64;
+    }
+    Some(terms_of(&v))
+}
+
+/// The capacity given to `device`, if any.
+pub fn capacity(device: usize) -> Option<u64> {
+    (device < MAX_DEVICES)
+        .then(|| CAPACITY[device].load(Relaxed))
+        .filter(|&c| c != u64::MAX)
+}
+
+/// Bytes for people: `1.23 MB`.
+pub fn format_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.2} MB", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.1} kB", b / 1e3)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// One line per term.
+pub fn format_terms(t: &MemoryTerms) -> String {
+    [
+        ("weights", t.weights),
+        ("gradients", t.gradients),
+        ("master_weights", t.master_weights),
+        ("optimizer_states", t.optimizer_states),
+        ("activations", t.activations),
+        ("comm_buffers", t.comm_buffers),
+        ("total", t.total),
+    ]
+    .iter()
+    .map(|(n, v)| format!("  {n:<17} {:>12}", format_bytes(*v)))
+    .collect::<Vec<_>>()
+    .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocations_are_counted_to_their_device_and_term_and_freed_back() {
+        // A device number no other test uses.
+        let d = MAX_DEVICES - 1;
+        std::thread::spawn(move || {
+            set_device(d);
+            reset_peaks(d);
+            let before = device_memory(d);
+            let w = {
+                let _g = scope(Term::Weights);
+                vec![0u8; 1 << 20]
+            };
+            let mut a = {
+                let _g = scope(Term::Activations);
+                Vec::<u32>::with_capacity(10)
+            };
+            a.extend(0..100_000); // grows by realloc: still activations
+            let m = device_memory(d);
+            assert_eq!(m.live[0] - before.live[0], 1 << 20);
+            assert!(m.live[4] - before.live[4] >= 400_000);
+            drop(w);
+            drop(a);
+            let after = device_memory(d);
+            assert_eq!(after.live, before.live);
+            assert!(after.peak[0] >= 1 << 20);
+            set_capacity(d, Some(after.live.iter().sum::<u64>() + 1000));
+            let big = {
+                let _g = scope(Term::Gradients);
+                vec![0u8; 5000]
+            };
+            let oom = over_capacity(d).expect("over capacity");
+            assert!(oom.gradients >= 5000, "{oom:?}");
+            drop(big);
+            set_capacity(d, None);
+            clear_device();
+        })
+        .join()
+        .unwrap();
+    }
+}

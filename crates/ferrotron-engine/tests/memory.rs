@@ -1,0 +1,82 @@
+//! Memory is measured by term (a tracking allocator), and ZeRO lowers exactly the terms it shards.
+
+mod common;
+
+use common::*;
+use ferrotron_core::layout::LayoutSpec;
+use ferrotron_core::schedule::StagePartition;
+use ferrotron_engine::hf;
+use ferrotron_engine::memory::DeviceMemory;
+use ferrotron_engine::parallel::pipeline_step;
+use ferrotron_engine::transformer::TokenBatch;
+use std::time::Duration;
+
+fn measured(model: &str, spec: &str) -> Vec<DeviceMemory> {
+    let (cfg, params) = hf::load_model(&fixture(model)).unwrap();
+    let batch = TokenBatch {
+        ids: (0..8 * 16).map(|i| (i * 7 % 512) as u32).collect(),
+        batch: 8,
+        seq: 16,
+    };
+    let l = LayoutSpec::parse(spec).unwrap().layout;
+    let part = StagePartition::for_model(&cfg, l.pp * l.vpp).unwrap();
+    pipeline_step(&cfg, &params, &batch, &l, &part, Duration::from_secs(60))
+        .unwrap()
+        .memory
+}
+
+#[test]
+fn zero_stages_lower_exactly_the_terms_they_shard() {
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let dp = 4;
+        let peaks: Vec<_> = (0..=3)
+            .map(|z| measured(model, &format!("dp={dp},zero={z},mbs=1"))[0].peak_terms())
+            .collect();
+        for (z, p) in peaks.iter().enumerate() {
+            println!("{model} zero={z}: {p:?}");
+        }
+        let ratio = |a: u64, b: u64| a as f64 / b as f64;
+        let near = |r: f64, want: f64| (r / want - 1.0).abs() <= 0.10;
+        let (z0, z1, z2, z3) = (&peaks[0], &peaks[1], &peaks[2], &peaks[3]);
+        let d = dp as f64;
+        // ZeRO-1: optimizer states / dp; weights and gradients as ZeRO-0.
+        assert!(
+            near(ratio(z1.optimizer_states, z0.optimizer_states), 1.0 / d),
+            "{model} z1 {z1:?}"
+        );
+        assert!(
+            near(ratio(z1.weights, z0.weights), 1.0),
+            "{model} z1 {z1:?}"
+        );
+        assert!(
+            near(ratio(z1.gradients, z0.gradients), 1.0),
+            "{model} z1 {z1:?}"
+        );
+        // ZeRO-2: gradients too.
+        assert!(
+            near(ratio(z2.optimizer_states, z0.optimizer_states), 1.0 / d),
+            "{model} z2 {z2:?}"
+        );
+        assert!(
+            near(ratio(z2.gradients, z0.gradients), 1.0 / d),
+            "{model} z2 {z2:?}"
+        );
+        assert!(
+            near(ratio(z2.weights, z0.weights), 1.0),
+            "{model} z2 {z2:?}"
+        );
+        // ZeRO-3: weights too.
+        assert!(
+            near(ratio(z3.optimizer_states, z0.optimizer_states), 1.0 / d),
+            "{model} z3 {z3:?}"
+        );
+        assert!(
+            near(ratio(z3.gradients, z0.gradients), 1.0 / d),
+            "{model} z3 {z3:?}"
+        );
+        assert!(
+            near(ratio(z3.weights, z0.weights), 1.0 / d),
+            "{model} z3 {z3:?}"
+        );
+    }
+}
