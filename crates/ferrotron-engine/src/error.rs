@@ -32,6 +32,10 @@ pub enum EngineError {
         capacity: u64,
         at: Box<crate::memory::MemoryTerms>,
     },
+    /// A training run went out of memory: the breakdown at that moment beside the planner's
+    /// prediction for the same layout.
+    #[error("{0}")]
+    RunOutOfMemory(String),
 }
 
 impl EngineError {

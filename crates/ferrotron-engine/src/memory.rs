@@ -231,7 +231,8 @@ pub fn set_capacity(device: usize, bytes: Option<u64>) {
     }
 }
 
-/// If `device` has gone over its capacity: the live bytes per term at that moment.
+/// If `device` has gone over its capacity: the live bytes per term at that moment (the planner's
+/// six, whose `total` then includes everything else the device held).
 pub fn over_capacity(device: usize) -> Option<MemoryTerms> {
     if device >= MAX_DEVICES || OOM[device][0].load(Relaxed) == 0 {
         return None;
@@ -240,7 +241,10 @@ pub fn over_capacity(device: usize) -> Option<MemoryTerms> {
     for (t, x) in v.iter_mut().enumerate() {
         *x = OOM[device][t + 1].load(Relaxed).max(0) as u64;
     }
-    Some(terms_of(&v))
+    Some(MemoryTerms {
+        total: v.iter().sum(),
+        ..terms_of(&v)
+    })
 }
 
 /// The capacity given to `device`, if any.
@@ -248,6 +252,58 @@ pub fn capacity(device: usize) -> Option<u64> {
     (device < MAX_DEVICES)
         .then(|| CAPACITY[device].load(Relaxed))
         .filter(|&c| c != u64::MAX)
+}
+
+/// Accounts in use by meshes running in this process (bit d: account d).
+static CLAIMED: std::sync::Mutex<u64> = std::sync::Mutex::new(0);
+
+/// `n` consecutive accounts for one mesh's devices, free again when dropped, so that meshes
+/// running at the same time in one process (tests) never share an account.
+pub struct Accounts {
+    pub base: usize,
+    n: usize,
+}
+
+impl Accounts {
+    /// Waits until `n` consecutive accounts are free and claims them (their counters start at zero
+    /// live bytes). More than [`MAX_DEVICES`] devices: none are claimed (`base` is past the end and
+    /// nothing is counted).
+    pub fn claim(n: usize) -> Self {
+        if n == 0 || n > MAX_DEVICES {
+            return Self {
+                base: MAX_DEVICES,
+                n: 0,
+            };
+        }
+        let mask = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+        loop {
+            {
+                let mut claimed = CLAIMED.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(base) = (0..=MAX_DEVICES - n).find(|b| *claimed & (mask << b) == 0) {
+                    *claimed |= mask << base;
+                    for d in base..base + n {
+                        reset_peaks(d);
+                        set_capacity(d, None);
+                    }
+                    return Self { base, n };
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Accounts {
+    fn drop(&mut self) {
+        if self.n > 0 {
+            let mask = if self.n == 64 {
+                u64::MAX
+            } else {
+                (1u64 << self.n) - 1
+            };
+            *CLAIMED.lock().unwrap_or_else(|e| e.into_inner()) &= !(mask << self.base);
+        }
+    }
 }
 
 /// Bytes for people: `1.23 MB`.
@@ -273,6 +329,17 @@ pub fn format_terms(t: &MemoryTerms) -> String {
         ("optimizer_states", t.optimizer_states),
         ("activations", t.activations),
         ("comm_buffers", t.comm_buffers),
+        (
+            "other",
+            t.total.saturating_sub(
+                t.weights
+                    + t.gradients
+                    + t.master_weights
+                    + t.optimizer_states
+                    + t.activations
+                    + t.comm_buffers,
+            ),
+        ),
         ("total", t.total),
     ]
     .iter()

@@ -109,7 +109,7 @@ fn mesh_training(
                 adam,
                 lr,
                 clip,
-                &mut |_, _, r| {
+                &mut |_, _, _, r| {
                     losses.push(r.loss);
                     Ok(())
                 },

@@ -80,3 +80,76 @@ fn zero_stages_lower_exactly_the_terms_they_shard() {
         );
     }
 }
+
+/// Measured peaks per term against the planner's prediction (ferrotron activation model, f32) on a
+/// mid-sized Llama (hidden 256, 8 layers, seq 128) over dp2·tp2·pp2. Communication buffers are
+/// printed, not checked: pooled message buffers grow with how many messages happen to be in flight.
+#[test]
+fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
+    use ferrotron_core::model::ModelConfig;
+    use ferrotron_core::plan::{
+        evaluate, ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision,
+    };
+    use ferrotron_core::topology::Cluster;
+    use ferrotron_engine::transformer::ParamStore;
+    let cfg = ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
+    let params = ParamStore::init_random(&cfg, 1);
+    let (seq, b) = (128, 8);
+    let batch = TokenBatch {
+        ids: (0..b * seq).map(|i| (i * 7 % 2048) as u32).collect(),
+        batch: b,
+        seq,
+    };
+    let input = PlanInput {
+        model: PlanModel::Shape(cfg.clone()),
+        cluster: Cluster::parse("this-machine").unwrap(),
+        seq,
+        global_batch: b,
+        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32").unwrap(),
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Ferrotron,
+        lora_rank: None,
+        memory_reserve: 0.0,
+        force_cross_node_tp: false,
+    };
+    for spec in ["dp=2,tp=2,pp=2,mbs=1", "dp=2,tp=2,pp=2,mbs=1,zero=2"] {
+        let l = LayoutSpec::parse(spec).unwrap().layout;
+        let part = StagePartition::for_model(&cfg, l.pp).unwrap();
+        let run =
+            pipeline_step(&cfg, &params, &batch, &l, &part, Duration::from_secs(120)).unwrap();
+        let plan = evaluate(&input, &l).unwrap();
+        for (d, m) in run.memory.iter().enumerate() {
+            let (got, want) = (
+                m.peak_terms(),
+                plan.memory_bytes_per_stage[d / (l.tp * l.dp)],
+            );
+            println!(
+                "{spec} device {d}: measured / predicted MB: weights {:.2}/{:.2} gradients {:.2}/{:.2} \
+                 optimizer {:.2}/{:.2} activations {:.2}/{:.2} comm {:.2}/{:.2} total {:.2}/{:.2}",
+                got.weights as f64 / 1e6, want.weights as f64 / 1e6,
+                got.gradients as f64 / 1e6, want.gradients as f64 / 1e6,
+                got.optimizer_states as f64 / 1e6, want.optimizer_states as f64 / 1e6,
+                got.activations as f64 / 1e6, want.activations as f64 / 1e6,
+                got.comm_buffers as f64 / 1e6, want.comm_buffers as f64 / 1e6,
+                got.total as f64 / 1e6, want.total as f64 / 1e6,
+            );
+            for (term, a, b) in [
+                ("weights", got.weights, want.weights),
+                ("gradients", got.gradients, want.gradients),
+                (
+                    "optimizer_states",
+                    got.optimizer_states,
+                    want.optimizer_states,
+                ),
+                ("activations", got.activations, want.activations),
+                ("total", got.total, want.total),
+            ] {
+                let e = (a as f64 / b as f64 - 1.0).abs();
+                assert!(
+                    e <= 0.10,
+                    "{spec} device {d}: {term} measured {a} vs predicted {b}"
+                );
+            }
+        }
+    }
+}

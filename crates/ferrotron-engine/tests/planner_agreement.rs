@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::plan::{
-    stage_memory, ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision,
+    stage_activation_stash, ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision,
 };
 use ferrotron_core::topology::Cluster;
 use ferrotron_engine::hf;
@@ -30,8 +30,8 @@ fn predicted_activation_bytes_equal_the_measured_stash() {
                 micro_batch_size: mbs,
                 ..Layout::default()
             };
-            let predicted = stage_memory(&input, &layout, 0, 1).activations;
-            assert_eq!(predicted, measured as u64, "{model} mbs {mbs} seq {seq}");
+            let predicted = stage_activation_stash(&input, &layout, 0, 1);
+            assert_eq!(predicted, measured as f64, "{model} mbs {mbs} seq {seq}");
         }
     }
 }
@@ -134,7 +134,7 @@ fn activation_memory_per_device_drops_as_the_planner_predicts_under_tp_and_sp() 
                 micro_batch_size: b,
                 ..Layout::default()
             };
-            let predicted = stage_memory(&input, &l, 0, 1).activations;
+            let predicted = stage_activation_stash(&input, &l, 0, 1) as u64;
             let run = mesh_run(&cfg, &params, &batch, &l);
             for (d, &measured) in run.peak_stash_bytes.iter().enumerate() {
                 assert_eq!(

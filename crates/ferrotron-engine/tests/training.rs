@@ -294,3 +294,50 @@ fn pipeline_training_tracks_the_unsplit_run_step_by_step() {
 fn tensor_parallel_training_tracks_the_unsplit_run_for_ten_steps() {
     assert_tracks(&["tp=2,mbs=2", "tp=2,sp=true,mbs=2", "tp=2,pp=2,mbs=2"], 10);
 }
+
+#[test]
+fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_that_fits() {
+    let base = TrainConfig {
+        model: "llama-small".into(),
+        steps: 2,
+        batch_size: 8,
+        seq_len: 64,
+        eval_every: 0,
+        device_memory: Some("40MB".into()),
+        ..tiny_config("capacity")
+    };
+    // dp=2 keeps the whole model state on each device: 4.26M parameters × 16 bytes alone are 68 MB.
+    let e = train(
+        &TrainConfig {
+            layout: "dp=2".into(),
+            ..base.clone()
+        },
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("out of memory") && e.contains("capacity of 40.00 MB"),
+        "{e}"
+    );
+    assert!(
+        e.contains("optimizer_states") && e.contains("the planner predicted"),
+        "{e}"
+    );
+    // The planner picks a layout that fits in 40 MB, and it runs within it.
+    let summary = train(
+        &TrainConfig {
+            layout: "auto".into(),
+            out_dir: temp_dir("capacity-auto"),
+            ..base.clone()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(summary.layout.world_size() > 1, "{}", summary.layout);
+    assert_eq!(summary.devices.len(), summary.layout.world_size());
+    for d in &summary.devices {
+        assert!(d.peak_memory_bytes.total <= 40_000_000, "{d:?}");
+        assert!(d.predicted_memory_bytes.total > 0, "{d:?}");
+    }
+}

@@ -9,26 +9,11 @@ use crate::model::{Arch, ModelConfig};
 /// tensor parallelism (sharded matrices / tp, replicated norms and row-parallel biases whole), plus the
 /// vocab-parallel embedding on the first stage and the final norm and output layer on the last.
 pub fn params_on_device(cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
-    let (h, f, t) = (
-        cfg.hidden_size as f64,
-        cfg.intermediate_size as f64,
-        l.tp as f64,
-    );
-    let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
-    let layer = match cfg.arch {
-        Arch::Llama => {
-            let qd = cfg.q_dim() as f64;
-            2.0 * h * qd / t
-                + 2.0 * h * cfg.head_dim as f64 * kv_per_dev
-                + 3.0 * h * f / t
-                + 2.0 * h
-        }
-        Arch::Gpt2 => {
-            (3.0 * h * h + 3.0 * h) / t + h * h / t + h + (h * f + f) / t + f * h / t + h + 4.0 * h
-        }
-    };
+    let h = cfg.hidden_size as f64;
+    let layer = layer_params_on_device(cfg, l);
     let layers_here = (cfg.num_layers / l.pp) as f64;
     let vocab = padded_vocab(cfg, l.tp) as f64;
+    let t = l.tp as f64;
     let mut n = layer * layers_here;
     if stage == 0 {
         n += vocab * h / t;
@@ -44,6 +29,49 @@ pub fn params_on_device(cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
         }
     }
     n
+}
+
+/// The largest group of parameters the engine handles at once on a device of `stage` (a block, the
+/// embedding, or the final norm with the output layer): the size of its gradient buckets and of a
+/// ZeRO-3 gathered unit.
+pub fn largest_unit_params(cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
+    let (h, t) = (cfg.hidden_size as f64, l.tp as f64);
+    let vocab = padded_vocab(cfg, l.tp) as f64;
+    let mut largest = layer_params_on_device(cfg, l);
+    if stage == 0 {
+        let wpe = if cfg.arch == Arch::Gpt2 {
+            cfg.max_position_embeddings as f64 * h
+        } else {
+            0.0
+        };
+        largest = largest.max(vocab * h / t + wpe);
+    }
+    if stage == l.pp - 1 {
+        largest = largest.max(vocab * h / t + 2.0 * h);
+    }
+    largest
+}
+
+/// One block's parameters on one device under tensor parallelism.
+fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
+    let (h, f, t) = (
+        cfg.hidden_size as f64,
+        cfg.intermediate_size as f64,
+        l.tp as f64,
+    );
+    let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
+    match cfg.arch {
+        Arch::Llama => {
+            let qd = cfg.q_dim() as f64;
+            2.0 * h * qd / t
+                + 2.0 * h * cfg.head_dim as f64 * kv_per_dev
+                + 3.0 * h * f / t
+                + 2.0 * h
+        }
+        Arch::Gpt2 => {
+            (3.0 * h * h + 3.0 * h) / t + h * h / t + h + (h * f + f) / t + f * h / t + h + 4.0 * h
+        }
+    }
 }
 
 /// The vocabulary padded so that it splits evenly over the tensor-parallel group.
@@ -131,6 +159,44 @@ fn recompute_working_set(
     layer_activation_bytes(cfg, &none, seq, model, act_bytes)
 }
 
+/// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
+/// chunk stashes: its layers' stashes, a fully recomputed layer's working set, and on the last stage
+/// the final norm's tensors and the f32 logits of the micro-batch in flight for the loss.
+pub fn stage_activation_stash(
+    input: &PlanInput,
+    l: &Layout,
+    stage: usize,
+    in_flight: usize,
+) -> f64 {
+    let PlanModel::Shape(cfg) = &input.model else {
+        return 0.0;
+    };
+    let act_bytes = input.precision.weights.bytes();
+    let per_layer = layer_activation_bytes(cfg, l, input.seq, input.activation_model, act_bytes);
+    let layers_per_chunk = (cfg.num_layers / (l.pp * l.vpp)) as f64;
+    let mut act = per_layer * layers_per_chunk * in_flight as f64;
+    if l.recompute == Recompute::Full {
+        act += recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes);
+    }
+    if stage == l.pp - 1 {
+        let tok = (l.micro_batch_size * input.seq) as f64;
+        let stats = if cfg.arch == Arch::Gpt2 {
+            2.0 * tok
+        } else {
+            tok
+        };
+        // Under sequence parallelism the final norm runs on this device's rows.
+        let rows_here = if l.sequence_parallel && l.tp > 1 {
+            l.tp as f64
+        } else {
+            1.0
+        };
+        let norm = (2.0 * tok * cfg.hidden_size as f64 + stats) * act_bytes / rows_here;
+        act += norm + 4.0 * tok * padded_vocab(cfg, l.tp) as f64 / l.tp as f64;
+    }
+    act
+}
+
 /// Memory of one device of `stage`, holding `in_flight` chunk stashes at its peak.
 pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usize) -> MemoryTerms {
     let pr = &input.precision;
@@ -151,51 +217,52 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 None => params,
             };
             let act_bytes = pr.weights.bytes();
-            let per_layer =
-                layer_activation_bytes(cfg, l, input.seq, input.activation_model, act_bytes);
-            let layers_per_chunk = (cfg.num_layers / (l.pp * l.vpp)) as f64;
-            let mut act = per_layer * layers_per_chunk * in_flight as f64;
-            if l.recompute == Recompute::Full {
-                act += recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes);
-            }
-            // The last stage also keeps the final norm's input, output and statistics, and the f32
-            // logits of the micro-batch in flight for the loss.
-            let head = if stage == l.pp - 1 {
-                let tok = (l.micro_batch_size * input.seq) as f64;
-                let stats = if cfg.arch == Arch::Gpt2 {
-                    2.0 * tok
-                } else {
-                    tok
+            let stash = stage_activation_stash(input, l, stage, in_flight);
+            let ferrotron = input.activation_model == ActivationModel::Ferrotron;
+            let boundary = (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act_bytes;
+            // The engine's working set on top of the stash: a block's backward holds gradients of
+            // about its activations' size, and the boundary tensors coming and going.
+            let working = if ferrotron {
+                recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes)
+                    + 2.0 * boundary
+            } else {
+                0.0
+            };
+            let comm = if ferrotron {
+                // The engine's buffers: the pooled messages of TP collectives; a DP bucket is one
+                // unit's gradients (the buffer in flight and the ring's working copy; under ZeRO-2/3
+                // also the unit's whole gradient and its interleaved copy), and ZeRO-3 gathers one
+                // unit at a time (its pieces and the gathered whole).
+                let unit = largest_unit_params(cfg, l, stage);
+                let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
+                let dp_buf = match (l.dp > 1, l.zero) {
+                    (false, _) => 0.0,
+                    (true, 0 | 1) => 2.0 * unit * pr.grads.bytes(),
+                    (true, _) => 4.0 * unit * pr.grads.bytes(),
                 };
-                // Under sequence parallelism the final norm runs on this device's rows.
-                let rows_here = if l.sequence_parallel && l.tp > 1 {
-                    l.tp as f64
+                let z3_buf = if l.zero == 3 && l.dp > 1 {
+                    2.0 * unit * pr.weights.bytes()
                 } else {
-                    1.0
+                    0.0
                 };
-                let norm = (2.0 * tok * cfg.hidden_size as f64 + stats) * act_bytes / rows_here;
-                norm + 4.0 * tok * padded_vocab(cfg, l.tp) as f64 / l.tp as f64
+                tp_buf + dp_buf + z3_buf
             } else {
-                0.0
+                // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
+                // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
+                let tp_buf = if l.tp > 1 { boundary } else { 0.0 };
+                let dp_buf = if l.dp > 1 {
+                    (25e6f64).min(trainable) * pr.grads.bytes()
+                } else {
+                    0.0
+                };
+                let z3_buf = if l.zero == 3 && l.dp > 1 {
+                    2.0 * params / cfg.num_layers as f64 * l.pp as f64 * pr.weights.bytes()
+                } else {
+                    0.0
+                };
+                tp_buf + dp_buf + z3_buf
             };
-            // Transient buffers: a TP collective's output, a 25M-element DP gradient bucket, and
-            // under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
-            let tp_buf = if l.tp > 1 {
-                (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act_bytes
-            } else {
-                0.0
-            };
-            let dp_buf = if l.dp > 1 {
-                (25e6f64).min(trainable) * pr.grads.bytes()
-            } else {
-                0.0
-            };
-            let z3_buf = if l.zero == 3 && l.dp > 1 {
-                2.0 * params / cfg.num_layers as f64 * l.pp as f64 * pr.weights.bytes()
-            } else {
-                0.0
-            };
-            (params, trainable, act, head, tp_buf + dp_buf + z3_buf)
+            (params, trainable, stash, working, comm)
         }
     };
     let z = l.zero;

@@ -11,7 +11,10 @@ mod spec;
 
 pub use cost::{layer_forward_flops, step_flops, tp_bytes_per_device, Traffic};
 pub use explain::search_notes;
-pub use memory::{layer_activation_bytes, padded_vocab, params_on_device, stage_memory};
+pub use memory::{
+    largest_unit_params, layer_activation_bytes, padded_vocab, params_on_device,
+    stage_activation_stash, stage_memory,
+};
 pub use search::search;
 pub use spec::{ActivationModel, Dtype, OptimizerKind, PlanModel, Precision, PLAN_MODEL_PRESETS};
 

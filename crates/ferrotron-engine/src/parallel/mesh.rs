@@ -30,6 +30,8 @@ pub struct MeshStep<'a> {
     micro: Vec<TokenBatch>,
     scale: f32,
     total_tokens: usize,
+    /// Device r's memory is counted in account `account_base + r`.
+    account_base: usize,
 }
 
 /// One device's lasting state: its model chunks and its parameters, gradients and optimizer state.
@@ -97,7 +99,19 @@ impl<'a> MeshStep<'a> {
             micro: micro_batches(batch, mbs),
             scale: 1.0 / batch.predicted_tokens().max(1) as f32,
             total_tokens: batch.predicted_tokens().max(1),
+            account_base: 0,
         })
+    }
+
+    /// Counts device r's memory in account `base + r` (see [`crate::memory::Accounts`]).
+    pub fn with_account_base(mut self, base: usize) -> Self {
+        self.account_base = base;
+        self
+    }
+
+    /// The memory account of device `rank`.
+    pub fn account(&self, rank: usize) -> usize {
+        self.account_base + rank
     }
 
     /// Devices the step runs on.
@@ -194,7 +208,7 @@ impl<'a> MeshStep<'a> {
             boundary,
             scale: self.scale,
             counts_loss: t == 0,
-            device: dev.rank,
+            account: self.account(dev.rank),
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
@@ -250,16 +264,17 @@ impl<'a> MeshStep<'a> {
     /// Runs device `c.rank()`'s part of the step `1 + warmup` times (only the last counts) and returns
     /// its loss, its gradients (reduced over replicas, whole) and what it measured.
     pub fn run_device<C: Comm>(&self, c: &mut C, warmup: usize) -> Result<DeviceResult> {
-        memory::set_device(c.rank());
+        let account = self.account(c.rank());
+        memory::set_device(account);
         let dev = self.device(c.rank(), AdamWConfig::default())?;
         let mut measured_from = c.stats().clone();
         let mut last = None;
         for _ in 0..=warmup {
             measured_from = c.stats().clone();
-            memory::reset_peaks(c.rank());
+            memory::reset_peaks(account);
             last = Some(self.step_device(c, &dev)?);
         }
-        let measured = memory::device_memory(c.rank());
+        let measured = memory::device_memory(account);
         let StageOutcome {
             loss,
             peak,
@@ -292,13 +307,14 @@ impl<'a> MeshStep<'a> {
         adam: AdamWConfig,
         lr: &LrSchedule,
         clip: f64,
-        on_step: &mut dyn FnMut(&mut C, &Device, &StepReport) -> Result<()>,
+        on_step: &mut dyn FnMut(&MeshStep, &mut C, &Device, &StepReport) -> Result<()>,
     ) -> Result<Device> {
-        memory::set_device(c.rank());
+        let account = self.account(c.rank());
+        memory::set_device(account);
         let mut dev = self.device(c.rank(), adam)?;
         for step in 0..steps {
             self.set_batch(&batch_of(step))?;
-            memory::reset_peaks(c.rank());
+            memory::reset_peaks(account);
             let from = c.stats().clone();
             let wall = std::time::Instant::now();
             let StageOutcome {
@@ -334,9 +350,9 @@ impl<'a> MeshStep<'a> {
                     _ => 0.0,
                 },
                 wall_s: wall.elapsed().as_secs_f64(),
-                memory: memory::device_memory(c.rank()),
+                memory: memory::device_memory(account),
             };
-            on_step(c, &dev, &report)?;
+            on_step(self, c, &dev, &report)?;
         }
         Ok(dev)
     }

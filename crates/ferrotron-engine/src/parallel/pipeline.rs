@@ -156,8 +156,8 @@ pub(crate) struct StageRun<'a> {
     pub scale: f32,
     /// Whether this device counts the loss (tensor-parallel rank 0).
     pub counts_loss: bool,
-    /// This device's rank (its memory account).
-    pub device: usize,
+    /// This device's memory account.
+    pub account: usize,
 }
 
 /// What a device's pass over its action list measured.
@@ -198,10 +198,10 @@ impl StageRun<'_> {
             };
         let mut timeline = Vec::new();
         for action in &self.schedule.actions[s] {
-            if let Some(at) = crate::memory::over_capacity(self.device) {
+            if let Some(at) = crate::memory::over_capacity(self.account) {
                 return Err(EngineError::OutOfMemory {
-                    device: self.device,
-                    capacity: crate::memory::capacity(self.device).unwrap_or(0),
+                    device: (self.device_of)(s),
+                    capacity: crate::memory::capacity(self.account).unwrap_or(0),
                     at: Box::new(at),
                 });
             }
@@ -315,7 +315,9 @@ pub fn pipeline_steps(
     timeout: Duration,
     warmup: usize,
 ) -> Result<PipelineRun> {
-    let step = MeshStep::new(cfg, params, batch, layout, partition)?;
+    let accounts = crate::memory::Accounts::claim(layout.world_size());
+    let step =
+        MeshStep::new(cfg, params, batch, layout, partition)?.with_account_base(accounts.base);
     let wall = std::time::Instant::now();
     let results = ThreadWorld::new(step.world())
         .timeout(timeout)

@@ -8,30 +8,6 @@ use ferrotron_core::model::ModelConfig;
 use ferrotron_core::schedule::StagePartition;
 use std::time::Duration;
 
-/// What this build runs: the unsplit model and, where `mesh` is allowed, pipeline and tensor
-/// parallelism (with sequence parallelism) on a pp × tp mesh. Anything else is refused with a clear
-/// error, never silently run unsplit.
-pub fn check_layout_runnable(layout: &Layout, mesh: bool) -> Result<()> {
-    let plain = layout.dp == 1 && layout.zero == 0;
-    let single = layout.tp == 1 && layout.pp == 1 && layout.vpp == 1 && !layout.sequence_parallel;
-    if plain && (single || mesh) {
-        return Ok(()); // the mesh runtime names the schedules and splits it cannot run
-    }
-    let what = if mesh {
-        "pipeline and tensor parallelism (pp, tp, sp)"
-    } else {
-        "the unsplit model"
-    };
-    Err(EngineError::Invalid(format!(
-        "layout `{layout}` needs {}, which this build does not run yet; here it runs {what}",
-        if mesh {
-            "data parallelism or ZeRO"
-        } else {
-            "data, tensor or pipeline parallelism, or ZeRO"
-        }
-    )))
-}
-
 #[derive(Debug)]
 pub struct StepOutput {
     /// Mean loss over every predicted token of the batch.
@@ -86,8 +62,7 @@ pub fn layout_step(
     layout: &Layout,
     be: &dyn Backend,
 ) -> Result<(f64, ParamStore, Option<PipelineRun>)> {
-    check_layout_runnable(layout, true)?;
-    if layout.pp > 1 || layout.tp > 1 {
+    if !layout.is_single_device() || layout.zero > 0 {
         // Every device a thread, each stage's layers chosen by compute.
         let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
         let mut run = pipeline_step(
@@ -123,7 +98,6 @@ pub fn layout_step_on<C: Comm>(
     batch: &TokenBatch,
     layout: &Layout,
 ) -> Result<Option<(f64, ParamStore, PipelineRun)>> {
-    check_layout_runnable(layout, true)?;
     let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
     let step = MeshStep::new(cfg, params, batch, layout, &partition)?;
     Ok(step.run_collected(c)?.map(|mut run| {

@@ -1,18 +1,21 @@
+use super::mesh_train::{train_mesh, MeshTraining};
 use super::source::{resolve_model, ModelSource};
-use super::step::{check_layout_runnable, run_step};
+use super::step::run_step;
 use crate::data::{self, SequenceSampler, TokenSplit};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::kernels::CpuBackend;
 use crate::memory::MemoryTerms;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
-use crate::parallel::{pipeline_step, TpShard};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
-use ferrotron_core::layout::LayoutSpec;
-use ferrotron_core::schedule::StagePartition;
+use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::model::ModelConfig;
+use ferrotron_core::plan::{
+    check_layout, search, ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision,
+};
+use ferrotron_core::topology::Cluster;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 use std::time::Instant;
 
 /// Every setting of a training run. Each is a key of `run.toml` and a `ferrotron train` flag.
@@ -53,6 +56,14 @@ pub struct TrainConfig {
     pub save_dtype: String,
     /// Where trained tokenizers are cached (default: `$XDG_CACHE_HOME/ferrotron` or `~/.cache/ferrotron`).
     pub cache_dir: Option<PathBuf>,
+    /// The cluster the devices stand for (a `ferrotron plan --cluster` spec): node placement, the
+    /// planner's predictions, and the device count and memory `layout = "auto"` plans for.
+    pub cluster: String,
+    /// Memory of each device, e.g. `64MiB`, `1.5GB` (default: the cluster's). Going over it is an
+    /// out-of-memory error with the per-term breakdown.
+    pub device_memory: Option<String>,
+    /// Allow a tensor-parallel group to span nodes.
+    pub force_cross_node_tp: bool,
 }
 
 impl Default for TrainConfig {
@@ -82,12 +93,12 @@ impl Default for TrainConfig {
             layout: String::new(),
             save_dtype: "f32".into(),
             cache_dir: None,
+            cluster: "this-machine".into(),
+            device_memory: None,
+            force_cross_node_tp: false,
         }
     }
 }
-
-/// One device's figures for a step: memory by term, idle fraction, bytes sent, device-time step.
-type DeviceReport = (MemoryTerms, f64, u64, f64);
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -114,6 +125,28 @@ pub struct TrainSummary {
     pub train_tokens: usize,
     pub val_tokens: usize,
     pub tokenizer: PathBuf,
+    /// The layout that ran (the planner's choice under `layout = "auto"`).
+    pub layout: Layout,
+    /// Per device (more than one): measured peaks beside the planner's prediction, idle fraction,
+    /// bytes sent and step times.
+    pub devices: Vec<DeviceSummary>,
+}
+
+/// One device over the whole run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeviceSummary {
+    pub device: usize,
+    pub stage: usize,
+    pub dp_rank: usize,
+    pub tp_rank: usize,
+    /// The highest peak of each term over all steps, measured by the tracking allocator.
+    pub peak_memory_bytes: MemoryTerms,
+    pub predicted_memory_bytes: MemoryTerms,
+    pub idle_fraction: f64,
+    pub bytes_sent_per_step: u64,
+    /// Mean step time in device time and in wall time.
+    pub step_time_s: f64,
+    pub wall_step_time_s: f64,
 }
 
 fn default_cache_dir() -> PathBuf {
@@ -153,7 +186,85 @@ impl TrainConfig {
     }
 }
 
-fn mean_loss(
+/// `64MiB`, `1.5GB`, `200000000` → bytes.
+pub fn parse_bytes(spec: &str) -> Result<u64> {
+    let t = spec.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num.trim().parse().map_err(|_| {
+        EngineError::Invalid(format!(
+            "device_memory `{spec}`: expected a size such as 64MiB or 2GB"
+        ))
+    })?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(EngineError::Invalid(format!(
+                "device_memory `{spec}`: unknown unit `{other}` (B, kB, MB, GB, KiB, MiB, GiB)"
+            )))
+        }
+    };
+    if !(x.is_finite() && x > 0.0) {
+        return Err(EngineError::Invalid(format!(
+            "device_memory `{spec}` must be positive"
+        )));
+    }
+    Ok((x * scale) as u64)
+}
+
+/// The planner's view of this run: the model's shape, the cluster (with the configured device
+/// memory), the batch, and the engine's precision (everything f32) and activation model.
+pub fn plan_input(cfg: &TrainConfig, model: &ModelConfig) -> Result<PlanInput> {
+    let mut cluster = Cluster::parse(&cfg.cluster)?;
+    if let Some(m) = &cfg.device_memory {
+        cluster.device_memory_bytes = parse_bytes(m)?;
+    }
+    Ok(PlanInput {
+        model: PlanModel::Shape(model.clone()),
+        cluster,
+        seq: cfg.seq_len,
+        global_batch: cfg.batch_size,
+        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Ferrotron,
+        lora_rank: None,
+        // `layout = "auto"` keeps a tenth of each device free: the activation model and the
+        // communication buffers are estimates (within ~10% of what the tracking allocator measures).
+        memory_reserve: 0.1,
+        force_cross_node_tp: cfg.force_cross_node_tp,
+    })
+}
+
+/// The layouts to try, in order: the given one (checked against the model, batch and cluster), or
+/// under `auto` the planner's layouts that fit, fastest first.
+pub fn resolve_layout(spec: &LayoutSpec, input: &PlanInput) -> Result<Vec<Layout>> {
+    if spec.auto_keys.is_empty() {
+        if !(spec.layout.is_single_device() && spec.layout.zero == 0) {
+            check_layout(input, &spec.layout)?;
+        }
+        return Ok(vec![spec.layout]);
+    }
+    let candidates: Vec<Layout> = search(input)?.into_iter().map(|p| p.layout).collect();
+    if candidates.is_empty() {
+        return Err(EngineError::Invalid(format!(
+            "layout auto: no layout of the cluster's {} devices fits {} per device",
+            input.cluster.world_size(),
+            crate::memory::format_bytes(input.cluster.device_memory_bytes)
+        )));
+    }
+    Ok(candidates)
+}
+
+/// How many of the planner's layouts `auto` tries when one turns out, measured, not to fit.
+const AUTO_ATTEMPTS: usize = 4;
+
+pub(super) fn mean_loss(
     tf: &Transformer,
     be: &CpuBackend,
     params: &ParamStore,
@@ -171,8 +282,7 @@ fn mean_loss(
 /// step to `<out_dir>/metrics.jsonl` and saves the final model as a Hugging Face directory.
 pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     cfg.check()?;
-    let layout = LayoutSpec::parse(&cfg.layout)?;
-    check_layout_runnable(&layout.layout, true)?;
+    let layout_spec = LayoutSpec::parse(&cfg.layout)?;
     let save_dtype = StorageDtype::parse(&cfg.save_dtype)?;
     let be = CpuBackend {
         threads: if cfg.threads == 0 {
@@ -194,6 +304,9 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             }
         )));
     }
+    let input = plan_input(cfg, &model_cfg)?;
+    let candidates = resolve_layout(&layout_spec, &input)?;
+    let layout = candidates[0];
 
     let docs = data::read_corpus(&cfg.data)?;
     let (tokenizer, tokenizer_path) = match (&cfg.tokenizer, &source) {
@@ -226,42 +339,14 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             .as_bytes(),
     )?;
     let metrics_path = cfg.out_dir.join("metrics.jsonl");
-    let mut metrics =
-        std::fs::File::create(&metrics_path).map_err(|e| EngineError::io(&metrics_path, e))?;
 
-    let tf = Transformer::new(&model_cfg, &params).with_recompute(layout.layout.recompute);
-    // Pipeline and tensor-parallel layouts: the stages' layer ranges, and how many parameters each
-    // device (rank order: tp fastest, then stage) holds.
-    let (pp, tp, vpp) = (layout.layout.pp, layout.layout.tp, layout.layout.vpp);
-    let partition = (pp > 1 || tp > 1)
-        .then(|| StagePartition::for_model(&model_cfg, pp * vpp))
-        .transpose()?;
-    let device_params: Vec<usize> = match &partition {
-        Some(part) => (0..pp * tp)
-            .map(|d| -> Result<usize> {
-                let (s, t) = (d / tp, d % tp);
-                let local = TpShard::new(&model_cfg, tp, t, false)?.local_config(&model_cfg);
-                let ranges: Vec<_> = (0..vpp).map(|k| part.layers[k * pp + s].clone()).collect();
-                Ok(local
-                    .param_specs()
-                    .iter()
-                    .filter(|p| ranges.iter().any(|r| model_cfg.stage_owns(&p.name, r)))
-                    .map(|p| p.numel())
-                    .sum())
-            })
-            .collect::<Result<_>>()?,
-        None => vec![params.numel()],
+    let tf = Transformer::new(&model_cfg, &params).with_recompute(layout.recompute);
+    let adam = AdamWConfig {
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: cfg.adam_eps,
+        weight_decay: cfg.weight_decay,
     };
-    let mut grads = params.zeros_like();
-    let mut opt = AdamW::new(
-        AdamWConfig {
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.adam_eps,
-            weight_decay: cfg.weight_decay,
-        },
-        &params,
-    );
     let schedule = LrSchedule {
         peak_lr: cfg.lr,
         min_lr: cfg.min_lr,
@@ -270,72 +355,106 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     };
     let n_params = params.numel() as u64;
     let initial_val_loss = mean_loss(&tf, &be, &params, &val_batches);
+    let summary_of =
+        |last_loss: f64, last_val: f64, tokens_per_s: f64, layout, devices| TrainSummary {
+            initial_val_loss,
+            final_val_loss: last_val,
+            final_train_loss: last_loss,
+            tokens_per_s,
+            num_params: n_params as usize,
+            model_dir: cfg.out_dir.join("model"),
+            train_tokens: split.train.len(),
+            val_tokens: split.val.len(),
+            tokenizer: tokenizer_path.clone(),
+            layout,
+            devices,
+        };
+
+    if !layout.is_single_device() || layout.zero > 0 {
+        let batches: Vec<TokenBatch> = (0..cfg.steps)
+            .map(|_| sampler.next_batch(&split.train, cfg.batch_size))
+            .collect();
+        let auto = !layout_spec.auto_keys.is_empty();
+        let mut tried = Vec::new();
+        for &layout in candidates.iter().take(if auto { AUTO_ATTEMPTS } else { 1 }) {
+            let run = MeshTraining {
+                cfg,
+                model_cfg: &model_cfg,
+                params: &params,
+                layout,
+                input: &input,
+                batches: &batches,
+                val_batches: &val_batches,
+                adam,
+                schedule,
+                initial_val_loss,
+            };
+            let mut metrics = std::fs::File::create(&metrics_path)
+                .map_err(|e| EngineError::io(&metrics_path, e))?;
+            let out = match train_mesh(&run, &mut metrics, &metrics_path, on_step) {
+                // The planner's estimate was short for this layout: measured, it does not fit.
+                Err(EngineError::RunOutOfMemory(why)) if auto => {
+                    tried.push(format!("{layout}: {why}"));
+                    continue;
+                }
+                other => other?,
+            };
+            hf::save_model(
+                &cfg.out_dir.join("model"),
+                &model_cfg,
+                &out.params,
+                save_dtype,
+            )?;
+            copy_file(
+                &tokenizer_path,
+                &cfg.out_dir.join("model").join("tokenizer.json"),
+            )?;
+            return Ok(summary_of(
+                out.last_loss,
+                out.last_val,
+                out.tokens_per_s,
+                layout,
+                out.devices,
+            ));
+        }
+        return Err(EngineError::RunOutOfMemory(format!(
+            "layout auto: the planner's {} best layouts went out of memory when run:\n{}",
+            tried.len(),
+            tried.join("\n")
+        )));
+    }
+
+    let mut metrics =
+        std::fs::File::create(&metrics_path).map_err(|e| EngineError::io(&metrics_path, e))?;
+    let mut grads = params.zeros_like();
+    let mut opt = AdamW::new(adam, &params);
     let (mut last_loss, mut last_val, mut total_tokens, mut total_time) =
         (f64::NAN, initial_val_loss, 0usize, 0.0);
-
     for step in 0..cfg.steps {
         let t0 = Instant::now();
         let batch = sampler.next_batch(&split.train, cfg.batch_size);
         grads.zero_();
-        // Per device: (memory, idle fraction, bytes sent, device-time step).
-        let (loss, devices) = match &partition {
-            Some(part) => {
-                let mut run = pipeline_step(
-                    &model_cfg,
-                    &params,
-                    &batch,
-                    &layout.layout,
-                    part,
-                    Duration::from_secs(600),
-                )?;
-                grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
-                let devices: Vec<DeviceReport> = (0..pp * tp)
-                    .map(|s| {
-                        let held = device_params[s] as u64;
-                        let memory = MemoryTerms {
-                            weights: 4 * held,
-                            gradients: 4 * held,
-                            master_weights: 0,
-                            optimizer_states: 8 * held,
-                            activations: run.peak_stash_bytes[s] as u64,
-                            comm_buffers: 0,
-                            total: 0,
-                        }
-                        .with_total();
-                        (
-                            memory,
-                            run.idle_fraction(s),
-                            run.stats[s].total().bytes_sent,
-                            run.step_time_s(),
-                        )
-                    })
-                    .collect();
-                (run.loss, devices)
-            }
-            None => {
-                let out = run_step(
-                    &tf,
-                    &be,
-                    &params,
-                    &mut grads,
-                    &batch,
-                    layout.layout.micro_batch_size.min(cfg.batch_size),
-                )?;
-                // Single device: every term is exactly what this process holds. f32 training keeps
-                // no separate master copy: the f32 weights are the master weights.
-                let memory = MemoryTerms {
-                    weights: 4 * n_params,
-                    gradients: 4 * n_params,
-                    master_weights: 0,
-                    optimizer_states: 8 * n_params,
-                    activations: out.peak_activation_bytes as u64,
-                    comm_buffers: 0,
-                    total: 0,
-                }
-                .with_total();
-                (out.loss, vec![(memory, 0.0, 0, 0.0)])
-            }
-        };
+        let out = run_step(
+            &tf,
+            &be,
+            &params,
+            &mut grads,
+            &batch,
+            layout.micro_batch_size.min(cfg.batch_size),
+        )?;
+        // Single device: every term is exactly what this process holds. f32 training keeps no
+        // separate master copy: the f32 weights are the master weights.
+        let memory = MemoryTerms {
+            weights: 4 * n_params,
+            gradients: 4 * n_params,
+            master_weights: 0,
+            optimizer_states: 8 * n_params,
+            activations: out.peak_activation_bytes as u64,
+            comm_buffers: 0,
+            total: 0,
+        }
+        .with_total();
+        let loss = out.loss;
         let grad_norm = clip_grad_norm(&mut grads, cfg.grad_clip);
         let lr = schedule.lr(step);
         opt.step(&mut params, &grads, lr as f32);
@@ -350,11 +469,6 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         if let Some(v) = val_loss {
             last_val = v;
         }
-        let memory = devices
-            .iter()
-            .map(|d| d.0)
-            .max_by_key(|m| m.total)
-            .expect("a device");
         let report = StepReport {
             step: step + 1,
             total_steps: cfg.steps,
@@ -374,18 +488,14 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             "tokens_per_s": report.tokens_per_s,
             "step_time_s": report.step_time_s,
             "val_loss": report.val_loss,
-            "devices": devices
-                .iter()
-                .enumerate()
-                .map(|(i, (m, idle, sent, device_step))| serde_json::json!({
-                    "device": i,
-                    "peak_memory_bytes": m,
-                    "idle_fraction": idle,
-                    "bytes_sent": sent,
-                    "step_time_s": if *device_step > 0.0 { *device_step } else { dt },
-                    "wall_step_time_s": dt,
-                }))
-                .collect::<Vec<_>>(),
+            "devices": [{
+                "device": 0,
+                "peak_memory_bytes": memory,
+                "idle_fraction": 0.0,
+                "bytes_sent": 0,
+                "step_time_s": dt,
+                "wall_step_time_s": dt,
+            }],
         });
         writeln!(metrics, "{line}").map_err(|e| EngineError::io(&metrics_path, e))?;
         on_step(&report);
@@ -394,17 +504,13 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let model_dir = cfg.out_dir.join("model");
     hf::save_model(&model_dir, &model_cfg, &params, save_dtype)?;
     copy_file(&tokenizer_path, &model_dir.join("tokenizer.json"))?;
-    Ok(TrainSummary {
-        initial_val_loss,
-        final_val_loss: last_val,
-        final_train_loss: last_loss,
-        tokens_per_s: total_tokens as f64 / total_time.max(1e-9),
-        num_params: n_params as usize,
-        model_dir,
-        train_tokens: split.train.len(),
-        val_tokens: split.val.len(),
-        tokenizer: tokenizer_path,
-    })
+    Ok(summary_of(
+        last_loss,
+        last_val,
+        total_tokens as f64 / total_time.max(1e-9),
+        layout,
+        Vec::new(),
+    ))
 }
 
 fn copy_file(from: &Path, to: &Path) -> Result<()> {

@@ -1,9 +1,8 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferrotron_core::layout::LayoutSpec;
 use ferrotron_engine::hf::{self, StorageDtype};
 use ferrotron_engine::kernels::CpuBackend;
-use ferrotron_engine::runtime::{check_layout_runnable, layout_step};
+use ferrotron_engine::runtime::layout_step;
 use ferrotron_engine::transformer::TokenBatch;
 use std::path::{Path, PathBuf};
 
@@ -72,8 +71,7 @@ pub fn read_input_ids(path: &Path) -> Result<TokenBatch> {
 }
 
 pub fn run(a: GradsArgs) -> Result<()> {
-    let layout = LayoutSpec::parse(&a.layout)?.layout;
-    check_layout_runnable(&layout, true)?;
+    let layout = super::concrete_layout(&a.layout)?;
     let (cfg, params) = hf::load_model(&a.model)?;
     let batch = read_input_ids(&a.tokens)?;
     if let Some(bad) = batch.ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {

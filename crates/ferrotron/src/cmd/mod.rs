@@ -5,3 +5,16 @@ pub mod plan;
 pub mod schedule;
 pub mod train;
 pub mod verify;
+
+/// A `--layout` with every key given: `auto` needs the planner, which `train` and `plan` consult.
+pub fn concrete_layout(spec: &str) -> anyhow::Result<ferrotron_core::layout::Layout> {
+    let parsed = ferrotron_core::layout::LayoutSpec::parse(spec)?;
+    if !parsed.auto_keys.is_empty() {
+        anyhow::bail!(
+            "--layout `{spec}`: `auto` ({}) is chosen by the planner in `ferrotron train` and \
+             `ferrotron plan`; here give every key",
+            parsed.auto_keys.join(", ")
+        );
+    }
+    Ok(parsed.layout)
+}

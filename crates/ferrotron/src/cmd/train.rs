@@ -90,6 +90,18 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_dir: Option<PathBuf>,
+    /// The cluster the devices stand for (a `plan --cluster` spec; default this-machine).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cluster: Option<String>,
+    /// Memory of each device, e.g. 64MiB (default: the cluster's); more is an out-of-memory error.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_memory: Option<String>,
+    /// Allow a tensor-parallel group to span nodes.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    force_cross_node_tp: Option<bool>,
 }
 
 /// Defaults, then the TOML file, then the flags.

@@ -1,11 +1,10 @@
 use anyhow::{bail, Result};
 use clap::Args;
-use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::parallel::TpShard;
-use ferrotron_engine::runtime::{check_layout_runnable, layout_step, run_step};
+use ferrotron_engine::runtime::{layout_step, run_step};
 use ferrotron_engine::transformer::{TokenBatch, Transformer};
 use std::path::PathBuf;
 
@@ -38,8 +37,7 @@ pub struct VerifyArgs {
 
 /// Runs the unsplit model and the split one on the same batch and compares loss and every gradient.
 pub fn run(a: VerifyArgs) -> Result<()> {
-    let layout = LayoutSpec::parse(&a.layout)?.layout;
-    check_layout_runnable(&layout, true)?;
+    let layout = super::concrete_layout(&a.layout)?;
     let (cfg, params) = hf::load_model(&a.model)?;
     let batch = match &a.tokens {
         Some(path) => super::grads::read_input_ids(path)?,
