@@ -35,6 +35,7 @@ fn grads_writes_loss_and_every_gradient_by_hf_name() {
         ("llama_tiny", "tp=4,sp=true,mbs=2"),
         ("gpt2_tiny", "tp=4,mbs=2"),
         ("gpt2_tiny", "tp=2,pp=2,sp=true,mbs=1"),
+        ("gpt2_tiny", "dp=2,tp=2,zero=3,mbs=1"),
     ] {
         let dir = temp_dir(&format!("grads-{model}-{}", layout.len()));
         let out = dir.join("grads.safetensors");
@@ -92,9 +93,9 @@ fn grads_refuses_bad_input_clearly() {
         "{}",
         stderr(&o)
     );
-    let o = run(model.to_str().unwrap(), refs.to_str().unwrap(), "dp=2");
+    let o = run(model.to_str().unwrap(), refs.to_str().unwrap(), "auto");
     assert!(
-        !o.status.success() && stderr(&o).contains("dp=2"),
+        !o.status.success() && stderr(&o).contains("`auto`") && stderr(&o).contains("planner"),
         "{}",
         stderr(&o)
     );
@@ -382,9 +383,12 @@ fn schedule_prints_the_action_lists() {
 }
 
 #[test]
-fn verify_passes_for_pipelines_and_tensor_parallel_and_refuses_what_is_not_built() {
+fn verify_passes_for_every_parallel_layout_and_refuses_what_does_not_split() {
     let model = fixture("llama_tiny");
     for layout in [
+        "dp=2,tp=2,pp=2,zero=1",
+        "dp=4,zero=3",
+        "dp=2,tp=2,sp=true,zero=2,mbs=2",
         "tp=2",
         "tp=4,sp=true,mbs=2",
         "tp=2,pp=2,schedule=zbh1,mbs=2",
@@ -413,10 +417,10 @@ fn verify_passes_for_pipelines_and_tensor_parallel_and_refuses_what_is_not_built
         "--model",
         model.to_str().unwrap(),
         "--layout",
-        "dp=2",
+        "dp=3",
     ]);
     assert!(
-        !o.status.success() && stderr(&o).contains("dp=2"),
+        !o.status.success() && stderr(&o).contains("not divisible by dp"),
         "{}",
         stderr(&o)
     );
