@@ -221,9 +221,14 @@ pub fn write_tensors(
 
 /// Writes a file so that readers see either the old content or the complete new one.
 pub fn write_atomic(file: &Path, bytes: &[u8]) -> Result<()> {
+    // A name of this process's and this call's own: writers in other processes (MPI ranks) or
+    // threads never share a temporary file.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = file.with_extension(format!(
-        "{}.tmp",
-        file.extension().and_then(|e| e.to_str()).unwrap_or("")
+        "{}.{}-{n}.tmp",
+        file.extension().and_then(|e| e.to_str()).unwrap_or(""),
+        std::process::id()
     ));
     std::fs::write(&tmp, bytes).map_err(|e| EngineError::io(&tmp, e))?;
     std::fs::File::open(&tmp)

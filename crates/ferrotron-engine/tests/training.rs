@@ -171,10 +171,25 @@ fn bad_settings_and_data_are_refused_clearly() {
     });
     assert!(e.contains("llama-huge") && e.contains("preset"), "{e}");
     let e = err(TrainConfig {
-        layout: "dp=2".into(),
+        layout: "dp=16".into(),
         ..base.clone()
     });
-    assert!(e.contains("dp=2"), "{e}");
+    assert!(
+        e.contains("16 devices") && e.contains("cluster has 8"),
+        "{e}"
+    );
+    // A tensor-parallel group across two nodes of two devices each.
+    let e = err(TrainConfig {
+        layout: "tp=4".into(),
+        cluster: "this-machine,nodes=2,devices_per_node=2".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("tp") && e.contains("node"), "{e}");
+    let e = err(TrainConfig {
+        backend: "carrier-pigeon".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("backend"), "{e}");
     let e = err(TrainConfig {
         layout: "tp=3".into(),
         ..base.clone()

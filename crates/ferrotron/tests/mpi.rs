@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use std::path::PathBuf;
 use std::process::Command;
 
 fn mpirun(np: usize, args: &[&str]) -> (bool, String) {
@@ -110,4 +111,74 @@ fn a_job_of_the_wrong_size_is_refused_clearly() {
         text.contains("needs 4 devices, the job has 2 ranks"),
         "{text}"
     );
+}
+
+/// Per-step training losses from a run directory's `metrics.jsonl`.
+fn losses(dir: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn training_under_mpi_matches_the_threads_backend_step_by_step() {
+    let root = std::env::temp_dir().join(format!("ferrotron-mpi-train-{}", std::process::id()));
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/gnu-manuals.txt");
+    let model = fixture("llama_tiny");
+    let args = |backend: &str, out: &std::path::Path| -> Vec<String> {
+        [
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--layout",
+            "dp=2,tp=2,pp=2,zero=1",
+            "--steps",
+            "4",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            backend,
+            "--out-dir",
+            out.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let (mpi_dir, threads_dir) = (root.join("mpi"), root.join("threads"));
+    let a = args("mpi", &mpi_dir);
+    let (ok, text) = mpirun(8, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        ok && text.contains("per device, measured peak memory"),
+        "{text}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args("threads", &threads_dir))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (m, t) = (losses(&mpi_dir), losses(&threads_dir));
+    assert_eq!(m.len(), 4);
+    for (k, (a, b)) in m.iter().zip(&t).enumerate() {
+        assert!(
+            (a - b).abs() / b <= 1e-6,
+            "step {k}: mpi {a} vs threads {b}"
+        );
+    }
 }

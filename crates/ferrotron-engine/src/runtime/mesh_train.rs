@@ -1,12 +1,13 @@
-//! Training on a device mesh (threads backend): every device a thread that keeps its shard, its
-//! gradients and its optimizer state across steps. Device 0 gathers each step's per-device figures
-//! and the main thread writes them to `metrics.jsonl` beside the planner's predictions.
+//! Training on a device mesh: every device keeps its shard, its gradients and its optimizer state
+//! across steps, on a thread of this process (threads backend) or in a process of its own (MPI).
+//! After each step every device sends its figures to device 0, which writes them to `metrics.jsonl`
+//! beside the planner's predictions.
 
 use super::train::{mean_loss, DeviceSummary, StepReport, TrainConfig};
 use crate::comm::{Comm, ThreadWorld};
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
-use crate::memory::{self, format_terms, MemoryTerms};
+use crate::memory::{self, format_terms, DeviceMemory, MemoryTerms};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::{MeshStep, StepReport as DeviceStep};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
@@ -42,38 +43,275 @@ pub(super) struct MeshOutcome {
     pub devices: Vec<DeviceSummary>,
 }
 
-/// What device 0 hands the main thread after each step.
-enum Event {
-    Step {
-        reports: Vec<DeviceStep>,
-        val_loss: Option<f64>,
-    },
-    Finished(Vec<crate::comm::CommResult<Result<Option<ParamStore>>>>),
+/// One device's figures for one step, as device 0 receives them.
+#[derive(Debug, Clone, Copy, Default)]
+struct Figures {
+    memory: DeviceMemory,
+    busy_s: f64,
+    span_s: f64,
+    wall_s: f64,
+    bytes_sent: u64,
+    bytes_tp: u64,
+    bytes_dp: u64,
+    bytes_pp: u64,
 }
 
-pub(super) fn train_mesh(
-    run: &MeshTraining,
-    metrics: &mut std::fs::File,
-    metrics_path: &Path,
-    on_step: &mut dyn FnMut(&StepReport),
-) -> Result<MeshOutcome> {
-    let (cfg, layout) = (run.cfg, run.layout);
-    let partition = StagePartition::for_model(run.model_cfg, layout.pp * layout.vpp)?;
-    let world = layout.world_size();
-    if world > memory::MAX_DEVICES {
-        return Err(EngineError::Invalid(format!(
-            "layout `{layout}` has {world} devices; one process accounts for at most {}",
-            memory::MAX_DEVICES
-        )));
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4;
+/// Tag of the figures message (above any pipeline or gathering tag).
+const FIGURES_TAG: u64 = 1 << 59;
+
+impl Figures {
+    fn of(r: &DeviceStep) -> Self {
+        let by = |g: &str| r.stats.bytes_sent_by_group(g);
+        Self {
+            memory: r.memory,
+            busy_s: r.busy_s,
+            span_s: r.span_s,
+            wall_s: r.wall_s,
+            bytes_sent: r.stats.total().bytes_sent,
+            bytes_tp: by("tp"),
+            bytes_dp: by("dp"),
+            // Pipeline traffic: the stage-to-stage transfers and the tied embedding's reduction.
+            bytes_pp: by("p2p") + by("pp"),
+        }
     }
-    // The planner's prediction for every stage, beside which the measurements are reported.
+    fn pack(&self) -> [f64; FIGURES] {
+        let mut out = [0f64; FIGURES];
+        for t in 0..7 {
+            out[t] = self.memory.live[t] as f64;
+            out[7 + t] = self.memory.peak[t] as f64;
+        }
+        out[14] = self.memory.peak_total as f64;
+        out[15] = self.busy_s;
+        out[16] = self.span_s;
+        out[17] = self.wall_s;
+        out[18] = self.bytes_sent as f64;
+        out[19] = self.bytes_tp as f64;
+        out[20] = self.bytes_dp as f64;
+        out[21] = self.bytes_pp as f64;
+        out
+    }
+    fn unpack(v: &[f64; FIGURES]) -> Self {
+        let mut f = Self::default();
+        for t in 0..7 {
+            f.memory.live[t] = v[t] as u64;
+            f.memory.peak[t] = v[7 + t] as u64;
+        }
+        f.memory.peak_total = v[14] as u64;
+        (f.busy_s, f.span_s, f.wall_s) = (v[15], v[16], v[17]);
+        (f.bytes_sent, f.bytes_tp, f.bytes_dp, f.bytes_pp) =
+            (v[18] as u64, v[19] as u64, v[20] as u64, v[21] as u64);
+        f
+    }
+}
+
+/// What device 0 knows after a step: every device's figures, the step's numbers, the validation loss.
+struct StepFigures {
+    devices: Vec<Figures>,
+    step: usize,
+    loss: f64,
+    grad_norm: f64,
+    lr: f64,
+    val_loss: Option<f64>,
+}
+
+/// Runs one device of the mesh through the whole training (every device calls it). Device 0
+/// receives every step's figures and hands them to `sink`; it returns the trained model, gathered.
+fn run_device<C: Comm>(
+    run: &MeshTraining,
+    partition: &StagePartition,
+    c: &mut C,
+    account_base: usize,
+    capacity: Option<u64>,
+    sink: &mut dyn FnMut(StepFigures) -> Result<()>,
+) -> Result<Option<ParamStore>> {
+    let cfg = run.cfg;
+    let account = account_base + c.rank();
+    memory::set_capacity(account, capacity);
+    let mut step = MeshStep::new(
+        run.model_cfg,
+        run.params,
+        &run.batches[0],
+        &run.layout,
+        partition,
+    )?
+    .with_account_base(account_base);
+    let world = step.world();
+    let is_eval = |step: usize| {
+        cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every) || step + 1 == cfg.steps
+    };
+    let dev = step.train_device(
+        c,
+        cfg.steps,
+        &|k| run.batches[k].clone(),
+        run.adam,
+        &run.schedule,
+        cfg.grad_clip,
+        &mut |mesh, c, dev, report| {
+            let mine = Figures::of(report);
+            let val_loss = if is_eval(report.step) {
+                mesh.gather_params(c, dev)?.map(|p| {
+                    // Validation is the host's work, not a device's: keep it off the accounts.
+                    memory::clear_device();
+                    let tf = Transformer::new(run.model_cfg, &p);
+                    let v = mean_loss(&tf, &CpuBackend::single_threaded(), &p, run.val_batches);
+                    memory::set_device(account);
+                    v
+                })
+            } else {
+                None
+            };
+            if c.rank() != 0 {
+                c.send(0, &mine.pack(), FIGURES_TAG)?;
+                return Ok(());
+            }
+            let mut devices = vec![mine];
+            for r in 1..world {
+                let mut v = [0f64; FIGURES];
+                c.recv(r, &mut v, FIGURES_TAG)?;
+                devices.push(Figures::unpack(&v));
+            }
+            sink(StepFigures {
+                devices,
+                step: report.step,
+                loss: report.loss,
+                grad_norm: report.grad_norm,
+                lr: report.lr,
+                val_loss,
+            })
+        },
+    )?;
+    let full = step.gather_params(c, &dev)?;
+    memory::set_capacity(account, None);
+    memory::clear_device();
+    Ok(full)
+}
+
+/// Writes `metrics.jsonl` and keeps each device's running summary (device 0's side).
+struct MetricsWriter<'a> {
+    run: &'a MeshTraining<'a>,
+    file: &'a mut std::fs::File,
+    path: &'a Path,
+    summaries: Vec<DeviceSummary>,
+    last_wall: Instant,
+    tokens: usize,
+    seconds: f64,
+    last_loss: f64,
+    last_val: f64,
+}
+
+impl<'a> MetricsWriter<'a> {
+    fn new(
+        run: &'a MeshTraining<'a>,
+        file: &'a mut std::fs::File,
+        path: &'a Path,
+        coords: &[(usize, usize, usize)],
+        predicted: &[MemoryTerms],
+    ) -> Self {
+        let summaries = coords
+            .iter()
+            .enumerate()
+            .map(|(r, &(t, d, s))| DeviceSummary {
+                device: r,
+                stage: s,
+                dp_rank: d,
+                tp_rank: t,
+                peak_memory_bytes: MemoryTerms::default(),
+                predicted_memory_bytes: predicted[s],
+                idle_fraction: 0.0,
+                bytes_sent_per_step: 0,
+                step_time_s: 0.0,
+                wall_step_time_s: 0.0,
+            })
+            .collect();
+        Self {
+            run,
+            file,
+            path,
+            summaries,
+            last_wall: Instant::now(),
+            tokens: 0,
+            seconds: 0.0,
+            last_loss: f64::NAN,
+            last_val: run.initial_val_loss,
+        }
+    }
+
+    fn step(&mut self, f: StepFigures, on_step: &mut dyn FnMut(&StepReport)) -> Result<()> {
+        let dt = self.last_wall.elapsed().as_secs_f64();
+        self.last_wall = Instant::now();
+        let batch = &self.run.batches[f.step];
+        let batch_tokens = batch.batch * batch.seq;
+        self.tokens += batch_tokens;
+        self.seconds += dt;
+        self.last_loss = f.loss;
+        if let Some(v) = f.val_loss {
+            self.last_val = v;
+        }
+        let devices: Vec<serde_json::Value> = f
+            .devices
+            .iter()
+            .zip(self.summaries.iter_mut())
+            .map(|(fig, sum)| device_json(fig, sum, dt))
+            .collect();
+        let memory = f
+            .devices
+            .iter()
+            .map(|d| d.memory.peak_terms())
+            .max_by_key(|m| m.total)
+            .expect("a device");
+        let report = StepReport {
+            step: f.step + 1,
+            total_steps: self.run.cfg.steps,
+            loss: f.loss,
+            lr: f.lr,
+            grad_norm: f.grad_norm,
+            tokens_per_s: batch_tokens as f64 / dt,
+            step_time_s: dt,
+            val_loss: f.val_loss,
+            memory,
+        };
+        let line = serde_json::json!({
+            "step": report.step,
+            "loss": report.loss,
+            "lr": report.lr,
+            "grad_norm": report.grad_norm,
+            "tokens_per_s": report.tokens_per_s,
+            "step_time_s": report.step_time_s,
+            "val_loss": report.val_loss,
+            "layout": self.run.layout.to_string(),
+            "devices": devices,
+        });
+        writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;
+        on_step(&report);
+        Ok(())
+    }
+
+    fn finish(mut self, params: ParamStore) -> MeshOutcome {
+        let steps = self.run.cfg.steps.max(1) as f64;
+        for s in self.summaries.iter_mut() {
+            s.idle_fraction /= steps;
+            s.step_time_s /= steps;
+            s.wall_step_time_s /= steps;
+        }
+        MeshOutcome {
+            params,
+            last_loss: self.last_loss,
+            last_val: self.last_val,
+            tokens_per_s: self.tokens as f64 / self.seconds.max(1e-9),
+            devices: self.summaries,
+        }
+    }
+}
+
+/// Each device's (tp, dp, stage) coordinates.
+type Coords = Vec<(usize, usize, usize)>;
+
+/// The partition, the device coordinates and the planner's per-stage prediction of a run.
+fn layout_facts(run: &MeshTraining) -> Result<(StagePartition, Coords, Vec<MemoryTerms>)> {
+    let layout = run.layout;
+    let partition = StagePartition::for_model(run.model_cfg, layout.pp * layout.vpp)?;
     let plan = evaluate(run.input, &layout)?;
-    let predicted = plan.memory_bytes_per_stage.clone();
-    let capacity = cfg
-        .device_memory
-        .as_deref()
-        .map(super::train::parse_bytes)
-        .transpose()?;
     let mesh = MeshStep::new(
         run.model_cfg,
         run.params,
@@ -81,211 +319,150 @@ pub(super) fn train_mesh(
         &layout,
         &partition,
     )?;
-    let coords: Vec<(usize, usize, usize)> = (0..world).map(|r| mesh.mesh().coords(r)).collect();
-    drop(mesh);
-
-    let (tx, rx) = mpsc::channel::<Event>();
-    let tx = Mutex::new(tx);
-    let slots: Mutex<Vec<Option<DeviceStep>>> = Mutex::new(vec![None; world]);
-    let is_eval = |step: usize| {
-        cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every) || step + 1 == cfg.steps
-    };
-    let accounts = memory::Accounts::claim(world);
-    let device_body = |c: &mut crate::comm::ThreadComm| -> Result<Option<ParamStore>> {
-        let account = accounts.base + c.rank();
-        memory::set_capacity(account, capacity);
-        let mut step = MeshStep::new(
-            run.model_cfg,
-            run.params,
-            &run.batches[0],
-            &layout,
-            &partition,
-        )?
-        .with_account_base(accounts.base);
-        let everyone = step.mesh().world();
-        let dev = step.train_device(
-            c,
-            cfg.steps,
-            &|k| run.batches[k].clone(),
-            run.adam,
-            &run.schedule,
-            cfg.grad_clip,
-            &mut |mesh, c, dev, report| {
-                slots.lock().expect("no panics")[c.rank()] = Some(report.clone());
-                c.barrier(&everyone)?;
-                let val_loss = if is_eval(report.step) {
-                    let full = mesh.gather_params(c, dev)?;
-                    full.map(|p| {
-                        // Validation is the host's work, not a device's: keep it off the accounts.
-                        memory::clear_device();
-                        let tf = Transformer::new(run.model_cfg, &p);
-                        let v = mean_loss(&tf, &CpuBackend::single_threaded(), &p, run.val_batches);
-                        memory::set_device(account);
-                        v
-                    })
-                } else {
-                    None
-                };
-                if c.rank() == 0 {
-                    let reports = slots
-                        .lock()
-                        .expect("no panics")
-                        .iter_mut()
-                        .map(|s| s.take().expect("every device reported"))
-                        .collect();
-                    let _ = tx
-                        .lock()
-                        .expect("no panics")
-                        .send(Event::Step { reports, val_loss });
-                }
-                c.barrier(&everyone)?;
-                Ok(())
-            },
-        )?;
-        let full = step.gather_params(c, &dev)?;
-        memory::set_capacity(account, None);
-        memory::clear_device();
-        Ok(full)
-    };
-
-    let mut outcome = None;
-    let (mut last_loss, mut last_val) = (f64::NAN, run.initial_val_loss);
-    let (mut tokens, mut seconds) = (0usize, 0.0);
-    let mut summaries: Vec<DeviceSummary> = coords
-        .iter()
-        .enumerate()
-        .map(|(r, &(t, d, s))| DeviceSummary {
-            device: r,
-            stage: s,
-            dp_rank: d,
-            tp_rank: t,
-            peak_memory_bytes: MemoryTerms::default(),
-            predicted_memory_bytes: predicted[s],
-            idle_fraction: 0.0,
-            bytes_sent_per_step: 0,
-            step_time_s: 0.0,
-            wall_step_time_s: 0.0,
-        })
+    let coords = (0..layout.world_size())
+        .map(|r| mesh.mesh().coords(r))
         .collect();
-    std::thread::scope(|scope| -> Result<()> {
-        let tx_ref = &tx;
-        scope.spawn(move || {
+    Ok((partition, coords, plan.memory_bytes_per_stage))
+}
+
+fn capacity(cfg: &TrainConfig) -> Result<Option<u64>> {
+    cfg.device_memory
+        .as_deref()
+        .map(super::train::parse_bytes)
+        .transpose()
+}
+
+/// An out-of-memory error beside the planner's prediction for the same device's stage.
+fn with_prediction(
+    e: EngineError,
+    layout: &Layout,
+    coords: &[(usize, usize, usize)],
+    predicted: &[MemoryTerms],
+) -> EngineError {
+    match e {
+        EngineError::OutOfMemory {
+            device,
+            capacity,
+            at,
+        } => {
+            let s = coords.get(device).map_or(0, |c| c.2);
+            EngineError::RunOutOfMemory(format!(
+                "{}\nthe planner predicted for this layout (`{layout}`), stage {s}:\n{}",
+                EngineError::OutOfMemory {
+                    device,
+                    capacity,
+                    at
+                },
+                format_terms(&predicted[s])
+            ))
+        }
+        other => other,
+    }
+}
+
+/// Trains on the threads backend: one thread per device; this thread writes the metrics.
+pub(super) fn train_mesh(
+    run: &MeshTraining,
+    metrics: &mut std::fs::File,
+    metrics_path: &Path,
+    on_step: &mut dyn FnMut(&StepReport),
+) -> Result<MeshOutcome> {
+    let layout = run.layout;
+    let world = layout.world_size();
+    if world > memory::MAX_DEVICES {
+        return Err(EngineError::Invalid(format!(
+            "layout `{layout}` has {world} devices; one process accounts for at most {}",
+            memory::MAX_DEVICES
+        )));
+    }
+    let (partition, coords, predicted) = layout_facts(run)?;
+    let capacity = capacity(run.cfg)?;
+    let accounts = memory::Accounts::claim(world);
+    // Device 0's figures travel to this thread, which owns the metrics file and the callback.
+    let (tx, rx) = mpsc::channel::<Option<StepFigures>>();
+    let tx = Mutex::new(tx);
+    let mut writer = MetricsWriter::new(run, metrics, metrics_path, &coords, &predicted);
+    let results = std::thread::scope(|scope| -> Result<_> {
+        let tx = &tx;
+        let (partition, accounts) = (&partition, &accounts);
+        let devices = scope.spawn(move || {
             let results = ThreadWorld::new(world)
                 .timeout(Duration::from_secs(600))
-                .run(device_body);
-            let _ = tx_ref
-                .lock()
-                .expect("no panics")
-                .send(Event::Finished(results));
-        });
-        let mut last_wall = Instant::now();
-        for event in rx.iter() {
-            match event {
-                Event::Step { reports, val_loss } => {
-                    let r0 = &reports[0];
-                    let dt = last_wall.elapsed().as_secs_f64();
-                    last_wall = Instant::now();
-                    let batch_tokens = run.batches[r0.step].batch * run.batches[r0.step].seq;
-                    tokens += batch_tokens;
-                    seconds += dt;
-                    last_loss = r0.loss;
-                    if let Some(v) = val_loss {
-                        last_val = v;
-                    }
-                    let devices: Vec<serde_json::Value> = reports
-                        .iter()
-                        .zip(summaries.iter_mut())
-                        .map(|(r, sum)| device_json(r, sum, dt))
-                        .collect();
-                    let memory = reports
-                        .iter()
-                        .map(|r| r.memory.peak_terms())
-                        .max_by_key(|m| m.total)
-                        .expect("a device");
-                    let report = StepReport {
-                        step: r0.step + 1,
-                        total_steps: cfg.steps,
-                        loss: r0.loss,
-                        lr: r0.lr,
-                        grad_norm: r0.grad_norm,
-                        tokens_per_s: batch_tokens as f64 / dt,
-                        step_time_s: dt,
-                        val_loss,
-                        memory,
+                .run(|c| {
+                    let mut sink = |f: StepFigures| {
+                        let _ = tx.lock().expect("no panics").send(Some(f));
+                        Ok(())
                     };
-                    let line = serde_json::json!({
-                        "step": report.step,
-                        "loss": report.loss,
-                        "lr": report.lr,
-                        "grad_norm": report.grad_norm,
-                        "tokens_per_s": report.tokens_per_s,
-                        "step_time_s": report.step_time_s,
-                        "val_loss": report.val_loss,
-                        "layout": layout.to_string(),
-                        "devices": devices,
-                    });
-                    writeln!(metrics, "{line}").map_err(|e| EngineError::io(metrics_path, e))?;
-                    on_step(&report);
-                }
-                Event::Finished(results) => {
-                    outcome = Some(results);
-                    break;
-                }
-            }
+                    run_device(run, partition, c, accounts.base, capacity, &mut sink)
+                });
+            let _ = tx.lock().expect("no panics").send(None);
+            results
+        });
+        while let Ok(Some(f)) = rx.recv() {
+            writer.step(f, on_step)?;
         }
-        Ok(())
+        Ok(devices.join().expect("the device threads are joined"))
     })?;
-    let results = outcome.expect("the device threads report when they finish");
     let mut params = None;
     for (r, res) in results.into_iter().enumerate() {
         let res = res.map_err(|e| EngineError::Invalid(format!("device {r}: {e}")))?;
         match res {
             Ok(Some(p)) => params = Some(p),
             Ok(None) => {}
-            Err(EngineError::OutOfMemory {
-                device,
-                capacity,
-                at,
-            }) => {
-                let (_, _, s) = coords[device];
-                return Err(EngineError::RunOutOfMemory(format!(
-                    "{}\nthe planner predicted for this layout (`{layout}`), stage {s}:\n{}",
-                    EngineError::OutOfMemory {
-                        device,
-                        capacity,
-                        at
-                    },
-                    format_terms(&predicted[s])
-                )));
+            Err(e @ EngineError::OutOfMemory { .. }) => {
+                return Err(with_prediction(e, &layout, &coords, &predicted))
             }
             Err(e) => return Err(EngineError::Invalid(format!("device {r}: {e}"))),
         }
     }
-    let steps = cfg.steps.max(1) as f64;
-    for s in summaries.iter_mut() {
-        s.idle_fraction /= steps;
-        s.step_time_s /= steps;
-        s.wall_step_time_s /= steps;
-    }
-    Ok(MeshOutcome {
-        params: params.expect("device 0 gathers the model"),
-        last_loss,
-        last_val,
-        tokens_per_s: tokens as f64 / seconds.max(1e-9),
-        devices: summaries,
-    })
+    Ok(writer.finish(params.expect("device 0 gathers the model")))
 }
 
-/// One device's figures for one step (and its running summary).
-fn device_json(r: &DeviceStep, sum: &mut DeviceSummary, wall: f64) -> serde_json::Value {
-    let peak = r.memory.peak_terms();
-    let idle = if r.span_s > 0.0 {
-        1.0 - r.busy_s / r.span_s
+/// Trains with this process as device `c.rank()` of an MPI job. Rank 0 writes the metrics and
+/// returns the outcome; every other rank returns `None`. A failure ends the whole job.
+#[cfg(feature = "mpi")]
+pub(super) fn train_mesh_mpi(
+    run: &MeshTraining,
+    c: &mut crate::comm::MpiComm,
+    metrics: &mut std::fs::File,
+    metrics_path: &Path,
+    on_step: &mut dyn FnMut(&StepReport),
+) -> Result<Option<MeshOutcome>> {
+    let layout = run.layout;
+    if c.world_size() != layout.world_size() {
+        return Err(EngineError::Invalid(format!(
+            "layout `{layout}` needs {} devices, the job has {} ranks",
+            layout.world_size(),
+            c.world_size()
+        )));
+    }
+    let (partition, coords, predicted) = layout_facts(run)?;
+    let capacity = capacity(run.cfg)?;
+    let mut writer = MetricsWriter::new(run, metrics, metrics_path, &coords, &predicted);
+    let rank = c.rank();
+    // One device per process: its counters are its own (account = its rank).
+    let result = {
+        let mut sink = |f: StepFigures| writer.step(f, on_step);
+        run_device(run, &partition, c, 0, capacity, &mut sink)
+    };
+    match result {
+        Ok(Some(p)) => Ok(Some(writer.finish(p))),
+        Ok(None) => Ok(None),
+        Err(e) => {
+            let e = with_prediction(e, &layout, &coords, &predicted);
+            c.abort(&format!("rank {rank}: {e}"), 1)
+        }
+    }
+}
+
+/// One device's figures for one step as a JSON object (and into its running summary).
+fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::Value {
+    let peak = f.memory.peak_terms();
+    let idle = if f.span_s > 0.0 {
+        1.0 - f.busy_s / f.span_s
     } else {
         0.0
     };
-    let by_group = |g: &str| r.stats.bytes_sent_by_group(g);
-    let sent = r.stats.total().bytes_sent;
     let p = &mut sum.peak_memory_bytes;
     *p = MemoryTerms {
         weights: p.weights.max(peak.weights),
@@ -297,8 +474,8 @@ fn device_json(r: &DeviceStep, sum: &mut DeviceSummary, wall: f64) -> serde_json
         total: p.total.max(peak.total),
     };
     sum.idle_fraction += idle;
-    sum.bytes_sent_per_step = sent;
-    sum.step_time_s += r.span_s;
+    sum.bytes_sent_per_step = f.bytes_sent;
+    sum.step_time_s += f.span_s;
     sum.wall_step_time_s += wall;
     serde_json::json!({
         "device": sum.device,
@@ -307,16 +484,11 @@ fn device_json(r: &DeviceStep, sum: &mut DeviceSummary, wall: f64) -> serde_json
         "tp_rank": sum.tp_rank,
         "peak_memory_bytes": peak,
         "predicted_memory_bytes": sum.predicted_memory_bytes,
-        "other_memory_bytes": r.memory.peak_other(),
+        "other_memory_bytes": f.memory.peak_other(),
         "idle_fraction": idle,
-        "bytes_sent": sent,
-        // Pipeline traffic: the stage-to-stage transfers and the tied embedding's reduction.
-        "bytes_sent_by_group": {
-            "tp": by_group("tp"),
-            "dp": by_group("dp"),
-            "pp": by_group("p2p") + by_group("pp"),
-        },
-        "step_time_s": r.span_s,
+        "bytes_sent": f.bytes_sent,
+        "bytes_sent_by_group": {"tp": f.bytes_tp, "dp": f.bytes_dp, "pp": f.bytes_pp},
+        "step_time_s": f.span_s,
         "wall_step_time_s": wall,
     })
 }

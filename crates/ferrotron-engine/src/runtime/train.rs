@@ -64,6 +64,9 @@ pub struct TrainConfig {
     pub device_memory: Option<String>,
     /// Allow a tensor-parallel group to span nodes.
     pub force_cross_node_tp: bool,
+    /// Where the devices run: `threads` (one process) or `mpi` (one rank per device under mpirun;
+    /// needs a build with the `mpi` feature).
+    pub backend: String,
 }
 
 impl Default for TrainConfig {
@@ -96,6 +99,7 @@ impl Default for TrainConfig {
             cluster: "this-machine".into(),
             device_memory: None,
             force_cross_node_tp: false,
+            backend: "threads".into(),
         }
     }
 }
@@ -130,6 +134,9 @@ pub struct TrainSummary {
     /// Per device (more than one): measured peaks beside the planner's prediction, idle fraction,
     /// bytes sent and step times.
     pub devices: Vec<DeviceSummary>,
+    /// Whether this process reports the run (false on MPI ranks other than 0, which hold no
+    /// summary figures).
+    pub reporter: bool,
 }
 
 /// One device over the whole run.
@@ -178,6 +185,15 @@ impl TrainConfig {
         }
         if self.lr.is_nan() || self.lr <= 0.0 || self.min_lr < 0.0 {
             return bad("lr", "lr must be positive and min_lr non-negative");
+        }
+        if !matches!(self.backend.as_str(), "threads" | "mpi") {
+            return bad("backend", "expected `threads` or `mpi`");
+        }
+        if self.backend == "mpi" && !cfg!(feature = "mpi") {
+            return bad(
+                "backend",
+                "this build has no MPI; build with `--features mpi` (needs OpenMPI) and run under mpirun",
+            );
         }
         if !(0.0..1.0).contains(&self.val_fraction) {
             return bad("val_fraction", "must be in [0, 1)");
@@ -246,6 +262,10 @@ pub fn plan_input(cfg: &TrainConfig, model: &ModelConfig) -> Result<PlanInput> {
 pub fn resolve_layout(spec: &LayoutSpec, input: &PlanInput) -> Result<Vec<Layout>> {
     if spec.auto_keys.is_empty() {
         if !(spec.layout.is_single_device() && spec.layout.zero == 0) {
+            // The model's own divisibility first (heads, KV heads), then the cluster's rules.
+            if let PlanModel::Shape(model) = &input.model {
+                crate::parallel::TpShard::check(model, spec.layout.tp)?;
+            }
             check_layout(input, &spec.layout)?;
         }
         return Ok(vec![spec.layout]);
@@ -368,6 +388,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             tokenizer: tokenizer_path.clone(),
             layout,
             devices,
+            reporter: true,
         };
 
     if !layout.is_single_device() || layout.zero > 0 {
@@ -389,6 +410,23 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
                 schedule,
                 initial_val_loss,
             };
+            #[cfg(feature = "mpi")]
+            if cfg.backend == "mpi" {
+                let out = train_on_mpi(&run, &metrics_path, on_step, save_dtype, &tokenizer_path)?;
+                return Ok(match out {
+                    Some(out) => summary_of(
+                        out.last_loss,
+                        out.last_val,
+                        out.tokens_per_s,
+                        layout,
+                        out.devices,
+                    ),
+                    None => TrainSummary {
+                        reporter: false,
+                        ..summary_of(f64::NAN, f64::NAN, 0.0, layout, Vec::new())
+                    },
+                });
+            }
             let mut metrics = std::fs::File::create(&metrics_path)
                 .map_err(|e| EngineError::io(&metrics_path, e))?;
             let out = match train_mesh(&run, &mut metrics, &metrics_path, on_step) {
@@ -511,6 +549,32 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         layout,
         Vec::new(),
     ))
+}
+
+/// The MPI side of a mesh run: rank 0 writes the metrics and saves the model.
+#[cfg(feature = "mpi")]
+fn train_on_mpi(
+    run: &MeshTraining,
+    metrics_path: &Path,
+    on_step: &mut dyn FnMut(&StepReport),
+    save_dtype: StorageDtype,
+    tokenizer_path: &Path,
+) -> Result<Option<super::mesh_train::MeshOutcome>> {
+    let mut c = crate::comm::MpiComm::init(None)?;
+    let rank = crate::comm::Comm::rank(&c);
+    // Only rank 0 writes; the others' (unused) metrics go nowhere.
+    let mut metrics = if rank == 0 {
+        std::fs::File::create(metrics_path).map_err(|e| EngineError::io(metrics_path, e))?
+    } else {
+        std::fs::File::create("/dev/null").map_err(|e| EngineError::io("/dev/null", e))?
+    };
+    let out = super::mesh_train::train_mesh_mpi(run, &mut c, &mut metrics, metrics_path, on_step)?;
+    if let Some(out) = &out {
+        let dir = run.cfg.out_dir.join("model");
+        hf::save_model(&dir, run.model_cfg, &out.params, save_dtype)?;
+        copy_file(tokenizer_path, &dir.join("tokenizer.json"))?;
+    }
+    Ok(out)
 }
 
 fn copy_file(from: &Path, to: &Path) -> Result<()> {

@@ -102,6 +102,10 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     force_cross_node_tp: Option<bool>,
+    /// threads (default) or mpi (one rank per device under mpirun; a build with --features mpi).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backend: Option<String>,
 }
 
 /// Defaults, then the TOML file, then the flags.
@@ -160,6 +164,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         pb.inc(1);
     })?;
     pb.finish_and_clear();
+    if !summary.reporter {
+        return Ok(()); // an MPI rank other than 0: rank 0 reports
+    }
     println!(
         "done: {:.2}M parameters, {} train / {} validation tokens, {:.0} tokens/s",
         summary.num_params as f64 / 1e6,
@@ -175,6 +182,36 @@ pub fn run(args: TrainArgs) -> Result<()> {
         summary.model_dir.display(),
         summary.tokenizer.display()
     );
+    if !summary.devices.is_empty() {
+        println!(
+            "layout {}: per device, measured peak memory (MB) vs the planner's prediction",
+            summary.layout
+        );
+        println!("| device | stage | dp | tp | weights | gradients | optimizer | activations | comm | total | predicted total | idle | sent/step | step (device s) | step (wall s) |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let mb = |b: u64| format!("{:.2}", b as f64 / 1e6);
+        for d in &summary.devices {
+            let (m, p) = (&d.peak_memory_bytes, &d.predicted_memory_bytes);
+            println!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% | {} | {:.4} | {:.4} |",
+                d.device,
+                d.stage,
+                d.dp_rank,
+                d.tp_rank,
+                mb(m.weights),
+                mb(m.gradients),
+                mb(m.optimizer_states),
+                mb(m.activations),
+                mb(m.comm_buffers),
+                mb(m.total),
+                mb(p.total),
+                100.0 * d.idle_fraction,
+                ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
+                d.step_time_s,
+                d.wall_step_time_s,
+            );
+        }
+    }
     println!("metrics: {}", cfg.out_dir.join("metrics.jsonl").display());
     Ok(())
 }
