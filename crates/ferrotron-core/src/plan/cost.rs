@@ -236,13 +236,18 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     };
     let dp_bytes = if l.dp > 1 {
         let ring = (d - 1.0) / d;
+        let m = m as f64;
         match l.zero {
             // All-reduce of the gradients.
             0 => 2.0 * ring * trainable * grad_b,
             // Reduce-scatter the gradients, all-gather the updated parameters.
-            1 | 2 => ring * trainable * grad_b + ring * params_per_device * w_b,
-            // ...and gather every layer's parameters again in forward and in backward.
-            _ => ring * trainable * grad_b + 2.0 * ring * params_per_device * w_b,
+            1 => ring * trainable * grad_b + ring * params_per_device * w_b,
+            // Gradients are not kept whole, so each micro-batch's are reduce-scattered as its
+            // backward finishes them (accumulation happens in the shards).
+            2 => m * ring * trainable * grad_b + ring * params_per_device * w_b,
+            // ...and every unit's parameters are gathered for each micro-batch's forward and again
+            // for its backward.
+            _ => m * ring * trainable * grad_b + 2.0 * m * ring * params_per_device * w_b,
         }
     } else {
         0.0

@@ -281,12 +281,14 @@ impl<'a> MeshStep<'a> {
             peak_bytes,
             timeline,
         } = last.expect("at least one pass");
-        let grads = dev.zero.full_grads(c)?;
         let end = c.device_time();
+        let stats = c.stats().since(&measured_from);
+        // Whole gradients for the report (not part of the step: after the measurements).
+        let grads = dev.zero.full_grads(c)?;
         Ok(DeviceResult {
             loss,
             grads,
-            stats: c.stats().since(&measured_from),
+            stats,
             peak,
             peak_bytes,
             end,
