@@ -77,15 +77,19 @@ fn charge(device: u16, term: u8, bytes: i64) {
     }
 }
 
-// SAFETY: every allocation is the system's with a header in front; the header records what the
-// accounting needs and is never handed out.
-unsafe impl GlobalAlloc for TrackingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+impl TrackingAllocator {
+    /// Allocates with the header in front; `zeroed` keeps the system's lazily zeroed pages (calloc),
+    /// so a large zeroed buffer costs nothing until it is touched.
+    unsafe fn allocate(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         let h = header(layout.align());
         let Ok(full) = Layout::from_size_align(layout.size() + h, layout.align().max(16)) else {
             return std::ptr::null_mut();
         };
-        let base = System.alloc(full);
+        let base = if zeroed {
+            System.alloc_zeroed(full)
+        } else {
+            System.alloc(full)
+        };
         if base.is_null() {
             return base;
         }
@@ -95,6 +99,18 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         p.sub(2).write(term);
         charge(device, term, layout.size() as i64);
         p
+    }
+}
+
+// SAFETY: every allocation is the system's with a header in front; the header records what the
+// accounting needs and is never handed out.
+unsafe impl GlobalAlloc for TrackingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        self.allocate(layout, false)
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        self.allocate(layout, true)
     }
 
     unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
