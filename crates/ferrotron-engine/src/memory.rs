@@ -35,20 +35,33 @@ thread_local! {
     static CURRENT: Cell<(u16, u8)> = const { Cell::new((NO_DEVICE, Term::Other as u8)) };
 }
 
+/// One device's counters, on cache lines of their own: device threads allocate all the time, and
+/// sharing a line between two devices' counters would charge each for the other's traffic.
+#[repr(align(128))]
+struct Counters {
+    live: [AtomicI64; TERMS],
+    peak: [AtomicI64; TERMS],
+    live_total: AtomicI64,
+    peak_total: AtomicI64,
+    capacity: AtomicU64,
+    /// Set when the device first went over its capacity, with the live bytes per term then.
+    oom: AtomicI64,
+    oom_at: [AtomicI64; TERMS],
+}
+
 #[allow(clippy::declare_interior_mutable_const)]
 const ZERO: AtomicI64 = AtomicI64::new(0);
 #[allow(clippy::declare_interior_mutable_const)]
-const ROW: [AtomicI64; TERMS] = [ZERO; TERMS];
-static LIVE: [[AtomicI64; TERMS]; MAX_DEVICES] = [ROW; MAX_DEVICES];
-static PEAK: [[AtomicI64; TERMS]; MAX_DEVICES] = [ROW; MAX_DEVICES];
-static PEAK_TOTAL: [AtomicI64; MAX_DEVICES] = [ZERO; MAX_DEVICES];
-#[allow(clippy::declare_interior_mutable_const)]
-const NO_CAP: AtomicU64 = AtomicU64::new(u64::MAX);
-static CAPACITY: [AtomicU64; MAX_DEVICES] = [NO_CAP; MAX_DEVICES];
-/// Per device: the live bytes per term when it first went over its capacity (first entry: a flag).
-#[allow(clippy::declare_interior_mutable_const)]
-const NO_OOM: [AtomicI64; TERMS + 1] = [ZERO; TERMS + 1];
-static OOM: [[AtomicI64; TERMS + 1]; MAX_DEVICES] = [NO_OOM; MAX_DEVICES];
+const FRESH: Counters = Counters {
+    live: [ZERO; TERMS],
+    peak: [ZERO; TERMS],
+    live_total: ZERO,
+    peak_total: ZERO,
+    capacity: AtomicU64::new(u64::MAX),
+    oom: ZERO,
+    oom_at: [ZERO; TERMS],
+};
+static DEVICES: [Counters; MAX_DEVICES] = [FRESH; MAX_DEVICES];
 
 /// The allocator: the system's, plus a header per allocation and the counters.
 pub struct TrackingAllocator;
@@ -59,19 +72,18 @@ fn header(align: usize) -> usize {
 }
 
 fn charge(device: u16, term: u8, bytes: i64) {
-    let d = device as usize;
-    if d >= MAX_DEVICES {
+    let Some(c) = DEVICES.get(device as usize) else {
         return;
-    }
+    };
     let t = term as usize;
-    let now = LIVE[d][t].fetch_add(bytes, Relaxed) + bytes;
+    let now = c.live[t].fetch_add(bytes, Relaxed) + bytes;
+    let total = c.live_total.fetch_add(bytes, Relaxed) + bytes;
     if bytes > 0 {
-        PEAK[d][t].fetch_max(now, Relaxed);
-        let total: i64 = LIVE[d].iter().map(|x| x.load(Relaxed)).sum();
-        PEAK_TOTAL[d].fetch_max(total, Relaxed);
-        if total as u64 > CAPACITY[d].load(Relaxed) && OOM[d][0].swap(1, Relaxed) == 0 {
-            for (k, live) in LIVE[d].iter().enumerate() {
-                OOM[d][k + 1].store(live.load(Relaxed), Relaxed);
+        c.peak[t].fetch_max(now, Relaxed);
+        c.peak_total.fetch_max(total, Relaxed);
+        if total as u64 > c.capacity.load(Relaxed) && c.oom.swap(1, Relaxed) == 0 {
+            for (at, live) in c.oom_at.iter().zip(&c.live) {
+                at.store(live.load(Relaxed), Relaxed);
             }
         }
     }
@@ -217,11 +229,12 @@ pub fn device_memory(device: usize) -> DeviceMemory {
     if device >= MAX_DEVICES {
         return m;
     }
+    let c = &DEVICES[device];
     for t in 0..TERMS {
-        m.live[t] = LIVE[device][t].load(Relaxed).max(0) as u64;
-        m.peak[t] = PEAK[device][t].load(Relaxed).max(0) as u64;
+        m.live[t] = c.live[t].load(Relaxed).max(0) as u64;
+        m.peak[t] = c.peak[t].load(Relaxed).max(0) as u64;
     }
-    m.peak_total = PEAK_TOTAL[device].load(Relaxed).max(0) as u64;
+    m.peak_total = c.peak_total.load(Relaxed).max(0) as u64;
     m
 }
 
@@ -230,32 +243,31 @@ pub fn reset_peaks(device: usize) {
     if device >= MAX_DEVICES {
         return;
     }
-    let mut total = 0;
+    let c = &DEVICES[device];
     for t in 0..TERMS {
-        let live = LIVE[device][t].load(Relaxed);
-        PEAK[device][t].store(live, Relaxed);
-        total += live;
+        c.peak[t].store(c.live[t].load(Relaxed), Relaxed);
     }
-    PEAK_TOTAL[device].store(total, Relaxed);
+    c.peak_total.store(c.live_total.load(Relaxed), Relaxed);
 }
 
 /// Gives `device` a capacity in bytes (`None`: unlimited) and clears any earlier overflow.
 pub fn set_capacity(device: usize, bytes: Option<u64>) {
     if device < MAX_DEVICES {
-        CAPACITY[device].store(bytes.unwrap_or(u64::MAX), Relaxed);
-        OOM[device].iter().for_each(|x| x.store(0, Relaxed));
+        let c = &DEVICES[device];
+        c.capacity.store(bytes.unwrap_or(u64::MAX), Relaxed);
+        c.oom.store(0, Relaxed);
     }
 }
 
 /// If `device` has gone over its capacity: the live bytes per term at that moment (the planner's
 /// six, whose `total` then includes everything else the device held).
 pub fn over_capacity(device: usize) -> Option<MemoryTerms> {
-    if device >= MAX_DEVICES || OOM[device][0].load(Relaxed) == 0 {
+    if device >= MAX_DEVICES || DEVICES[device].oom.load(Relaxed) == 0 {
         return None;
     }
     let mut v = [0u64; TERMS];
-    for (t, x) in v.iter_mut().enumerate() {
-        *x = OOM[device][t + 1].load(Relaxed).max(0) as u64;
+    for (x, at) in v.iter_mut().zip(&DEVICES[device].oom_at) {
+        *x = at.load(Relaxed).max(0) as u64;
     }
     Some(MemoryTerms {
         total: v.iter().sum(),
@@ -266,7 +278,7 @@ pub fn over_capacity(device: usize) -> Option<MemoryTerms> {
 /// The capacity given to `device`, if any.
 pub fn capacity(device: usize) -> Option<u64> {
     (device < MAX_DEVICES)
-        .then(|| CAPACITY[device].load(Relaxed))
+        .then(|| DEVICES[device].capacity.load(Relaxed))
         .filter(|&c| c != u64::MAX)
 }
 
