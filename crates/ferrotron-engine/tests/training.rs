@@ -356,3 +356,34 @@ fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_t
         assert!(d.predicted_memory_bytes.total > 0, "{d:?}");
     }
 }
+
+#[test]
+fn an_injected_slow_device_is_named_as_a_straggler() {
+    let cfg = TrainConfig {
+        steps: 5,
+        batch_size: 8,
+        layout: "dp=2,pp=2".into(),
+        eval_every: 0,
+        slow_device: Some(3),
+        slow_device_ms: 5.0,
+        ..tiny_config("straggler")
+    };
+    let mut warnings = Vec::new();
+    train(&cfg, &mut |r| warnings.extend(r.warnings.iter().cloned())).unwrap();
+    // Named once three steps in a row show it, and on every step after.
+    assert_eq!(warnings.len(), 3, "{warnings:?}");
+    for w in &warnings {
+        assert!(
+            w.starts_with("straggler: device 3 (stage 1, dp rank 1"),
+            "{w}"
+        );
+    }
+    let line = std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .last()
+        .unwrap()
+        .to_string();
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert!(v["warnings"][0].as_str().unwrap().contains("device 3"));
+}

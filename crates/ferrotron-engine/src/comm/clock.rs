@@ -16,6 +16,19 @@ pub(crate) fn thread_cpu_time() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// Computes for `seconds` of this thread's CPU time (a device made slow on purpose, to test that a
+/// straggler is noticed: its clock advances as if its kernels were slower).
+pub fn burn_cpu(seconds: f64) {
+    let until = thread_cpu_time() + seconds;
+    let mut x = 1.0f64;
+    while thread_cpu_time() < until {
+        for i in 0..1000 {
+            x = (x * 1.000_000_1 + (i & 7) as f64).sqrt();
+        }
+        std::hint::black_box(x);
+    }
+}
+
 pub(crate) struct DeviceClock {
     /// Device time, seconds.
     pub now: f64,

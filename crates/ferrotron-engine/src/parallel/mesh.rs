@@ -32,6 +32,8 @@ pub struct MeshStep<'a> {
     total_tokens: usize,
     /// Device r's memory is counted in account `account_base + r`.
     account_base: usize,
+    /// A device made slow on purpose, and by how much per action (device seconds).
+    slow_device: Option<(usize, f64)>,
 }
 
 /// One device's lasting state: its model chunks and its parameters, gradients and optimizer state.
@@ -100,7 +102,14 @@ impl<'a> MeshStep<'a> {
             scale: 1.0 / batch.predicted_tokens().max(1) as f32,
             total_tokens: batch.predicted_tokens().max(1),
             account_base: 0,
+            slow_device: None,
         })
+    }
+
+    /// Makes device `rank` compute `seconds` longer per action: a straggler, injected.
+    pub fn with_slow_device(mut self, slow: Option<(usize, f64)>) -> Self {
+        self.slow_device = slow;
+        self
     }
 
     /// Counts device r's memory in account `base + r` (see [`crate::memory::Accounts`]).
@@ -209,6 +218,10 @@ impl<'a> MeshStep<'a> {
             scale: self.scale,
             counts_loss: t == 0,
             account: self.account(dev.rank),
+            extra_compute_s: match self.slow_device {
+                Some((r, s)) if r == dev.rank => s,
+                _ => 0.0,
+            },
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
@@ -317,6 +330,7 @@ impl<'a> MeshStep<'a> {
         for step in 0..steps {
             self.set_batch(&batch_of(step))?;
             memory::reset_peaks(account);
+            let started = c.device_time();
             let from = c.stats().clone();
             let wall = std::time::Instant::now();
             let StageOutcome {
@@ -339,18 +353,20 @@ impl<'a> MeshStep<'a> {
             // Every device learns the step's loss (summed from the devices that count it).
             let mut l = [loss];
             c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
+            let ended = c.device_time();
+            let stats = c.stats().since(&from);
             let report = StepReport {
                 step,
                 loss: l[0] / self.total_tokens as f64,
                 grad_norm: norm,
                 lr: rate as f64,
-                stats: c.stats().since(&from),
+                // Computing is the device's CPU time; the rest of the step is waiting (bubble,
+                // peers late to a collective) and moving data.
+                busy_s: stats.compute_time_s,
+                span_s: ended - started,
+                stats,
                 peak_stash_bytes: peak_bytes,
-                busy_s: timeline.iter().map(|a| a.2 - a.1).sum(),
-                span_s: match (timeline.first(), timeline.last()) {
-                    (Some(a), Some(b)) => b.2 - a.1,
-                    _ => 0.0,
-                },
+                timeline,
                 wall_s: wall.elapsed().as_secs_f64(),
                 memory: memory::device_memory(account),
             };
@@ -542,9 +558,11 @@ pub struct StepReport {
     /// This device's communication during the step.
     pub stats: CommStats,
     pub peak_stash_bytes: usize,
-    /// Device time computing actions, and from the first action's start to the last's end.
+    /// Device time spent computing during the step, and the step's length in device time.
     pub busy_s: f64,
     pub span_s: f64,
+    /// Every action of the step with its start and end in device time.
+    pub timeline: Vec<(ferrotron_core::schedule::Action, f64, f64)>,
     pub wall_s: f64,
     /// This device's memory during the step, measured by term.
     pub memory: memory::DeviceMemory,

@@ -158,6 +158,8 @@ pub(crate) struct StageRun<'a> {
     pub counts_loss: bool,
     /// This device's memory account.
     pub account: usize,
+    /// Extra compute per action (device seconds): a device made slow on purpose (tests, profiling).
+    pub extra_compute_s: f64,
 }
 
 /// What a device's pass over its action list measured.
@@ -220,6 +222,9 @@ impl StageRun<'_> {
                     started = tpg.comm().device_time();
                     let mut state = chunks[chunk].forward_stage_in(&be, tpg, &res, input);
                     tpg.result()?;
+                    if self.extra_compute_s > 0.0 {
+                        crate::comm::burn_cpu(self.extra_compute_s);
+                    }
                     timeline.push((*action, started, tpg.comm().device_time()));
                     if vs + 1 < nv {
                         let out = std::mem::take(&mut state.output);
@@ -252,6 +257,9 @@ impl StageRun<'_> {
                         &be, tpg, &res, state, dout, &targets, self.scale, split,
                     );
                     tpg.result()?;
+                    if self.extra_compute_s > 0.0 {
+                        crate::comm::burn_cpu(self.extra_compute_s);
+                    }
                     if let Some(w) = w {
                         deferred.insert((mb, chunk), w);
                     }
@@ -276,6 +284,9 @@ impl StageRun<'_> {
                     let touched = w.tensors();
                     tpg.with_comm(|c| zero.apply_deferred(c, &touched, |g| w.apply(&be, g)));
                     tpg.result()?;
+                    if self.extra_compute_s > 0.0 {
+                        crate::comm::burn_cpu(self.extra_compute_s);
+                    }
                     timeline.push((*action, started, tpg.comm().device_time()));
                 }
             }

@@ -135,7 +135,8 @@ fn run_device<C: Comm>(
         &run.layout,
         partition,
     )?
-    .with_account_base(account_base);
+    .with_account_base(account_base)
+    .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)));
     let world = step.world();
     let is_eval = |step: usize| {
         cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every) || step + 1 == cfg.steps
@@ -198,6 +199,45 @@ struct MetricsWriter<'a> {
     seconds: f64,
     last_loss: f64,
     last_val: f64,
+    /// Per device: steps in a row it computed above the straggler threshold.
+    slow_steps: Vec<usize>,
+}
+
+/// Warnings for devices whose compute time has been `threshold` above the devices' median for
+/// `steps` steps in a row (`slow_steps` carries the counts from step to step).
+fn straggler_warnings(
+    busy: &[f64],
+    slow_steps: &mut [usize],
+    threshold: f64,
+    steps: usize,
+    summaries: &[DeviceSummary],
+) -> Vec<String> {
+    let mut sorted = busy.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let mut out = Vec::new();
+    for (d, (&b, n)) in busy.iter().zip(slow_steps.iter_mut()).enumerate() {
+        if median > 0.0 && b > median * (1.0 + threshold) {
+            *n += 1;
+            if *n >= steps.max(1) {
+                let s = &summaries[d];
+                out.push(format!(
+                    "straggler: device {d} (stage {}, dp rank {}, tp rank {}) computed {:.2}× the \
+                     devices' median ({:.4} s vs {:.4} s) for {} steps in a row",
+                    s.stage,
+                    s.dp_rank,
+                    s.tp_rank,
+                    b / median,
+                    b,
+                    median,
+                    n
+                ));
+            }
+        } else {
+            *n = 0;
+        }
+    }
+    out
 }
 
 impl<'a> MetricsWriter<'a> {
@@ -234,6 +274,7 @@ impl<'a> MetricsWriter<'a> {
             seconds: 0.0,
             last_loss: f64::NAN,
             last_val: run.initial_val_loss,
+            slow_steps: vec![0; coords.len()],
         }
     }
 
@@ -260,6 +301,14 @@ impl<'a> MetricsWriter<'a> {
             .map(|d| d.memory.peak_terms())
             .max_by_key(|m| m.total)
             .expect("a device");
+        let busy: Vec<f64> = f.devices.iter().map(|d| d.busy_s).collect();
+        let warnings = straggler_warnings(
+            &busy,
+            &mut self.slow_steps,
+            self.run.cfg.straggler_threshold,
+            self.run.cfg.straggler_steps,
+            &self.summaries,
+        );
         let report = StepReport {
             step: f.step + 1,
             total_steps: self.run.cfg.steps,
@@ -270,6 +319,7 @@ impl<'a> MetricsWriter<'a> {
             step_time_s: dt,
             val_loss: f.val_loss,
             memory,
+            warnings,
         };
         let line = serde_json::json!({
             "step": report.step,
@@ -280,6 +330,7 @@ impl<'a> MetricsWriter<'a> {
             "step_time_s": report.step_time_s,
             "val_loss": report.val_loss,
             "layout": self.run.layout.to_string(),
+            "warnings": report.warnings,
             "devices": devices,
         });
         writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;

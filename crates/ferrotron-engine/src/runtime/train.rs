@@ -67,6 +67,13 @@ pub struct TrainConfig {
     /// Where the devices run: `threads` (one process) or `mpi` (one rank per device under mpirun;
     /// needs a build with the `mpi` feature).
     pub backend: String,
+    /// Warn of a straggler when a device computes this fraction above the devices' median ...
+    pub straggler_threshold: f64,
+    /// ... for this many steps in a row.
+    pub straggler_steps: usize,
+    /// Testing and drills: make this device compute `slow_device_ms` longer per action.
+    pub slow_device: Option<usize>,
+    pub slow_device_ms: f64,
 }
 
 impl Default for TrainConfig {
@@ -100,6 +107,10 @@ impl Default for TrainConfig {
             device_memory: None,
             force_cross_node_tp: false,
             backend: "threads".into(),
+            straggler_threshold: 0.2,
+            straggler_steps: 3,
+            slow_device: None,
+            slow_device_ms: 10.0,
         }
     }
 }
@@ -116,6 +127,8 @@ pub struct StepReport {
     pub step_time_s: f64,
     pub val_loss: Option<f64>,
     pub memory: MemoryTerms,
+    /// Warnings raised at this step (a straggler forming).
+    pub warnings: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -517,6 +530,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             step_time_s: dt,
             val_loss,
             memory,
+            warnings: Vec::new(),
         };
         let line = serde_json::json!({
             "step": report.step,

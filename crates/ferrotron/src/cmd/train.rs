@@ -106,6 +106,21 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     backend: Option<String>,
+    /// Warn of a straggler when a device computes this fraction above the median (default 0.2) ...
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    straggler_threshold: Option<f64>,
+    /// ... for this many steps in a row (default 3).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    straggler_steps: Option<usize>,
+    /// Drills: make this device compute --slow-device-ms longer per action.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slow_device: Option<usize>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slow_device_ms: Option<f64>,
 }
 
 /// Defaults, then the TOML file, then the flags.
@@ -149,12 +164,18 @@ pub fn run(args: TrainArgs) -> Result<()> {
     );
     let mut last_val = None;
     let summary = train(&cfg, &mut |r| {
+        for w in &r.warnings {
+            // Printed whether or not the bar is shown (a hidden bar drops its log lines).
+            pb.suspend(|| eprintln!("warning at step {}: {w}", r.step));
+        }
         if let Some(v) = r.val_loss {
             last_val = Some(v);
-            pb.println(format!(
-                "step {:>5}  train loss {:.4}  val loss {:.4}  lr {:.2e}  {:.0} tok/s",
-                r.step, r.loss, v, r.lr, r.tokens_per_s
-            ));
+            pb.suspend(|| {
+                eprintln!(
+                    "step {:>5}  train loss {:.4}  val loss {:.4}  lr {:.2e}  {:.0} tok/s",
+                    r.step, r.loss, v, r.lr, r.tokens_per_s
+                )
+            });
         }
         let val = last_val.map_or(String::new(), |v| format!(" val {v:.3}"));
         pb.set_message(format!(
