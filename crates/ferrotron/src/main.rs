@@ -1,6 +1,7 @@
 //! `ferrotron`: plan, train, verify and profile transformer training runs that do not fit on one device.
 
 mod cmd;
+mod report;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +26,9 @@ enum Command {
     Verify(cmd::verify::VerifyArgs),
     /// Do the memory arithmetic first: evaluate a layout, or search for the best that fits.
     Plan(Box<cmd::plan::PlanArgs>),
+    /// Run a few steps of a layout and put every measurement beside the planner's prediction, with
+    /// verdicts; writes a Perfetto trace, SVG pictures and an HTML report.
+    Profile(Box<cmd::profile::ProfileArgs>),
     /// Print a pipeline schedule's per-stage action lists and its bubble.
     Schedule(cmd::schedule::ScheduleArgs),
     /// Benchmarks that print a table.
@@ -41,6 +45,7 @@ fn main() {
         Command::Plan(a) => cmd::plan::run(*a),
         Command::Verify(a) => cmd::verify::run(a),
         Command::Schedule(a) => cmd::schedule::run(a),
+        Command::Profile(a) => cmd::profile::run(*a),
         Command::Bench(b) => cmd::bench::run(b),
     };
     if let Err(e) = result {

@@ -218,10 +218,33 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let tp_bytes = (0..l.pp)
         .map(|stage| tp_bytes_per_device(input, cfg, l, stage))
         .fold(0.0, f64::max);
-    // Each device sends its boundary activation forward and its gradient backward for every chunk
-    // that has a neighbour in that direction.
+    // Each device sends its boundary activation forward and its gradient backward, per micro-batch,
+    // for every chunk that has a neighbour in that direction (the first virtual stage has none
+    // behind it, the last none ahead; under sequence parallelism the boundary is this device's rows);
+    // the busiest device's figure. A tied embedding's gradient is summed between the end stages.
     let pp_bytes = if l.pp > 1 {
-        2.0 * m as f64 * l.vpp as f64 * boundary
+        let nv = l.pp * l.vpp;
+        let rows_here = if l.sequence_parallel && l.tp > 1 {
+            t
+        } else {
+            1.0
+        };
+        let tied = if cfg.tie_word_embeddings {
+            2.0 * 0.5 * super::memory::padded_vocab(cfg, l.tp) as f64 * cfg.hidden_size as f64 / t
+                * input.precision.grads.bytes()
+        } else {
+            0.0
+        };
+        (0..l.pp)
+            .map(|s| {
+                let chunks = (0..l.vpp).map(|k| k * l.pp + s);
+                let sends: usize = chunks
+                    .map(|vs| usize::from(vs + 1 < nv) + usize::from(vs > 0))
+                    .sum();
+                let ends = if s == 0 || s == l.pp - 1 { tied } else { 0.0 };
+                sends as f64 * m as f64 * boundary / rows_here + ends
+            })
+            .fold(0.0, f64::max)
     } else {
         0.0
     };

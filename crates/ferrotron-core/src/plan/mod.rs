@@ -219,11 +219,14 @@ pub fn in_flight(l: &Layout, m: usize, s: usize) -> usize {
     }
 }
 
-/// Evaluates one layout completely, simulating its pipeline schedule.
-pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
-    check_layout(input, l)?;
+/// The layout's pipeline schedule simulated with the planner's per-action costs, and the costs
+/// (none for a model given only as a parameter count).
+fn simulated(
+    input: &PlanInput,
+    l: &Layout,
+) -> Result<(Option<crate::schedule::Timeline>, Option<cost::Costs>)> {
     let m = input.global_batch / (l.dp * l.micro_batch_size);
-    let (timeline, costs) = match &input.model {
+    Ok(match &input.model {
         PlanModel::Shape(cfg) => {
             let sched = build(l.schedule, l.pp, m, l.vpp)?;
             let costs = cost::costs(input, cfg, l, params_on_device(cfg, l, 0));
@@ -231,7 +234,23 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
             (Some(tl), Some(costs))
         }
         PlanModel::ParamsOnly(_) => (None, None),
-    };
+    })
+}
+
+/// The timeline the planner predicts for one step of `l` (stages × time, every action).
+pub fn simulated_timeline(
+    input: &PlanInput,
+    l: &Layout,
+) -> Result<Option<crate::schedule::Timeline>> {
+    check_layout(input, l)?;
+    Ok(simulated(input, l)?.0)
+}
+
+/// Evaluates one layout completely, simulating its pipeline schedule.
+pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
+    check_layout(input, l)?;
+    let m = input.global_batch / (l.dp * l.micro_batch_size);
+    let (timeline, costs) = simulated(input, l)?;
     let stages: Vec<MemoryTerms> = (0..l.pp)
         .map(|s| {
             let flight = timeline.as_ref().map_or(0, |t| t.peak_in_flight[s]);

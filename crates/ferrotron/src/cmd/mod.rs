@@ -2,6 +2,7 @@ pub mod backend;
 pub mod bench;
 pub mod grads;
 pub mod plan;
+pub mod profile;
 pub mod schedule;
 pub mod train;
 pub mod verify;

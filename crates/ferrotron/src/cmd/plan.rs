@@ -45,6 +45,10 @@ pub struct PlanArgs {
     top: usize,
     #[arg(long)]
     json: bool,
+    /// Also write the predicted pictures (timeline, memory per stage) and an HTML report of the
+    /// evaluated layout (or the search's best) into this directory.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
 }
 
 fn plan_json(p: &Plan) -> serde_json::Value {
@@ -211,6 +215,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
             } else {
                 print_plan(&p);
             }
+            if let Some(dir) = &a.out {
+                write_pictures(dir, &input, &p)?;
+            }
         }
         spec => {
             let mut plans = plan::search(&input)?;
@@ -237,7 +244,30 @@ pub fn run(a: PlanArgs) -> Result<()> {
                     anyhow::bail!("no layout fits this model on this cluster");
                 }
             }
+            if let (Some(dir), Some(best)) = (&a.out, plans.first()) {
+                write_pictures(dir, &input, best)?;
+            }
         }
     }
+    Ok(())
+}
+
+/// The predicted pictures and a report page of `p`, into `dir`.
+fn write_pictures(dir: &std::path::Path, input: &plan::PlanInput, p: &plan::Plan) -> Result<()> {
+    let (timeline, memory) = crate::report::predicted_pictures(input, p)?;
+    std::fs::create_dir_all(dir)?;
+    let mut sections = vec![("plan", serde_json::to_string_pretty(&plan_json(p))?)];
+    if let Some(t) = &timeline {
+        std::fs::write(dir.join("timeline_predicted.svg"), t)?;
+        sections.push(("timeline: predicted", t.clone()));
+    }
+    std::fs::write(dir.join("memory_predicted.svg"), &memory)?;
+    sections.push(("memory: predicted", memory));
+    let html = crate::report::html_report(&format!("ferrotron plan: {}", p.layout), &sections);
+    std::fs::write(dir.join("report.html"), html)?;
+    println!(
+        "pictures written to {}: timeline_predicted.svg, memory_predicted.svg, report.html",
+        dir.display()
+    );
     Ok(())
 }

@@ -1,0 +1,484 @@
+//! `ferrotron profile`: run a few steps of a layout and put every measured figure beside the planner's
+//! prediction for the same layout, with a verdict where they disagree; write the trace, the pictures
+//! and an HTML report.
+
+use crate::report::{html_report, memory_svg, timeline_svg, Box_};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrotron_core::plan::{evaluate, simulated_timeline, MemoryTerms};
+use ferrotron_core::schedule::StagePartition;
+use ferrotron_engine::comm::{Comm, ThreadWorld};
+use ferrotron_engine::memory::{self, format_bytes};
+use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
+use ferrotron_engine::parallel::{MeshStep, StepReport};
+use ferrotron_engine::runtime::{plan_input, resolve_model, TrainConfig};
+use ferrotron_engine::transformer::TokenBatch;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ProfileArgs {
+    /// A preset or a Hugging Face model directory.
+    #[arg(long, default_value = "llama-small")]
+    model: String,
+    /// The layout to profile (every key given, or `auto` for the planner's choice).
+    #[arg(long)]
+    layout: String,
+    /// Sequences per step (the global batch) and tokens per sequence.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Steps to run; the last is reported (the first ones warm up).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// The cluster the devices stand for (placement and predictions).
+    #[arg(long, default_value = "this-machine")]
+    cluster: String,
+    /// Each device's memory (default: the cluster's).
+    #[arg(long)]
+    device_memory: Option<String>,
+    /// Where the trace, the pictures and the report go.
+    #[arg(long, default_value = "runs/profile")]
+    out: PathBuf,
+    /// A measured figure further than this from the prediction gets a verdict (idle: absolute; bytes
+    /// and memory: relative).
+    #[arg(long, default_value_t = 0.15)]
+    threshold: f64,
+    /// Drills: make this device compute --slow-device-ms longer per action.
+    #[arg(long)]
+    slow_device: Option<usize>,
+    #[arg(long, default_value_t = 10.0)]
+    slow_device_ms: f64,
+}
+
+/// What one device measured in the reported step.
+struct Measured {
+    report: StepReport,
+}
+
+pub fn run(a: ProfileArgs) -> Result<()> {
+    if a.steps == 0 || a.batch == 0 || a.seq < 2 {
+        bail!("--steps and --batch must be positive and --seq at least 2");
+    }
+    let cfg = TrainConfig {
+        model: a.model.clone(),
+        batch_size: a.batch,
+        seq_len: a.seq,
+        steps: a.steps,
+        cluster: a.cluster.clone(),
+        device_memory: a.device_memory.clone(),
+        layout: a.layout.clone(),
+        ..TrainConfig::default()
+    };
+    let (model, params, _) = resolve_model(&a.model, 0)?;
+    if a.seq > model.max_position_embeddings {
+        bail!(
+            "--seq {} exceeds the model's max_position_embeddings {}",
+            a.seq,
+            model.max_position_embeddings
+        );
+    }
+    let input = plan_input(&cfg, &model)?;
+    let layout = ferrotron_engine::runtime::resolve_layout(
+        &ferrotron_core::layout::LayoutSpec::parse(&a.layout)?,
+        &input,
+    )?[0];
+    let plan = evaluate(&input, &layout)?;
+    let predicted_timeline = simulated_timeline(&input, &layout)?;
+    // The planner's idle fraction of each stage: its simulated schedule's gaps.
+    let predicted_idle: Vec<f64> = (0..layout.pp)
+        .map(|s| {
+            predicted_timeline
+                .as_ref()
+                .map_or(plan.bubble_fraction, |tl| {
+                    1.0 - tl.busy[s] / tl.makespan.max(1e-12)
+                })
+        })
+        .collect();
+    let partition = StagePartition::for_model(&model, layout.pp * layout.vpp)?;
+    // Deterministic token batches over the model's vocabulary.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let batches: Vec<TokenBatch> = (0..a.steps)
+        .map(|_| TokenBatch {
+            ids: (0..a.batch * a.seq)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state % model.vocab_size as u64) as u32
+                })
+                .collect(),
+            batch: a.batch,
+            seq: a.seq,
+        })
+        .collect();
+    let world = layout.world_size();
+    let accounts = memory::Accounts::claim(world);
+    let capacity = cfg
+        .device_memory
+        .as_deref()
+        .map(ferrotron_engine::runtime::parse_bytes)
+        .transpose()?;
+    let lr = LrSchedule {
+        peak_lr: 1e-4,
+        min_lr: 1e-4,
+        warmup_steps: 0,
+        total_steps: a.steps,
+    };
+    let slow = a.slow_device.map(|d| (d, a.slow_device_ms / 1e3));
+    let results = ThreadWorld::new(world)
+        .timeout(Duration::from_secs(600))
+        .run(|c| -> ferrotron_engine::Result<Measured> {
+            memory::set_capacity(accounts.base + c.rank(), capacity);
+            let mut step = MeshStep::new(&model, &params, &batches[0], &layout, &partition)?
+                .with_account_base(accounts.base)
+                .with_slow_device(slow);
+            let mut last = None;
+            step.train_device(
+                c,
+                a.steps,
+                &|k| batches[k].clone(),
+                AdamWConfig::default(),
+                &lr,
+                1.0,
+                &mut |_, _, _, r| {
+                    last = Some(r.clone());
+                    Ok(())
+                },
+            )?;
+            memory::set_capacity(accounts.base + c.rank(), None);
+            Ok(Measured {
+                report: last.expect("at least one step"),
+            })
+        });
+    let mut devices = Vec::new();
+    for (r, res) in results.into_iter().enumerate() {
+        devices.push(
+            res.map_err(|e| anyhow::anyhow!("device {r}: {e}"))?
+                .map_err(|e| anyhow::anyhow!("device {r}: {e}"))?,
+        );
+    }
+    let coords: Vec<(usize, usize, usize)> = (0..world)
+        .map(|r| {
+            let (t, d, s) = (
+                r % layout.tp,
+                (r / layout.tp) % layout.dp,
+                r / (layout.tp * layout.dp),
+            );
+            (t, d, s)
+        })
+        .collect();
+
+    // The tables.
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "ferrotron profile: {} on {world} devices, layout {layout}, batch {} x {} tokens, step {} of {} \
+         (device time; the planner's prediction for the same layout beside each figure)",
+        a.model, a.batch, a.seq, a.steps, a.steps
+    );
+    let _ = writeln!(
+        text,
+        "\n| device | stage | dp | tp | computing s | blocked in tp / dp / world s | waiting on neighbours s | idle | predicted idle | sent tp / dp / pp | predicted tp / dp / pp | received |"
+    );
+    let _ = writeln!(text, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let blocked = |r: &StepReport, kind: &str| -> f64 {
+        r.stats
+            .by_op
+            .iter()
+            .filter(|(k, _)| k.split('/').next() == Some(kind))
+            .map(|(_, s)| s.time_blocked_s + s.time_transfer_s)
+            .sum()
+    };
+    let idle = |r: &StepReport| {
+        if r.span_s > 0.0 {
+            1.0 - r.busy_s / r.span_s
+        } else {
+            0.0
+        }
+    };
+    let traffic = &plan.comm_bytes_per_step;
+    for (d, m) in devices.iter().enumerate() {
+        let r = &m.report;
+        let (t, dp, s) = coords[d];
+        let by = |g: &str| r.stats.bytes_sent_by_group(g);
+        let _ = writeln!(
+            text,
+            "| {d} | {s} | {dp} | {t} | {:.4} | {:.4} / {:.4} / {:.4} | {:.4} | {:.1}% | {:.1}% | {} / {} / {} | {} / {} / {} | {} |",
+            r.busy_s,
+            blocked(r, "tp"),
+            blocked(r, "dp"),
+            blocked(r, "world"),
+            blocked(r, "p2p"),
+            100.0 * idle(r),
+            100.0 * predicted_idle[s],
+            format_bytes(by("tp")),
+            format_bytes(by("dp")),
+            format_bytes(by("p2p") + by("pp")),
+            format_bytes(traffic.tp as u64),
+            format_bytes(traffic.dp as u64),
+            format_bytes(traffic.pp as u64),
+            format_bytes(r.stats.total().bytes_received),
+        );
+    }
+    let _ = writeln!(
+        text,
+        "\npeak memory per term, measured / predicted (MB):\n\n| device | weights | gradients | master | optimizer | activations | comm | total | ratio |\n|---|---|---|---|---|---|---|---|---|"
+    );
+    let mb = |v: u64| v as f64 / 1e6;
+    for (d, m) in devices.iter().enumerate() {
+        let (got, want) = (
+            m.report.memory.peak_terms(),
+            plan.memory_bytes_per_stage[coords[d].2],
+        );
+        let _ = writeln!(
+            text,
+            "| {d} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} |",
+            mb(got.weights), mb(want.weights),
+            mb(got.gradients), mb(want.gradients),
+            mb(got.master_weights), mb(want.master_weights),
+            mb(got.optimizer_states), mb(want.optimizer_states),
+            mb(got.activations), mb(want.activations),
+            mb(got.comm_buffers), mb(want.comm_buffers),
+            mb(got.total), mb(want.total),
+            got.total as f64 / want.total.max(1) as f64,
+        );
+    }
+    let verdicts = verdicts(&a, &devices, &coords, &plan, &predicted_idle);
+    let _ = writeln!(text, "\nverdicts:");
+    for v in &verdicts {
+        let _ = writeln!(text, "- {v}");
+    }
+    print!("{text}");
+
+    // The trace, the pictures and the report.
+    std::fs::create_dir_all(&a.out)
+        .with_context(|| format!("{}: cannot create", a.out.display()))?;
+    let names: Vec<String> = coords
+        .iter()
+        .enumerate()
+        .map(|(d, (t, dp, s))| format!("dev {d} s{s} d{dp} t{t}"))
+        .collect();
+    let measured_tracks: Vec<Vec<Box_>> = devices
+        .iter()
+        .map(|m| {
+            m.report
+                .timeline
+                .iter()
+                .map(|&(action, start, end)| Box_ { action, start, end })
+                .collect()
+        })
+        .collect();
+    let measured_svg = timeline_svg("measured timeline (device time)", &names, &measured_tracks);
+    let memory: Vec<MemoryTerms> = devices
+        .iter()
+        .map(|m| m.report.memory.peak_terms())
+        .collect();
+    let memory_measured = memory_svg(
+        "measured peak memory per device, by term",
+        &names,
+        &memory,
+        input.cluster.device_memory_bytes,
+    );
+    let mut files = vec![
+        ("timeline.svg", measured_svg.clone()),
+        ("memory.svg", memory_measured.clone()),
+    ];
+    let mut sections = vec![
+        ("tables and verdicts", text.clone()),
+        (
+            "timeline: measured",
+            format!("<div class=\"pair\">{measured_svg}</div>"),
+        ),
+    ];
+    let (timeline_predicted, memory_predicted) = crate::report::predicted_pictures(&input, &plan)?;
+    if let Some(predicted) = timeline_predicted {
+        files.push(("timeline_predicted.svg", predicted.clone()));
+        sections.push((
+            "timeline: predicted",
+            format!("<div class=\"pair\">{predicted}</div>"),
+        ));
+    }
+    files.push(("memory_predicted.svg", memory_predicted.clone()));
+    sections.push((
+        "memory: measured and predicted",
+        format!("<div class=\"pair\">{memory_measured}{memory_predicted}</div>"),
+    ));
+    files.push((
+        "trace.json",
+        serde_json::to_string(&trace(&devices, &names))?,
+    ));
+    let report = html_report(&format!("ferrotron profile: {layout}"), &sections);
+    files.push(("report.html", report));
+    for (name, body) in files {
+        let path = a.out.join(name);
+        std::fs::write(&path, body).with_context(|| format!("{}: cannot write", path.display()))?;
+    }
+    println!(
+        "\nwritten to {}: report.html, timeline.svg, timeline_predicted.svg, memory.svg, memory_predicted.svg, trace.json (Perfetto)",
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// Chrome trace-event JSON: one track per device, one event per action (device time, µs), and the
+/// step's remainder after the last action (optimizer step and reductions) as one event.
+fn trace(devices: &[Measured], names: &[String]) -> serde_json::Value {
+    let mut events = Vec::new();
+    for (d, m) in devices.iter().enumerate() {
+        events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": 0, "tid": d, "args": {"name": names[d]}}));
+        for (a, t0, t1) in &m.report.timeline {
+            let cat = match a {
+                ferrotron_core::schedule::Action::Forward { .. } => "forward",
+                ferrotron_core::schedule::Action::Backward { .. } => "backward",
+                ferrotron_core::schedule::Action::BackwardInput { .. } => "backward_input",
+                ferrotron_core::schedule::Action::BackwardWeight { .. } => "backward_weight",
+            };
+            events.push(serde_json::json!({
+                "name": a.to_string(), "cat": cat, "ph": "X", "pid": 0, "tid": d,
+                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
+                "args": {"micro_batch": a.mb(), "chunk": a.chunk()},
+            }));
+        }
+    }
+    serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
+}
+
+/// A line for every measured figure further from its prediction than the threshold, with the likely
+/// cause; or one line saying that everything is within it.
+fn verdicts(
+    a: &ProfileArgs,
+    devices: &[Measured],
+    coords: &[(usize, usize, usize)],
+    plan: &ferrotron_core::plan::Plan,
+    predicted_idle: &[f64],
+) -> Vec<String> {
+    let th = a.threshold;
+    let stages = predicted_idle.len();
+    let mut out = Vec::new();
+    let busy: Vec<f64> = devices.iter().map(|m| m.report.busy_s).collect();
+    // A device computing well above the others of its stage (which do the same work): a straggler.
+    for (d, &b) in busy.iter().enumerate() {
+        let (t, dp, s) = coords[d];
+        let mut peers: Vec<f64> = (0..devices.len())
+            .filter(|&e| coords[e].2 == s)
+            .map(|e| busy[e])
+            .collect();
+        if peers.len() < 2 {
+            continue;
+        }
+        peers.sort_by(f64::total_cmp);
+        let median = peers[peers.len() / 2];
+        if median > 0.0 && b > median * (1.0 + th) {
+            out.push(format!(
+                "device {d} (stage {s}, dp rank {dp}, tp rank {t}) computes {:.2}× its stage's median \
+                 ({b:.4} s vs {median:.4} s): a straggler",
+                b / median
+            ));
+        }
+    }
+    // Per stage: idle against the predicted bubble, and stage balance.
+    let stage_busy: Vec<f64> = (0..stages)
+        .map(|s| {
+            let v: Vec<f64> = (0..devices.len())
+                .filter(|&d| coords[d].2 == s)
+                .map(|d| busy[d])
+                .collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        })
+        .collect();
+    let (cheap, dear) = (
+        (0..stages)
+            .min_by(|&x, &y| stage_busy[x].total_cmp(&stage_busy[y]))
+            .unwrap_or(0),
+        (0..stages)
+            .max_by(|&x, &y| stage_busy[x].total_cmp(&stage_busy[y]))
+            .unwrap_or(0),
+    );
+    let mut idle_ok = Vec::new();
+    for s in 0..stages {
+        let ids: Vec<usize> = (0..devices.len()).filter(|&d| coords[d].2 == s).collect();
+        let idle: f64 = ids
+            .iter()
+            .map(|&d| {
+                let r = &devices[d].report;
+                if r.span_s > 0.0 {
+                    1.0 - r.busy_s / r.span_s
+                } else {
+                    0.0
+                }
+            })
+            .sum::<f64>()
+            / ids.len().max(1) as f64;
+        let want = predicted_idle[s];
+        if (idle - want).abs() > th {
+            let why = if let Some(straggler) = out.iter().find(|v| v.contains("straggler")) {
+                format!(
+                    "waiting on the straggler, {}",
+                    straggler.split(" computes").next().unwrap_or("above")
+                )
+            } else if stage_busy[cheap] > 0.0 && stage_busy[dear] / stage_busy[cheap] > 1.0 + th {
+                format!(
+                    "stages unbalanced — stage {dear} costs {:.2}× stage {cheap}",
+                    stage_busy[dear] / stage_busy[cheap]
+                )
+            } else {
+                "time blocked in collectives or on neighbours beyond the model".to_string()
+            };
+            out.push(format!(
+                "stage {s} idle {:.0}% vs predicted {:.0}%: {why}",
+                100.0 * idle,
+                100.0 * want
+            ));
+        } else {
+            idle_ok.push(format!(
+                "stage {s} idle {:.0}% vs {:.0}%",
+                100.0 * idle,
+                100.0 * want
+            ));
+        }
+    }
+    // Bytes per group against the planner's traffic (the busiest device of each).
+    let mut bytes_ok = Vec::new();
+    let traffic = &plan.comm_bytes_per_step;
+    for (group, kinds, want) in [
+        ("tp", vec!["tp"], traffic.tp),
+        ("dp", vec!["dp"], traffic.dp),
+        ("pp", vec!["p2p", "pp"], traffic.pp),
+    ] {
+        let got = devices
+            .iter()
+            .map(|m| {
+                kinds
+                    .iter()
+                    .map(|k| m.report.stats.bytes_sent_by_group(k))
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0) as f64;
+        if want == 0.0 && got == 0.0 {
+            continue;
+        }
+        let ratio = got / want.max(1.0);
+        if (ratio - 1.0).abs() > th {
+            out.push(format!(
+                "{group} bytes {} vs predicted {} ({ratio:.2}×)",
+                format_bytes(got as u64),
+                format_bytes(want as u64)
+            ));
+        } else {
+            bytes_ok.push(format!("{group} bytes {ratio:.2}× the prediction"));
+        }
+    }
+    if out.is_empty() {
+        out.push(format!(
+            "every measured idle fraction and byte count is within {:.0}% of the prediction: {}; {}",
+            100.0 * th,
+            idle_ok.join(", "),
+            bytes_ok.join(", ")
+        ));
+    }
+    out
+}

@@ -1,0 +1,172 @@
+//! `ferrotron profile` and `plan --out`: measurements beside predictions with verdicts, a Perfetto
+//! trace, SVG pictures with one box per action and per term, and an HTML report embedding them.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotron-profile-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn profile(args: &[&str], out: &Path) -> (bool, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["profile", "--model", "llama-small", "--seq", "64", "--out"])
+        .arg(out)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+    )
+}
+
+/// Elements of an SVG file with the given class, after checking that it parses as XML.
+fn boxes(path: &Path, class: &str) -> usize {
+    let text = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&text)
+        .unwrap_or_else(|e| panic!("{} is not XML: {e}", path.display()));
+    doc.descendants()
+        .filter(|n| n.attribute("class") == Some(class))
+        .count()
+}
+
+#[test]
+fn a_balanced_3d_layout_is_within_the_prediction_and_the_pictures_show_every_action() {
+    let out = temp_dir("3d");
+    let (ok, text) = profile(&["--layout", "dp=2,tp=2,pp=2", "--batch", "8"], &out);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("within 15% of the prediction"),
+        "the verdict should say measured idle and bytes agree: {text}"
+    );
+    // 8 devices × 4 micro-batches × (forward + backward); the planner's 2 stages × 8 actions.
+    assert_eq!(boxes(&out.join("timeline.svg"), "action"), 64);
+    assert_eq!(boxes(&out.join("timeline_predicted.svg"), "action"), 16);
+    // One box per device (or stage) per term.
+    assert_eq!(boxes(&out.join("memory.svg"), "term"), 8 * 6);
+    assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 2 * 6);
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(
+        html.contains("<svg") && html.matches("<svg").count() == 4,
+        "the report embeds the pictures"
+    );
+    assert!(html.contains("verdicts"));
+}
+
+#[test]
+fn the_trace_has_every_forward_and_backward_of_a_4_stage_8_micro_batch_1f1b_step_in_order() {
+    let out = temp_dir("trace");
+    let (ok, text) = profile(
+        &["--layout", "pp=4,mbs=1,schedule=1f1b", "--batch", "8"],
+        &out,
+    );
+    assert!(ok, "{text}");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let (mut forward, mut backward) = (0, 0);
+    for stage in 0..4 {
+        let mine: Vec<&serde_json::Value> = events
+            .iter()
+            .filter(|e| e["tid"] == stage && e["ph"] == "X")
+            .collect();
+        let f: Vec<u64> = mine
+            .iter()
+            .filter(|e| e["cat"] == "forward")
+            .map(|e| e["args"]["micro_batch"].as_u64().unwrap())
+            .collect();
+        let b: Vec<u64> = mine
+            .iter()
+            .filter(|e| e["cat"] == "backward")
+            .map(|e| e["args"]["micro_batch"].as_u64().unwrap())
+            .collect();
+        assert_eq!(
+            f,
+            (0..8).collect::<Vec<_>>(),
+            "stage {stage}: forwards in order"
+        );
+        assert_eq!(
+            b,
+            (0..8).collect::<Vec<_>>(),
+            "stage {stage}: backwards in order"
+        );
+        // In device time, each event starts after the previous one on the track ends.
+        let times: Vec<(f64, f64)> = mine
+            .iter()
+            .map(|e| {
+                let ts = e["ts"].as_f64().unwrap();
+                (ts, ts + e["dur"].as_f64().unwrap())
+            })
+            .collect();
+        assert!(
+            times.windows(2).all(|w| w[1].0 >= w[0].1 - 1e-6),
+            "stage {stage}: ordered"
+        );
+        forward += f.len();
+        backward += b.len();
+    }
+    assert_eq!((forward, backward), (32, 32));
+}
+
+#[test]
+fn an_injected_slow_device_is_named_in_the_verdict() {
+    let out = temp_dir("slow");
+    let (ok, text) = profile(
+        &[
+            "--layout",
+            "dp=2,tp=2,pp=2",
+            "--batch",
+            "8",
+            "--slow-device",
+            "5",
+        ],
+        &out,
+    );
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("device 5 (stage 1, dp rank 0, tp rank 1) computes")
+            && text.contains("a straggler"),
+        "{text}"
+    );
+    assert!(
+        text.contains("waiting on the straggler, device 5"),
+        "{text}"
+    );
+}
+
+#[test]
+fn plan_writes_the_predicted_pictures() {
+    let out = temp_dir("plan");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args([
+            "plan",
+            "--model",
+            "llama-small",
+            "--global-batch",
+            "8",
+            "--seq",
+            "128",
+            "--layout",
+            "pp=4,mbs=1",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(boxes(&out.join("timeline_predicted.svg"), "action"), 4 * 16);
+    assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 4 * 6);
+    assert!(std::fs::read_to_string(out.join("report.html"))
+        .unwrap()
+        .contains("<svg"));
+}
