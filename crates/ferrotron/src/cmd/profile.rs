@@ -398,7 +398,7 @@ fn verdicts(
             .unwrap_or(0),
     );
     let mut idle_ok = Vec::new();
-    for s in 0..stages {
+    for (s, &want) in predicted_idle.iter().enumerate() {
         let ids: Vec<usize> = (0..devices.len()).filter(|&d| coords[d].2 == s).collect();
         let idle: f64 = ids
             .iter()
@@ -412,7 +412,6 @@ fn verdicts(
             })
             .sum::<f64>()
             / ids.len().max(1) as f64;
-        let want = predicted_idle[s];
         if (idle - want).abs() > th {
             let why = if let Some(straggler) = out.iter().find(|v| v.contains("straggler")) {
                 format!(
