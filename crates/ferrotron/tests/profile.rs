@@ -76,9 +76,21 @@ fn the_trace_has_every_forward_and_backward_of_a_4_stage_8_micro_batch_1f1b_step
     let events = trace["traceEvents"].as_array().unwrap();
     let (mut forward, mut backward) = (0, 0);
     for stage in 0..4 {
-        let mine: Vec<&serde_json::Value> = events
+        let all: Vec<&serde_json::Value> = events
             .iter()
             .filter(|e| e["tid"] == stage && e["ph"] == "X")
+            .collect();
+        // Sends, receives, the reductions and the optimizer step are on the track too.
+        assert!(all.iter().any(|e| e["cat"] == "optimizer"), "stage {stage}");
+        if stage > 0 {
+            assert!(
+                all.iter().any(|e| e["cat"] == "pipeline transfer"),
+                "stage {stage}"
+            );
+        }
+        let mine: Vec<&serde_json::Value> = all
+            .into_iter()
+            .filter(|e| e["cat"] == "forward" || e["cat"] == "backward")
             .collect();
         let f: Vec<u64> = mine
             .iter()

@@ -293,6 +293,7 @@ impl<'a> MeshStep<'a> {
             peak,
             peak_bytes,
             timeline,
+            ..
         } = last.expect("at least one pass");
         let end = c.device_time();
         let stats = c.stats().since(&measured_from);
@@ -337,8 +338,10 @@ impl<'a> MeshStep<'a> {
                 loss,
                 peak_bytes,
                 timeline,
+                transfers,
                 ..
             } = self.step_device(c, &dev)?;
+            let reduced = c.device_time();
             let norm = self.grad_norm(c, &dev)?;
             if clip > 0.0 && norm > clip {
                 let scale = (clip / (norm + 1e-6)) as f32;
@@ -349,7 +352,9 @@ impl<'a> MeshStep<'a> {
                 });
             }
             let rate = lr.lr(step) as f32;
+            let update_start = c.device_time();
             dev.zero.update(c, rate)?;
+            let update_end = c.device_time();
             // Every device learns the step's loss (summed from the devices that count it).
             let mut l = [loss];
             c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
@@ -366,7 +371,12 @@ impl<'a> MeshStep<'a> {
                 span_s: ended - started,
                 stats,
                 peak_stash_bytes: peak_bytes,
+                // After the last action: the gradient reductions' tail and the global norm, then
+                // the optimizer step (with ZeRO 1–2 its all-gather).
+                reduce_s: (timeline.last().map_or(reduced, |a| a.2), update_start),
+                update_s: (update_start, update_end),
                 timeline,
+                transfers,
                 wall_s: wall.elapsed().as_secs_f64(),
                 memory: memory::device_memory(account),
             };
@@ -563,6 +573,12 @@ pub struct StepReport {
     pub span_s: f64,
     /// Every action of the step with its start and end in device time.
     pub timeline: Vec<(ferrotron_core::schedule::Action, f64, f64)>,
+    /// Sends and receives between stages, (what, start, end) in device time.
+    pub transfers: Vec<(String, f64, f64)>,
+    /// Device-time intervals of the reductions after the last action (with the global norm), and
+    /// of the optimizer step.
+    pub reduce_s: (f64, f64),
+    pub update_s: (f64, f64),
     pub wall_s: f64,
     /// This device's memory during the step, measured by term.
     pub memory: memory::DeviceMemory,

@@ -168,6 +168,9 @@ pub(crate) struct StageOutcome {
     pub peak: usize,
     pub peak_bytes: usize,
     pub timeline: Vec<(Action, f64, f64)>,
+    /// Transfers between stages: (what, start, end) in device time (a receive's interval is its
+    /// wait for the neighbour).
+    pub transfers: Vec<(String, f64, f64)>,
 }
 
 impl StageRun<'_> {
@@ -199,6 +202,7 @@ impl StageRun<'_> {
                     + deferred.values().map(WeightGrads::bytes).sum::<usize>()
             };
         let mut timeline = Vec::new();
+        let mut transfers = Vec::new();
         for action in &self.schedule.actions[s] {
             if let Some(at) = crate::memory::over_capacity(self.account) {
                 return Err(EngineError::OutOfMemory {
@@ -216,7 +220,10 @@ impl StageRun<'_> {
                     } else {
                         let mut x = vec![0f32; self.boundary];
                         let from = (self.device_of)((vs - 1) % p);
+                        let t0 = tpg.comm().device_time();
                         tpg.comm().recv(from, &mut x, tag(mb, vs, FORWARD))?;
+                        let t1 = tpg.comm().device_time();
+                        transfers.push((format!("recv F{mb} from {from}"), t0, t1));
                         StageInput::Hidden { x, batch: mbs, seq }
                     };
                     started = tpg.comm().device_time();
@@ -229,7 +236,10 @@ impl StageRun<'_> {
                     if vs + 1 < nv {
                         let out = std::mem::take(&mut state.output);
                         let to = (self.device_of)((vs + 1) % p);
+                        let t0 = tpg.comm().device_time();
                         tpg.comm().send(to, &out, tag(mb, vs + 1, FORWARD))?;
+                        let t1 = tpg.comm().device_time();
+                        transfers.push((format!("send F{mb} to {to}"), t0, t1));
                     }
                     stash.insert((mb, chunk), state);
                     peak = peak.max(stash.len() + deferred.len());
@@ -246,7 +256,10 @@ impl StageRun<'_> {
                     let dout = if vs + 1 < nv {
                         let mut d = vec![0f32; self.boundary];
                         let from = (self.device_of)((vs + 1) % p);
+                        let t0 = tpg.comm().device_time();
                         tpg.comm().recv(from, &mut d, tag(mb, vs, BACKWARD))?;
+                        let t1 = tpg.comm().device_time();
+                        transfers.push((format!("recv B{mb} from {from}"), t0, t1));
                         Some(d)
                     } else {
                         None
@@ -271,7 +284,10 @@ impl StageRun<'_> {
                     peak_bytes = peak_bytes.max(stash_bytes(&stash, &deferred));
                     if let Some(dx) = dx {
                         let to = (self.device_of)((vs - 1) % p);
+                        let t0 = tpg.comm().device_time();
                         tpg.comm().send(to, &dx, tag(mb, vs - 1, BACKWARD))?;
+                        let t1 = tpg.comm().device_time();
+                        transfers.push((format!("send B{mb} to {to}"), t0, t1));
                     }
                 }
                 Action::BackwardWeight { mb, chunk } => {
@@ -296,6 +312,7 @@ impl StageRun<'_> {
             peak,
             peak_bytes,
             timeline,
+            transfers,
         })
     }
 }

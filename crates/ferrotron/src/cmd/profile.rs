@@ -342,6 +342,25 @@ fn trace(devices: &[Measured], names: &[String]) -> serde_json::Value {
                 "args": {"micro_batch": a.mb(), "chunk": a.chunk()},
             }));
         }
+        let r = &m.report;
+        let mut extra: Vec<(&str, &str, f64, f64)> = r
+            .transfers
+            .iter()
+            .map(|(what, t0, t1)| (what.as_str(), "pipeline transfer", *t0, *t1))
+            .collect();
+        extra.push((
+            "gradient reductions + global norm",
+            "collective",
+            r.reduce_s.0,
+            r.reduce_s.1,
+        ));
+        extra.push(("optimizer step", "optimizer", r.update_s.0, r.update_s.1));
+        for (name, cat, t0, t1) in extra {
+            events.push(serde_json::json!({
+                "name": name, "cat": cat, "ph": "X", "pid": 0, "tid": d,
+                "ts": t0 * 1e6, "dur": ((t1 - t0) * 1e6).max(0.0),
+            }));
+        }
     }
     serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
 }
