@@ -83,12 +83,7 @@ impl AdamW {
 
     /// [`AdamW::step`] on the calling thread only (a device thread: its work shows on its clock).
     pub fn step_serial(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32) {
-        let mut p: Vec<&mut [f32]> = params
-            .tensors
-            .iter_mut()
-            .map(|t| t.as_mut_slice())
-            .collect();
-        let g: Vec<&[f32]> = grads.tensors.iter().map(Vec::as_slice).collect();
+        let (mut p, g) = slices(params, grads);
         self.step_on(&mut p, &g, lr, false)
     }
 
@@ -100,12 +95,7 @@ impl AdamW {
 
     /// One update with learning rate `lr` (PyTorch's AdamW arithmetic).
     pub fn step(&mut self, params: &mut ParamStore, grads: &ParamStore, lr: f32) {
-        let mut p: Vec<&mut [f32]> = params
-            .tensors
-            .iter_mut()
-            .map(|t| t.as_mut_slice())
-            .collect();
-        let g: Vec<&[f32]> = grads.tensors.iter().map(Vec::as_slice).collect();
+        let (mut p, g) = slices(params, grads);
         self.step_on(&mut p, &g, lr, true)
     }
 
@@ -142,6 +132,20 @@ impl AdamW {
             }
         }
     }
+}
+
+/// Every tensor of `params` and `grads` as slices.
+type Slices<'a> = (Vec<&'a mut [f32]>, Vec<&'a [f32]>);
+
+fn slices<'a>(params: &'a mut ParamStore, grads: &'a ParamStore) -> Slices<'a> {
+    (
+        params
+            .tensors
+            .iter_mut()
+            .map(|t| t.as_mut_slice())
+            .collect(),
+        grads.tensors.iter().map(Vec::as_slice).collect(),
+    )
 }
 
 /// ‖g‖₂ over every tensor, summed in f64 in a fixed order.

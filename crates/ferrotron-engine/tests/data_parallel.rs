@@ -13,21 +13,9 @@ use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 use ferrotron_engine::parallel::{pipeline_step, MeshStep};
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
-use rand::{Rng, SeedableRng};
 use std::time::Duration;
 
 const TOL: f64 = 1e-5;
-
-fn random_batch(vocab: usize, batch: usize, seq: usize, seed: u64) -> TokenBatch {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    TokenBatch {
-        ids: (0..batch * seq)
-            .map(|_| rng.gen_range(0..vocab as u32))
-            .collect(),
-        batch,
-        seq,
-    }
-}
 
 const LAYOUTS: [&str; 4] = ["dp=2,tp=2,pp=2", "dp=4,pp=2", "dp=2,tp=4", "dp=8"];
 

@@ -87,10 +87,7 @@ fn zero_stages_lower_exactly_the_terms_they_shard() {
 #[test]
 fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
     use ferrotron_core::model::ModelConfig;
-    use ferrotron_core::plan::{
-        evaluate, ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision,
-    };
-    use ferrotron_core::topology::Cluster;
+    use ferrotron_core::plan::evaluate;
     use ferrotron_engine::transformer::ParamStore;
     let cfg = ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
     let params = ParamStore::init_random(&cfg, 1);
@@ -100,18 +97,7 @@ fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
         batch: b,
         seq,
     };
-    let input = PlanInput {
-        model: PlanModel::Shape(cfg.clone()),
-        cluster: Cluster::parse("this-machine").unwrap(),
-        seq,
-        global_batch: b,
-        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32").unwrap(),
-        optimizer: OptimizerKind::Adam,
-        activation_model: ActivationModel::Ferrotron,
-        lora_rank: None,
-        memory_reserve: 0.0,
-        force_cross_node_tp: false,
-    };
+    let input = f32_plan_input(&cfg, seq, b);
     for spec in ["dp=2,tp=2,pp=2,mbs=1", "dp=2,tp=2,pp=2,mbs=1,zero=2"] {
         let l = LayoutSpec::parse(spec).unwrap().layout;
         let part = StagePartition::for_model(&cfg, l.pp).unwrap();

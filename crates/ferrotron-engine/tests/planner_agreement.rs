@@ -4,10 +4,7 @@ mod common;
 
 use common::*;
 use ferrotron_core::layout::Layout;
-use ferrotron_core::plan::{
-    stage_activation_stash, ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision,
-};
-use ferrotron_core::topology::Cluster;
+use ferrotron_core::plan::stage_activation_stash;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::transformer::{TokenBatch, Transformer};
@@ -33,22 +30,6 @@ fn predicted_activation_bytes_equal_the_measured_stash() {
             let predicted = stage_activation_stash(&input, &layout, 0, 1);
             assert_eq!(predicted, measured as f64, "{model} mbs {mbs} seq {seq}");
         }
-    }
-}
-
-/// The engine's precision (everything f32) and the ferrotron activation model.
-fn f32_plan_input(cfg: &ferrotron_core::model::ModelConfig, seq: usize, batch: usize) -> PlanInput {
-    PlanInput {
-        model: PlanModel::Shape(cfg.clone()),
-        cluster: Cluster::parse("this-machine").unwrap(),
-        seq,
-        global_batch: batch,
-        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32").unwrap(),
-        optimizer: OptimizerKind::Adam,
-        activation_model: ActivationModel::Ferrotron,
-        lora_rank: None,
-        memory_reserve: 0.0,
-        force_cross_node_tp: false,
     }
 }
 

@@ -13,7 +13,6 @@ use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::parallel::tensor::gather_tensor;
 use ferrotron_engine::parallel::{pipeline_step, PipelineRun, TpShard};
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
-use rand::{Rng, SeedableRng};
 use std::time::Duration;
 
 /// f32 arithmetic, summed in a different order: relative error per tensor.
@@ -75,17 +74,6 @@ fn tensor_parallel_matches_pytorch_and_the_unsplit_model() {
                 assert!(worst <= TOL, "{what}: {name} vs PyTorch {worst:e}");
             }
         }
-    }
-}
-
-fn random_batch(vocab: usize, batch: usize, seq: usize, seed: u64) -> TokenBatch {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    TokenBatch {
-        ids: (0..batch * seq)
-            .map(|_| rng.gen_range(0..vocab as u32))
-            .collect(),
-        batch,
-        seq,
     }
 }
 

@@ -321,18 +321,9 @@ impl<'a> MetricsWriter<'a> {
             memory,
             warnings,
         };
-        let line = serde_json::json!({
-            "step": report.step,
-            "loss": report.loss,
-            "lr": report.lr,
-            "grad_norm": report.grad_norm,
-            "tokens_per_s": report.tokens_per_s,
-            "step_time_s": report.step_time_s,
-            "val_loss": report.val_loss,
-            "layout": self.run.layout.to_string(),
-            "warnings": report.warnings,
-            "devices": devices,
-        });
+        let mut extra = serde_json::Map::new();
+        extra.insert("layout".into(), self.run.layout.to_string().into());
+        let line = report.metrics_line(extra, devices);
         writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;
         on_step(&report);
         Ok(())

@@ -131,6 +131,31 @@ pub struct StepReport {
     pub warnings: Vec<String>,
 }
 
+impl StepReport {
+    /// The step's line in `metrics.jsonl`: its figures, then `extra` (the layout, warnings) and the
+    /// per-device objects.
+    pub fn metrics_line(
+        &self,
+        extra: serde_json::Map<String, serde_json::Value>,
+        devices: Vec<serde_json::Value>,
+    ) -> String {
+        let mut line = serde_json::json!({
+            "step": self.step,
+            "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens_per_s,
+            "step_time_s": self.step_time_s,
+            "val_loss": self.val_loss,
+            "warnings": self.warnings,
+        });
+        let obj = line.as_object_mut().expect("an object");
+        obj.extend(extra);
+        obj.insert("devices".into(), serde_json::Value::Array(devices));
+        line.to_string()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
     pub initial_val_loss: f64,
@@ -532,23 +557,17 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             memory,
             warnings: Vec::new(),
         };
-        let line = serde_json::json!({
-            "step": report.step,
-            "loss": report.loss,
-            "lr": report.lr,
-            "grad_norm": report.grad_norm,
-            "tokens_per_s": report.tokens_per_s,
-            "step_time_s": report.step_time_s,
-            "val_loss": report.val_loss,
-            "devices": [{
+        let line = report.metrics_line(
+            serde_json::Map::new(),
+            vec![serde_json::json!({
                 "device": 0,
                 "peak_memory_bytes": memory,
                 "idle_fraction": 0.0,
                 "bytes_sent": 0,
                 "step_time_s": dt,
                 "wall_step_time_s": dt,
-            }],
-        });
+            })],
+        );
         writeln!(metrics, "{line}").map_err(|e| EngineError::io(&metrics_path, e))?;
         on_step(&report);
     }

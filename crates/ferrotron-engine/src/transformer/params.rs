@@ -16,16 +16,7 @@ pub struct ParamStore {
 impl ParamStore {
     pub fn zeros(specs: Vec<ParamSpec>) -> Self {
         let tensors = specs.iter().map(|s| vec![0.0; s.numel()]).collect();
-        let index = specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.clone(), i))
-            .collect();
-        Self {
-            specs,
-            tensors,
-            index,
-        }
+        Self::from_tensors(specs, tensors)
     }
 
     /// A store of `tensors` named and shaped by `specs` (a shard's pieces may be any length).

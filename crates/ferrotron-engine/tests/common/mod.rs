@@ -113,3 +113,37 @@ pub fn worst_grad_err(grads: &ParamStore, reference: &Reference) -> (String, f64
         })
         .fold((String::new(), 0.0), |a, b| if b.1 > a.1 { b } else { a })
 }
+
+/// `batch` sequences of `seq` ids drawn uniformly from the vocabulary, deterministic in `seed`.
+pub fn random_batch(vocab: usize, batch: usize, seq: usize, seed: u64) -> TokenBatch {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    TokenBatch {
+        ids: (0..batch * seq)
+            .map(|_| rng.gen_range(0..vocab as u32))
+            .collect(),
+        batch,
+        seq,
+    }
+}
+
+/// The planner's view of the engine: everything f32, the ferrotron activation model, this machine.
+pub fn f32_plan_input(
+    cfg: &ferrotron_core::model::ModelConfig,
+    seq: usize,
+    batch: usize,
+) -> ferrotron_core::plan::PlanInput {
+    use ferrotron_core::plan::{ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision};
+    PlanInput {
+        model: PlanModel::Shape(cfg.clone()),
+        cluster: ferrotron_core::topology::Cluster::parse("this-machine").unwrap(),
+        seq,
+        global_batch: batch,
+        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32").unwrap(),
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Ferrotron,
+        lora_rank: None,
+        memory_reserve: 0.0,
+        force_cross_node_tp: false,
+    }
+}
