@@ -9,7 +9,7 @@ mod memory;
 mod search;
 mod spec;
 
-pub use cost::{layer_forward_flops, step_flops, tp_bytes_per_device, Traffic};
+pub use cost::{layer_forward_flops, links, step_flops, tp_bytes_per_device, Links, Traffic};
 pub use explain::search_notes;
 pub use memory::{
     largest_unit_params, layer_activation_bytes, padded_vocab, params_on_device,

@@ -200,6 +200,45 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         }
     };
     let traffic = &plan.comm_bytes_per_step;
+    let links = ferrotron_core::plan::links(&input.cluster, &layout);
+    let mut link_text = format!(
+        "\nbytes per group and what they take on the cluster's links ({} tp, {} dp, {} pp):\n\n\
+         | device | stage | dp | tp | sent tp / dp / pp | received tp / dp / pp | at link bandwidth s (tp / dp / pp) |\n|---|---|---|---|---|---|---|\n",
+        format_bytes(links.tp.bandwidth_bytes_per_s as u64) + "/s",
+        format_bytes(links.dp.bandwidth_bytes_per_s as u64) + "/s",
+        format_bytes(links.pp.bandwidth_bytes_per_s as u64) + "/s",
+    );
+    for (d, m) in devices.iter().enumerate() {
+        let r = &m.report;
+        let (t, dp, s) = coords[d];
+        let recv = |kinds: &[&str]| -> u64 {
+            r.stats
+                .by_op
+                .iter()
+                .filter(|(k, _)| kinds.contains(&k.split('/').next().unwrap_or("")))
+                .map(|(_, o)| o.bytes_received)
+                .sum()
+        };
+        let sent =
+            |kinds: &[&str]| -> u64 { kinds.iter().map(|k| r.stats.bytes_sent_by_group(k)).sum() };
+        // What the bytes would take on the cluster's links (the link each group uses).
+        let on_link = |bytes: u64, link: &ferrotron_core::topology::Link| {
+            bytes as f64 / link.bandwidth_bytes_per_s.max(1.0)
+        };
+        let _ = writeln!(
+            link_text,
+            "| {d} | {s} | {dp} | {t} | {} / {} / {} | {} / {} / {} | {:.4} / {:.4} / {:.4} |",
+            format_bytes(sent(&["tp"])),
+            format_bytes(sent(&["dp"])),
+            format_bytes(sent(&["p2p", "pp"])),
+            format_bytes(recv(&["tp"])),
+            format_bytes(recv(&["dp"])),
+            format_bytes(recv(&["p2p", "pp"])),
+            on_link(sent(&["tp"]), &links.tp),
+            on_link(sent(&["dp"]), &links.dp),
+            on_link(sent(&["p2p", "pp"]), &links.pp),
+        );
+    }
     for (d, m) in devices.iter().enumerate() {
         let r = &m.report;
         let (t, dp, s) = coords[d];
@@ -223,6 +262,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
             format_bytes(r.stats.total().bytes_received),
         );
     }
+    text.push_str(&link_text);
     let _ = writeln!(
         text,
         "\npeak memory per term, measured / predicted (MB):\n\n| device | weights | gradients | master | optimizer | activations | comm | total | ratio |\n|---|---|---|---|---|---|---|---|---|"
