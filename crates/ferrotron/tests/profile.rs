@@ -13,7 +13,12 @@ fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// One profile at a time: each runs 8 device threads, and on two cores several at once would measure
+/// each other.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn profile(args: &[&str], out: &Path) -> (bool, String) {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
         .args(["profile", "--model", "llama-small", "--seq", "64", "--out"])
         .arg(out)

@@ -1,6 +1,7 @@
 //! One transformer block: forward (keeping what backward needs) and backward.
 
 use super::collectives::ShardCollectives;
+use super::kept::Kept;
 use super::weights::{WeightJob, WeightSink};
 use super::{ParamStore, Transformer};
 use crate::kernels::{AttnShape, Backend, LinearShape};
@@ -224,36 +225,42 @@ impl LayerIds {
     }
 }
 
-/// What one block keeps from forward for backward.
+/// What one block keeps from forward for backward (the norms' statistics in f32, the tensors in the
+/// executor's activation storage).
 pub(crate) struct LayerActs {
-    x_in: Vec<f32>,
+    x_in: Kept,
+    /// The norms' statistics; their outputs are kept in `n1_out` / `n2_out`.
     n1: NormStash,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    probs: Vec<f32>,
-    attn: Vec<f32>,
-    x_mid: Vec<f32>,
+    n1_out: Kept,
+    q: Kept,
+    k: Kept,
+    v: Kept,
+    probs: Kept,
+    attn: Kept,
+    x_mid: Kept,
     n2: NormStash,
+    n2_out: Kept,
     /// Llama: gate and up pre-activations; GPT-2: the c_fc output.
-    mlp_pre: Vec<Vec<f32>>,
-    mlp_act: Vec<f32>,
+    mlp_pre: Vec<Kept>,
+    mlp_act: Kept,
 }
 
 impl LayerActs {
     pub fn bytes(&self) -> usize {
-        let vecs = [
+        let kept = [
             &self.x_in,
+            &self.n1_out,
             &self.q,
             &self.k,
             &self.v,
             &self.probs,
             &self.attn,
             &self.x_mid,
+            &self.n2_out,
             &self.mlp_act,
         ];
-        let pre: usize = self.mlp_pre.iter().map(Vec::len).sum();
-        4 * (vecs.iter().map(|v| v.len()).sum::<usize>() + pre) + self.n1.bytes() + self.n2.bytes()
+        let pre: usize = self.mlp_pre.iter().map(Kept::bytes).sum();
+        kept.iter().map(|k| k.bytes()).sum::<usize>() + pre + self.n1.bytes() + self.n2.bytes()
     }
 }
 
@@ -285,7 +292,7 @@ fn split_qkv(qkv: &[f32], q: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 
 /// Drops the attention probabilities from a stash (selective recompute: backward recomputes them).
 pub(crate) fn drop_probs(acts: &mut LayerActs) {
-    acts.probs = Vec::new();
+    acts.probs = Kept::Empty;
 }
 
 /// A row-parallel layer: each device's partial product, summed over the group, then the bias (added
@@ -365,18 +372,23 @@ pub(crate) fn forward(
     }
     let mut out = row_parallel_forward(&ids.mlp_out, be, tp, p, &mlp_act, rows);
     be.add_assign(&mut out, &x_mid);
+    let keep = |v: Vec<f32>| Kept::keep(v, m.activation_storage);
+    let (mut n1, mut n2) = (n1, n2);
+    let (n1_out, n2_out) = (std::mem::take(&mut n1.out), std::mem::take(&mut n2.out));
     let acts = LayerActs {
-        x_in: x,
+        x_in: keep(x),
         n1,
-        q,
-        k,
-        v,
-        probs,
-        attn,
-        x_mid,
+        n1_out: keep(n1_out),
+        q: keep(q),
+        k: keep(k),
+        v: keep(v),
+        probs: keep(probs),
+        attn: keep(attn),
+        x_mid: keep(x_mid),
         n2,
-        mlp_pre,
-        mlp_act,
+        n2_out: keep(n2_out),
+        mlp_pre: mlp_pre.into_iter().map(keep).collect(),
+        mlp_act: keep(mlp_act),
     };
     (out, acts)
 }
@@ -405,30 +417,32 @@ pub(crate) fn backward(
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
         ids.mlp_out
-            .backward(be, p, g, dout, &a.mlp_act, &mut dact, false);
+            .backward(be, p, g, dout, &a.mlp_act.get(), &mut dact, false);
     }
     drop(a.mlp_act);
     let mut dn2 = vec![0f32; rows * h];
     {
-        let n2_all = tp.gather_rows(&a.n2.out);
-        let n2_in = n2_all.as_deref().unwrap_or(&a.n2.out);
+        let n2_out = a.n2_out.get();
+        let n2_all = tp.gather_rows(&n2_out);
+        let n2_in = n2_all.as_deref().unwrap_or(&n2_out);
+        let pre: Vec<_> = a.mlp_pre.iter().map(Kept::get).collect();
         match cfg.arch {
             Arch::Llama => {
                 let (mut dgate, mut dup) = (vec![0f32; rows * f], vec![0f32; rows * f]);
-                be.swiglu_backward(&dact, &a.mlp_pre[0], &a.mlp_pre[1], &mut dgate, &mut dup);
+                be.swiglu_backward(&dact, &pre[0], &pre[1], &mut dgate, &mut dup);
                 ids.mlp_in[0].backward(be, p, g, &dgate, n2_in, &mut dn2, false);
                 ids.mlp_in[1].backward(be, p, g, &dup, n2_in, &mut dn2, true);
             }
             Arch::Gpt2 => {
                 let mut dpre = vec![0f32; rows * f];
-                be.gelu_backward(&dact, &a.mlp_pre[0], &mut dpre);
+                be.gelu_backward(&dact, &pre[0], &mut dpre);
                 ids.mlp_in[0].backward(be, p, g, &dpre, n2_in, &mut dn2, false);
             }
         }
     }
     let dn2 = tp.reduce(dn2);
     ids.norm2
-        .backward(be, p, g, &dn2, &a.x_mid, &a.n2, dx, true);
+        .backward(be, p, g, &dn2, &a.x_mid.get(), &a.n2, dx, true);
     drop(dn2);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
@@ -437,22 +451,32 @@ pub(crate) fn backward(
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
         ids.attn_out
-            .backward(be, p, g, dout, &a.attn, &mut dattn, false);
+            .backward(be, p, g, dout, &a.attn.get(), &mut dattn, false);
     }
     let shape = attn_shape(cfg, batch, seq);
+    let (q, k, v) = (a.q.get(), a.k.get(), a.v.get());
     if a.probs.is_empty() {
         // Selective recompute dropped the attention probabilities: recompute them from Q and K.
-        a.probs = vec![0f32; shape.probs_len()];
+        let mut probs = vec![0f32; shape.probs_len()];
         let mut scratch = vec![0f32; a.attn.len()];
-        be.attention_forward(shape, &a.q, &a.k, &a.v, &mut scratch, &mut a.probs);
+        be.attention_forward(shape, &q, &k, &v, &mut scratch, &mut probs);
+        a.probs = Kept::F32(probs);
     }
     let (mut dq, mut dk, mut dv) = (
-        vec![0f32; a.q.len()],
-        vec![0f32; a.k.len()],
-        vec![0f32; a.v.len()],
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; v.len()],
     );
     be.attention_backward(
-        shape, &dattn, &a.q, &a.k, &a.v, &a.probs, &mut dq, &mut dk, &mut dv,
+        shape,
+        &dattn,
+        &q,
+        &k,
+        &v,
+        &a.probs.get(),
+        &mut dq,
+        &mut dk,
+        &mut dv,
     );
     drop(a.probs);
     if let Some(rope) = &m.rope {
@@ -461,8 +485,9 @@ pub(crate) fn backward(
     }
     let mut dn1 = vec![0f32; rows * h];
     {
-        let n1_all = tp.gather_rows(&a.n1.out);
-        let n1_in = n1_all.as_deref().unwrap_or(&a.n1.out);
+        let n1_out = a.n1_out.get();
+        let n1_all = tp.gather_rows(&n1_out);
+        let n1_in = n1_all.as_deref().unwrap_or(&n1_out);
         match cfg.arch {
             Arch::Llama => {
                 ids.qkv[0].backward(be, p, g, &dq, n1_in, &mut dn1, false);
@@ -482,5 +507,6 @@ pub(crate) fn backward(
         }
     }
     let dn1 = tp.reduce(dn1);
-    ids.norm1.backward(be, p, g, &dn1, &a.x_in, &a.n1, dx, true);
+    ids.norm1
+        .backward(be, p, g, &dn1, &a.x_in.get(), &a.n1, dx, true);
 }

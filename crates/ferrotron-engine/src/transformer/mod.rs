@@ -3,12 +3,15 @@
 //! communication; the parallel runtime decides what runs where.
 
 mod collectives;
+mod kept;
 mod layer;
 mod params;
 mod residency;
 mod weights;
 
 pub use collectives::{ShardCollectives, Unsplit};
+pub use kept::Half;
+use kept::Kept;
 pub use params::ParamStore;
 pub use residency::{Residency, Resident, Unit};
 pub use weights::WeightGrads;
@@ -62,9 +65,11 @@ pub struct ForwardState {
     ids: Vec<u32>,
     layers: Vec<LayerActs>,
     /// Under full recompute: each layer's input only (its forward runs again in backward).
-    layer_inputs: Vec<Vec<f32>>,
-    final_in: Vec<f32>,
+    layer_inputs: Vec<Kept>,
+    final_in: Kept,
+    /// The final norm's statistics, and its output.
     final_norm: Option<NormStash>,
+    final_out: Kept,
     /// `[rows, vocab]` on the last stage; replaced by the logits' gradient once the loss is taken.
     pub logits: Vec<f32>,
     /// The hidden states this stage hands to the next one (empty on the last stage); under sequence
@@ -76,9 +81,14 @@ impl ForwardState {
     /// Bytes held for backward right now: every stashed activation and the logits.
     pub fn stashed_bytes(&self) -> usize {
         let layers: usize = self.layers.iter().map(LayerActs::bytes).sum();
-        let inputs: usize = self.layer_inputs.iter().map(|x| 4 * x.len()).sum();
+        let inputs: usize = self.layer_inputs.iter().map(Kept::bytes).sum();
         let norm = self.final_norm.as_ref().map_or(0, NormStash::bytes);
-        4 * (self.final_in.len() + self.logits.len()) + norm + layers + inputs
+        self.final_in.bytes()
+            + self.final_out.bytes()
+            + 4 * self.logits.len()
+            + norm
+            + layers
+            + inputs
     }
 }
 
@@ -96,6 +106,8 @@ pub struct Transformer {
     rope: Option<RopeTable>,
     recompute: Recompute,
     vocab: VocabSlice,
+    /// How the activations kept for backward are stored: f32, or 16-bit under mixed precision.
+    activation_storage: Option<Half>,
 }
 
 /// Accumulates an embedding table's gradient (now or deferred).
@@ -202,7 +214,15 @@ impl Transformer {
             vocab: VocabSlice::whole(cfg.vocab_size),
             cfg: cfg.clone(),
             recompute: Recompute::None,
+            activation_storage: None,
         }
+    }
+
+    /// Keeps the activations for backward in a 16-bit format (mixed precision); the arithmetic
+    /// stays f32.
+    pub fn with_activation_storage(mut self, storage: Option<Half>) -> Self {
+        self.activation_storage = storage;
+        self
     }
 
     /// A vocab-parallel shard: this model's `cfg.vocab_size` embedding and output rows are the ids of
@@ -306,7 +326,7 @@ impl Transformer {
             });
             let (out, mut acts) = result.expect("the layer ran");
             match (input, self.recompute) {
-                (Some(input), _) => layer_inputs.push(input),
+                (Some(input), _) => layer_inputs.push(Kept::keep(input, self.activation_storage)),
                 (None, Recompute::Selective) => {
                     layer::drop_probs(&mut acts);
                     layers.push(acts)
@@ -323,8 +343,9 @@ impl Transformer {
             ids,
             layers,
             layer_inputs,
-            final_in: Vec::new(),
+            final_in: Kept::Empty,
             final_norm: None,
+            final_out: Kept::Empty,
             logits: Vec::new(),
             output: Vec::new(),
         };
@@ -341,10 +362,13 @@ impl Transformer {
                         None,
                         &mut logits,
                     );
+                    let mut normed = normed;
+                    state.final_out =
+                        Kept::keep(std::mem::take(&mut normed.out), self.activation_storage);
                     state.final_norm = Some(normed);
                     state.logits = logits;
                 });
-                state.final_in = x;
+                state.final_in = Kept::keep(x, self.activation_storage);
             }
             _ => state.output = x,
         }
@@ -446,11 +470,12 @@ impl Transformer {
                 loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
                 let dlogits = std::mem::take(&mut state.logits);
                 let mut dx = vec![0f32; rows / blocks * h];
-                let final_in = std::mem::take(&mut state.final_in);
+                let final_in = std::mem::take(&mut state.final_in).into_f32();
+                let final_out = std::mem::take(&mut state.final_out).into_f32();
                 in_unit(Unit::Head, &mut |p, sink| {
                     let mut dnormed = vec![0f32; rows * h];
-                    let normed_all = tp.gather_rows(&stash.out);
-                    let normed = normed_all.as_deref().unwrap_or(&stash.out);
+                    let normed_all = tp.gather_rows(&final_out);
+                    let normed = normed_all.as_deref().unwrap_or(&final_out);
                     head.backward(be, p, sink, &dlogits, normed, &mut dnormed, false);
                     drop(normed_all);
                     let dnormed = tp.reduce(dnormed);
@@ -493,7 +518,10 @@ impl Transformer {
             {
                 let mut input = Some(input);
                 in_unit(Unit::Layer(first + i), &mut |p, sink| {
-                    let x = input.take().expect("a layer's backward runs once");
+                    let x = input
+                        .take()
+                        .expect("a layer's backward runs once")
+                        .into_f32();
                     let (_, acts) = layer::forward(self, be, tp, p, ids, x, dims, positions);
                     layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
                 });

@@ -46,6 +46,9 @@ pub struct ProfileArgs {
     /// and memory: relative).
     #[arg(long, default_value_t = 0.15)]
     threshold: f64,
+    /// A device computing this fraction above its stage's median is a straggler.
+    #[arg(long, default_value_t = 0.5)]
+    straggler_threshold: f64,
     /// Drills: make this device compute --slow-device-ms longer per action.
     #[arg(long)]
     slow_device: Option<usize>,
@@ -430,7 +433,7 @@ fn verdicts(
         }
         peers.sort_by(f64::total_cmp);
         let median = peers[peers.len() / 2];
-        if median > 0.0 && b > median * (1.0 + th) {
+        if median > 0.0 && b > median * (1.0 + a.straggler_threshold) {
             out.push(format!(
                 "device {d} (stage {s}, dp rank {dp}, tp rank {t}) computes {:.2}× its stage's median \
                  ({b:.4} s vs {median:.4} s): a straggler",

@@ -1,0 +1,82 @@
+//! A tensor the forward pass keeps for backward: in f32, or under mixed precision in a 16-bit format
+//! (the arithmetic stays f32: values are rounded when kept and widened when used), so the stash —
+//! activation memory — is 2-byte.
+
+use half::slice::HalfFloatSliceExt;
+use std::borrow::Cow;
+
+/// A 16-bit storage format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Half {
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) enum Kept {
+    #[default]
+    Empty,
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+}
+
+impl Kept {
+    /// Keeps `v` as is, or rounded to `storage`.
+    pub fn keep(v: Vec<f32>, storage: Option<Half>) -> Self {
+        match storage {
+            None => Self::F32(v),
+            Some(Half::Bf16) => {
+                let mut out = vec![half::bf16::ZERO; v.len()];
+                out.convert_from_f32_slice(&v);
+                Self::Bf16(out)
+            }
+            Some(Half::F16) => {
+                let mut out = vec![half::f16::ZERO; v.len()];
+                out.convert_from_f32_slice(&v);
+                Self::F16(out)
+            }
+        }
+    }
+
+    /// The values in f32 (borrowed when kept in f32).
+    pub fn get(&self) -> Cow<'_, [f32]> {
+        match self {
+            Self::Empty => Cow::Borrowed(&[]),
+            Self::F32(v) => Cow::Borrowed(v),
+            Self::Bf16(v) => Cow::Owned(v.to_f32_vec()),
+            Self::F16(v) => Cow::Owned(v.to_f32_vec()),
+        }
+    }
+
+    /// The values in f32, taking them (no copy when kept in f32).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Self::F32(v) => v,
+            other => other.get().into_owned(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Empty => 0,
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Empty => 0,
+            Self::F32(v) => 4 * v.len(),
+            Self::Bf16(v) => 2 * v.len(),
+            Self::F16(v) => 2 * v.len(),
+        }
+    }
+}
