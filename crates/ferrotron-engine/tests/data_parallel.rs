@@ -164,3 +164,123 @@ fn five_adamw_steps_on_the_mesh_give_the_unsplit_parameters() {
         }
     }
 }
+
+#[test]
+fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
+    use ferrotron_engine::parallel::LossScaling;
+    use ferrotron_engine::transformer::Half;
+    let adam = AdamWConfig::default();
+    let lr = LrSchedule {
+        peak_lr: 1e-3,
+        min_lr: 1e-4,
+        warmup_steps: 1,
+        total_steps: 5,
+    };
+    let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let batches: Vec<TokenBatch> = (0..5)
+        .map(|k| random_batch(cfg.vocab_size, 8, 16, 200 + k))
+        .collect();
+    let (want, _) = unsplit_training(&cfg, &params, &batches, adam, &lr, 1.0);
+    for (storage, scaling) in [
+        (Half::Bf16, None),
+        (
+            Half::F16,
+            Some(LossScaling {
+                initial: 1024.0,
+                growth_interval: 1000,
+                inject_nonfinite_at: None,
+            }),
+        ),
+    ] {
+        for zero in 0..=3 {
+            let l = LayoutSpec::parse(&format!("dp=2,tp=2,pp=2,zero={zero},mbs=1"))
+                .unwrap()
+                .layout;
+            let part = StagePartition::for_model(&cfg, 2).unwrap();
+            let results = ThreadWorld::new(8).timeout(Duration::from_secs(60)).run(
+                |c| -> ferrotron_engine::error::Result<Vec<f64>> {
+                    let mut step = MeshStep::new(&cfg, &params, &batches[0], &l, &part)?
+                        .with_precision(Some(storage), scaling);
+                    let mut losses = Vec::new();
+                    step.train_device(
+                        c,
+                        5,
+                        &|k| batches[k].clone(),
+                        adam,
+                        &lr,
+                        1.0,
+                        &mut |_, _, _, r| {
+                            losses.push(r.loss);
+                            Ok(())
+                        },
+                    )?;
+                    Ok(losses)
+                },
+            );
+            let losses = results.into_iter().next().unwrap().unwrap().unwrap();
+            // 16-bit weights, gradients and activations: the losses follow f32 training closely.
+            for (k, (a, b)) in losses.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() / b <= 5e-3,
+                    "{storage:?} {l} step {k}: {a} vs f32 {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mixed_precision_moves_half_the_bytes() {
+    use ferrotron_engine::transformer::Half;
+    let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let batch = random_batch(cfg.vocab_size, 8, 16, 9);
+    let lr = LrSchedule {
+        peak_lr: 1e-3,
+        min_lr: 1e-3,
+        warmup_steps: 0,
+        total_steps: 1,
+    };
+    let l = LayoutSpec::parse("dp=2,tp=2,pp=2,zero=1,mbs=1")
+        .unwrap()
+        .layout;
+    let part = StagePartition::for_model(&cfg, 2).unwrap();
+    let bytes = |storage: Option<Half>| -> Vec<[u64; 3]> {
+        ThreadWorld::new(8)
+            .run(|c| -> ferrotron_engine::error::Result<[u64; 3]> {
+                let mut step =
+                    MeshStep::new(&cfg, &params, &batch, &l, &part)?.with_precision(storage, None);
+                let mut sent = [0; 3];
+                step.train_device(
+                    c,
+                    1,
+                    &|_| batch.clone(),
+                    Default::default(),
+                    &lr,
+                    0.0,
+                    &mut |_, _, _, r| {
+                        let by = |g: &str| r.stats.bytes_sent_by_group(g);
+                        sent = [by("tp"), by("dp"), by("p2p")];
+                        Ok(())
+                    },
+                )?;
+                Ok(sent)
+            })
+            .into_iter()
+            .map(|r| r.unwrap().unwrap())
+            .collect()
+    };
+    let (full, half) = (bytes(None), bytes(Some(Half::Bf16)));
+    for (d, (f, h)) in full.iter().zip(&half).enumerate() {
+        for (g, name) in ["tp", "dp", "pp"].iter().enumerate() {
+            // Weights, gradients and activations move in 2 bytes; the loss's row statistics (f32,
+            // f64) and the replicated-gradient sums stay wider.
+            let r = h[g] as f64 / f[g] as f64;
+            assert!(
+                (0.45..=0.6).contains(&r),
+                "device {d} {name}: {} vs {} bytes ({r:.3})",
+                h[g],
+                f[g]
+            );
+        }
+    }
+}

@@ -387,3 +387,56 @@ fn an_injected_slow_device_is_named_as_a_straggler() {
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
     assert!(v["warnings"][0].as_str().unwrap().contains("device 3"));
 }
+
+#[test]
+fn mixed_precision_training_reaches_the_f32_validation_loss() {
+    let run = |precision: &str, inject: Option<usize>| {
+        let cfg = TrainConfig {
+            steps: 200,
+            batch_size: 8,
+            eval_every: 100,
+            precision: precision.into(),
+            inject_nonfinite_step: inject,
+            ..tiny_config(&format!("mixed-{precision}"))
+        };
+        let summary = train(&cfg, &mut |_| {}).unwrap();
+        let lines: Vec<serde_json::Value> =
+            std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+        (summary, lines)
+    };
+    let (f32_run, _) = run("f32", None);
+    let (bf16, lines) = run("bf16", None);
+    // Stored in 16 bits: the weights term is half the f32 run's (2 bytes per parameter).
+    let weights = lines[0]["devices"][0]["peak_memory_bytes"]["weights"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        weights < 2 * 260_000 + 20_000,
+        "bf16 weights {weights} bytes"
+    );
+    let (fp16, lines) = run("fp16", Some(50));
+    let skipped: Vec<u64> = lines
+        .iter()
+        .filter(|l| l["skipped"] == true)
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        skipped,
+        vec![51],
+        "the injected inf skips that step, and only that one"
+    );
+    assert!(lines[51]["loss_scale"].as_f64().unwrap() < lines[49]["loss_scale"].as_f64().unwrap());
+    for (name, s) in [("bf16", &bf16), ("fp16", &fp16)] {
+        let e = (s.final_val_loss - f32_run.final_val_loss).abs() / f32_run.final_val_loss;
+        assert!(
+            e <= 0.02,
+            "{name}: validation loss {} vs f32 {} ({e:.4})",
+            s.final_val_loss,
+            f32_run.final_val_loss
+        );
+    }
+}

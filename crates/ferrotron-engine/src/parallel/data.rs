@@ -14,6 +14,7 @@
 //! - **ZeRO-3**: parameters sharded too: a unit's parameters are all-gathered just before the executor
 //!   uses them (forward, and again in backward) and freed after.
 
+use super::half::HalfParts;
 use super::tensor::TpGroup;
 use crate::comm::{Comm, CommError, Group, Pending, ReduceOp};
 use crate::memory::{self, Term};
@@ -90,10 +91,31 @@ pub struct ZeroState {
     /// The bucket being reduced in the background (ZeRO 0–1) and its tensors.
     in_flight: RefCell<Option<(Vec<usize>, Pending<f32>)>>,
     opt: AdamW,
+    /// Mixed precision: 16-bit weights and gradients, f32 master weights (then `params` is only the
+    /// executor's per-unit f32 view and `grads` its per-unit f32 scratch).
+    half: Option<HalfStore>,
+}
+
+/// The 16-bit state, in its format.
+enum HalfStore {
+    Bf16(RefCell<HalfParts<half::bf16>>),
+    F16(RefCell<HalfParts<half::f16>>),
+}
+
+/// Runs `$body` with `$p` bound to the `RefCell` of the 16-bit state, whatever its format.
+macro_rules! with_half {
+    ($store:expr, $p:ident => $body:expr) => {
+        match $store {
+            HalfStore::Bf16($p) => $body,
+            HalfStore::F16($p) => $body,
+        }
+    };
 }
 
 impl ZeroState {
-    /// Takes over the device's shard `params`; `micro_batches` backward passes accumulate per step.
+    /// Takes over the device's shard `params`; `micro_batches` backward passes accumulate per step;
+    /// `storage` is the 16-bit format under mixed precision.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: &ModelConfig,
         params: ParamStore,
@@ -102,6 +124,7 @@ impl ZeroState {
         dp_rank: usize,
         micro_batches: usize,
         adam: crate::optim::AdamWConfig,
+        storage: Option<crate::transformer::Half>,
     ) -> Self {
         let dp = dp_group.size();
         let mut units: HashMap<Unit, Vec<usize>> = HashMap::new();
@@ -153,6 +176,39 @@ impl ZeroState {
         };
         let mut param_pieces = Vec::new();
         let mut params = params;
+        if let Some(h) = storage {
+            let half =
+                match h {
+                    crate::transformer::Half::Bf16 => HalfStore::Bf16(RefCell::new(
+                        HalfParts::new(&mut params, stage, dp, dp_rank),
+                    )),
+                    crate::transformer::Half::F16 => HalfStore::F16(RefCell::new(HalfParts::new(
+                        &mut params,
+                        stage,
+                        dp,
+                        dp_rank,
+                    ))),
+                };
+            let n = params.specs.len();
+            let empty = ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n]);
+            return Self {
+                stage,
+                dp,
+                dp_rank,
+                dp_group,
+                params: RefCell::new(params),
+                grads: RefCell::new(empty),
+                param_pieces,
+                grad_pieces: RefCell::new(Vec::new()),
+                units,
+                visits_left: RefCell::new(visits_per_step.clone()),
+                visits_per_step,
+                reduced: RefCell::new(vec![false; n]),
+                in_flight: RefCell::new(None),
+                opt,
+                half: Some(half),
+            };
+        }
         if stage == 3 && dp > 1 {
             let _weights = memory::scope(Term::Weights);
             param_pieces = pieces(&params);
@@ -192,6 +248,7 @@ impl ZeroState {
             reduced: RefCell::new(vec![false; n]),
             in_flight: RefCell::new(None),
             opt,
+            half: None,
         }
     }
 
@@ -206,6 +263,10 @@ impl ZeroState {
 
     /// Starts a step: gradients zeroed, every tensor waiting for its contributions.
     pub fn begin_step(&self) {
+        if let Some(h) = &self.half {
+            with_half!(h, p => p.borrow_mut().begin_step());
+            return;
+        }
         if self.stage < 2 || self.dp == 1 {
             self.grads
                 .borrow_mut()
@@ -261,8 +322,13 @@ impl ZeroState {
             .collect()
     }
 
-    /// Gathers whole tensors `ids` from every rank's pieces (ZeRO-3).
+    /// Gathers whole tensors `ids` from every rank's pieces (ZeRO-3), or widens them from 16-bit
+    /// storage (mixed precision), into the executor's view.
     fn gather<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+        if let Some(h) = &self.half {
+            let mut view = self.params.borrow_mut();
+            return with_half!(h, p => p.borrow().materialize(c, &self.dp_group, ids, &mut view));
+        }
         let lens: Vec<usize> = {
             let p = self.params.borrow();
             ids.iter().map(|&i| p.specs[i].numel()).collect()
@@ -321,6 +387,22 @@ impl ZeroState {
             g.tensors[i] = Vec::new();
         }
         Ok(())
+    }
+
+    /// Mixed precision: zeroed f32 gradients for `ids`, for the executor to accumulate into.
+    fn open_scratch(&self, ids: &[usize]) {
+        let _grads = memory::scope(Term::Gradients);
+        let mut g = self.grads.borrow_mut();
+        for &i in ids {
+            g.tensors[i] = vec![0f32; g.specs[i].numel()];
+        }
+    }
+
+    /// Mixed precision: rounds the f32 gradients of `ids` into the 16-bit storage (and frees them).
+    fn absorb<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+        let h = self.half.as_ref().expect("mixed precision");
+        let mut scratch = self.grads.borrow_mut();
+        with_half!(h, p => p.borrow_mut().absorb(c, &self.dp_group, ids, &mut scratch))
     }
 
     /// Allocates zeroed whole gradients for `ids` (ZeRO-2/3): a bucket that lives until it is
@@ -432,6 +514,11 @@ impl ZeroState {
         touched: &[usize],
         apply: impl FnOnce(&mut ParamStore),
     ) -> Result<(), CommError> {
+        if self.half.is_some() {
+            self.open_scratch(touched);
+            apply(&mut self.grads.borrow_mut());
+            return self.absorb(c, touched);
+        }
         let sharded_grads = self.stage >= 2 && self.dp > 1;
         if sharded_grads {
             self.open_grads(touched);
@@ -446,6 +533,9 @@ impl ZeroState {
     /// Ends the step's gradient reduction over dp: every gradient not yet reduced is, and the bucket in
     /// flight completes. Afterwards [`ZeroState::grad_view`] holds the reduced gradients this rank owns.
     pub fn reduce_grads<C: Comm>(&self, c: &mut C) -> Result<(), CommError> {
+        if let Some(h) = &self.half {
+            return with_half!(h, p => p.borrow_mut().reduce(c, &self.dp_group));
+        }
         if self.dp == 1 || self.stage >= 2 {
             return Ok(());
         }
@@ -473,6 +563,14 @@ impl ZeroState {
     /// The gradients this rank holds after the reduction, by tensor: whole (no sharding) or the
     /// part it owns (the same part of each tensor on every device that shares the layout).
     pub fn with_grad_view<R>(&self, f: impl FnOnce(&mut [&mut [f32]]) -> R) -> R {
+        if let Some(h) = &self.half {
+            return with_half!(h, p => {
+                let mut parts = p.borrow_mut();
+                let mut view: Vec<&mut [f32]> =
+                    parts.main.iter_mut().map(|g| g.as_mut_slice()).collect();
+                f(&mut view)
+            });
+        }
         if self.stage >= 2 && self.dp > 1 {
             let mut pieces = self.grad_pieces.borrow_mut();
             let mut view: Vec<&mut [f32]> = pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
@@ -503,6 +601,19 @@ impl ZeroState {
 
     /// One AdamW update of what this rank owns, then (ZeRO 1–2) the updated pieces all-gathered.
     pub fn update<C: Comm>(&mut self, c: &mut C, lr: f32) -> Result<(), CommError> {
+        if let Some(h) = &self.half {
+            let opt = &mut self.opt;
+            return with_half!(h, p => {
+                let mut parts = p.borrow_mut();
+                let parts = &mut *parts;
+                let g: Vec<&[f32]> = parts.main.iter().map(Vec::as_slice).collect();
+                let mut m: Vec<&mut [f32]> =
+                    parts.master.iter_mut().map(|t| t.as_mut_slice()).collect();
+                opt.step_slices(&mut m, &g, lr);
+                drop(g);
+                parts.refresh_weights(c, &self.dp_group)
+            });
+        }
         if !self.sharded() {
             let params = self.params.get_mut();
             let grads = self.grads.get_mut();
@@ -574,6 +685,14 @@ impl ZeroState {
     /// The device's whole parameters (ZeRO-3: gathered from the pieces; every dp rank must call it).
     pub fn full_params<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
         let _other = memory::scope(Term::Other);
+        if let Some(h) = &self.half {
+            let specs = self.params.borrow().specs.clone();
+            let whole = with_half!(h, p => {
+                let parts = p.borrow();
+                parts.whole(c, &self.dp_group, &parts.master)
+            })?;
+            return Ok(ParamStore::from_tensors(specs, whole));
+        }
         if self.stage == 3 && self.dp > 1 {
             let ids: Vec<usize> = (0..self.param_pieces.len()).collect();
             self.gather(c, &ids)?;
@@ -588,6 +707,14 @@ impl ZeroState {
     /// call it).
     pub fn full_grads<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
         let _other = memory::scope(Term::Other);
+        if let Some(h) = &self.half {
+            let specs = self.params.borrow().specs.clone();
+            let whole = with_half!(h, p => {
+                let parts = p.borrow();
+                parts.whole(c, &self.dp_group, &parts.main)
+            })?;
+            return Ok(ParamStore::from_tensors(specs, whole));
+        }
         let specs = self.params.borrow().specs.clone();
         if !self.sharded() {
             return Ok(self.grads.borrow().clone());
@@ -637,7 +764,7 @@ impl<C: Comm> ZeroResidency<'_, '_, C> {
         self.state.units.get(&unit).map_or(&[], Vec::as_slice)
     }
     fn gathered(&self) -> bool {
-        self.state.stage == 3 && self.state.dp > 1
+        self.state.stage == 3 && self.state.dp > 1 || self.state.half.is_some()
     }
 }
 
@@ -658,6 +785,13 @@ impl<C: Comm> Residency for ZeroResidency<'_, '_, C> {
         let s = self.state;
         if self.gathered() {
             self.tpg.with_comm(|c| s.gather(c, ids));
+        }
+        if s.half.is_some() {
+            s.open_scratch(ids);
+            f(&s.params.borrow(), &mut s.grads.borrow_mut());
+            s.release(ids);
+            self.tpg.with_comm(|c| s.absorb(c, ids));
+            return;
         }
         let sharded_grads = s.stage >= 2 && s.dp > 1;
         if sharded_grads {

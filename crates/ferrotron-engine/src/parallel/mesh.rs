@@ -5,13 +5,14 @@
 //! Ranks follow the design's order: `rank = tp_rank + tp · (dp_rank + dp · stage)`.
 
 use super::data::ZeroState;
+use super::half::Wire;
 use super::pipeline::{DeviceResult, PipelineRun, StageOutcome, StageRun};
 use super::tensor::{finish_grads, gather_tensor, TpGroup, TpShard};
 use crate::comm::{Comm, CommStats, DeviceMesh, Dim, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::memory::{self, Term};
 use crate::optim::{AdamWConfig, LrSchedule};
-use crate::transformer::{ParamStore, TokenBatch, Transformer};
+use crate::transformer::{Half, ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{ModelConfig, ParamSpec};
 use ferrotron_core::schedule::{build, PipelineSchedule, StagePartition};
@@ -34,6 +35,23 @@ pub struct MeshStep<'a> {
     account_base: usize,
     /// A device made slow on purpose, and by how much per action (device seconds).
     slow_device: Option<(usize, f64)>,
+    /// Mixed precision: the 16-bit format of weights, gradients and activations.
+    storage: Option<Half>,
+    /// fp16: dynamic loss scaling, and the scale now.
+    loss_scaling: Option<LossScaling>,
+    loss_scale: f64,
+    clean_steps: usize,
+}
+
+/// Dynamic loss scaling (fp16): the loss is multiplied by `scale` before backward; a step whose
+/// gradients hold an inf or NaN anywhere is skipped and the scale halved; after `growth_interval`
+/// clean steps it doubles.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossScaling {
+    pub initial: f64,
+    pub growth_interval: usize,
+    /// Testing: put an inf into device 0's gradients at this step.
+    pub inject_nonfinite_at: Option<usize>,
 }
 
 /// One device's lasting state: its model chunks and its parameters, gradients and optimizer state.
@@ -103,7 +121,20 @@ impl<'a> MeshStep<'a> {
             total_tokens: batch.predicted_tokens().max(1),
             account_base: 0,
             slow_device: None,
+            storage: None,
+            loss_scaling: None,
+            loss_scale: 1.0,
+            clean_steps: 0,
         })
+    }
+
+    /// Mixed precision: weights, gradients and activations stored (and moved) in `storage`; master
+    /// weights and optimizer state in f32. fp16 should come with loss scaling.
+    pub fn with_precision(mut self, storage: Option<Half>, scaling: Option<LossScaling>) -> Self {
+        self.storage = storage;
+        self.loss_scaling = scaling;
+        self.loss_scale = scaling.map_or(1.0, |s| s.initial);
+        self
     }
 
     /// Makes device `rank` compute `seconds` longer per action: a straggler, injected.
@@ -185,10 +216,20 @@ impl<'a> MeshStep<'a> {
                 Transformer::stage(&local, &store, r.clone())
                     .with_recompute(layout.recompute)
                     .with_vocab_slice(shard.vocab_slice(cfg))
+                    .with_activation_storage(self.storage)
             })
             .collect();
         let dp_group = self.mesh.group_of(rank, Dim::Dp);
-        let zero = ZeroState::new(cfg, store, layout.zero, dp_group, d, self.m, adam);
+        let zero = ZeroState::new(
+            cfg,
+            store,
+            layout.zero,
+            dp_group,
+            d,
+            self.m,
+            adam,
+            self.storage,
+        );
         Ok(Device {
             rank,
             shard,
@@ -215,17 +256,18 @@ impl<'a> MeshStep<'a> {
             device_of: &device_of,
             micro: &self.micro[d * self.m..(d + 1) * self.m],
             boundary,
-            scale: self.scale,
+            scale: self.scale * self.loss_scale as f32,
             counts_loss: t == 0,
             account: self.account(dev.rank),
             extra_compute_s: match self.slow_device {
                 Some((r, s)) if r == dev.rank => s,
                 _ => 0.0,
             },
+            wire: Wire(self.storage),
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
-        let tpg = TpGroup::new(c, tp_group.clone(), dev.shard);
+        let tpg = TpGroup::new(c, tp_group.clone(), dev.shard).with_wire(Wire(self.storage));
         let out = {
             let _activations = memory::scope(Term::Activations);
             run.execute(&tpg, &dev.zero, &dev.chunks)?
@@ -342,8 +384,45 @@ impl<'a> MeshStep<'a> {
                 ..
             } = self.step_device(c, &dev)?;
             let reduced = c.device_time();
-            let norm = self.grad_norm(c, &dev)?;
-            if clip > 0.0 && norm > clip {
+            // Loss scaling: an inf or NaN anywhere skips the step for every device.
+            let mut skipped = false;
+            let scale_used = self.loss_scale;
+            if let Some(ls) = self.loss_scaling {
+                if ls.inject_nonfinite_at == Some(step) && c.rank() == 0 {
+                    dev.zero.with_grad_view(|g| {
+                        if let Some(x) = g.iter_mut().find_map(|t| t.first_mut()) {
+                            *x = f32::INFINITY;
+                        }
+                    });
+                }
+                let mut bad = [dev
+                    .zero
+                    .with_grad_view(|g| g.iter().any(|t| t.iter().any(|x| !x.is_finite())))
+                    as u8 as f64];
+                c.all_reduce(&self.mesh.world(), &mut bad, ReduceOp::Sum)?;
+                if bad[0] > 0.0 {
+                    skipped = true;
+                    self.loss_scale = (self.loss_scale / 2.0).max(1.0);
+                    self.clean_steps = 0;
+                } else {
+                    let unscale = (1.0 / self.loss_scale) as f32;
+                    dev.zero.with_grad_view(|g| {
+                        g.iter_mut()
+                            .for_each(|t| t.iter_mut().for_each(|x| *x *= unscale))
+                    });
+                    self.clean_steps += 1;
+                    if self.clean_steps >= ls.growth_interval.max(1) {
+                        self.loss_scale *= 2.0;
+                        self.clean_steps = 0;
+                    }
+                }
+            }
+            let norm = if skipped {
+                f64::NAN
+            } else {
+                self.grad_norm(c, &dev)?
+            };
+            if !skipped && clip > 0.0 && norm > clip {
                 let scale = (clip / (norm + 1e-6)) as f32;
                 dev.zero.with_grad_view(|grads| {
                     grads
@@ -353,7 +432,9 @@ impl<'a> MeshStep<'a> {
             }
             let rate = lr.lr(step) as f32;
             let update_start = c.device_time();
-            dev.zero.update(c, rate)?;
+            if !skipped {
+                dev.zero.update(c, rate)?;
+            }
             let update_end = c.device_time();
             // Every device learns the step's loss (summed from the devices that count it).
             let mut l = [loss];
@@ -379,6 +460,8 @@ impl<'a> MeshStep<'a> {
                 transfers,
                 wall_s: wall.elapsed().as_secs_f64(),
                 memory: memory::device_memory(account),
+                loss_scale: scale_used,
+                skipped,
             };
             on_step(self, c, &dev, &report)?;
         }
@@ -582,6 +665,9 @@ pub struct StepReport {
     pub wall_s: f64,
     /// This device's memory during the step, measured by term.
     pub memory: memory::DeviceMemory,
+    /// fp16: the loss scale this step used, and whether it was skipped (inf/NaN in the gradients).
+    pub loss_scale: f64,
+    pub skipped: bool,
 }
 
 fn micro_batches(batch: &TokenBatch, mbs: usize) -> Vec<TokenBatch> {

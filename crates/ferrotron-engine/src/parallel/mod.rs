@@ -2,10 +2,11 @@
 //! nothing of them.
 
 pub mod data;
+mod half;
 mod mesh;
 mod pipeline;
 pub mod tensor;
 
-pub use mesh::{Device, MeshStep, StepReport};
+pub use mesh::{Device, LossScaling, MeshStep, StepReport};
 pub use pipeline::{pipeline_step, pipeline_steps, DeviceResult, PipelineRun};
 pub use tensor::{TpGroup, TpShard};

@@ -160,6 +160,8 @@ pub(crate) struct StageRun<'a> {
     pub account: usize,
     /// Extra compute per action (device seconds): a device made slow on purpose (tests, profiling).
     pub extra_compute_s: f64,
+    /// The format the boundary tensors travel in.
+    pub wire: super::half::Wire,
 }
 
 /// What a device's pass over its action list measured.
@@ -221,7 +223,8 @@ impl StageRun<'_> {
                         let mut x = vec![0f32; self.boundary];
                         let from = (self.device_of)((vs - 1) % p);
                         let t0 = tpg.comm().device_time();
-                        tpg.comm().recv(from, &mut x, tag(mb, vs, FORWARD))?;
+                        self.wire
+                            .recv(*tpg.comm(), from, &mut x, tag(mb, vs, FORWARD))?;
                         let t1 = tpg.comm().device_time();
                         transfers.push((format!("recv F{mb} from {from}"), t0, t1));
                         StageInput::Hidden { x, batch: mbs, seq }
@@ -237,7 +240,8 @@ impl StageRun<'_> {
                         let out = std::mem::take(&mut state.output);
                         let to = (self.device_of)((vs + 1) % p);
                         let t0 = tpg.comm().device_time();
-                        tpg.comm().send(to, &out, tag(mb, vs + 1, FORWARD))?;
+                        self.wire
+                            .send(*tpg.comm(), to, &out, tag(mb, vs + 1, FORWARD))?;
                         let t1 = tpg.comm().device_time();
                         transfers.push((format!("send F{mb} to {to}"), t0, t1));
                     }
@@ -257,7 +261,8 @@ impl StageRun<'_> {
                         let mut d = vec![0f32; self.boundary];
                         let from = (self.device_of)((vs + 1) % p);
                         let t0 = tpg.comm().device_time();
-                        tpg.comm().recv(from, &mut d, tag(mb, vs, BACKWARD))?;
+                        self.wire
+                            .recv(*tpg.comm(), from, &mut d, tag(mb, vs, BACKWARD))?;
                         let t1 = tpg.comm().device_time();
                         transfers.push((format!("recv B{mb} from {from}"), t0, t1));
                         Some(d)
@@ -285,7 +290,8 @@ impl StageRun<'_> {
                     if let Some(dx) = dx {
                         let to = (self.device_of)((vs - 1) % p);
                         let t0 = tpg.comm().device_time();
-                        tpg.comm().send(to, &dx, tag(mb, vs - 1, BACKWARD))?;
+                        self.wire
+                            .send(*tpg.comm(), to, &dx, tag(mb, vs - 1, BACKWARD))?;
                         let t1 = tpg.comm().device_time();
                         transfers.push((format!("send B{mb} to {to}"), t0, t1));
                     }

@@ -14,6 +14,7 @@
 //!   their gradients are identical on every device by construction (every device sees every row);
 //!   with it each device sees its rows only, so their gradients are summed over the group.
 
+use super::half::Wire;
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
@@ -391,6 +392,8 @@ pub struct TpGroup<'a, C: Comm> {
     group: Group,
     shard: TpShard,
     error: RefCell<Option<CommError>>,
+    /// The format activations travel in (16 bits under mixed precision).
+    wire: Wire,
 }
 
 impl<'a, C: Comm> TpGroup<'a, C> {
@@ -400,7 +403,14 @@ impl<'a, C: Comm> TpGroup<'a, C> {
             group,
             shard,
             error: RefCell::new(None),
+            wire: Wire(None),
         }
+    }
+
+    /// Activations and their gradients travel as `wire` says.
+    pub fn with_wire(mut self, wire: Wire) -> Self {
+        self.wire = wire;
+        self
     }
 
     /// The first communication failure since the last call, if any.
@@ -450,7 +460,7 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
             return None;
         }
         let mut out = vec![0f32; x.len() * self.shard.size];
-        self.run(|c, g| c.all_gather(g, x, &mut out));
+        self.run(|c, g| self.wire.all_gather(c, g, x, &mut out));
         Some(out)
     }
     fn reduce(&self, mut x: Vec<f32>) -> Vec<f32> {
@@ -459,10 +469,10 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
         }
         if self.shard.sequence_parallel {
             let mut out = vec![0f32; x.len() / self.shard.size];
-            self.run(|c, g| c.reduce_scatter(g, &x, &mut out, ReduceOp::Sum));
+            self.run(|c, g| self.wire.reduce_scatter(c, g, &x, &mut out));
             return out;
         }
-        self.run(|c, g| c.all_reduce(g, &mut x, ReduceOp::Sum));
+        self.run(|c, g| self.wire.all_reduce(c, g, &mut x));
         x
     }
     fn max(&self, x: &mut [f32]) {

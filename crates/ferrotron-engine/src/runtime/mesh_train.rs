@@ -9,7 +9,7 @@ use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
 use crate::memory::{self, format_terms, DeviceMemory, MemoryTerms};
 use crate::optim::{AdamWConfig, LrSchedule};
-use crate::parallel::{MeshStep, StepReport as DeviceStep};
+use crate::parallel::{LossScaling, MeshStep, StepReport as DeviceStep};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
@@ -113,6 +113,8 @@ struct StepFigures {
     grad_norm: f64,
     lr: f64,
     val_loss: Option<f64>,
+    loss_scale: f64,
+    skipped: bool,
 }
 
 /// Runs one device of the mesh through the whole training (every device calls it). Device 0
@@ -136,7 +138,15 @@ fn run_device<C: Comm>(
         partition,
     )?
     .with_account_base(account_base)
-    .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)));
+    .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)))
+    .with_precision(
+        cfg.storage()?,
+        (cfg.storage()? == Some(crate::transformer::Half::F16)).then_some(LossScaling {
+            initial: cfg.loss_scale,
+            growth_interval: cfg.loss_scale_window,
+            inject_nonfinite_at: cfg.inject_nonfinite_step,
+        }),
+    );
     let world = step.world();
     let is_eval = |step: usize| {
         cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every) || step + 1 == cfg.steps
@@ -179,6 +189,8 @@ fn run_device<C: Comm>(
                 grad_norm: report.grad_norm,
                 lr: report.lr,
                 val_loss,
+                loss_scale: report.loss_scale,
+                skipped: report.skipped,
             })
         },
     )?;
@@ -323,6 +335,11 @@ impl<'a> MetricsWriter<'a> {
         };
         let mut extra = serde_json::Map::new();
         extra.insert("layout".into(), self.run.layout.to_string().into());
+        if self.run.cfg.storage().ok().flatten().is_some() {
+            extra.insert("precision".into(), self.run.cfg.precision.clone().into());
+            extra.insert("loss_scale".into(), f.loss_scale.into());
+            extra.insert("skipped".into(), f.skipped.into());
+        }
         let line = report.metrics_line(extra, devices);
         writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;
         on_step(&report);

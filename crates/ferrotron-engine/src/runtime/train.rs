@@ -74,6 +74,29 @@ pub struct TrainConfig {
     /// Testing and drills: make this device compute `slow_device_ms` longer per action.
     pub slow_device: Option<usize>,
     pub slow_device_ms: f64,
+    /// `f32`, or mixed precision `bf16` / `fp16`: weights, gradients and activations stored (and
+    /// moved) in 16 bits, master weights and Adam moments in f32.
+    pub precision: String,
+    /// fp16: the initial loss scale, and how many clean steps double it (an inf/NaN halves it and
+    /// skips the step).
+    pub loss_scale: f64,
+    pub loss_scale_window: usize,
+    /// Testing: put an inf into the gradients at this step (fp16 must skip it).
+    pub inject_nonfinite_step: Option<usize>,
+}
+
+impl TrainConfig {
+    /// The 16-bit format of a mixed-precision run.
+    pub fn storage(&self) -> Result<Option<crate::transformer::Half>> {
+        match self.precision.as_str() {
+            "f32" | "fp32" => Ok(None),
+            "bf16" => Ok(Some(crate::transformer::Half::Bf16)),
+            "fp16" | "f16" => Ok(Some(crate::transformer::Half::F16)),
+            other => Err(EngineError::Invalid(format!(
+                "train config `precision`: `{other}` (expected f32, bf16 or fp16)"
+            ))),
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -111,6 +134,10 @@ impl Default for TrainConfig {
             straggler_steps: 3,
             slow_device: None,
             slow_device_ms: 10.0,
+            precision: "f32".into(),
+            loss_scale: 65536.0,
+            loss_scale_window: 1000,
+            inject_nonfinite_step: None,
         }
     }
 }
@@ -284,7 +311,11 @@ pub fn plan_input(cfg: &TrainConfig, model: &ModelConfig) -> Result<PlanInput> {
         cluster,
         seq: cfg.seq_len,
         global_batch: cfg.batch_size,
-        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
+        precision: Precision::parse(if cfg.storage()?.is_some() {
+            "weights=bf16,grads=bf16,master=fp32,optimizer=fp32"
+        } else {
+            "weights=fp32,grads=fp32,master=fp32,optimizer=fp32"
+        })?,
         optimizer: OptimizerKind::Adam,
         activation_model: ActivationModel::Ferrotron,
         lora_rank: None,
@@ -429,7 +460,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             reporter: true,
         };
 
-    if !layout.is_single_device() || layout.zero > 0 {
+    if !layout.is_single_device() || layout.zero > 0 || cfg.storage()?.is_some() {
         let batches: Vec<TokenBatch> = (0..cfg.steps)
             .map(|_| sampler.next_batch(&split.train, cfg.batch_size))
             .collect();

@@ -121,6 +121,21 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     slow_device_ms: Option<f64>,
+    /// f32 (default), or mixed precision bf16 / fp16 (16-bit weights, gradients, activations).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    precision: Option<String>,
+    /// fp16: initial loss scale (65536) and clean steps to double it (1000).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loss_scale: Option<f64>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loss_scale_window: Option<usize>,
+    /// Testing: an inf in the gradients at this step (fp16 skips it).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    inject_nonfinite_step: Option<usize>,
 }
 
 /// Defaults, then the TOML file, then the flags.

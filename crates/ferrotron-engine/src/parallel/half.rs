@@ -1,0 +1,449 @@
+//! Mixed precision under ZeRO: the compute copy of the weights and the gradients are stored in 16
+//! bits (bf16 or f16), and so are moved in 16 bits; the master weights and the Adam moments are f32,
+//! sharded as ZeRO says. The executor still computes in f32: a unit's weights are widened into an f32
+//! view just before use and dropped after, and its f32 gradients are rounded into 16-bit storage as
+//! soon as its backward is done. Reductions add in f32 and round once per step of the ring.
+//!
+//! Layout per ZeRO stage (a "piece" is this rank's 1/dp of a tensor, padded):
+//! - weights (16-bit): whole, or pieces under ZeRO-3;
+//! - gradients (16-bit): whole under ZeRO 0–1, pieces under ZeRO 2–3;
+//! - master weights and moments (f32): whole under ZeRO-0, pieces from ZeRO-1 on.
+
+use crate::comm::{Comm, CommError, Element, Group, ReduceOp};
+use crate::memory::{self, Term};
+use crate::transformer::ParamStore;
+use std::ops::Range;
+
+/// A 16-bit float the state can be stored and moved in.
+pub trait Half16: Element {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl Half16 for half::bf16 {
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+impl Half16 for half::f16 {
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+/// This rank's piece of a tensor of `len` elements padded to a multiple of `dp`.
+fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {
+    let n = len.div_ceil(dp);
+    rank * n..(rank + 1) * n
+}
+
+/// The part of a tensor of `len` elements a rank owns (its piece without the padding).
+fn own(len: usize, dp: usize, rank: usize) -> Range<usize> {
+    let r = piece(len, dp, rank);
+    let end = r.end.min(len);
+    r.start.min(end)..end
+}
+
+fn round<T: Half16>(v: &[f32]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f32(x)).collect()
+}
+
+fn widen<T: Half16>(v: &[T]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// A rank's padded piece of `t`.
+fn piece_of<T: Copy + Default>(t: &[T], dp: usize, rank: usize) -> Vec<T> {
+    let r = own(t.len(), dp, rank);
+    let mut p = t[r].to_vec();
+    p.resize(piece(t.len(), dp, rank).len(), T::default());
+    p
+}
+
+/// The 16-bit and f32 storage of one device's shard.
+pub struct HalfParts<T: Half16> {
+    /// Tensor lengths (elements).
+    lens: Vec<usize>,
+    pub stage: u8,
+    dp: usize,
+    rank: usize,
+    /// The compute weights: whole, or pieces under ZeRO-3.
+    weights: Vec<Vec<T>>,
+    /// The gradients: whole under ZeRO 0–1, pieces under ZeRO 2–3.
+    grads: Vec<Vec<T>>,
+    /// The f32 master weights: whole under ZeRO-0, pieces from ZeRO-1 on.
+    pub master: Vec<Vec<f32>>,
+    /// The step's reduced gradients this rank owns, widened to f32 for the optimizer (laid out like
+    /// `master`); empty between steps.
+    pub main: Vec<Vec<f32>>,
+}
+
+impl<T: Half16> HalfParts<T> {
+    /// Takes the device's f32 shard (then emptied: the executor's view is filled per unit).
+    pub fn new(params: &mut ParamStore, stage: u8, dp: usize, rank: usize) -> Self {
+        let lens: Vec<usize> = params.tensors.iter().map(Vec::len).collect();
+        let shard_master = stage >= 1 && dp > 1;
+        let master = {
+            let _m = memory::scope(Term::MasterWeights);
+            params
+                .tensors
+                .iter()
+                .map(|t| {
+                    if shard_master {
+                        piece_of(t, dp, rank)
+                    } else {
+                        t.clone()
+                    }
+                })
+                .collect()
+        };
+        let weights = {
+            let _w = memory::scope(Term::Weights);
+            params
+                .tensors
+                .iter()
+                .map(|t| {
+                    let w = round::<T>(t);
+                    if stage == 3 && dp > 1 {
+                        piece_of(&w, dp, rank)
+                    } else {
+                        w
+                    }
+                })
+                .collect()
+        };
+        let grads = {
+            let _g = memory::scope(Term::Gradients);
+            lens.iter()
+                .map(|&n| {
+                    let len = if stage >= 2 && dp > 1 {
+                        piece(n, dp, rank).len()
+                    } else {
+                        n
+                    };
+                    vec![T::default(); len]
+                })
+                .collect()
+        };
+        params.tensors.iter_mut().for_each(|t| *t = Vec::new());
+        Self {
+            lens,
+            stage,
+            dp,
+            rank,
+            weights,
+            grads,
+            master,
+            main: Vec::new(),
+        }
+    }
+
+    fn sharded_weights(&self) -> bool {
+        self.stage == 3 && self.dp > 1
+    }
+    fn sharded_grads(&self) -> bool {
+        self.stage >= 2 && self.dp > 1
+    }
+    fn sharded_master(&self) -> bool {
+        self.stage >= 1 && self.dp > 1
+    }
+
+    /// Gradients zeroed for a new step.
+    pub fn begin_step(&mut self) {
+        self.grads.iter_mut().for_each(|g| g.fill(T::default()));
+        self.main.clear();
+    }
+
+    /// Widens tensors `ids` into the executor's f32 view `view` (ZeRO-3: all-gathered from every
+    /// rank's 16-bit pieces first).
+    pub fn materialize<C: Comm>(
+        &self,
+        c: &mut C,
+        group: &Group,
+        ids: &[usize],
+        view: &mut ParamStore,
+    ) -> Result<(), CommError> {
+        // The f32 view of a unit is a transient working buffer.
+        let _buffers = memory::scope(Term::CommBuffers);
+        if !self.sharded_weights() {
+            for &i in ids {
+                view.tensors[i] = widen(&self.weights[i]);
+            }
+            return Ok(());
+        }
+        let mine: Vec<T> = ids
+            .iter()
+            .flat_map(|&i| self.weights[i].iter().copied())
+            .collect();
+        let mut all = vec![T::default(); mine.len() * self.dp];
+        c.all_gather(group, &mine, &mut all)?;
+        let block = mine.len();
+        let mut at = 0;
+        for &i in ids {
+            let n = piece(self.lens[i], self.dp, 0).len();
+            let mut t = Vec::with_capacity(n * self.dp);
+            for k in 0..self.dp {
+                t.extend(
+                    all[k * block + at..k * block + at + n]
+                        .iter()
+                        .map(|x| x.to_f32()),
+                );
+            }
+            t.truncate(self.lens[i]);
+            view.tensors[i] = t;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Rounds a unit's f32 gradients `ids` (from `scratch`, then freed) into 16-bit storage: added to
+    /// the whole gradients (ZeRO 0–1), or reduce-scattered into this rank's pieces (ZeRO 2–3).
+    pub fn absorb<C: Comm>(
+        &mut self,
+        c: &mut C,
+        group: &Group,
+        ids: &[usize],
+        scratch: &mut ParamStore,
+    ) -> Result<(), CommError> {
+        if !self.sharded_grads() {
+            for &i in ids {
+                let g = std::mem::take(&mut scratch.tensors[i]);
+                for (s, x) in self.grads[i].iter_mut().zip(g) {
+                    *s = T::from_f32(s.to_f32() + x);
+                }
+            }
+            return Ok(());
+        }
+        let _buffers = memory::scope(Term::CommBuffers);
+        let mut buf: Vec<T> = Vec::new();
+        for k in 0..self.dp {
+            for &i in ids {
+                let p = piece_of(&scratch.tensors[i], self.dp, k);
+                buf.extend(p.iter().map(|&x| T::from_f32(x)));
+            }
+        }
+        ids.iter().for_each(|&i| scratch.tensors[i] = Vec::new());
+        let mut mine = vec![T::default(); buf.len() / self.dp];
+        c.reduce_scatter(group, &buf, &mut mine, ReduceOp::Sum)?;
+        let mut at = 0;
+        for &i in ids {
+            let n = self.grads[i].len();
+            for (s, x) in self.grads[i].iter_mut().zip(&mine[at..at + n]) {
+                *s = T::from_f32(s.to_f32() + x.to_f32());
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Ends the step's reduction over the replicas (in 16 bits) and widens what this rank owns into
+    /// `main`, laid out like the master weights.
+    pub fn reduce<C: Comm>(&mut self, c: &mut C, group: &Group) -> Result<(), CommError> {
+        if self.dp > 1 && self.stage == 0 {
+            let _buffers = memory::scope(Term::CommBuffers);
+            let mut flat: Vec<T> = self.grads.concat();
+            c.all_reduce(group, &mut flat, ReduceOp::Sum)?;
+            let mut at = 0;
+            for g in self.grads.iter_mut() {
+                let n = g.len();
+                g.copy_from_slice(&flat[at..at + n]);
+                at += n;
+            }
+        } else if self.dp > 1 && self.stage == 1 {
+            let _buffers = memory::scope(Term::CommBuffers);
+            let mut buf: Vec<T> = Vec::new();
+            for k in 0..self.dp {
+                for g in &self.grads {
+                    buf.extend(piece_of(g, self.dp, k));
+                }
+            }
+            let mut mine = vec![T::default(); buf.len() / self.dp];
+            c.reduce_scatter(group, &buf, &mut mine, ReduceOp::Sum)?;
+            let mut at = 0;
+            for g in self.grads.iter_mut() {
+                let r = own(g.len(), self.dp, self.rank);
+                let n = piece(g.len(), self.dp, 0).len();
+                let len = r.len();
+                g[r].copy_from_slice(&mine[at..at + len]);
+                at += n;
+            }
+        }
+        let _g = memory::scope(Term::Gradients);
+        self.main = self
+            .grads
+            .iter()
+            .map(|g| {
+                if self.sharded_master() && !self.sharded_grads() {
+                    widen(&piece_of(g, self.dp, self.rank))
+                } else {
+                    widen(g)
+                }
+            })
+            .collect();
+        Ok(())
+    }
+
+    /// After the optimizer updated `master`: the compute weights rounded from it (ZeRO 1–2: this
+    /// rank's pieces rounded, then all-gathered in 16 bits).
+    pub fn refresh_weights<C: Comm>(&mut self, c: &mut C, group: &Group) -> Result<(), CommError> {
+        self.main = Vec::new();
+        if !self.sharded_master() || self.sharded_weights() {
+            for (w, m) in self.weights.iter_mut().zip(&self.master) {
+                for (x, &y) in w.iter_mut().zip(m) {
+                    *x = T::from_f32(y);
+                }
+            }
+            return Ok(());
+        }
+        let _buffers = memory::scope(Term::CommBuffers);
+        let mine: Vec<T> = self.master.iter().flat_map(|m| round::<T>(m)).collect();
+        let mut all = vec![T::default(); mine.len() * self.dp];
+        c.all_gather(group, &mine, &mut all)?;
+        let block = mine.len();
+        let mut at = 0;
+        for w in self.weights.iter_mut() {
+            let len = w.len();
+            let n = piece(len, self.dp, 0).len();
+            for k in 0..self.dp {
+                let r = own(len, self.dp, k);
+                let m = r.len();
+                w[r].copy_from_slice(&all[k * block + at..k * block + at + m]);
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// The whole f32 tensors of `parts` (laid out like the master weights), gathered over the
+    /// replicas when sharded.
+    pub fn whole<C: Comm>(
+        &self,
+        c: &mut C,
+        group: &Group,
+        parts: &[Vec<f32>],
+    ) -> Result<Vec<Vec<f32>>, CommError> {
+        if !self.sharded_master() {
+            return Ok(parts.to_vec());
+        }
+        let mine: Vec<f32> = parts.concat();
+        let mut all = vec![0f32; mine.len() * self.dp];
+        c.all_gather(group, &mine, &mut all)?;
+        let block = mine.len();
+        let mut at = 0;
+        Ok(self
+            .lens
+            .iter()
+            .map(|&len| {
+                let n = piece(len, self.dp, 0).len();
+                let mut t = Vec::with_capacity(n * self.dp);
+                for k in 0..self.dp {
+                    t.extend_from_slice(&all[k * block + at..k * block + at + n]);
+                }
+                t.truncate(len);
+                at += n;
+                t
+            })
+            .collect())
+    }
+}
+
+/// The format f32 values travel in: themselves, or rounded to 16 bits (mixed precision: activations
+/// and their gradients between devices are 2-byte, and sums form in f32 at every ring step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wire(pub Option<crate::transformer::Half>);
+
+macro_rules! by_format {
+    ($wire:expr, $f32:expr, $t:ident => $half:expr) => {
+        match $wire.0 {
+            None => $f32,
+            Some(crate::transformer::Half::Bf16) => {
+                type $t = half::bf16;
+                $half
+            }
+            Some(crate::transformer::Half::F16) => {
+                type $t = half::f16;
+                $half
+            }
+        }
+    };
+}
+
+impl Wire {
+    pub fn all_reduce<C: Comm>(
+        &self,
+        c: &mut C,
+        g: &Group,
+        x: &mut [f32],
+    ) -> Result<(), CommError> {
+        by_format!(self, c.all_reduce(g, x, ReduceOp::Sum), T => {
+            let mut h: Vec<T> = round(x);
+            c.all_reduce(g, &mut h, ReduceOp::Sum)?;
+            x.iter_mut().zip(&h).for_each(|(a, b)| *a = b.to_f32());
+            Ok(())
+        })
+    }
+
+    pub fn reduce_scatter<C: Comm>(
+        &self,
+        c: &mut C,
+        g: &Group,
+        x: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        by_format!(self, c.reduce_scatter(g, x, out, ReduceOp::Sum), T => {
+            let h: Vec<T> = round(x);
+            let mut o = vec![T::default(); out.len()];
+            c.reduce_scatter(g, &h, &mut o, ReduceOp::Sum)?;
+            out.iter_mut().zip(&o).for_each(|(a, b)| *a = b.to_f32());
+            Ok(())
+        })
+    }
+
+    pub fn all_gather<C: Comm>(
+        &self,
+        c: &mut C,
+        g: &Group,
+        x: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        by_format!(self, c.all_gather(g, x, out), T => {
+            let h: Vec<T> = round(x);
+            let mut o = vec![T::default(); out.len()];
+            c.all_gather(g, &h, &mut o)?;
+            out.iter_mut().zip(&o).for_each(|(a, b)| *a = b.to_f32());
+            Ok(())
+        })
+    }
+
+    pub fn send<C: Comm>(
+        &self,
+        c: &mut C,
+        to: usize,
+        x: &[f32],
+        tag: u64,
+    ) -> Result<(), CommError> {
+        by_format!(self, c.send(to, x, tag), T => c.send(to, &round::<T>(x), tag))
+    }
+
+    pub fn recv<C: Comm>(
+        &self,
+        c: &mut C,
+        from: usize,
+        out: &mut [f32],
+        tag: u64,
+    ) -> Result<(), CommError> {
+        by_format!(self, c.recv(from, out, tag), T => {
+            let mut h = vec![T::default(); out.len()];
+            c.recv(from, &mut h, tag)?;
+            out.iter_mut().zip(&h).for_each(|(a, b)| *a = b.to_f32());
+            Ok(())
+        })
+    }
+}
