@@ -37,26 +37,44 @@ fn measured_bubble_in_device_time_matches_the_textbook() {
     let want = 3.0 / 11.0; // (p − 1) / (m + p − 1), p = 4, m = 8
     let mut worst = Vec::new();
     for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
-        // Measured after one warm-up step on the same stages, as a profile would.
-        let run = pipeline_steps(
-            &cfg,
-            &params,
-            &batch,
-            &layout(schedule, 1, 4),
-            &part,
-            Duration::from_secs(60),
-            1,
-        )
-        .unwrap();
-        let idle: Vec<f64> = (0..4).map(|s| run.idle_fraction(s)).collect();
-        println!("{schedule:?}: idle per stage {idle:.3?} (textbook {want:.3}), step {:.4} s device / {:.4} s wall", run.step_time_s(), run.wall_time_s);
+        // Measured after one warm-up step on the same stages, as a profile would; the median of three
+        // such measurements per stage, because four device threads share two cores and a burst of
+        // cache contention can stretch one run's actions.
+        let runs: Vec<_> = (0..3)
+            .map(|_| {
+                pipeline_steps(
+                    &cfg,
+                    &params,
+                    &batch,
+                    &layout(schedule, 1, 4),
+                    &part,
+                    Duration::from_secs(60),
+                    1,
+                )
+                .unwrap()
+            })
+            .collect();
+        let idle: Vec<f64> = (0..4)
+            .map(|s| {
+                let mut v: Vec<f64> = runs.iter().map(|r| r.idle_fraction(s)).collect();
+                v.sort_by(f64::total_cmp);
+                v[1]
+            })
+            .collect();
+        println!(
+            "{schedule:?}: median idle per stage {idle:.3?} (textbook {want:.3}), step {:.4} s device / {:.4} s wall",
+            runs[0].step_time_s(),
+            runs[0].wall_time_s
+        );
         for (s, f) in idle.iter().enumerate() {
             assert!(
                 (f - want).abs() <= 0.03,
                 "{schedule:?} stage {s}: idle {f:.3} vs {want:.3}"
             );
         }
-        worst.push(run.bubble_fraction());
+        let mut bubbles: Vec<f64> = runs.iter().map(|r| r.bubble_fraction()).collect();
+        bubbles.sort_by(f64::total_cmp);
+        worst.push(bubbles[1]);
     }
     // Zero-bubble: the deferred weight gradients fill the drain, so its bubble is below 1F1B's.
     let zb = pipeline_steps(
