@@ -682,16 +682,24 @@ impl ZeroState {
         Ok(())
     }
 
+    /// Mixed precision: the whole f32 master weights (or, `master` false, the step's main gradients),
+    /// gathered over the replicas when sharded.
+    fn half_whole<C: Comm>(&self, c: &mut C, master: bool) -> Result<ParamStore, CommError> {
+        let h = self.half.as_ref().expect("mixed precision");
+        let specs = self.params.borrow().specs.clone();
+        let whole = with_half!(h, p => {
+            let parts = p.borrow();
+            let which = if master { &parts.master } else { &parts.main };
+            parts.whole(c, &self.dp_group, which)
+        })?;
+        Ok(ParamStore::from_tensors(specs, whole))
+    }
+
     /// The device's whole parameters (ZeRO-3: gathered from the pieces; every dp rank must call it).
     pub fn full_params<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
         let _other = memory::scope(Term::Other);
-        if let Some(h) = &self.half {
-            let specs = self.params.borrow().specs.clone();
-            let whole = with_half!(h, p => {
-                let parts = p.borrow();
-                parts.whole(c, &self.dp_group, &parts.master)
-            })?;
-            return Ok(ParamStore::from_tensors(specs, whole));
+        if self.half.is_some() {
+            return self.half_whole(c, true);
         }
         if self.stage == 3 && self.dp > 1 {
             let ids: Vec<usize> = (0..self.param_pieces.len()).collect();
@@ -707,13 +715,8 @@ impl ZeroState {
     /// call it).
     pub fn full_grads<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
         let _other = memory::scope(Term::Other);
-        if let Some(h) = &self.half {
-            let specs = self.params.borrow().specs.clone();
-            let whole = with_half!(h, p => {
-                let parts = p.borrow();
-                parts.whole(c, &self.dp_group, &parts.main)
-            })?;
-            return Ok(ParamStore::from_tensors(specs, whole));
+        if self.half.is_some() {
+            return self.half_whole(c, false);
         }
         let specs = self.params.borrow().specs.clone();
         if !self.sharded() {
@@ -741,14 +744,6 @@ impl ZeroState {
             at += n;
         }
         Ok(out)
-    }
-
-    /// Bytes held now, by term: (weights, gradients, optimizer states).
-    pub fn held_bytes(&self) -> (usize, usize, usize) {
-        let size = |ts: &[Vec<f32>]| ts.iter().map(|t| 4 * t.len()).sum::<usize>();
-        let weights = size(&self.params.borrow().tensors) + size(&self.param_pieces);
-        let grads = size(&self.grads.borrow().tensors) + size(&self.grad_pieces.borrow());
-        (weights, grads, self.opt.state_bytes())
     }
 }
 
