@@ -176,63 +176,49 @@ impl ZeroState {
         };
         let mut param_pieces = Vec::new();
         let mut params = params;
-        if let Some(h) = storage {
-            let half =
-                match h {
-                    crate::transformer::Half::Bf16 => HalfStore::Bf16(RefCell::new(
-                        HalfParts::new(&mut params, stage, dp, dp_rank),
-                    )),
-                    crate::transformer::Half::F16 => HalfStore::F16(RefCell::new(HalfParts::new(
-                        &mut params,
-                        stage,
-                        dp,
-                        dp_rank,
-                    ))),
-                };
-            let n = params.specs.len();
-            let empty = ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n]);
-            return Self {
-                stage,
-                dp,
-                dp_rank,
-                dp_group,
-                params: RefCell::new(params),
-                grads: RefCell::new(empty),
-                param_pieces,
-                grad_pieces: RefCell::new(Vec::new()),
-                units,
-                visits_left: RefCell::new(visits_per_step.clone()),
-                visits_per_step,
-                reduced: RefCell::new(vec![false; n]),
-                in_flight: RefCell::new(None),
-                opt,
-                half: Some(half),
-            };
-        }
-        if stage == 3 && dp > 1 {
-            let _weights = memory::scope(Term::Weights);
-            param_pieces = pieces(&params);
-            params.tensors.iter_mut().for_each(|t| *t = Vec::new());
-        }
-        let _grads_term = memory::scope(Term::Gradients);
-        let grads = if stage >= 2 && dp > 1 {
-            ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); params.specs.len()])
-        } else {
-            let mut g = ParamStore::zeros(params.specs.clone());
-            // Fault the buffers in now, not in the first backward.
-            g.tensors.iter_mut().for_each(|t| t.fill(0.0));
-            g
-        };
-        let grad_pieces = if stage >= 2 && dp > 1 {
-            params
-                .specs
-                .iter()
-                .map(|s| vec![0f32; piece(s.numel(), dp, dp_rank).len()])
-                .collect()
-        } else {
-            Vec::new()
-        };
         let n = params.specs.len();
+        let (grads, grad_pieces, half) = match storage {
+            Some(h) => {
+                let half =
+                    match h {
+                        crate::transformer::Half::Bf16 => HalfStore::Bf16(RefCell::new(
+                            HalfParts::new(&mut params, stage, dp, dp_rank),
+                        )),
+                        crate::transformer::Half::F16 => HalfStore::F16(RefCell::new(
+                            HalfParts::new(&mut params, stage, dp, dp_rank),
+                        )),
+                    };
+                // The executor's f32 gradients exist per unit only (scratch).
+                let scratch = ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n]);
+                (scratch, Vec::new(), Some(half))
+            }
+            None => {
+                if stage == 3 && dp > 1 {
+                    let _weights = memory::scope(Term::Weights);
+                    param_pieces = pieces(&params);
+                    params.tensors.iter_mut().for_each(|t| *t = Vec::new());
+                }
+                let _grads_term = memory::scope(Term::Gradients);
+                let grads = if stage >= 2 && dp > 1 {
+                    ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n])
+                } else {
+                    let mut g = ParamStore::zeros(params.specs.clone());
+                    // Fault the buffers in now, not in the first backward.
+                    g.tensors.iter_mut().for_each(|t| t.fill(0.0));
+                    g
+                };
+                let grad_pieces = if stage >= 2 && dp > 1 {
+                    params
+                        .specs
+                        .iter()
+                        .map(|s| vec![0f32; piece(s.numel(), dp, dp_rank).len()])
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                (grads, grad_pieces, None)
+            }
+        };
         Self {
             stage,
             dp,
@@ -248,7 +234,7 @@ impl ZeroState {
             reduced: RefCell::new(vec![false; n]),
             in_flight: RefCell::new(None),
             opt,
-            half: None,
+            half,
         }
     }
 
