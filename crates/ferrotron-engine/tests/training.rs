@@ -191,6 +191,23 @@ fn bad_settings_and_data_are_refused_clearly() {
     });
     assert!(e.contains("backend"), "{e}");
     let e = err(TrainConfig {
+        precision: "fp8".into(),
+        ..base.clone()
+    });
+    assert!(e.contains("precision") && e.contains("fp8"), "{e}");
+    let e = err(TrainConfig {
+        precision: "fp16".into(),
+        loss_scale: 0.0,
+        ..base.clone()
+    });
+    assert!(e.contains("loss_scale"), "{e}");
+    let e = err(TrainConfig {
+        layout: "dp=2".into(),
+        slow_device: Some(5),
+        ..base.clone()
+    });
+    assert!(e.contains("slow_device") && e.contains("2 devices"), "{e}");
+    let e = err(TrainConfig {
         layout: "tp=3".into(),
         ..base.clone()
     });

@@ -162,6 +162,20 @@ fn an_injected_slow_device_is_named_in_the_verdict() {
 }
 
 #[test]
+fn bad_profile_input_is_refused_clearly() {
+    let out = temp_dir("bad");
+    let (ok, text) = profile(&["--layout", "dp=2", "--slow-device", "7"], &out);
+    assert!(
+        !ok && text.contains("--slow-device 7") && text.contains("2 devices"),
+        "{text}"
+    );
+    let (ok, text) = profile(&["--layout", "tp=3"], &out);
+    assert!(!ok && text.contains("heads"), "{text}");
+    let (ok, text) = profile(&["--layout", "dp=3", "--batch", "8"], &out);
+    assert!(!ok && text.contains("divisible"), "{text}");
+}
+
+#[test]
 fn plan_writes_the_predicted_pictures() {
     let out = temp_dir("plan");
     let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))

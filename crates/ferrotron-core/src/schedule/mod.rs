@@ -37,6 +37,15 @@ pub enum Action {
 }
 
 impl Action {
+    /// What kind of work the action is, as traces and pictures name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Action::Forward { .. } => "forward",
+            Action::Backward { .. } => "backward",
+            Action::BackwardInput { .. } => "backward_input",
+            Action::BackwardWeight { .. } => "backward_weight",
+        }
+    }
     pub fn mb(&self) -> usize {
         match *self {
             Action::Forward { mb, .. }

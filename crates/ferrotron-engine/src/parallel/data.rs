@@ -454,15 +454,10 @@ impl ZeroState {
         } else {
             c.start_all_reduce(&self.dp_group, buf, ReduceOp::Sum)?
         };
-        self.reduced
-            .borrow_mut()
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, r)| {
-                if ids.contains(&i) {
-                    *r = true
-                }
-            });
+        {
+            let mut reduced = self.reduced.borrow_mut();
+            ids.iter().for_each(|&i| reduced[i] = true);
+        }
         *self.in_flight.borrow_mut() = Some((ids, pending));
         Ok(())
     }

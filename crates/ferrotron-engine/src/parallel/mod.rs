@@ -8,5 +8,5 @@ mod pipeline;
 pub mod tensor;
 
 pub use mesh::{Device, LossScaling, MeshStep, StepReport};
-pub use pipeline::{pipeline_step, pipeline_steps, DeviceResult, PipelineRun};
+pub use pipeline::{action_event, pipeline_step, pipeline_steps, DeviceResult, PipelineRun};
 pub use tensor::{TpGroup, TpShard};

@@ -84,23 +84,8 @@ impl PipelineRun {
                 format!("stage {s}")
             };
             events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": name}}));
-            for (a, t0, t1) in actions {
-                let cat = match a {
-                    Action::Forward { .. } => "forward",
-                    Action::Backward { .. } => "backward",
-                    Action::BackwardInput { .. } => "backward_input",
-                    Action::BackwardWeight { .. } => "backward_weight",
-                };
-                events.push(serde_json::json!({
-                    "name": a.to_string(),
-                    "cat": cat,
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": s,
-                    "ts": t0 * 1e6,
-                    "dur": (t1 - t0) * 1e6,
-                    "args": {"micro_batch": a.mb(), "chunk": a.chunk()},
-                }));
+            for &(a, t0, t1) in actions {
+                events.push(action_event(&a, s, t0, t1));
             }
         }
         serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
@@ -112,6 +97,20 @@ impl PipelineRun {
             .map(|s| self.idle_fraction(s))
             .fold(0.0, f64::max)
     }
+}
+
+/// One action as a Chrome trace event on track `tid` (device time in seconds; the trace is in µs).
+pub fn action_event(a: &Action, tid: usize, t0: f64, t1: f64) -> serde_json::Value {
+    serde_json::json!({
+        "name": a.to_string(),
+        "cat": a.kind(),
+        "ph": "X",
+        "pid": 0,
+        "tid": tid,
+        "ts": t0 * 1e6,
+        "dur": (t1 - t0) * 1e6,
+        "args": {"micro_batch": a.mb(), "chunk": a.chunk()},
+    })
 }
 
 /// What one device reports back.

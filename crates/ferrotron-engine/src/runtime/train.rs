@@ -251,6 +251,19 @@ impl TrainConfig {
         if self.lr.is_nan() || self.lr <= 0.0 || self.min_lr < 0.0 {
             return bad("lr", "lr must be positive and min_lr non-negative");
         }
+        if !(self.loss_scale.is_finite() && self.loss_scale >= 1.0) {
+            return bad("loss_scale", "must be a finite number of at least 1");
+        }
+        if !(self.straggler_threshold.is_finite() && self.straggler_threshold >= 0.0) {
+            return bad("straggler_threshold", "must be a non-negative fraction");
+        }
+        if !(self.slow_device_ms.is_finite() && self.slow_device_ms >= 0.0) {
+            return bad(
+                "slow_device_ms",
+                "must be a non-negative number of milliseconds",
+            );
+        }
+        self.storage()?;
         if !matches!(self.backend.as_str(), "threads" | "mpi") {
             return bad("backend", "expected `threads` or `mpi`");
         }
@@ -396,6 +409,14 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let input = plan_input(cfg, &model_cfg)?;
     let candidates = resolve_layout(&layout_spec, &input)?;
     let layout = candidates[0];
+    if let Some(d) = cfg.slow_device {
+        let world = candidates.iter().map(Layout::world_size).min().unwrap_or(1);
+        if d >= world {
+            return Err(EngineError::Invalid(format!(
+                "train config `slow_device`: device {d}, but layout `{layout}` has {world} devices"
+            )));
+        }
+    }
 
     let docs = data::read_corpus(&cfg.data)?;
     let (tokenizer, tokenizer_path) = match (&cfg.tokenizer, &source) {

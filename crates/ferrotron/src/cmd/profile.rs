@@ -88,6 +88,17 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         &ferrotron_core::layout::LayoutSpec::parse(&a.layout)?,
         &input,
     )?[0];
+    if let Some(d) = a.slow_device {
+        if d >= layout.world_size() {
+            bail!(
+                "--slow-device {d}: layout `{layout}` has {} devices",
+                layout.world_size()
+            );
+        }
+    }
+    if !(a.slow_device_ms.is_finite() && a.slow_device_ms >= 0.0 && a.threshold >= 0.0) {
+        bail!("--slow-device-ms and --threshold must be non-negative numbers");
+    }
     let plan = evaluate(&input, &layout)?;
     let predicted_timeline = simulated_timeline(&input, &layout)?;
     // The planner's idle fraction of each stage: its simulated schedule's gaps.
@@ -163,16 +174,9 @@ pub fn run(a: ProfileArgs) -> Result<()> {
                 .map_err(|e| anyhow::anyhow!("device {r}: {e}"))?,
         );
     }
-    let coords: Vec<(usize, usize, usize)> = (0..world)
-        .map(|r| {
-            let (t, d, s) = (
-                r % layout.tp,
-                (r / layout.tp) % layout.dp,
-                r / (layout.tp * layout.dp),
-            );
-            (t, d, s)
-        })
-        .collect();
+    let mesh =
+        ferrotron_engine::comm::DeviceMesh::new(layout.tp, layout.dp, layout.pp, world, world)?;
+    let coords: Vec<(usize, usize, usize)> = (0..world).map(|r| mesh.coords(r)).collect();
 
     // The tables.
     let mut text = String::new();
@@ -372,18 +376,8 @@ fn trace(devices: &[Measured], names: &[String]) -> serde_json::Value {
     let mut events = Vec::new();
     for (d, m) in devices.iter().enumerate() {
         events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": 0, "tid": d, "args": {"name": names[d]}}));
-        for (a, t0, t1) in &m.report.timeline {
-            let cat = match a {
-                ferrotron_core::schedule::Action::Forward { .. } => "forward",
-                ferrotron_core::schedule::Action::Backward { .. } => "backward",
-                ferrotron_core::schedule::Action::BackwardInput { .. } => "backward_input",
-                ferrotron_core::schedule::Action::BackwardWeight { .. } => "backward_weight",
-            };
-            events.push(serde_json::json!({
-                "name": a.to_string(), "cat": cat, "ph": "X", "pid": 0, "tid": d,
-                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
-                "args": {"micro_batch": a.mb(), "chunk": a.chunk()},
-            }));
+        for &(a, t0, t1) in &m.report.timeline {
+            events.push(ferrotron_engine::parallel::action_event(&a, d, t0, t1));
         }
         let r = &m.report;
         let mut extra: Vec<(&str, &str, f64, f64)> = r

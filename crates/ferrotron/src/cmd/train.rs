@@ -220,12 +220,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
     );
     if !summary.devices.is_empty() {
         println!(
-            "layout {}: per device, measured peak memory (MB) vs the planner's prediction",
+            "layout {}: per device, measured peak memory / the planner's prediction (MB)",
             summary.layout
         );
-        println!("| device | stage | dp | tp | weights | gradients | optimizer | activations | comm | total | predicted total | idle | sent/step | step (device s) | step (wall s) |");
+        println!("| device | stage | dp | tp | weights | gradients | master | optimizer | activations | comm | total | idle | sent/step | step (device s) | step (wall s) |");
         println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-        let mb = |b: u64| format!("{:.2}", b as f64 / 1e6);
+        let mb = |a: u64, b: u64| format!("{:.2} / {:.2}", a as f64 / 1e6, b as f64 / 1e6);
         for d in &summary.devices {
             let (m, p) = (&d.peak_memory_bytes, &d.predicted_memory_bytes);
             println!(
@@ -234,13 +234,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 d.stage,
                 d.dp_rank,
                 d.tp_rank,
-                mb(m.weights),
-                mb(m.gradients),
-                mb(m.optimizer_states),
-                mb(m.activations),
-                mb(m.comm_buffers),
-                mb(m.total),
-                mb(p.total),
+                mb(m.weights, p.weights),
+                mb(m.gradients, p.gradients),
+                mb(m.master_weights, p.master_weights),
+                mb(m.optimizer_states, p.optimizer_states),
+                mb(m.activations, p.activations),
+                mb(m.comm_buffers, p.comm_buffers),
+                mb(m.total, p.total),
                 100.0 * d.idle_fraction,
                 ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
                 d.step_time_s,
