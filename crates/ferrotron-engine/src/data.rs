@@ -188,6 +188,27 @@ impl SequenceSampler {
         s
     }
 
+    /// A sampler continuing from `position` (a serialised sampler, as a checkpoint records it) over
+    /// `num_tokens` tokens in windows of `seq`; an error when the data or the windows changed.
+    pub fn resumed(position: &serde_json::Value, num_tokens: usize, seq: usize) -> Result<Self> {
+        let mut s: Self = serde_json::from_value(position.clone()).map_err(|e| {
+            EngineError::Invalid(format!(
+                "resume: the data loader's position is unreadable: {e}"
+            ))
+        })?;
+        if s.seq != seq || s.num_windows != num_tokens / seq || s.cursor > s.num_windows {
+            return Err(EngineError::Invalid(format!(
+                "resume: the checkpoint's data loader read {} windows of {} tokens; this run's data \
+                 has {} windows of {seq} (the data, the tokenizer or seq_len changed)",
+                s.num_windows,
+                s.seq,
+                num_tokens / seq
+            )));
+        }
+        s.shuffle();
+        Ok(s)
+    }
+
     pub fn num_windows(&self) -> usize {
         self.num_windows
     }

@@ -171,7 +171,8 @@ pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
     Ok(store)
 }
 
-fn encode(data: &[f32], dtype: StorageDtype) -> (Dtype, Vec<u8>) {
+/// `data` in `dtype`, as little-endian bytes.
+pub fn encode(data: &[f32], dtype: StorageDtype) -> (Dtype, Vec<u8>) {
     match dtype {
         StorageDtype::F32 => (
             Dtype::F32,
@@ -252,6 +253,11 @@ pub fn save_model(
         .map(|(s, t)| (s.name.clone(), s.shape.clone(), t.as_slice()))
         .collect();
     write_tensors(&dir.join("model.safetensors"), &tensors, dtype)?;
+    write_config(dir, cfg, dtype)
+}
+
+/// Writes a model directory's `config.json`, its `torch_dtype` saying how the weights are stored.
+pub fn write_config(dir: &Path, cfg: &ModelConfig, dtype: StorageDtype) -> Result<()> {
     let mut config = cfg.to_hf_json();
     config["torch_dtype"] = serde_json::json!(match dtype {
         StorageDtype::F32 => "float32",

@@ -8,6 +8,7 @@ pub mod memory;
 pub mod transformer;
 
 pub use error::{EngineError, Result};
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod optim;

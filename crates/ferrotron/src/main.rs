@@ -31,6 +31,9 @@ enum Command {
     Profile(Box<cmd::profile::ProfileArgs>),
     /// Print a pipeline schedule's per-stage action lists and its bubble.
     Schedule(cmd::schedule::ScheduleArgs),
+    /// Sharded checkpoints: inspect, reshard to another layout, export to / import from Hugging Face.
+    #[command(subcommand)]
+    Checkpoint(cmd::checkpoint::CheckpointCommand),
     /// Benchmarks that print a table.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
@@ -47,6 +50,7 @@ fn main() {
         Command::Schedule(a) => cmd::schedule::run(a),
         Command::Profile(a) => cmd::profile::run(*a),
         Command::Bench(b) => cmd::bench::run(b),
+        Command::Checkpoint(c) => cmd::checkpoint::run(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

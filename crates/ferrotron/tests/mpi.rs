@@ -148,6 +148,8 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
             "32",
             "--eval-every",
             "0",
+            "--checkpoint-every",
+            "2",
             "--backend",
             backend,
             "--out-dir",
@@ -181,4 +183,31 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
             "step {k}: mpi {a} vs threads {b}"
         );
     }
+    // Every rank wrote its file of the checkpoints; resuming under MPI from step 2 continues the
+    // run exactly.
+    let ck = ferrotron_engine::checkpoint::Checkpoint::open(&mpi_dir.join("checkpoints")).unwrap();
+    assert_eq!((ck.manifest.step, ck.manifest.world_size), (4, 8));
+    let resumed_dir = root.join("mpi-resumed");
+    let mut r = args("mpi", &resumed_dir);
+    r.push("--resume".into());
+    r.push(
+        mpi_dir
+            .join("checkpoints/step-000002")
+            .display()
+            .to_string(),
+    );
+    let (ok, text) = mpirun(8, &r.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{text}");
+    let resumed = losses(&resumed_dir);
+    assert_eq!(resumed.len(), 2);
+    assert_eq!(
+        resumed[0].to_bits(),
+        m[2].to_bits(),
+        "step 3 after resuming"
+    );
+    assert_eq!(
+        resumed[1].to_bits(),
+        m[3].to_bits(),
+        "step 4 after resuming"
+    );
 }

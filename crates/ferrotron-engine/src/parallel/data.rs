@@ -48,9 +48,16 @@ pub fn units_of(cfg: &ModelConfig, name: &str) -> Vec<Unit> {
 }
 
 /// This rank's piece of a tensor of `len` elements padded to a multiple of `dp`.
-fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {
+pub(crate) fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {
     let n = len.div_ceil(dp);
     rank * n..(rank + 1) * n
+}
+
+/// The part of a tensor of `len` elements a rank owns (its piece without the padding).
+pub(crate) fn owned(len: usize, dp: usize, rank: usize) -> Range<usize> {
+    let r = piece(len, dp, rank);
+    let end = r.end.min(len);
+    r.start.min(end)..end
 }
 
 /// Rank `rank`'s piece of each tensor, padded, concatenated.
@@ -64,6 +71,15 @@ fn own_pieces(tensors: &[&[f32]], dp: usize, rank: usize) -> Vec<f32> {
         out.resize(out.len() + r.len() - (end - start), 0.0);
     }
     out
+}
+
+/// What a rank owns of one tensor of its shard: the range of the flattened tensor, and there the f32
+/// master values and the Adam moments.
+pub struct OwnedState {
+    pub flat: Range<usize>,
+    pub master: Vec<f32>,
+    pub exp_avg: Vec<f32>,
+    pub exp_avg_sq: Vec<f32>,
 }
 
 /// One device's parameters, gradients and optimizer state under ZeRO stage `stage` over `dp` replicas.
@@ -536,9 +552,7 @@ impl ZeroState {
 
     /// The part of a tensor of `len` elements this rank owns (its piece without the padding).
     fn own_range(&self, len: usize) -> Range<usize> {
-        let r = piece(len, self.dp, self.dp_rank);
-        let end = r.end.min(len);
-        r.start.min(end)..end
+        owned(len, self.dp, self.dp_rank)
     }
 
     /// The gradients this rank holds after the reduction, by tensor: whole (no sharding) or the
@@ -603,11 +617,7 @@ impl ZeroState {
         }
         // The owned gradients: pieces (ZeRO-2/3) or the owned part of the whole ones (ZeRO-1).
         let (dp, rank) = (self.dp, self.dp_rank);
-        let own = |len: usize| {
-            let r = piece(len, dp, rank);
-            let end = r.end.min(len);
-            r.start.min(end)..end
-        };
+        let own = |len: usize| owned(len, dp, rank);
         let pieces = std::mem::take(self.grad_pieces.get_mut());
         let whole = std::mem::replace(self.grads.get_mut(), ParamStore::zeros(Vec::new()));
         let g: Vec<&[f32]> = if self.stage >= 2 {
@@ -674,6 +684,74 @@ impl ZeroState {
             parts.whole(c, &self.dp_group, which)
         })?;
         Ok(ParamStore::from_tensors(specs, whole))
+    }
+
+    /// The range of each flattened tensor this rank owns: whole, or its ZeRO piece without the
+    /// padding (what it updates, and so what it keeps in a checkpoint).
+    pub fn owned_ranges(&self) -> Vec<Range<usize>> {
+        let p = self.params.borrow();
+        p.specs
+            .iter()
+            .map(|s| {
+                if self.sharded() {
+                    owned(s.numel(), self.dp, self.dp_rank)
+                } else {
+                    0..s.numel()
+                }
+            })
+            .collect()
+    }
+
+    /// What this rank owns of each tensor, for a checkpoint: the f32 master values and the two Adam
+    /// moments over [`ZeroState::owned_ranges`]. Between steps only.
+    pub fn owned_state(&self) -> Vec<OwnedState> {
+        let ranges = self.owned_ranges();
+        let master: Vec<Vec<f32>> = if let Some(h) = &self.half {
+            with_half!(h, p => {
+                let parts = p.borrow();
+                ranges.iter().zip(&parts.master).map(|(r, m)| m[..r.len()].to_vec()).collect()
+            })
+        } else if self.stage == 3 && self.dp > 1 {
+            let pieces = self.param_pieces.iter();
+            ranges
+                .iter()
+                .zip(pieces)
+                .map(|(r, m)| m[..r.len()].to_vec())
+                .collect()
+        } else {
+            let p = self.params.borrow();
+            ranges
+                .iter()
+                .zip(&p.tensors)
+                .map(|(r, t)| t[r.clone()].to_vec())
+                .collect()
+        };
+        ranges
+            .into_iter()
+            .zip(master)
+            .enumerate()
+            .map(|(i, (flat, master))| OwnedState {
+                exp_avg: self.opt.m[i][..flat.len()].to_vec(),
+                exp_avg_sq: self.opt.v[i][..flat.len()].to_vec(),
+                flat,
+                master,
+            })
+            .collect()
+    }
+
+    /// Optimizer steps taken (Adam's bias-correction count).
+    pub fn optimizer_step(&self) -> u64 {
+        self.opt.step
+    }
+
+    /// Resumes the optimizer: its step count and each tensor's moments over the owned range (the
+    /// parameters come with the store the state was built from).
+    pub fn restore_optimizer(&mut self, step: u64, moments: Vec<(Vec<f32>, Vec<f32>)>) {
+        self.opt.step = step;
+        for (i, (m, v)) in moments.into_iter().enumerate() {
+            self.opt.m[i][..m.len()].copy_from_slice(&m);
+            self.opt.v[i][..v.len()].copy_from_slice(&v);
+        }
     }
 
     /// The device's whole parameters (ZeRO-3: gathered from the pieces; every dp rank must call it).

@@ -9,10 +9,10 @@
 //! - gradients (16-bit): whole under ZeRO 0–1, pieces under ZeRO 2–3;
 //! - master weights and moments (f32): whole under ZeRO-0, pieces from ZeRO-1 on.
 
+use super::data::{owned as own, piece};
 use crate::comm::{Comm, CommError, Element, Group, ReduceOp};
 use crate::memory::{self, Term};
 use crate::transformer::ParamStore;
-use std::ops::Range;
 
 /// A 16-bit float the state can be stored and moved in.
 pub trait Half16: Element {
@@ -36,19 +36,6 @@ impl Half16 for half::f16 {
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)
     }
-}
-
-/// This rank's piece of a tensor of `len` elements padded to a multiple of `dp`.
-fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {
-    let n = len.div_ceil(dp);
-    rank * n..(rank + 1) * n
-}
-
-/// The part of a tensor of `len` elements a rank owns (its piece without the padding).
-fn own(len: usize, dp: usize, rank: usize) -> Range<usize> {
-    let r = piece(len, dp, rank);
-    let end = r.end.min(len);
-    r.start.min(end)..end
 }
 
 fn round<T: Half16>(v: &[f32]) -> Vec<T> {

@@ -41,6 +41,17 @@ pub struct MeshStep<'a> {
     loss_scaling: Option<LossScaling>,
     loss_scale: f64,
     clean_steps: usize,
+    /// Training resumed from a checkpoint: where, and how each device restores its state.
+    resume: Option<Resume<'a>>,
+}
+
+/// Where a resumed run starts: the first step to run, the loss scaler's state then, and how a
+/// device, once built from the checkpoint's parameters, restores its optimizer state.
+#[derive(Clone, Copy)]
+pub struct Resume<'a> {
+    pub step: usize,
+    pub loss_scaler: Option<(f64, usize)>,
+    pub restore: &'a (dyn Fn(&mut Device) -> Result<()> + Sync),
 }
 
 /// Dynamic loss scaling (fp16): the loss is multiplied by `scale` before backward; a step whose
@@ -57,7 +68,7 @@ pub struct LossScaling {
 /// One device's lasting state: its model chunks and its parameters, gradients and optimizer state.
 pub struct Device {
     pub rank: usize,
-    shard: TpShard,
+    pub shard: TpShard,
     chunks: Vec<Transformer>,
     pub zero: ZeroState,
 }
@@ -125,7 +136,21 @@ impl<'a> MeshStep<'a> {
             loss_scaling: None,
             loss_scale: 1.0,
             clean_steps: 0,
+            resume: None,
         })
+    }
+
+    /// Resumes training: [`MeshStep::train_device`] starts at `resume.step` with the devices'
+    /// optimizer state and the loss scaler restored.
+    pub fn with_resume(mut self, resume: Option<Resume<'a>>) -> Self {
+        self.resume = resume;
+        self
+    }
+
+    /// The fp16 loss scaler's state: the scale and the clean steps since it last changed.
+    pub fn loss_scaler(&self) -> Option<(f64, usize)> {
+        self.loss_scaling
+            .map(|_| (self.loss_scale, self.clean_steps))
     }
 
     /// Mixed precision: weights, gradients and activations stored (and moved) in `storage`; master
@@ -353,7 +378,8 @@ impl<'a> MeshStep<'a> {
         })
     }
 
-    /// Runs device `c.rank()` through `steps` optimizer steps, the batch of step k from `batch_of(k)`
+    /// Runs device `c.rank()` through optimizer steps up to `steps` (from 0, or from where a
+    /// [`Resume`] says), the batch of step k from `batch_of(k)`
     /// (the same on every device), gradients clipped to `clip` by the global norm (0: off).
     /// `on_step` sees each step's report on every device.
     #[allow(clippy::too_many_arguments)]
@@ -370,7 +396,15 @@ impl<'a> MeshStep<'a> {
         let account = self.account(c.rank());
         memory::set_device(account);
         let mut dev = self.device(c.rank(), adam)?;
-        for step in 0..steps {
+        let mut first = 0;
+        if let Some(r) = self.resume {
+            (r.restore)(&mut dev)?;
+            first = r.step;
+            if let (Some(_), Some((scale, clean))) = (self.loss_scaling, r.loss_scaler) {
+                (self.loss_scale, self.clean_steps) = (scale, clean);
+            }
+        }
+        for step in first..steps {
             self.set_batch(&batch_of(step))?;
             memory::reset_peaks(account);
             let started = c.device_time();

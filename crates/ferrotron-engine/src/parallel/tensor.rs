@@ -40,7 +40,7 @@ pub struct Slice {
 }
 
 /// One contiguous range, as a slice's list of ranges.
-fn one(r: Range<usize>) -> Vec<Range<usize>> {
+pub(crate) fn one(r: Range<usize>) -> Vec<Range<usize>> {
     std::iter::once(r).collect()
 }
 

@@ -3,13 +3,15 @@
 //! After each step every device sends its figures to device 0, which writes them to `metrics.jsonl`
 //! beside the planner's predictions.
 
+use super::checkpointing::{device_arrays, restore_device, CheckpointPlan};
 use super::train::{mean_loss, DeviceSummary, StepReport, TrainConfig};
+use crate::checkpoint::{save_distributed, Checkpoint};
 use crate::comm::{Comm, ThreadWorld};
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
 use crate::memory::{self, format_terms, DeviceMemory, MemoryTerms};
 use crate::optim::{AdamWConfig, LrSchedule};
-use crate::parallel::{LossScaling, MeshStep, StepReport as DeviceStep};
+use crate::parallel::{LossScaling, MeshStep, Resume, StepReport as DeviceStep};
 use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
@@ -27,12 +29,24 @@ pub(super) struct MeshTraining<'a> {
     pub params: &'a ParamStore,
     pub layout: Layout,
     pub input: &'a PlanInput,
-    /// Every step's global batch (the same for every device).
+    /// Every step's global batch from `start` on (the same for every device).
     pub batches: &'a [TokenBatch],
     pub val_batches: &'a [TokenBatch],
     pub adam: AdamWConfig,
     pub schedule: LrSchedule,
     pub initial_val_loss: f64,
+    /// The first step to run (0, or where the run resumes); `batches` starts there.
+    pub start: usize,
+    pub checkpoints: &'a CheckpointPlan,
+    /// The checkpoint the run resumes from (the devices' optimizer state comes from it).
+    pub resume: Option<&'a Checkpoint>,
+}
+
+impl MeshTraining<'_> {
+    /// The batch of (0-based) step `k`.
+    fn batch(&self, k: usize) -> &TokenBatch {
+        &self.batches[k - self.start]
+    }
 }
 
 pub(super) struct MeshOutcome {
@@ -130,13 +144,22 @@ fn run_device<C: Comm>(
     let cfg = run.cfg;
     let account = account_base + c.rank();
     memory::set_capacity(account, capacity);
+    let restore = |dev: &mut crate::parallel::Device| match run.resume {
+        Some(ck) => restore_device(ck, run.model_cfg, dev),
+        None => Ok(()),
+    };
     let mut step = MeshStep::new(
         run.model_cfg,
         run.params,
-        &run.batches[0],
+        run.batch(run.start),
         &run.layout,
         partition,
     )?
+    .with_resume(run.resume.map(|ck| Resume {
+        step: run.start,
+        loss_scaler: ck.manifest.loss_scaler.map(|s| (s.scale, s.clean_steps)),
+        restore: &restore,
+    }))
     .with_account_base(account_base)
     .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)))
     .with_precision(
@@ -154,7 +177,7 @@ fn run_device<C: Comm>(
     let dev = step.train_device(
         c,
         cfg.steps,
-        &|k| run.batches[k].clone(),
+        &|k| run.batch(k).clone(),
         run.adam,
         &run.schedule,
         cfg.grad_clip,
@@ -174,24 +197,43 @@ fn run_device<C: Comm>(
             };
             if c.rank() != 0 {
                 c.send(0, &mine.pack(), FIGURES_TAG)?;
-                return Ok(());
+            } else {
+                let mut devices = vec![mine];
+                for r in 1..world {
+                    let mut v = [0f64; FIGURES];
+                    c.recv(r, &mut v, FIGURES_TAG)?;
+                    devices.push(Figures::unpack(&v));
+                }
+                sink(StepFigures {
+                    devices,
+                    step: report.step,
+                    loss: report.loss,
+                    grad_norm: report.grad_norm,
+                    lr: report.lr,
+                    val_loss,
+                    loss_scale: report.loss_scale,
+                    skipped: report.skipped,
+                })?;
             }
-            let mut devices = vec![mine];
-            for r in 1..world {
-                let mut v = [0f64; FIGURES];
-                c.recv(r, &mut v, FIGURES_TAG)?;
-                devices.push(Figures::unpack(&v));
+            let done = report.step + 1;
+            if run.checkpoints.due(done) {
+                // The copies a save makes are the host's, not the device's.
+                memory::clear_device();
+                let saved = device_arrays(run.model_cfg, &run.layout, dev).and_then(|arrays| {
+                    let manifest = (c.rank() == 0).then(|| {
+                        run.checkpoints.manifest(
+                            done,
+                            dev.zero.optimizer_step(),
+                            mesh.loss_scaler(),
+                        )
+                    });
+                    let ck = run.checkpoints;
+                    save_distributed(c, &ck.root, done, &arrays, manifest, ck.keep)
+                });
+                memory::set_device(account);
+                saved?;
             }
-            sink(StepFigures {
-                devices,
-                step: report.step,
-                loss: report.loss,
-                grad_norm: report.grad_norm,
-                lr: report.lr,
-                val_loss,
-                loss_scale: report.loss_scale,
-                skipped: report.skipped,
-            })
+            Ok(())
         },
     )?;
     let full = step.gather_params(c, &dev)?;
@@ -293,7 +335,7 @@ impl<'a> MetricsWriter<'a> {
     fn step(&mut self, f: StepFigures, on_step: &mut dyn FnMut(&StepReport)) -> Result<()> {
         let dt = self.last_wall.elapsed().as_secs_f64();
         self.last_wall = Instant::now();
-        let batch = &self.run.batches[f.step];
+        let batch = self.run.batch(f.step);
         let batch_tokens = batch.batch * batch.seq;
         self.tokens += batch_tokens;
         self.seconds += dt;
@@ -347,7 +389,7 @@ impl<'a> MetricsWriter<'a> {
     }
 
     fn finish(mut self, params: ParamStore) -> MeshOutcome {
-        let steps = self.run.cfg.steps.max(1) as f64;
+        let steps = (self.run.cfg.steps - self.run.start).max(1) as f64;
         for s in self.summaries.iter_mut() {
             s.idle_fraction /= steps;
             s.step_time_s /= steps;
@@ -374,7 +416,7 @@ fn layout_facts(run: &MeshTraining) -> Result<(StagePartition, Coords, Vec<Memor
     let mesh = MeshStep::new(
         run.model_cfg,
         run.params,
-        &run.batches[0],
+        run.batch(run.start),
         &layout,
         &partition,
     )?;

@@ -1,5 +1,6 @@
 //! Runs training: resolves the model and data, executes steps, evaluates, records metrics, saves.
 
+mod checkpointing;
 mod mesh_train;
 mod source;
 mod step;

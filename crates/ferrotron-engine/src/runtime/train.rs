@@ -1,6 +1,8 @@
+use super::checkpointing::{restore_single, save_single, single_device_arrays, CheckpointPlan};
 use super::mesh_train::{train_mesh, MeshTraining};
 use super::source::{resolve_model, ModelSource};
 use super::step::run_step;
+use crate::checkpoint::Checkpoint;
 use crate::data::{self, SequenceSampler, TokenSplit};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
@@ -83,6 +85,17 @@ pub struct TrainConfig {
     pub loss_scale_window: usize,
     /// Testing: put an inf into the gradients at this step (fp16 must skip it).
     pub inject_nonfinite_step: Option<usize>,
+    /// Save a sharded checkpoint every this many steps (0: only after the last step, which always
+    /// saves one).
+    pub checkpoint_every: usize,
+    /// Where checkpoints go (default: `<out_dir>/checkpoints`).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Keep only the newest this many checkpoints (0: keep all).
+    pub keep_checkpoints: usize,
+    /// Continue from this checkpoint (a `step-NNNNNN` directory, or a checkpoint directory whose
+    /// `latest` names one), on this run's layout: the parameters and Adam moments are resharded
+    /// to it, the data loader, LR schedule and loss scaler continue where they were.
+    pub resume: Option<PathBuf>,
 }
 
 impl TrainConfig {
@@ -138,6 +151,10 @@ impl Default for TrainConfig {
             loss_scale: 65536.0,
             loss_scale_window: 1000,
             inject_nonfinite_step: None,
+            checkpoint_every: 0,
+            checkpoint_dir: None,
+            keep_checkpoints: 0,
+            resume: None,
         }
     }
 }
@@ -395,6 +412,24 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     };
 
     let (model_cfg, mut params, source) = resolve_model(&cfg.model, cfg.seed)?;
+    let resume = cfg.resume.as_deref().map(Checkpoint::open).transpose()?;
+    let start = match &resume {
+        Some(ck) => {
+            ck.check_model(&model_cfg)?;
+            if ck.manifest.step >= cfg.steps {
+                return Err(EngineError::Invalid(format!(
+                    "resume: {} is at step {}, and this run has `steps` = {}: nothing is left to \
+                     train (raise `steps`)",
+                    ck.dir.display(),
+                    ck.manifest.step,
+                    cfg.steps
+                )));
+            }
+            params = ck.params()?;
+            ck.manifest.step
+        }
+        None => 0,
+    };
     if cfg.seq_len > model_cfg.max_position_embeddings {
         return Err(EngineError::Invalid(format!(
             "seq_len {} exceeds the model's max_position_embeddings {} ({})",
@@ -438,7 +473,13 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     )?;
     let val_batches =
         data::validation_batches(&split.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches);
-    let mut sampler = SequenceSampler::new(split.train.len(), cfg.seq_len, cfg.seed);
+    let mut sampler = match resume
+        .as_ref()
+        .and_then(|ck| ck.manifest.data_loader.as_ref())
+    {
+        Some(position) => SequenceSampler::resumed(position, split.train.len(), cfg.seq_len)?,
+        None => SequenceSampler::new(split.train.len(), cfg.seq_len, cfg.seed),
+    };
 
     std::fs::create_dir_all(&cfg.out_dir).map_err(|e| EngineError::io(&cfg.out_dir, e))?;
     let config_path = cfg.out_dir.join("train_config.json");
@@ -464,6 +505,19 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         total_steps: cfg.steps,
     };
     let n_params = params.numel() as u64;
+    let open_metrics = || -> Result<std::fs::File> {
+        // A resumed run continues the metrics of the run it resumes.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(resume.is_some())
+            .truncate(resume.is_none())
+            .open(&metrics_path)
+            .map_err(|e| EngineError::io(&metrics_path, e))
+    };
+    let plan_for = |layout: &Layout, loader_after| {
+        CheckpointPlan::new(cfg, &model_cfg, layout, adam, schedule, start, loader_after)
+    };
     let initial_val_loss = mean_loss(&tf, &be, &params, &val_batches);
     let summary_of =
         |last_loss: f64, last_val: f64, tokens_per_s: f64, layout, devices| TrainSummary {
@@ -482,12 +536,18 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         };
 
     if !layout.is_single_device() || layout.zero > 0 || cfg.storage()?.is_some() {
-        let batches: Vec<TokenBatch> = (0..cfg.steps)
-            .map(|_| sampler.next_batch(&split.train, cfg.batch_size))
+        let mut loader_after = Vec::new();
+        let batches: Vec<TokenBatch> = (start..cfg.steps)
+            .map(|_| {
+                let b = sampler.next_batch(&split.train, cfg.batch_size);
+                loader_after.push(serde_json::to_value(&sampler).expect("serialisable"));
+                b
+            })
             .collect();
         let auto = !layout_spec.auto_keys.is_empty();
         let mut tried = Vec::new();
         for &layout in candidates.iter().take(if auto { AUTO_ATTEMPTS } else { 1 }) {
+            let checkpoints = plan_for(&layout, loader_after.clone());
             let run = MeshTraining {
                 cfg,
                 model_cfg: &model_cfg,
@@ -499,10 +559,20 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
                 adam,
                 schedule,
                 initial_val_loss,
+                start,
+                checkpoints: &checkpoints,
+                resume: resume.as_ref(),
             };
             #[cfg(feature = "mpi")]
             if cfg.backend == "mpi" {
-                let out = train_on_mpi(&run, &metrics_path, on_step, save_dtype, &tokenizer_path)?;
+                let out = train_on_mpi(
+                    &run,
+                    &metrics_path,
+                    &open_metrics,
+                    on_step,
+                    save_dtype,
+                    &tokenizer_path,
+                )?;
                 return Ok(match out {
                     Some(out) => summary_of(
                         out.last_loss,
@@ -517,8 +587,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
                     },
                 });
             }
-            let mut metrics = std::fs::File::create(&metrics_path)
-                .map_err(|e| EngineError::io(&metrics_path, e))?;
+            let mut metrics = open_metrics()?;
             let out = match train_mesh(&run, &mut metrics, &metrics_path, on_step) {
                 // The planner's estimate was short for this layout: measured, it does not fit.
                 Err(EngineError::RunOutOfMemory(why)) if auto => {
@@ -552,13 +621,16 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         )));
     }
 
-    let mut metrics =
-        std::fs::File::create(&metrics_path).map_err(|e| EngineError::io(&metrics_path, e))?;
+    let mut metrics = open_metrics()?;
     let mut grads = params.zeros_like();
     let mut opt = AdamW::new(adam, &params);
+    if let Some(ck) = &resume {
+        restore_single(ck, &params, &mut opt)?;
+    }
+    let checkpoints = plan_for(&layout, Vec::new());
     let (mut last_loss, mut last_val, mut total_tokens, mut total_time) =
         (f64::NAN, initial_val_loss, 0usize, 0.0);
-    for step in 0..cfg.steps {
+    for step in start..cfg.steps {
         let t0 = Instant::now();
         let batch = sampler.next_batch(&split.train, cfg.batch_size);
         grads.zero_();
@@ -622,6 +694,15 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         );
         writeln!(metrics, "{line}").map_err(|e| EngineError::io(&metrics_path, e))?;
         on_step(&report);
+        if checkpoints.due(step + 1) {
+            let mut manifest = checkpoints.manifest(step + 1, opt.step, None);
+            manifest.data_loader = Some(serde_json::to_value(&sampler).expect("serialisable"));
+            save_single(
+                &checkpoints,
+                manifest,
+                &single_device_arrays(&model_cfg, &params, &opt)?,
+            )?;
+        }
     }
 
     let model_dir = cfg.out_dir.join("model");
@@ -641,6 +722,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
 fn train_on_mpi(
     run: &MeshTraining,
     metrics_path: &Path,
+    open_metrics: &dyn Fn() -> Result<std::fs::File>,
     on_step: &mut dyn FnMut(&StepReport),
     save_dtype: StorageDtype,
     tokenizer_path: &Path,
@@ -649,7 +731,7 @@ fn train_on_mpi(
     let rank = crate::comm::Comm::rank(&c);
     // Only rank 0 writes; the others' (unused) metrics go nowhere.
     let mut metrics = if rank == 0 {
-        std::fs::File::create(metrics_path).map_err(|e| EngineError::io(metrics_path, e))?
+        open_metrics()?
     } else {
         std::fs::File::create("/dev/null").map_err(|e| EngineError::io("/dev/null", e))?
     };

@@ -1,5 +1,6 @@
 pub mod backend;
 pub mod bench;
+pub mod checkpoint;
 pub mod grads;
 pub mod plan;
 pub mod profile;

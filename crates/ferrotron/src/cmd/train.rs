@@ -136,6 +136,23 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     inject_nonfinite_step: Option<usize>,
+    /// Save a sharded checkpoint every this many steps (0: only after the last step).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    checkpoint_every: Option<usize>,
+    /// Where checkpoints go (default: <out-dir>/checkpoints).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Keep only the newest this many checkpoints (0: all).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    keep_checkpoints: Option<usize>,
+    /// Continue from a checkpoint (a step-NNNNNN directory, or a checkpoint directory with
+    /// `latest`), resharded to this run's layout.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resume: Option<PathBuf>,
 }
 
 /// Defaults, then the TOML file, then the flags.
@@ -197,7 +214,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             "loss {:.3}{val} | {:.0} tok/s",
             r.loss, r.tokens_per_s
         ));
-        pb.inc(1);
+        pb.set_position(r.step as u64);
     })?;
     pb.finish_and_clear();
     if !summary.reporter {
@@ -249,5 +266,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
     }
     println!("metrics: {}", cfg.out_dir.join("metrics.jsonl").display());
+    println!(
+        "checkpoints: {} (`ferrotron checkpoint inspect` it; `--resume` it on any layout)",
+        cfg.checkpoint_dir
+            .clone()
+            .unwrap_or_else(|| cfg.out_dir.join("checkpoints"))
+            .display()
+    );
     Ok(())
 }

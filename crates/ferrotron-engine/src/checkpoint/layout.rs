@@ -1,0 +1,120 @@
+//! What each rank of a layout keeps in a checkpoint: for every tensor of its pipeline stages, its
+//! tensor-parallel shard and the part of it the rank owns under ZeRO. The same cut the runtime makes
+//! ([`TpShard`], [`crate::parallel::data::owned`]), so files and devices always agree.
+
+use super::{Kind, Piece, SliceEntry, TensorEntry};
+use crate::comm::DeviceMesh;
+use crate::error::{EngineError, Result};
+use crate::parallel::data::owned;
+use crate::parallel::tensor::Slice;
+use crate::parallel::TpShard;
+use ferrotron_core::layout::Layout;
+use ferrotron_core::model::ModelConfig;
+use ferrotron_core::schedule::StagePartition;
+use std::ops::Range;
+
+/// One tensor a rank keeps: part `flat` of its tensor-parallel shard `tp_slice` (of shape
+/// `shard_shape`) of the global tensor `name` (of shape `shape`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Holding {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub tp_slice: Slice,
+    pub shard_shape: Vec<usize>,
+    pub flat: Range<usize>,
+}
+
+impl Holding {
+    pub fn piece(&self, kind: Kind, file: &str) -> Piece {
+        Piece {
+            kind,
+            file: file.to_string(),
+            key: kind.key(&self.name),
+            tp_slice: SliceEntry::from(&self.tp_slice),
+            shard_shape: self.shard_shape.clone(),
+            flat: [self.flat.start, self.flat.end],
+        }
+    }
+}
+
+/// The tensors rank `rank` of `layout` keeps, in its store's order: every tensor of its stages'
+/// shard, whole or (ZeRO ≥ 1 over more than one replica) its owned piece. Without ZeRO sharding the
+/// replicas hold identical copies and only data-parallel rank 0 keeps them (others keep nothing).
+pub fn rank_holdings(cfg: &ModelConfig, layout: &Layout, rank: usize) -> Result<Vec<Holding>> {
+    let (tp, dp, pp, vpp) = (
+        layout.tp.max(1),
+        layout.dp.max(1),
+        layout.pp.max(1),
+        layout.vpp.max(1),
+    );
+    let world = tp * dp * pp;
+    if rank >= world {
+        return Err(EngineError::Invalid(format!(
+            "rank {rank} of layout `{layout}`, which has {world} devices"
+        )));
+    }
+    let (t, d, s) = DeviceMesh::new(tp, dp, pp, world, world)?.coords(rank);
+    let sharded = layout.zero >= 1 && dp > 1;
+    if !sharded && d > 0 {
+        return Ok(Vec::new());
+    }
+    let partition = StagePartition::for_model(cfg, pp * vpp)?;
+    let ranges: Vec<Range<usize>> = (0..vpp)
+        .map(|k| partition.layers[k * pp + s].clone())
+        .collect();
+    let shard = TpShard::new(cfg, tp, t, false)?;
+    let global = cfg.param_specs();
+    shard
+        .local_config(cfg)
+        .param_specs()
+        .into_iter()
+        .filter(|spec| ranges.iter().any(|r| cfg.stage_owns(&spec.name, r)))
+        .map(|spec| {
+            let shape = global
+                .iter()
+                .find(|g| g.name == spec.name)
+                .map(|g| g.shape.clone())
+                .expect("a shard's tensors are the model's");
+            let n = spec.numel();
+            Ok(Holding {
+                tp_slice: shard.slice(cfg, &spec.name)?,
+                flat: if sharded { owned(n, dp, d) } else { 0..n },
+                name: spec.name,
+                shape,
+                shard_shape: spec.shape,
+            })
+        })
+        .collect()
+}
+
+/// The manifest's tensor list for `layout`: every model tensor with the pieces each rank's file
+/// holds (`kinds`: the parameters, and the moments once the optimizer has stepped).
+pub fn manifest_tensors(
+    cfg: &ModelConfig,
+    layout: &Layout,
+    kinds: &[Kind],
+) -> Result<Vec<TensorEntry>> {
+    let mut tensors: Vec<TensorEntry> = cfg
+        .param_specs()
+        .into_iter()
+        .map(|s| TensorEntry {
+            name: s.name,
+            shape: s.shape,
+            dtype: "F32".into(),
+            pieces: Vec::new(),
+        })
+        .collect();
+    for rank in 0..layout.world_size() {
+        let file = super::rank_file_name(rank);
+        for h in rank_holdings(cfg, layout, rank)? {
+            let entry = tensors
+                .iter_mut()
+                .find(|t| t.name == h.name)
+                .expect("a holding names a model tensor");
+            for &k in kinds {
+                entry.pieces.push(h.piece(k, &file));
+            }
+        }
+    }
+    Ok(tensors)
+}

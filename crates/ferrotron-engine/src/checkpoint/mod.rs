@@ -1,0 +1,186 @@
+//! Sharded checkpoints: one safetensors file per rank with exactly what that rank owns (parameter
+//! shards as f32 master values, Adam moments), and a JSON manifest that names, for every tensor by
+//! its Hugging Face name, its global shape and which file holds which slice; plus the layout, the
+//! step, the optimizer, LR-schedule, loss-scaler and data-loader positions, and a SHA-256 per file.
+//!
+//! A slice is described in two steps, the way the runtime cuts a tensor: the tensor-parallel shard
+//! (along `dim`, the concatenation of global `ranges`, then `pad` zero rows of vocabulary padding),
+//! then the part `flat` of that shard flattened (all of it, or a ZeRO piece). Any layout can read any
+//! other's slices: a reader intersects the slices it needs with the ones the files hold.
+//!
+//! Saving is atomic: rank files and the manifest go to a hidden staging directory, which is renamed
+//! to `step-NNNNNN` only when all are written, synced and checked; `latest` is replaced last.
+
+mod layout;
+mod read;
+mod slice;
+mod tools;
+mod write;
+
+pub use layout::{manifest_tensors, rank_holdings, Holding};
+pub use read::Checkpoint;
+pub use slice::overlap_spans;
+pub use tools::{export_hf, import_hf, inspect, load_params, reshard};
+pub use write::{
+    commit, prepare_staging, prune, save_distributed, write_rank_file, RankArrays, RankFile,
+    CRASH_ENV,
+};
+
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::parallel::tensor::Slice;
+use ferrotron_core::model::ModelConfig;
+
+/// The manifest's `format` field.
+pub const FORMAT: &str = "ferrotron-checkpoint";
+pub const VERSION: u32 = 1;
+pub const MANIFEST: &str = "manifest.json";
+pub const LATEST: &str = "latest";
+
+/// What a checkpoint holds besides the tensors, and where every slice of every tensor is.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    /// Optimizer steps done (the LR schedule's position; training resumes at this 0-based step).
+    pub step: usize,
+    pub model: ModelConfig,
+    /// The `--layout` the files were written under.
+    pub layout: String,
+    pub world_size: usize,
+    /// `f32`, `bf16` or `fp16` (the stored values are always the f32 master weights).
+    pub precision: String,
+    pub optimizer: OptimizerState,
+    pub lr_schedule: Option<LrSchedule>,
+    /// fp16 dynamic loss scaling: the scale and the clean steps since it last changed.
+    pub loss_scaler: Option<LossScalerState>,
+    /// The data loader's position (its shuffle RNG is seeded per epoch from `seed` and `epoch`,
+    /// so this is the run's whole RNG state: training itself draws no random numbers).
+    pub data_loader: Option<serde_json::Value>,
+    /// The run's settings, for a person reading the manifest.
+    pub run: Option<serde_json::Value>,
+    /// Where the model came from when it was imported (`step` 0).
+    pub source: Option<String>,
+    pub files: Vec<FileEntry>,
+    pub tensors: Vec<TensorEntry>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OptimizerState {
+    /// Adam's bias-correction count (0: fresh moments, none stored).
+    pub step: u64,
+    pub adamw: AdamWConfig,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScalerState {
+    pub scale: f64,
+    pub clean_steps: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FileEntry {
+    pub rank: usize,
+    pub file: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct TensorEntry {
+    /// The Hugging Face name.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: String,
+    pub pieces: Vec<Piece>,
+}
+
+/// Which state of a parameter an array holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// The f32 master weights.
+    Param,
+    /// Adam's first moment.
+    ExpAvg,
+    /// Adam's second moment.
+    ExpAvgSq,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::Param, Kind::ExpAvg, Kind::ExpAvgSq];
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Param => "param",
+            Kind::ExpAvg => "exp_avg",
+            Kind::ExpAvgSq => "exp_avg_sq",
+        }
+    }
+    /// The array's key in a rank file.
+    pub fn key(self, tensor: &str) -> String {
+        format!("{}/{tensor}", self.name())
+    }
+}
+
+/// One array of a rank file: part `flat` of the tensor-parallel shard `tp_slice` (shape
+/// `shard_shape`) of a tensor, flattened.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Piece {
+    pub kind: Kind,
+    pub file: String,
+    pub key: String,
+    pub tp_slice: SliceEntry,
+    pub shard_shape: Vec<usize>,
+    pub flat: [usize; 2],
+}
+
+/// A tensor-parallel shard as the manifest writes it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SliceEntry {
+    pub dim: usize,
+    pub ranges: Vec<[usize; 2]>,
+    pub pad: usize,
+}
+
+impl From<&Slice> for SliceEntry {
+    fn from(s: &Slice) -> Self {
+        Self {
+            dim: s.dim,
+            ranges: s.ranges.iter().map(|r| [r.start, r.end]).collect(),
+            pad: s.pad,
+        }
+    }
+}
+
+impl From<&SliceEntry> for Slice {
+    fn from(s: &SliceEntry) -> Self {
+        Self {
+            dim: s.dim,
+            ranges: s.ranges.iter().map(|r| r[0]..r[1]).collect(),
+            pad: s.pad,
+        }
+    }
+}
+
+/// A checkpoint directory's name.
+pub fn step_dir_name(step: usize) -> String {
+    format!("step-{step:06}")
+}
+
+/// A rank file's name.
+pub fn rank_file_name(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+/// A model's shape in a few words, for messages.
+pub fn describe_model(cfg: &ModelConfig) -> String {
+    format!(
+        "{:?}: {} layers, hidden {}, {} heads ({} KV), MLP {}, vocabulary {}",
+        cfg.arch,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size
+    )
+}

@@ -1,0 +1,298 @@
+//! Opening a checkpoint: the manifest parsed and checked against the files (each present, of the
+//! size and SHA-256 the manifest records, holding every array the manifest names), then slices read
+//! from the memory-mapped files — only the bytes a reader asks for are touched.
+
+use super::slice::{overlap_spans, whole};
+use super::{Kind, Manifest, TensorEntry, FORMAT, LATEST, MANIFEST, VERSION};
+use crate::error::{EngineError, Result};
+use crate::parallel::tensor::Slice;
+use crate::transformer::ParamStore;
+use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::model::ModelConfig;
+use memmap2::Mmap;
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// An opened, verified checkpoint.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    /// Each rank file, mapped.
+    files: HashMap<String, Mmap>,
+    /// Each rank file's arrays: byte range and element count, by key.
+    index: HashMap<String, ArrayIndex>,
+}
+
+type ArrayIndex = HashMap<String, (Range<usize>, usize)>;
+
+/// The byte range of every array of a safetensors file, by key, with its element count.
+fn array_index(file: &Path, bytes: &[u8]) -> Result<ArrayIndex> {
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(EngineError::format(
+                file,
+                format!("array `{name}` is {:?}; checkpoints hold f32", view.dtype()),
+            ));
+        }
+        let data = view.data();
+        // Offsets within the file: the view borrows from `bytes`.
+        let start = data.as_ptr() as usize - bytes.as_ptr() as usize;
+        out.insert(name, (start..start + data.len(), data.len() / 4));
+    }
+    Ok(out)
+}
+
+impl Checkpoint {
+    /// The checkpoint directory `path` names: itself when it holds a manifest, or the one its
+    /// `latest` file points to.
+    pub fn resolve(path: &Path) -> Result<PathBuf> {
+        if path.join(MANIFEST).exists() {
+            return Ok(path.to_path_buf());
+        }
+        let latest = path.join(LATEST);
+        if latest.exists() {
+            let name = std::fs::read_to_string(&latest).map_err(|e| EngineError::io(&latest, e))?;
+            let dir = path.join(name.trim());
+            if !dir.join(MANIFEST).exists() {
+                return Err(EngineError::format(
+                    &latest,
+                    format!("points to `{}`, which holds no {MANIFEST}", name.trim()),
+                ));
+            }
+            return Ok(dir);
+        }
+        Err(EngineError::format(
+            path,
+            format!("not a checkpoint: no {MANIFEST} and no `{LATEST}` file"),
+        ))
+    }
+
+    /// Opens and verifies the checkpoint at `path` (a checkpoint directory, or a directory of them
+    /// with a `latest` file). Every file is hashed; nothing is trusted that does not check out.
+    pub fn open(path: &Path) -> Result<Self> {
+        let dir = Self::resolve(path)?;
+        let mpath = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&mpath).map_err(|e| EngineError::io(&mpath, e))?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| EngineError::format(&mpath, format!("not a valid manifest: {e}")))?;
+        if manifest.format != FORMAT || manifest.version != VERSION {
+            return Err(EngineError::format(
+                &mpath,
+                format!(
+                    "format `{}` version {}; this build reads `{FORMAT}` version {VERSION}",
+                    manifest.format, manifest.version
+                ),
+            ));
+        }
+        if manifest.files.len() != manifest.world_size {
+            return Err(EngineError::format(
+                &mpath,
+                format!(
+                    "lists {} rank files for {} ranks",
+                    manifest.files.len(),
+                    manifest.world_size
+                ),
+            ));
+        }
+        let mut files = HashMap::new();
+        let mut index = HashMap::new();
+        for f in &manifest.files {
+            let path = dir.join(&f.file);
+            if !path.exists() {
+                return Err(EngineError::format(
+                    &path,
+                    format!("rank {}'s file is missing (the manifest lists it)", f.rank),
+                ));
+            }
+            let (bytes, sha) = super::write::sha256_file(&path)?;
+            if bytes != f.bytes || sha != f.sha256 {
+                return Err(EngineError::format(
+                    &path,
+                    format!(
+                        "checksum mismatch: {bytes} bytes with SHA-256 {sha}, the manifest \
+                         records {} bytes with {} — the file is corrupt",
+                        f.bytes, f.sha256
+                    ),
+                ));
+            }
+            let file = std::fs::File::open(&path).map_err(|e| EngineError::io(&path, e))?;
+            // SAFETY: the file was just verified and checkpoints are never modified in place
+            // (a save writes a new directory and renames it).
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(&path, e))?;
+            index.insert(f.file.clone(), array_index(&path, &map)?);
+            files.insert(f.file.clone(), map);
+        }
+        for t in &manifest.tensors {
+            for p in &t.pieces {
+                let Some(arrays) = index.get(&p.file) else {
+                    return Err(EngineError::format(
+                        &mpath,
+                        format!(
+                            "tensor `{}` is said to be in `{}`, which is not one of the rank files",
+                            t.name, p.file
+                        ),
+                    ));
+                };
+                let want = p.flat[1].saturating_sub(p.flat[0]);
+                match arrays.get(&p.key) {
+                    Some((_, n)) if *n == want => {}
+                    Some((_, n)) => {
+                        return Err(EngineError::format(
+                            dir.join(&p.file),
+                            format!("array `{}` has {n} values; the manifest says {want}", p.key),
+                        ))
+                    }
+                    None => {
+                        return Err(EngineError::format(
+                            dir.join(&p.file),
+                            format!(
+                                "holds no array `{}`, which the manifest names for tensor `{}`",
+                                p.key, t.name
+                            ),
+                        ))
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            dir,
+            manifest,
+            files,
+            index,
+        })
+    }
+
+    /// The layout the checkpoint was written under.
+    pub fn layout(&self) -> Result<Layout> {
+        Ok(LayoutSpec::parse(&self.manifest.layout)?.layout)
+    }
+
+    /// Refuses a checkpoint of another model than `cfg`.
+    pub fn check_model(&self, cfg: &ModelConfig) -> Result<()> {
+        let m = &self.manifest.model;
+        if m != cfg {
+            return Err(EngineError::format(
+                self.dir.join(MANIFEST),
+                format!(
+                    "a checkpoint of another model: it holds {}; this run's model is {}",
+                    super::describe_model(m),
+                    super::describe_model(cfg)
+                ),
+            ));
+        }
+        for spec in cfg.param_specs() {
+            let t = self.tensor(&spec.name)?;
+            if t.shape != spec.shape {
+                return Err(EngineError::format(
+                    self.dir.join(MANIFEST),
+                    format!(
+                        "tensor `{}` has shape {:?}; the model needs {:?}",
+                        spec.name, t.shape, spec.shape
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn tensor(&self, name: &str) -> Result<&TensorEntry> {
+        self.manifest
+            .tensors
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| {
+                EngineError::format(self.dir.join(MANIFEST), format!("lists no tensor `{name}`"))
+            })
+    }
+
+    /// Part `flat` of the tensor-parallel shard `slice` of tensor `name`'s `kind`, assembled from
+    /// whichever files hold it. Shard padding reads as zeros; fresh moments (optimizer step 0) too.
+    pub fn read(
+        &self,
+        name: &str,
+        kind: Kind,
+        slice: &Slice,
+        flat: Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let t = self.tensor(name)?;
+        let mut out = vec![0f32; flat.len()];
+        if kind != Kind::Param && self.manifest.optimizer.step == 0 {
+            return Ok(out);
+        }
+        let mut covered = vec![false; flat.len()];
+        for p in t.pieces.iter().filter(|p| p.kind == kind) {
+            let src = Slice::from(&p.tp_slice);
+            let spans = overlap_spans(&t.shape, &src, p.flat[0]..p.flat[1], slice, flat.clone())?;
+            if spans.is_empty() {
+                continue;
+            }
+            let bytes = self.array_bytes(&p.file, &p.key)?;
+            for (so, to, n) in spans {
+                for (x, b) in out[to..to + n]
+                    .iter_mut()
+                    .zip(bytes[4 * so..4 * (so + n)].chunks_exact(4))
+                {
+                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+                covered[to..to + n].fill(true);
+            }
+        }
+        // Every element of the wanted part that is not padding must have come from a file.
+        for (_, to, n) in overlap_spans(
+            &t.shape,
+            &whole(&t.shape),
+            0..t.shape.iter().product(),
+            slice,
+            flat.clone(),
+        )? {
+            if let Some(k) = covered[to..to + n].iter().position(|c| !c) {
+                return Err(EngineError::format(
+                    self.dir.join(MANIFEST),
+                    format!(
+                        "no file holds element {} of the wanted part of `{name}` ({}): the \
+                         checkpoint is incomplete",
+                        flat.start + to + k,
+                        kind.name()
+                    ),
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The whole tensor `name`'s `kind`.
+    pub fn read_whole(&self, name: &str, kind: Kind) -> Result<Vec<f32>> {
+        let shape = self.tensor(name)?.shape.clone();
+        self.read(name, kind, &whole(&shape), 0..shape.iter().product())
+    }
+
+    /// The model's parameters, whole, read one tensor at a time.
+    pub fn params(&self) -> Result<ParamStore> {
+        let specs = self.manifest.model.param_specs();
+        let tensors = specs
+            .iter()
+            .map(|s| self.read_whole(&s.name, Kind::Param))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ParamStore::from_tensors(specs, tensors))
+    }
+
+    /// The raw bytes of array `key` of `file` (both checked by [`Checkpoint::open`]).
+    fn array_bytes(&self, file: &str, key: &str) -> Result<&[u8]> {
+        match (
+            self.files.get(file),
+            self.index.get(file).and_then(|i| i.get(key)),
+        ) {
+            (Some(map), Some((range, _))) => Ok(&map[range.clone()]),
+            _ => Err(EngineError::format(
+                self.dir.join(file),
+                format!("holds no array `{key}`"),
+            )),
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! The offline tools: inspect a checkpoint, reshard it to another layout, export it as a Hugging
+//! Face model directory, import a Hugging Face model as a step-0 checkpoint. Each works one rank
+//! file (reshard, import) or one tensor (export) at a time.
+
+use super::layout::rank_holdings;
+use super::write::{commit, prepare_staging, write_rank_file, RankArrays, RankFile};
+use super::{Checkpoint, Kind, Manifest, OptimizerState, FORMAT, MANIFEST, VERSION};
+use crate::error::{EngineError, Result};
+use crate::hf::{self, StorageDtype};
+use crate::memory::format_bytes;
+use crate::optim::AdamWConfig;
+use crate::parallel::TpShard;
+use crate::transformer::ParamStore;
+use ferrotron_core::layout::Layout;
+use ferrotron_core::model::ModelConfig;
+use ferrotron_core::schedule::StagePartition;
+use safetensors::tensor::{Dtype, View};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+
+/// Checks that `layout` can hold `cfg` (heads, KV heads, MLP and layers divide as it needs).
+fn check_layout(cfg: &ModelConfig, layout: &Layout) -> Result<()> {
+    TpShard::check(cfg, layout.tp.max(1))?;
+    StagePartition::for_model(cfg, layout.pp.max(1) * layout.vpp.max(1))?;
+    Ok(())
+}
+
+/// Writes a checkpoint of `manifest`'s step under `root` in `layout`, rank by rank, each rank's
+/// arrays from `arrays_of(holding)`.
+fn write_layout(
+    root: &Path,
+    mut manifest: Manifest,
+    layout: &Layout,
+    arrays_of: &dyn Fn(&super::Holding) -> Result<RankArrays>,
+) -> Result<PathBuf> {
+    check_layout(&manifest.model, layout)?;
+    let step = manifest.step;
+    let staging = prepare_staging(root, step)?;
+    let mut files: Vec<RankFile> = Vec::new();
+    for rank in 0..layout.world_size() {
+        let arrays = rank_holdings(&manifest.model, layout, rank)?
+            .iter()
+            .map(arrays_of)
+            .collect::<Result<Vec<_>>>()?;
+        files.push(write_rank_file(&staging, rank, step, &arrays)?);
+    }
+    manifest.layout = layout.to_string();
+    manifest.world_size = layout.world_size();
+    commit(root, &staging, manifest, files, 0)
+}
+
+/// Rewrites the checkpoint at `src` for `layout` under `out_root` (parameters and Adam moments
+/// resharded; everything else carried over). Returns the new checkpoint's directory.
+pub fn reshard(src: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> {
+    let ck = Checkpoint::open(src)?;
+    if out_root.canonicalize().ok() == ck.dir.parent().and_then(|p| p.canonicalize().ok()) {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint reshard: write to another directory than {} (it would replace the source)",
+            ck.dir.parent().unwrap_or(&ck.dir).display()
+        )));
+    }
+    let moments = ck.manifest.optimizer.step > 0;
+    write_layout(out_root, ck.manifest.clone(), layout, &|h| {
+        let read = |k| ck.read(&h.name, k, &h.tp_slice, h.flat.clone());
+        Ok(RankArrays {
+            holding: h.clone(),
+            param: read(Kind::Param)?,
+            moments: if moments {
+                Some((read(Kind::ExpAvg)?, read(Kind::ExpAvgSq)?))
+            } else {
+                None
+            },
+        })
+    })
+}
+
+/// Imports the Hugging Face model directory `hf_dir` as a step-0 checkpoint in `layout` under
+/// `out_root` (fresh optimizer: no moments stored).
+pub fn import_hf(hf_dir: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> {
+    let (cfg, params) = hf::load_model(hf_dir)?;
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        step: 0,
+        model: cfg.clone(),
+        layout: String::new(),
+        world_size: 0,
+        precision: "f32".into(),
+        optimizer: OptimizerState {
+            step: 0,
+            adamw: AdamWConfig::default(),
+        },
+        lr_schedule: None,
+        loss_scaler: None,
+        data_loader: None,
+        run: None,
+        source: Some(hf_dir.display().to_string()),
+        files: Vec::new(),
+        tensors: Vec::new(),
+    };
+    write_layout(out_root, manifest, layout, &|h| {
+        let id = params.id(&h.name).expect("a holding names a model tensor");
+        // The cut is the slice's alone: any shard object makes it.
+        let shard = TpShard::new(&cfg, 1, 0, false)?.cut(
+            &params.specs[id],
+            &h.tp_slice,
+            &params.tensors[id],
+        );
+        Ok(RankArrays {
+            holding: h.clone(),
+            param: shard[h.flat.clone()].to_vec(),
+            moments: None,
+        })
+    })
+}
+
+/// One tensor of an export, read from the checkpoint only when the file writer reaches it.
+struct ExportView<'a> {
+    ck: &'a Checkpoint,
+    name: String,
+    shape: Vec<usize>,
+    dtype: StorageDtype,
+    error: &'a std::cell::RefCell<Option<EngineError>>,
+}
+
+impl View for &ExportView<'_> {
+    fn dtype(&self) -> Dtype {
+        match self.dtype {
+            StorageDtype::F32 => Dtype::F32,
+            StorageDtype::Bf16 => Dtype::BF16,
+            StorageDtype::F16 => Dtype::F16,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        let n = self.shape.iter().product::<usize>();
+        let values = match self.ck.read_whole(&self.name, Kind::Param) {
+            Ok(v) => v,
+            Err(e) => {
+                self.error.borrow_mut().get_or_insert(e);
+                vec![0.0; n]
+            }
+        };
+        Cow::Owned(hf::encode(&values, self.dtype).1)
+    }
+    fn data_len(&self) -> usize {
+        let n = self.shape.iter().product::<usize>();
+        n * if self.dtype == StorageDtype::F32 {
+            4
+        } else {
+            2
+        }
+    }
+}
+
+/// Writes the checkpoint at `src` as a Hugging Face model directory `out` (`config.json` and
+/// `model.safetensors` in `dtype`), one tensor in memory at a time.
+pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype) -> Result<()> {
+    let ck = Checkpoint::open(src)?;
+    let cfg = &ck.manifest.model;
+    std::fs::create_dir_all(out).map_err(|e| EngineError::io(out, e))?;
+    let error = std::cell::RefCell::new(None);
+    let views: Vec<(String, ExportView)> = cfg
+        .param_specs()
+        .into_iter()
+        .map(|s| {
+            (
+                s.name.clone(),
+                ExportView {
+                    ck: &ck,
+                    name: s.name,
+                    shape: s.shape,
+                    dtype,
+                    error: &error,
+                },
+            )
+        })
+        .collect();
+    let file = out.join("model.safetensors");
+    let tmp = out.join(".model.safetensors.partial");
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta), &tmp)
+        .map_err(|e| EngineError::format(&tmp, e.to_string()))?;
+    if let Some(e) = error.into_inner() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| EngineError::io(&tmp, e))?;
+    std::fs::rename(&tmp, &file).map_err(|e| EngineError::io(&file, e))?;
+    hf::write_config(out, cfg, dtype)
+}
+
+/// A person's summary of the checkpoint at `path`, after verifying every file's checksum.
+pub fn inspect(path: &Path) -> Result<String> {
+    let ck = Checkpoint::open(path)?;
+    let m = &ck.manifest;
+    let mut out = String::new();
+    let _ = writeln!(out, "checkpoint {}", ck.dir.display());
+    let _ = writeln!(
+        out,
+        "step {}  ·  layout {}  ·  {} ranks  ·  precision {}",
+        m.step, m.layout, m.world_size, m.precision
+    );
+    let _ = writeln!(
+        out,
+        "model {}; {} parameters",
+        super::describe_model(&m.model),
+        m.model.num_params()
+    );
+    let _ = writeln!(
+        out,
+        "optimizer AdamW step {} (β1 {}, β2 {}, eps {:e}, weight decay {})",
+        m.optimizer.step,
+        m.optimizer.adamw.beta1,
+        m.optimizer.adamw.beta2,
+        m.optimizer.adamw.eps,
+        m.optimizer.adamw.weight_decay
+    );
+    if let Some(s) = &m.lr_schedule {
+        let _ = writeln!(
+            out,
+            "LR schedule: peak {:e}, min {:e}, warm-up {}, {} steps; next step {}",
+            s.peak_lr, s.min_lr, s.warmup_steps, s.total_steps, m.step
+        );
+    }
+    if let Some(s) = &m.loss_scaler {
+        let _ = writeln!(
+            out,
+            "loss scaler: scale {}, {} clean steps",
+            s.scale, s.clean_steps
+        );
+    }
+    if let Some(d) = &m.data_loader {
+        let _ = writeln!(out, "data loader: {d}");
+    }
+    if let Some(s) = &m.source {
+        let _ = writeln!(out, "imported from {s}");
+    }
+    let _ = writeln!(
+        out,
+        "\n{:>5}  {:<24} {:>12}  sha256",
+        "rank", "file", "bytes"
+    );
+    for f in &m.files {
+        let _ = writeln!(
+            out,
+            "{:>5}  {:<24} {:>12}  {}  OK",
+            f.rank, f.file, f.bytes, f.sha256
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n{:<48} {:<14} {:>7}  {:>10}",
+        "tensor", "shape", "pieces", "stored"
+    );
+    let mut total = 0u64;
+    for t in &m.tensors {
+        let bytes: u64 = t
+            .pieces
+            .iter()
+            .map(|p| 4 * (p.flat[1] - p.flat[0]) as u64)
+            .sum();
+        total += bytes;
+        let _ = writeln!(
+            out,
+            "{:<48} {:<14} {:>7}  {:>10}",
+            t.name,
+            format!("{:?}", t.shape),
+            t.pieces.len(),
+            format_bytes(bytes)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n{} tensors, {} stored; every file's size and SHA-256 match {MANIFEST}: checksums OK",
+        m.tensors.len(),
+        format_bytes(total)
+    );
+    Ok(out)
+}
+
+/// The whole parameters of the checkpoint at `path` (for tests and small models).
+pub fn load_params(path: &Path) -> Result<(ModelConfig, ParamStore)> {
+    let ck = Checkpoint::open(path)?;
+    Ok((ck.manifest.model.clone(), ck.params()?))
+}

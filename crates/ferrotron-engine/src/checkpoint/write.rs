@@ -1,0 +1,390 @@
+//! Writing a checkpoint atomically. Every rank writes its file into a hidden staging directory,
+//! syncs it and hashes what landed on disk; rank 0 checks that every file is there with the size its
+//! writer reported, writes the manifest, renames the staging directory to `step-NNNNNN`, and only
+//! then replaces `latest`. A crash at any point leaves the previous checkpoint and `latest` as they
+//! were; a staging directory is never taken for a checkpoint (it has another name), and the next
+//! save clears it.
+
+use super::layout::{manifest_tensors, Holding};
+use super::{rank_file_name, step_dir_name, FileEntry, Kind, Manifest, LATEST, MANIFEST};
+use crate::comm::{Comm, Group, ReduceOp};
+use crate::error::{EngineError, Result};
+use crate::hf::write_atomic;
+use ferrotron_core::layout::LayoutSpec;
+use safetensors::tensor::{Dtype, View};
+use sha2::{Digest, Sha256};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// Testing: `point@step` (e.g. `manifest@2`) aborts the process at that point of the save of that
+/// step: `rank-file` (a rank file half written), `manifest` (rank files complete, no manifest),
+/// `rename` (manifest written, not renamed), `latest` (renamed, `latest` not yet replaced).
+pub const CRASH_ENV: &str = "FERROTRON_CHECKPOINT_CRASH";
+
+fn crash_point(point: &str, step: usize) -> bool {
+    std::env::var(CRASH_ENV).is_ok_and(|v| v == format!("{point}@{step}"))
+}
+
+fn crash_at(point: &str, step: usize) {
+    if crash_point(point, step) {
+        eprintln!("{CRASH_ENV}: aborting at `{point}` of the save of step {step}");
+        std::process::abort();
+    }
+}
+
+/// What one rank saves: each holding with its master values and (after the first optimizer step)
+/// its two Adam moments, all over the holding's `flat` range.
+pub struct RankArrays {
+    pub holding: Holding,
+    pub param: Vec<f32>,
+    pub moments: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// A rank file as written: its name, size and SHA-256.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankFile {
+    pub rank: usize,
+    pub file: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// An f32 array encoded only when the file writer asks for it.
+struct F32View<'a> {
+    shape: Vec<usize>,
+    data: &'a [f32],
+}
+
+impl View for &F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+    fn data_len(&self) -> usize {
+        4 * self.data.len()
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| EngineError::io(dir, e))
+}
+
+/// The SHA-256 of a file, read in blocks.
+pub(super) fn sha256_file(file: &Path) -> Result<(u64, String)> {
+    let mut f = std::fs::File::open(file).map_err(|e| EngineError::io(file, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 22];
+    let mut total = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| EngineError::io(file, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        total += n as u64;
+    }
+    let hex = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok((total, hex))
+}
+
+/// The staging directory of step `step`'s checkpoint under `root`.
+fn staging_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!(".{}.partial", step_dir_name(step)))
+}
+
+/// Creates an empty staging directory for step `step` (rank 0, before any rank writes), clearing
+/// what earlier crashed saves left.
+pub fn prepare_staging(root: &Path, step: usize) -> Result<PathBuf> {
+    std::fs::create_dir_all(root).map_err(|e| EngineError::io(root, e))?;
+    for entry in std::fs::read_dir(root).map_err(|e| EngineError::io(root, e))? {
+        let path = entry.map_err(|e| EngineError::io(root, e))?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with(".step-") && (name.ends_with(".partial") || name.contains(".old-")) {
+            std::fs::remove_dir_all(&path).map_err(|e| EngineError::io(&path, e))?;
+        }
+    }
+    let dir = staging_dir(root, step);
+    std::fs::create_dir_all(&dir).map_err(|e| EngineError::io(&dir, e))?;
+    Ok(dir)
+}
+
+/// Writes rank `rank`'s file into `dir` (synced), and hashes what is on disk.
+pub fn write_rank_file(
+    dir: &Path,
+    rank: usize,
+    step: usize,
+    arrays: &[RankArrays],
+) -> Result<RankFile> {
+    let name = rank_file_name(rank);
+    let path = dir.join(&name);
+    let views: Vec<(String, F32View)> = arrays
+        .iter()
+        .flat_map(|a| {
+            let h = &a.holding;
+            // A whole shard keeps its shape; a ZeRO piece is flat.
+            let shape = if h.flat.len() == h.shard_shape.iter().product::<usize>() {
+                h.shard_shape.clone()
+            } else {
+                vec![h.flat.len()]
+            };
+            let mut out = vec![(
+                Kind::Param.key(&h.name),
+                F32View {
+                    shape: shape.clone(),
+                    data: &a.param,
+                },
+            )];
+            if let Some((m, v)) = &a.moments {
+                for (kind, data) in [(Kind::ExpAvg, m), (Kind::ExpAvgSq, v)] {
+                    out.push((
+                        kind.key(&h.name),
+                        F32View {
+                            shape: shape.clone(),
+                            data,
+                        },
+                    ));
+                }
+            }
+            out
+        })
+        .collect();
+    for (key, v) in &views {
+        if v.data.len() != v.shape.iter().product::<usize>() {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint: rank {rank}'s `{key}` has {} values for shape {:?}",
+                v.data.len(),
+                v.shape
+            )));
+        }
+    }
+    let meta = HashMap::from([
+        ("format".to_string(), super::FORMAT.to_string()),
+        ("rank".to_string(), rank.to_string()),
+        ("step".to_string(), step.to_string()),
+    ]);
+    safetensors::serialize_to_file(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta), &path)
+        .map_err(|e| EngineError::format(&path, e.to_string()))?;
+    if crash_point("rank-file", step) {
+        let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_len(len / 2));
+        crash_at("rank-file", step);
+    }
+    std::fs::File::open(&path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| EngineError::io(&path, e))?;
+    let (bytes, sha256) = sha256_file(&path)?;
+    Ok(RankFile {
+        rank,
+        file: name,
+        bytes,
+        sha256,
+    })
+}
+
+/// Completes a checkpoint (rank 0): checks that every rank's file is in `staging` with the size
+/// its writer reported, fills in and writes the manifest, renames `staging` to `step-NNNNNN` and
+/// points `latest` at it; then keeps only the newest `keep` checkpoints (0: all). Returns the
+/// checkpoint's directory.
+pub fn commit(
+    root: &Path,
+    staging: &Path,
+    mut manifest: Manifest,
+    files: Vec<RankFile>,
+    keep: usize,
+) -> Result<PathBuf> {
+    let step = manifest.step;
+    let layout = LayoutSpec::parse(&manifest.layout)?.layout;
+    if files.len() != manifest.world_size {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint of step {step}: {} rank files for {} ranks",
+            files.len(),
+            manifest.world_size
+        )));
+    }
+    crash_at("manifest", step);
+    for f in &files {
+        let path = staging.join(&f.file);
+        let len = std::fs::metadata(&path)
+            .map_err(|e| EngineError::io(&path, e))?
+            .len();
+        if len != f.bytes {
+            return Err(EngineError::format(
+                &path,
+                format!("{len} bytes on disk, its writer wrote {}", f.bytes),
+            ));
+        }
+    }
+    let kinds: &[Kind] = if manifest.optimizer.step > 0 {
+        &Kind::ALL
+    } else {
+        &[Kind::Param]
+    };
+    manifest.tensors = manifest_tensors(&manifest.model, &layout, kinds)?;
+    manifest.files = files
+        .into_iter()
+        .map(|f| FileEntry {
+            rank: f.rank,
+            file: f.file,
+            bytes: f.bytes,
+            sha256: f.sha256,
+        })
+        .collect();
+    let text = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
+    write_atomic(&staging.join(MANIFEST), text.as_bytes())?;
+    sync_dir(staging)?;
+    crash_at("rename", step);
+    let name = step_dir_name(step);
+    let dir = root.join(&name);
+    // A checkpoint of this step already there (a rerun from an earlier one) is replaced whole.
+    let old = dir
+        .exists()
+        .then(|| root.join(format!(".{name}.old-{}", std::process::id())));
+    if let Some(old) = &old {
+        std::fs::rename(&dir, old).map_err(|e| EngineError::io(&dir, e))?;
+    }
+    std::fs::rename(staging, &dir).map_err(|e| EngineError::io(&dir, e))?;
+    sync_dir(root)?;
+    crash_at("latest", step);
+    write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
+    sync_dir(root)?;
+    if let Some(old) = old {
+        std::fs::remove_dir_all(&old).map_err(|e| EngineError::io(&old, e))?;
+    }
+    prune(root, keep)?;
+    Ok(dir)
+}
+
+/// Removes all but the newest `keep` checkpoints under `root` (0: keeps all); never the one
+/// `latest` names.
+pub fn prune(root: &Path, keep: usize) -> Result<()> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let latest = std::fs::read_to_string(root.join(LATEST)).unwrap_or_default();
+    let mut steps: Vec<(usize, PathBuf)> = std::fs::read_dir(root)
+        .map_err(|e| EngineError::io(root, e))?
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let n = path
+                .file_name()?
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse()
+                .ok()?;
+            Some((n, path))
+        })
+        .collect();
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    for (_, path) in steps.into_iter().take(excess) {
+        if path.file_name().and_then(|n| n.to_str()) == Some(latest.trim()) {
+            continue;
+        }
+        std::fs::remove_dir_all(&path).map_err(|e| EngineError::io(&path, e))?;
+    }
+    Ok(())
+}
+
+/// Saves a checkpoint from every rank of `c`'s world at once (every rank calls it with its own
+/// arrays; rank 0 with the manifest). Rank 0 prepares the staging directory, every rank writes its
+/// file and reports its size and hash to rank 0, which commits; every rank returns rank 0's verdict.
+pub fn save_distributed<C: Comm>(
+    c: &mut C,
+    root: &Path,
+    step: usize,
+    arrays: &[RankArrays],
+    manifest: Option<Manifest>,
+    keep: usize,
+) -> Result<()> {
+    const TAG: u64 = 1 << 58;
+    let (rank, world) = (c.rank(), c.world_size());
+    let all = Group::new("world", (0..world).collect());
+    let staging = staging_dir(root, step);
+    let mut ready = [0f64];
+    if rank == 0 {
+        ready[0] = f64::from(prepare_staging(root, step).is_err());
+    }
+    c.all_reduce(&all, &mut ready, ReduceOp::Sum)?;
+    if ready[0] > 0.0 {
+        // Rank 0 says why below; the others only learn that it failed.
+        if rank == 0 {
+            prepare_staging(root, step)?;
+        }
+        return Err(EngineError::Invalid(format!(
+            "checkpoint of step {step}: rank 0 could not create {}",
+            staging.display()
+        )));
+    }
+    let written = write_rank_file(&staging, rank, step, arrays);
+    // Size and SHA-256 (as four 64-bit words); a negative size reports a failure.
+    let report = |f: &Result<RankFile>| -> [f64; 5] {
+        let mut out = [-1f64; 5];
+        if let Ok(f) = f {
+            out[0] = f.bytes as f64;
+            for (k, w) in out[1..].iter_mut().enumerate() {
+                let hex = &f.sha256[16 * k..16 * (k + 1)];
+                *w = f64::from_bits(u64::from_str_radix(hex, 16).expect("hex"));
+            }
+        }
+        out
+    };
+    let mut verdict = [0f64];
+    if rank != 0 {
+        c.send(0, &report(&written), TAG)?;
+        c.all_reduce(&all, &mut verdict, ReduceOp::Sum)?;
+        written?;
+        if verdict[0] > 0.0 {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint of step {step}: rank 0 could not complete it (see its error)"
+            )));
+        }
+        return Ok(());
+    }
+    let mut reports = vec![report(&written)];
+    for r in 1..world {
+        let mut v = [0f64; 5];
+        c.recv(r, &mut v, TAG)?;
+        reports.push(v);
+    }
+    let result = written.and_then(|mine| {
+        let mut files = vec![mine];
+        for (r, v) in reports.iter().enumerate().skip(1) {
+            if v[0] < 0.0 {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint of step {step}: rank {r} could not write its file"
+                )));
+            }
+            files.push(RankFile {
+                rank: r,
+                file: rank_file_name(r),
+                bytes: v[0] as u64,
+                sha256: v[1..]
+                    .iter()
+                    .map(|w| format!("{:016x}", w.to_bits()))
+                    .collect(),
+            });
+        }
+        commit(
+            root,
+            &staging,
+            manifest.expect("rank 0 brings the manifest"),
+            files,
+            keep,
+        )
+    });
+    verdict[0] = f64::from(result.is_err());
+    c.all_reduce(&all, &mut verdict, ReduceOp::Sum)?;
+    result.map(|_| ())
+}

@@ -1,0 +1,183 @@
+//! A training run's checkpoints: when to save, what the manifest records, what each device saves,
+//! and how a resumed device restores its optimizer state.
+
+use super::train::TrainConfig;
+use crate::checkpoint::{
+    commit, prepare_staging, rank_holdings, write_rank_file, Checkpoint, Kind, LossScalerState,
+    Manifest, OptimizerState, RankArrays, FORMAT, VERSION,
+};
+use crate::error::{EngineError, Result};
+use crate::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::parallel::Device;
+use crate::transformer::ParamStore;
+use ferrotron_core::layout::Layout;
+use ferrotron_core::model::ModelConfig;
+use std::path::PathBuf;
+
+/// When and where a run saves, and the manifest fields every save shares.
+pub struct CheckpointPlan {
+    pub root: PathBuf,
+    pub every: usize,
+    pub keep: usize,
+    pub total_steps: usize,
+    /// The run's first step (0, or where it resumed).
+    pub start: usize,
+    /// The data loader's position after each step from `start` on.
+    pub loader_after: Vec<serde_json::Value>,
+    template: Manifest,
+}
+
+impl CheckpointPlan {
+    pub fn new(
+        cfg: &TrainConfig,
+        model: &ModelConfig,
+        layout: &Layout,
+        adam: AdamWConfig,
+        schedule: LrSchedule,
+        start: usize,
+        loader_after: Vec<serde_json::Value>,
+    ) -> Self {
+        Self {
+            root: cfg
+                .checkpoint_dir
+                .clone()
+                .unwrap_or_else(|| cfg.out_dir.join("checkpoints")),
+            every: cfg.checkpoint_every,
+            keep: cfg.keep_checkpoints,
+            total_steps: cfg.steps,
+            start,
+            loader_after,
+            template: Manifest {
+                format: FORMAT.into(),
+                version: VERSION,
+                step: 0,
+                model: model.clone(),
+                layout: layout.to_string(),
+                world_size: layout.world_size(),
+                precision: cfg.precision.clone(),
+                optimizer: OptimizerState {
+                    step: 0,
+                    adamw: adam,
+                },
+                lr_schedule: Some(schedule),
+                loss_scaler: None,
+                data_loader: None,
+                run: serde_json::to_value(cfg).ok(),
+                source: None,
+                files: Vec::new(),
+                tensors: Vec::new(),
+            },
+        }
+    }
+
+    /// Whether to save after `steps_done` steps: every `every` steps, and at the end.
+    pub fn due(&self, steps_done: usize) -> bool {
+        steps_done == self.total_steps || self.every > 0 && steps_done.is_multiple_of(self.every)
+    }
+
+    /// The manifest of the checkpoint after `steps_done` steps (files and tensors are filled in
+    /// when it is committed).
+    pub fn manifest(
+        &self,
+        steps_done: usize,
+        optimizer_step: u64,
+        loss_scaler: Option<(f64, usize)>,
+    ) -> Manifest {
+        let mut m = self.template.clone();
+        m.step = steps_done;
+        m.optimizer.step = optimizer_step;
+        m.loss_scaler =
+            loss_scaler.map(|(scale, clean_steps)| LossScalerState { scale, clean_steps });
+        m.data_loader = steps_done
+            .checked_sub(self.start + 1)
+            .and_then(|k| self.loader_after.get(k).cloned());
+        m
+    }
+}
+
+/// What device `dev` (rank `rank` of `layout`) saves: its holdings, each with its master values
+/// and moments.
+pub fn device_arrays(cfg: &ModelConfig, layout: &Layout, dev: &Device) -> Result<Vec<RankArrays>> {
+    let holdings = rank_holdings(cfg, layout, dev.rank)?;
+    if holdings.is_empty() {
+        return Ok(Vec::new());
+    }
+    let specs = dev.zero.specs();
+    let with_moments = dev.zero.optimizer_step() > 0;
+    holdings
+        .into_iter()
+        .zip(dev.zero.owned_state())
+        .zip(specs)
+        .map(|((h, s), spec)| {
+            if h.name != spec.name || h.flat != s.flat {
+                return Err(EngineError::Invalid(format!(
+                    "checkpoint: device {} holds `{}` {:?}, the layout says `{}` {:?}",
+                    dev.rank, spec.name, s.flat, h.name, h.flat
+                )));
+            }
+            Ok(RankArrays {
+                holding: h,
+                param: s.master,
+                moments: with_moments.then_some((s.exp_avg, s.exp_avg_sq)),
+            })
+        })
+        .collect()
+}
+
+/// Restores device `dev`'s optimizer state from `ck`: each tensor's moments over the range it owns.
+pub fn restore_device(ck: &Checkpoint, cfg: &ModelConfig, dev: &mut Device) -> Result<()> {
+    let specs = dev.zero.specs();
+    let ranges = dev.zero.owned_ranges();
+    let moments = specs
+        .iter()
+        .zip(ranges)
+        .map(|(spec, flat)| {
+            let slice = dev.shard.slice(cfg, &spec.name)?;
+            Ok((
+                ck.read(&spec.name, Kind::ExpAvg, &slice, flat.clone())?,
+                ck.read(&spec.name, Kind::ExpAvgSq, &slice, flat)?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    dev.zero
+        .restore_optimizer(ck.manifest.optimizer.step, moments);
+    Ok(())
+}
+
+/// The single-device run's arrays: every tensor whole.
+pub fn single_device_arrays(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    opt: &AdamW,
+) -> Result<Vec<RankArrays>> {
+    rank_holdings(cfg, &Layout::default(), 0)?
+        .into_iter()
+        .map(|h| {
+            let id = params.id(&h.name).expect("a model tensor");
+            Ok(RankArrays {
+                param: params.tensors[id].clone(),
+                moments: (opt.step > 0).then(|| (opt.m[id].clone(), opt.v[id].clone())),
+                holding: h,
+            })
+        })
+        .collect()
+}
+
+/// Restores the single-device optimizer from `ck`.
+pub fn restore_single(ck: &Checkpoint, params: &ParamStore, opt: &mut AdamW) -> Result<()> {
+    for (i, spec) in params.specs.iter().enumerate() {
+        opt.m[i] = ck.read_whole(&spec.name, Kind::ExpAvg)?;
+        opt.v[i] = ck.read_whole(&spec.name, Kind::ExpAvgSq)?;
+    }
+    opt.step = ck.manifest.optimizer.step;
+    Ok(())
+}
+
+/// Saves the single-device run's checkpoint (one rank file).
+pub fn save_single(plan: &CheckpointPlan, manifest: Manifest, arrays: &[RankArrays]) -> Result<()> {
+    let step = manifest.step;
+    let staging = prepare_staging(&plan.root, step)?;
+    let file = write_rank_file(&staging, 0, step, arrays)?;
+    commit(&plan.root, &staging, manifest, vec![file], plan.keep)?;
+    Ok(())
+}

@@ -1,0 +1,71 @@
+use super::concrete_layout;
+use anyhow::Result;
+use clap::Subcommand;
+use ferrotron_engine::checkpoint;
+use ferrotron_engine::hf::StorageDtype;
+use std::path::PathBuf;
+
+#[derive(Subcommand)]
+pub enum CheckpointCommand {
+    /// Verify every file's checksum and print the layout, the step, the tensors and their sizes.
+    Inspect {
+        /// A step-NNNNNN directory, or a checkpoint directory with `latest`.
+        dir: PathBuf,
+    },
+    /// Rewrite a checkpoint for another layout (parameters and Adam moments resharded).
+    Reshard {
+        dir: PathBuf,
+        /// The target layout, e.g. `dp=2,tp=2,zero=3`.
+        #[arg(long)]
+        layout: String,
+        /// The checkpoint directory to write it into (its `latest` will name it).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Write a checkpoint's weights as a Hugging Face model directory (config.json +
+    /// model.safetensors) that transformers loads.
+    Export {
+        dir: PathBuf,
+        #[arg(long)]
+        hf: PathBuf,
+        /// f32, bf16 or f16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+    },
+    /// Import a Hugging Face model directory as a step-0 checkpoint (fresh optimizer), to train
+    /// from with `ferrotron train --resume`.
+    Import {
+        hf_dir: PathBuf,
+        /// The checkpoint directory to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// The layout to shard it for (default: one device).
+        #[arg(long, default_value = "")]
+        layout: String,
+    },
+}
+
+pub fn run(cmd: CheckpointCommand) -> Result<()> {
+    match cmd {
+        CheckpointCommand::Inspect { dir } => print!("{}", checkpoint::inspect(&dir)?),
+        CheckpointCommand::Reshard { dir, layout, out } => {
+            let layout = concrete_layout(&layout)?;
+            let written = checkpoint::reshard(&dir, &layout, &out)?;
+            println!("resharded to `{layout}`: {}", written.display());
+        }
+        CheckpointCommand::Export { dir, hf, dtype } => {
+            checkpoint::export_hf(&dir, &hf, StorageDtype::parse(&dtype)?)?;
+            println!("exported to {}", hf.display());
+        }
+        CheckpointCommand::Import {
+            hf_dir,
+            out,
+            layout,
+        } => {
+            let layout = concrete_layout(&layout)?;
+            let written = checkpoint::import_hf(&hf_dir, &layout, &out)?;
+            println!("imported as step 0 for `{layout}`: {}", written.display());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,253 @@
+//! Checkpoints survive the trainer dying mid-save: `ferrotron train` is aborted at every point of a
+//! save and killed at random moments; afterwards `latest` names a complete checkpoint, every
+//! checkpoint directory verifies, and resuming finishes the run exactly as if nothing happened.
+//! The offline `checkpoint` commands run as a user runs them.
+
+mod common;
+
+use common::*;
+use ferrotron_engine::checkpoint::{self, Checkpoint, CRASH_ENV};
+use rand::{Rng, SeedableRng};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotron-ckcli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn corpus() -> PathBuf {
+    let d = temp_dir("corpus");
+    let f = d.join("manual.txt");
+    std::fs::write(&f, &ferrotron_engine::data::BUILTIN_CORPUS[..60_000]).unwrap();
+    f
+}
+
+/// `ferrotron train` on the tiny Llama over 4 devices, checkpointing every step.
+fn train_cmd(out: &Path, corpus: &Path, steps: usize, resume: bool) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferrotron"));
+    c.args([
+        "train",
+        "--model",
+        fixture("llama_tiny").to_str().unwrap(),
+        "--data",
+        corpus.to_str().unwrap(),
+        "--steps",
+        &steps.to_string(),
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--layout",
+        "dp=2,tp=2,zero=1",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+        "--out-dir",
+        out.to_str().unwrap(),
+    ]);
+    if resume {
+        c.args(["--resume", out.join("checkpoints").to_str().unwrap()]);
+    }
+    c
+}
+
+fn ferrotron(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .output()
+        .expect("runs")
+}
+
+/// Every checkpoint directory under `root` verifies, and `latest` (if any) names one of them.
+/// Returns the step `latest` names.
+fn check_invariants(root: &Path) -> Option<usize> {
+    if !root.exists() {
+        return None;
+    }
+    for e in std::fs::read_dir(root).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        if name.starts_with("step-") {
+            if let Err(e) = Checkpoint::open(&p) {
+                panic!("{name} looks complete but does not verify: {e}");
+            }
+        } else {
+            assert!(
+                name == "latest" || name.starts_with('.'),
+                "unexpected {name} in the checkpoint directory"
+            );
+        }
+    }
+    if !root.join("latest").exists() {
+        return None;
+    }
+    let ck = Checkpoint::open(root).expect("`latest` names a complete checkpoint");
+    Some(ck.manifest.step)
+}
+
+fn final_params(out: &Path) -> Vec<Vec<u32>> {
+    let (_, p) = checkpoint::load_params(&out.join("checkpoints")).unwrap();
+    p.tensors
+        .iter()
+        .map(|t| t.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn a_crash_at_any_point_of_a_save_leaves_the_previous_checkpoint() {
+    let corpus = corpus();
+    let reference = temp_dir("crash-ref");
+    assert!(train_cmd(&reference, &corpus, 3, false)
+        .output()
+        .unwrap()
+        .status
+        .success());
+    for point in ["rank-file", "manifest", "rename", "latest"] {
+        let out = temp_dir(&format!("crash-{point}"));
+        let o = train_cmd(&out, &corpus, 3, false)
+            .env(CRASH_ENV, format!("{point}@2"))
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{point}: the hook aborts the save");
+        let root = out.join("checkpoints");
+        assert_eq!(
+            check_invariants(&root),
+            Some(1),
+            "{point}: `latest` still names step 1"
+        );
+        let o = train_cmd(&out, &corpus, 3, true).output().unwrap();
+        assert!(
+            o.status.success(),
+            "{point}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(check_invariants(&root), Some(3));
+        assert!(
+            final_params(&out) == final_params(&reference),
+            "{point}: resumed run differs from the uninterrupted one"
+        );
+    }
+}
+
+#[test]
+fn killing_the_trainer_at_random_moments_never_loses_a_checkpoint() {
+    let corpus = corpus();
+    let steps = 60;
+    let reference = temp_dir("kill-ref");
+    let o = train_cmd(&reference, &corpus, steps, false)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = temp_dir("kill");
+    let root = out.join("checkpoints");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let mut kills = 0;
+    for _ in 0..8 {
+        let latest = check_invariants(&root);
+        if latest == Some(steps) {
+            break;
+        }
+        let mut child = train_cmd(&out, &corpus, steps, latest.is_some())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(rng.gen_range(150..900)));
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+        }
+        child.wait().unwrap();
+        let now = check_invariants(&root);
+        eprintln!("killed: latest {latest:?} → {now:?}");
+        assert!(now >= latest, "a kill lost progress: {latest:?} → {now:?}");
+    }
+    assert!(kills > 0, "the trainer was killed at least once");
+    if check_invariants(&root) != Some(steps) {
+        let resume = check_invariants(&root).is_some();
+        let o = train_cmd(&out, &corpus, steps, resume).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert_eq!(check_invariants(&root), Some(steps));
+    assert!(
+        final_params(&out) == final_params(&reference),
+        "killed and resumed {kills} times, the run differs from the uninterrupted one"
+    );
+}
+
+#[test]
+fn checkpoint_commands_inspect_reshard_export_and_import() {
+    let root = temp_dir("cmds");
+    let imported = root.join("imported");
+    let o = ferrotron(&[
+        "checkpoint",
+        "import",
+        fixture("gpt2_tiny").to_str().unwrap(),
+        "--out",
+        imported.to_str().unwrap(),
+        "--layout",
+        "tp=2,pp=2",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let resharded = root.join("resharded");
+    let o = ferrotron(&[
+        "checkpoint",
+        "reshard",
+        imported.to_str().unwrap(),
+        "--layout",
+        "dp=2,zero=3",
+        "--out",
+        resharded.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = ferrotron(&["checkpoint", "inspect", resharded.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for want in [
+        "step 0",
+        "dp=2",
+        "zero=3",
+        "rank-00001.safetensors",
+        "transformer.h.0.attn.c_attn.weight",
+        "checksums OK",
+    ] {
+        assert!(text.contains(want), "inspect lacks `{want}`:\n{text}");
+    }
+    let hf = root.join("hf");
+    let o = ferrotron(&[
+        "checkpoint",
+        "export",
+        resharded.to_str().unwrap(),
+        "--hf",
+        hf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = read_f32(&fixture("gpt2_tiny").join("model.safetensors"));
+    let got = read_f32(&hf.join("model.safetensors"));
+    for (name, (shape, values)) in &got {
+        assert_eq!(&want[name].0, shape, "{name}");
+        assert!(&want[name].1 == values, "{name} changed on the way");
+    }
+    // A damaged file is named.
+    let f = resharded.join("step-000000").join("rank-00000.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 0x80;
+    std::fs::write(&f, bytes).unwrap();
+    let o = ferrotron(&["checkpoint", "inspect", resharded.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("rank-00000.safetensors") && err.contains("checksum mismatch"),
+        "{err}"
+    );
+}
