@@ -129,15 +129,42 @@ pub fn read_tensors_f32(file: &Path) -> Result<NamedTensors> {
     Ok(out)
 }
 
-/// Reads the model's parameters by Hugging Face name, checking every shape.
-pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
-    let mut store = ParamStore::zeros(cfg.param_specs());
-    let mut found: HashMap<String, PathBuf> = HashMap::new();
-    for file in weight_files(dir)? {
-        for (name, (shape, data)) in read_tensors_f32(&file)? {
-            let Some(i) = store.id(&name) else {
+/// A model directory's weights, memory-mapped: a tensor is converted to f32 only when read, so a
+/// reader holds one tensor at a time, not the model.
+pub struct WeightReader {
+    files: Vec<(PathBuf, memmap2::Mmap)>,
+    /// Tensor name → the file holding it and its shape.
+    index: BTreeMap<String, (usize, Vec<usize>)>,
+}
+
+impl WeightReader {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let mut files = Vec::new();
+        let mut index = BTreeMap::new();
+        for (k, file) in weight_files(dir)?.into_iter().enumerate() {
+            let f = std::fs::File::open(&file).map_err(|e| EngineError::io(&file, e))?;
+            // SAFETY: model files are read-only inputs; nothing here writes them while mapped.
+            let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| EngineError::io(&file, e))?;
+            let st = SafeTensors::deserialize(&map).map_err(|e| {
+                EngineError::format(&file, format!("not a valid safetensors file: {e}"))
+            })?;
+            for (name, view) in st.tensors() {
+                index.insert(name, (k, view.shape().to_vec()));
+            }
+            files.push((file, map));
+        }
+        Ok(Self { files, index })
+    }
+
+    /// Checks that the directory holds every parameter of `cfg` with its shape, and nothing that
+    /// is not one (known buffers and a tied model's `lm_head` aside).
+    pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        let specs = cfg.param_specs();
+        for (name, (k, shape)) in &self.index {
+            let file = self.files[*k].0.clone();
+            let Some(spec) = specs.iter().find(|s| &s.name == name) else {
                 let tied_head = name == "lm_head.weight" && cfg.tie_word_embeddings;
-                if tied_head || is_known_buffer(&name) {
+                if tied_head || is_known_buffer(name) {
                     continue;
                 }
                 return Err(EngineError::format(
@@ -148,27 +175,52 @@ pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
                     ),
                 ));
             };
-            let spec = &store.specs[i];
-            if shape != spec.shape {
+            if *shape != spec.shape {
                 return Err(EngineError::Shape {
                     file,
-                    name,
+                    name: name.clone(),
                     expected: spec.shape.clone(),
-                    found: shape,
+                    found: shape.clone(),
                 });
             }
-            store.tensors[i] = data;
-            found.insert(name, file.clone());
         }
+        if let Some(missing) = specs.iter().find(|s| !self.index.contains_key(&s.name)) {
+            return Err(EngineError::MissingTensor {
+                file: self.files[0].0.clone(),
+                name: missing.name.clone(),
+            });
+        }
+        Ok(())
     }
-    if let Some(missing) = store.specs.iter().find(|s| !found.contains_key(&s.name)) {
-        let file = weight_files(dir)?.remove(0);
-        return Err(EngineError::MissingTensor {
-            file,
-            name: missing.name.clone(),
-        });
+
+    /// Tensor `name`, converted to f32.
+    pub fn read(&self, name: &str) -> Result<Vec<f32>> {
+        let Some((k, _)) = self.index.get(name) else {
+            return Err(EngineError::MissingTensor {
+                file: self.files[0].0.clone(),
+                name: name.to_string(),
+            });
+        };
+        let (file, map) = &self.files[*k];
+        let st = SafeTensors::deserialize(map)
+            .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| EngineError::format(file, format!("tensor `{name}`: {e}")))?;
+        to_f32(&view, file, name)
     }
-    Ok(store)
+}
+
+/// Reads the model's parameters by Hugging Face name, checking every shape.
+pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
+    let reader = WeightReader::open(dir)?;
+    reader.check(cfg)?;
+    let specs = cfg.param_specs();
+    let tensors = specs
+        .iter()
+        .map(|s| reader.read(&s.name))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ParamStore::from_tensors(specs, tensors))
 }
 
 /// `data` in `dtype`, as little-endian bytes.

@@ -77,9 +77,11 @@ pub fn reshard(src: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> 
 }
 
 /// Imports the Hugging Face model directory `hf_dir` as a step-0 checkpoint in `layout` under
-/// `out_root` (fresh optimizer: no moments stored).
+/// `out_root` (fresh optimizer: no moments stored). The model is read one tensor at a time.
 pub fn import_hf(hf_dir: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> {
-    let (cfg, params) = hf::load_model(hf_dir)?;
+    let cfg = hf::read_config(hf_dir)?;
+    let weights = hf::WeightReader::open(hf_dir)?;
+    weights.check(&cfg)?;
     let manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
@@ -100,14 +102,15 @@ pub fn import_hf(hf_dir: &Path, layout: &Layout, out_root: &Path) -> Result<Path
         files: Vec::new(),
         tensors: Vec::new(),
     };
+    let specs = cfg.param_specs();
+    // The cut is the slice's alone: any shard object makes it.
+    let cutter = TpShard::new(&cfg, 1, 0, false)?;
     write_layout(out_root, manifest, layout, &|h| {
-        let id = params.id(&h.name).expect("a holding names a model tensor");
-        // The cut is the slice's alone: any shard object makes it.
-        let shard = TpShard::new(&cfg, 1, 0, false)?.cut(
-            &params.specs[id],
-            &h.tp_slice,
-            &params.tensors[id],
-        );
+        let spec = specs
+            .iter()
+            .find(|s| s.name == h.name)
+            .expect("a holding names a model tensor");
+        let shard = cutter.cut(spec, &h.tp_slice, &weights.read(&h.name)?);
         Ok(RankArrays {
             holding: h.clone(),
             param: shard[h.flat.clone()].to_vec(),
