@@ -312,16 +312,15 @@ pub fn save_distributed<C: Comm>(
     let (rank, world) = (c.rank(), c.world_size());
     let all = Group::new("world", (0..world).collect());
     let staging = staging_dir(root, step);
-    let mut ready = [0f64];
-    if rank == 0 {
-        ready[0] = f64::from(prepare_staging(root, step).is_err());
-    }
-    c.all_reduce(&all, &mut ready, ReduceOp::Sum)?;
-    if ready[0] > 0.0 {
-        // Rank 0 says why below; the others only learn that it failed.
-        if rank == 0 {
-            prepare_staging(root, step)?;
-        }
+    let prepared = if rank == 0 {
+        prepare_staging(root, step).map(|_| ())
+    } else {
+        Ok(())
+    };
+    let mut failed = [f64::from(prepared.is_err())];
+    c.all_reduce(&all, &mut failed, ReduceOp::Sum)?;
+    prepared?;
+    if failed[0] > 0.0 {
         return Err(EngineError::Invalid(format!(
             "checkpoint of step {step}: rank 0 could not create {}",
             staging.display()

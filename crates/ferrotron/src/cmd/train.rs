@@ -188,6 +188,18 @@ pub fn run(args: TrainArgs) -> Result<()> {
         cfg.seq_len,
         cfg.out_dir.display()
     );
+    if let Some(from) = &cfg.resume {
+        let dir = ferrotron_engine::checkpoint::Checkpoint::resolve(from)?;
+        eprintln!(
+            "resuming from {} on layout `{}`",
+            dir.display(),
+            if cfg.layout.is_empty() {
+                "dp=1,tp=1,pp=1"
+            } else {
+                &cfg.layout
+            }
+        );
+    }
     let pb = ProgressBar::new(cfg.steps as u64);
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg} ETA {eta}")
