@@ -9,7 +9,7 @@ mod simulate;
 
 pub use generate::build;
 pub use partition::StagePartition;
-pub use simulate::{simulate, ActionCosts, Event, Timeline};
+pub use simulate::{replay, simulate, ActionCosts, Event, Timeline};
 
 use std::fmt;
 

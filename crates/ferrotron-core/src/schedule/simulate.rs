@@ -98,8 +98,7 @@ impl Timeline {
 /// c·p + s), or a single entry for all. Validates as it goes: a list that names an action twice or out
 /// of range, misses one, or waits on something that never happens is an error naming stage and action.
 pub fn simulate(s: &PipelineSchedule, costs: &[ActionCosts]) -> Result<Timeline> {
-    let (p, m, v) = (s.stages, s.micro_batches, s.chunks);
-    let nv = p * v;
+    let nv = s.stages * s.chunks;
     if costs.len() != 1 && costs.len() != nv {
         return Err(ConfigError::Invalid(format!(
             "schedule: {} cost entries for {nv} virtual stages",
@@ -107,6 +106,25 @@ pub fn simulate(s: &PipelineSchedule, costs: &[ActionCosts]) -> Result<Timeline>
         )));
     }
     let cost = |vs: usize| &costs[if costs.len() == 1 { 0 } else { vs }];
+    run(s, &|vs, a| cost(vs).of(a), &|vs| cost(vs).p2p)
+}
+
+/// Replays the action lists with each action taking `duration(stage, action)` and transfers
+/// taking no time: what the schedule gives for the durations a run measured (tests compare a
+/// runtime's measured timeline with it).
+pub fn replay(s: &PipelineSchedule, duration: &dyn Fn(usize, &Action) -> f64) -> Result<Timeline> {
+    let p = s.stages;
+    run(s, &|vs, a| duration(vs % p, a), &|_| 0.0)
+}
+
+/// The simulation: `duration(virtual stage, action)`, `p2p(virtual stage)` for its outputs.
+fn run(
+    s: &PipelineSchedule,
+    duration: &dyn Fn(usize, &Action) -> f64,
+    p2p: &dyn Fn(usize) -> f64,
+) -> Result<Timeline> {
+    let (p, m, v) = (s.stages, s.micro_batches, s.chunks);
+    let nv = p * v;
     let bad = |stage: usize, a: &Action, why: &str| {
         ConfigError::Invalid(format!("schedule: stage {stage}, action {a}: {why}"))
     };
@@ -166,13 +184,13 @@ pub fn simulate(s: &PipelineSchedule, costs: &[ActionCosts]) -> Result<Timeline>
                 // When the inputs of `a` are on this stage (infinite if not produced yet).
                 let ready = match a {
                     Action::Forward { .. } if vs == 0 => 0.0,
-                    Action::Forward { .. } => at(&f_done, vs - 1) + cost(vs - 1).p2p,
+                    Action::Forward { .. } => at(&f_done, vs - 1) + p2p(vs - 1),
                     Action::Backward { .. } | Action::BackwardInput { .. } => {
                         let own = at(&f_done, vs);
                         if vs == nv - 1 {
                             own
                         } else {
-                            own.max(at(&g_done, vs + 1) + cost(vs + 1).p2p)
+                            own.max(at(&g_done, vs + 1) + p2p(vs + 1))
                         }
                     }
                     Action::BackwardWeight { .. } => at(&g_done, vs),
@@ -181,7 +199,7 @@ pub fn simulate(s: &PipelineSchedule, costs: &[ActionCosts]) -> Result<Timeline>
                     break;
                 }
                 let start = ready.max(free_at[stage]);
-                let end = start + cost(vs).of(a);
+                let end = start + duration(vs, a);
                 free_at[stage] = end;
                 busy[stage] += end - start;
                 let idx = a.mb() * nv + vs;
