@@ -151,7 +151,7 @@ fn killing_the_trainer_at_random_moments_never_loses_a_checkpoint() {
     let root = out.join("checkpoints");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
     let mut kills = 0;
-    for _ in 0..8 {
+    for _ in 0..12 {
         let latest = check_invariants(&root);
         if latest == Some(steps) {
             break;
@@ -161,7 +161,7 @@ fn killing_the_trainer_at_random_moments_never_loses_a_checkpoint() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(rng.gen_range(150..900)));
+        std::thread::sleep(Duration::from_millis(rng.gen_range(150..700)));
         if child.try_wait().unwrap().is_none() {
             child.kill().unwrap();
             kills += 1;

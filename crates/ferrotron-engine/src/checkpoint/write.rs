@@ -110,6 +110,8 @@ pub fn prepare_staging(root: &Path, step: usize) -> Result<PathBuf> {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if name.starts_with(".step-") && (name.ends_with(".partial") || name.contains(".old-")) {
             std::fs::remove_dir_all(&path).map_err(|e| EngineError::io(&path, e))?;
+        } else if name.starts_with(&format!(".{LATEST}.")) && name.ends_with(".tmp") {
+            std::fs::remove_file(&path).map_err(|e| EngineError::io(&path, e))?;
         }
     }
     let dir = staging_dir(root, step);
@@ -247,23 +249,67 @@ pub fn commit(
     crash_at("rename", step);
     let name = step_dir_name(step);
     let dir = root.join(&name);
-    // A checkpoint of this step already there (a rerun from an earlier one) is replaced whole.
-    let old = dir
-        .exists()
-        .then(|| root.join(format!(".{name}.old-{}", std::process::id())));
-    if let Some(old) = &old {
-        std::fs::rename(&dir, old).map_err(|e| EngineError::io(&dir, e))?;
+    if dir.exists() {
+        // A checkpoint of this step already there (a rerun from an earlier one), which `latest`
+        // may name: swapped with the new one in one step, so the name never goes missing.
+        exchange(staging, &dir)?;
+        std::fs::remove_dir_all(staging).map_err(|e| EngineError::io(staging, e))?;
+    } else {
+        std::fs::rename(staging, &dir).map_err(|e| EngineError::io(&dir, e))?;
     }
-    std::fs::rename(staging, &dir).map_err(|e| EngineError::io(&dir, e))?;
     sync_dir(root)?;
     crash_at("latest", step);
-    write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
-    sync_dir(root)?;
-    if let Some(old) = old {
-        std::fs::remove_dir_all(&old).map_err(|e| EngineError::io(&old, e))?;
-    }
+    replace_latest(root, &name)?;
     prune(root, keep)?;
     Ok(dir)
+}
+
+/// Swaps two directories atomically (Linux `renameat2(RENAME_EXCHANGE)`).
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| EngineError::Invalid(format!("{}: a NUL in the path", p.display())))
+    };
+    let (ca, cb) = (c(a)?, c(b)?);
+    // SAFETY: two valid NUL-terminated paths; the call reads them only.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc != 0 {
+        return Err(EngineError::io(b, std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Elsewhere: the old one moved aside, then the new one into place (a crash in between leaves the
+/// name missing until the next save).
+#[cfg(not(target_os = "linux"))]
+fn exchange(a: &Path, b: &Path) -> Result<()> {
+    let aside = a.with_extension("swap");
+    std::fs::rename(b, &aside).map_err(|e| EngineError::io(b, e))?;
+    std::fs::rename(a, b).map_err(|e| EngineError::io(a, e))?;
+    std::fs::rename(&aside, a).map_err(|e| EngineError::io(a, e))
+}
+
+/// Points `latest` at checkpoint `name`: written beside it under a hidden name, synced, renamed
+/// over it.
+fn replace_latest(root: &Path, name: &str) -> Result<()> {
+    let tmp = root.join(format!(".{LATEST}.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, format!("{name}\n")).map_err(|e| EngineError::io(&tmp, e))?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| EngineError::io(&tmp, e))?;
+    let latest = root.join(LATEST);
+    std::fs::rename(&tmp, &latest).map_err(|e| EngineError::io(&latest, e))?;
+    sync_dir(root)
 }
 
 /// Removes all but the newest `keep` checkpoints under `root` (0: keeps all); never the one
@@ -289,10 +335,15 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
     steps.sort();
     let excess = steps.len().saturating_sub(keep);
     for (_, path) in steps.into_iter().take(excess) {
-        if path.file_name().and_then(|n| n.to_str()) == Some(latest.trim()) {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name == latest.trim() {
             continue;
         }
-        std::fs::remove_dir_all(&path).map_err(|e| EngineError::io(&path, e))?;
+        // Renamed out of sight first: a crash while deleting must not leave a `step-*` that lacks
+        // files (the next save clears the hidden remains).
+        let doomed = root.join(format!(".{name}.old-{}", std::process::id()));
+        std::fs::rename(&path, &doomed).map_err(|e| EngineError::io(&path, e))?;
+        std::fs::remove_dir_all(&doomed).map_err(|e| EngineError::io(&doomed, e))?;
     }
     Ok(())
 }
