@@ -9,15 +9,8 @@ use common::*;
 use ferrotron_engine::checkpoint::{self, Checkpoint, CRASH_ENV};
 use rand::{Rng, SeedableRng};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::Duration;
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotron-ckcli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn corpus() -> PathBuf {
     let d = temp_dir("corpus");
@@ -58,13 +51,6 @@ fn train_cmd(out: &Path, corpus: &Path, steps: usize, resume: bool) -> Command {
         c.args(["--resume", out.join("checkpoints").to_str().unwrap()]);
     }
     c
-}
-
-fn ferrotron(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args)
-        .output()
-        .expect("runs")
 }
 
 /// Every checkpoint directory under `root` verifies, and `latest` (if any) names one of them.

@@ -3,15 +3,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use common::temp_dir;
+use std::path::Path;
 use std::process::Command;
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotron-profile-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// One profile at a time: each runs 8 device threads, and on two cores several at once would measure
 /// each other.
