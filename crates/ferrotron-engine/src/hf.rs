@@ -88,8 +88,12 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Converts a stored tensor to f32 (exactly: bf16 and f16 values are representable in f32).
 fn to_f32(view: &TensorView, file: &Path, name: &str) -> Result<Vec<f32>> {
-    let d = view.data();
-    let out = match view.dtype() {
+    decode_f32(view.dtype(), view.data(), file, name)
+}
+
+/// Little-endian values of `dtype` as f32 (exact for bf16 and f16).
+pub fn decode_f32(dtype: Dtype, d: &[u8], file: &Path, name: &str) -> Result<Vec<f32>> {
+    let out = match dtype {
         Dtype::F32 => d
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -116,6 +120,43 @@ fn to_f32(view: &TensorView, file: &Path, name: &str) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// One array of a safetensors file: its dtype, shape and where its bytes are in the file.
+#[derive(Debug, Clone)]
+pub struct ArrayInfo {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: std::ops::Range<usize>,
+}
+
+/// Every array of the safetensors file `file`, whose whole content is `bytes` (typically mapped),
+/// by name; the header is parsed once, no data is read.
+pub fn array_index(file: &Path, bytes: &[u8]) -> Result<BTreeMap<String, ArrayInfo>> {
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;
+    Ok(st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            // The view borrows from `bytes`: its offset there is the array's place in the file.
+            let start = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+            let info = ArrayInfo {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                bytes: start..start + view.data().len(),
+            };
+            (name, info)
+        })
+        .collect())
+}
+
+/// Maps `file` into memory.
+pub fn map_file(file: &Path) -> Result<memmap2::Mmap> {
+    let f = std::fs::File::open(file).map_err(|e| EngineError::io(file, e))?;
+    // SAFETY: model and checkpoint files are read-only inputs (a checkpoint save writes a new
+    // directory and renames it; nothing here writes a mapped file).
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| EngineError::io(file, e))
+}
+
 /// Reads every tensor of one safetensors file as f32, by name, with its shape.
 pub fn read_tensors_f32(file: &Path) -> Result<NamedTensors> {
     let bytes = std::fs::read(file).map_err(|e| EngineError::io(file, e))?;
@@ -133,8 +174,8 @@ pub fn read_tensors_f32(file: &Path) -> Result<NamedTensors> {
 /// reader holds one tensor at a time, not the model.
 pub struct WeightReader {
     files: Vec<(PathBuf, memmap2::Mmap)>,
-    /// Tensor name → the file holding it and its shape.
-    index: BTreeMap<String, (usize, Vec<usize>)>,
+    /// Tensor name → the file holding it and where.
+    index: BTreeMap<String, (usize, ArrayInfo)>,
 }
 
 impl WeightReader {
@@ -142,14 +183,9 @@ impl WeightReader {
         let mut files = Vec::new();
         let mut index = BTreeMap::new();
         for (k, file) in weight_files(dir)?.into_iter().enumerate() {
-            let f = std::fs::File::open(&file).map_err(|e| EngineError::io(&file, e))?;
-            // SAFETY: model files are read-only inputs; nothing here writes them while mapped.
-            let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| EngineError::io(&file, e))?;
-            let st = SafeTensors::deserialize(&map).map_err(|e| {
-                EngineError::format(&file, format!("not a valid safetensors file: {e}"))
-            })?;
-            for (name, view) in st.tensors() {
-                index.insert(name, (k, view.shape().to_vec()));
+            let map = map_file(&file)?;
+            for (name, info) in array_index(&file, &map)? {
+                index.insert(name, (k, info));
             }
             files.push((file, map));
         }
@@ -160,8 +196,8 @@ impl WeightReader {
     /// is not one (known buffers and a tied model's `lm_head` aside).
     pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
         let specs = cfg.param_specs();
-        for (name, (k, shape)) in &self.index {
-            let file = self.files[*k].0.clone();
+        for (name, (k, info)) in &self.index {
+            let (file, shape) = (self.files[*k].0.clone(), &info.shape);
             let Some(spec) = specs.iter().find(|s| &s.name == name) else {
                 let tied_head = name == "lm_head.weight" && cfg.tie_word_embeddings;
                 if tied_head || is_known_buffer(name) {
@@ -195,19 +231,14 @@ impl WeightReader {
 
     /// Tensor `name`, converted to f32.
     pub fn read(&self, name: &str) -> Result<Vec<f32>> {
-        let Some((k, _)) = self.index.get(name) else {
+        let Some((k, info)) = self.index.get(name) else {
             return Err(EngineError::MissingTensor {
                 file: self.files[0].0.clone(),
                 name: name.to_string(),
             });
         };
         let (file, map) = &self.files[*k];
-        let st = SafeTensors::deserialize(map)
-            .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| EngineError::format(file, format!("tensor `{name}`: {e}")))?;
-        to_f32(&view, file, name)
+        decode_f32(info.dtype, &map[info.bytes.clone()], file, name)
     }
 }
 
@@ -278,11 +309,10 @@ pub fn write_atomic(file: &Path, bytes: &[u8]) -> Result<()> {
     // threads never share a temporary file.
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = file.with_extension(format!(
-        "{}.{}-{n}.tmp",
-        file.extension().and_then(|e| e.to_str()).unwrap_or(""),
-        std::process::id()
-    ));
+    // Hidden (`.name.PID-N.tmp`), so that a crash between write and rename leaves nothing a
+    // reader or a person takes for the file.
+    let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = file.with_file_name(format!(".{name}.{}-{n}.tmp", std::process::id()));
     std::fs::write(&tmp, bytes).map_err(|e| EngineError::io(&tmp, e))?;
     std::fs::File::open(&tmp)
         .and_then(|f| f.sync_all())

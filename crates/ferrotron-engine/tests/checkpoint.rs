@@ -299,6 +299,20 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
     let e = open_err(&d);
     assert!(e.contains(&file) && e.contains("layers.99"), "{e}");
 
+    // A manifest whose piece lies outside its tensor.
+    let d = damaged_copy(&good, "outside");
+    let path = d.join(MANIFEST);
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let name = m["tensors"][3]["name"].as_str().unwrap().to_string();
+    m["tensors"][3]["pieces"][0]["tp_slice"]["ranges"] = serde_json::json!([[0, 9999]]);
+    std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+    let e = open_err(&d);
+    assert!(
+        e.contains(MANIFEST) && e.contains(&name) && e.contains("outside"),
+        "{e}"
+    );
+
     // A manifest whose pieces leave part of a tensor uncovered.
     let d = damaged_copy(&good, "uncovered");
     let path = d.join(MANIFEST);

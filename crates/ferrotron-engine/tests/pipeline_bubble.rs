@@ -27,6 +27,31 @@ fn balanced_model() -> (ferrotron_core::model::ModelConfig, ParamStore) {
     (cfg, params)
 }
 
+/// One measured step of `schedule` over four stages (after a warm-up step on the same stages, as
+/// a profile would), on a fixed batch of 8 sequences of 256 tokens in micro-batches of one.
+fn one_step(
+    cfg: &ferrotron_core::model::ModelConfig,
+    params: &ParamStore,
+    part: &StagePartition,
+    schedule: Schedule,
+) -> PipelineRun {
+    let batch = TokenBatch {
+        ids: (0..8 * 256).map(|i| (i * 7 % 64) as u32).collect(),
+        batch: 8,
+        seq: 256,
+    };
+    pipeline_steps(
+        cfg,
+        params,
+        &batch,
+        &layout(schedule, 1, 4),
+        part,
+        Duration::from_secs(60),
+        1,
+    )
+    .unwrap()
+}
+
 /// The schedule replayed with every action taking exactly as long as it did in `run`.
 fn replayed(run: &PipelineRun, plan: &PipelineSchedule) -> Timeline {
     replay(plan, &|stage, action| {
@@ -43,11 +68,6 @@ fn replayed(run: &PipelineRun, plan: &PipelineSchedule) -> Timeline {
 fn measured_bubble_in_device_time_matches_the_schedule() {
     ferrotron_engine::keep_freed_memory_in_process();
     let (cfg, params) = balanced_model();
-    let batch = TokenBatch {
-        ids: (0..8 * 256).map(|i| (i * 7 % 64) as u32).collect(),
-        batch: 8,
-        seq: 256,
-    };
     let part = StagePartition::for_model(&cfg, 4).unwrap();
     assert_eq!(part.layers, vec![0..2, 2..4, 4..6, 6..8]);
     let want = 3.0 / 11.0; // (p − 1) / (m + p − 1), p = 4, m = 8
@@ -57,23 +77,12 @@ fn measured_bubble_in_device_time_matches_the_schedule() {
         // With equal costs per stage the schedule's bubble is the textbook's.
         let even = simulate(&plan, &[ActionCosts::uniform(1.0, 2.0)]).unwrap();
         assert!((even.bubble_fraction() - want).abs() < 1e-9);
-        // Measured after one warm-up step on the same stages, as a profile would. Four device
-        // threads share two cores, so an action's CPU time varies from stage to stage and run to
-        // run (cache contention); the idle each stage measures must be what the schedule gives
-        // for the action times this very run measured — the runtime adds no waits of its own.
+        // Four device threads share two cores, so an action's CPU time varies from stage to stage
+        // and run to run (cache contention); the idle each stage measures must be what the
+        // schedule gives for the action times this very run measured — the runtime adds no waits
+        // of its own.
         let runs: Vec<_> = (0..3)
-            .map(|_| {
-                pipeline_steps(
-                    &cfg,
-                    &params,
-                    &batch,
-                    &layout(schedule, 1, 4),
-                    &part,
-                    Duration::from_secs(60),
-                    1,
-                )
-                .unwrap()
-            })
+            .map(|_| one_step(&cfg, &params, &part, schedule))
             .collect();
         for run in &runs {
             let predicted = replayed(run, &plan);
@@ -97,16 +106,7 @@ fn measured_bubble_in_device_time_matches_the_schedule() {
         worst.push(bubbles[bubbles.len() / 2]);
     }
     // Zero-bubble: the deferred weight gradients fill the drain, so its bubble is below 1F1B's.
-    let zb = pipeline_steps(
-        &cfg,
-        &params,
-        &batch,
-        &layout(Schedule::Zbh1, 1, 4),
-        &part,
-        Duration::from_secs(60),
-        1,
-    )
-    .unwrap();
+    let zb = one_step(&cfg, &params, &part, Schedule::Zbh1);
     let idle: Vec<f64> = (0..4).map(|s| zb.idle_fraction(s)).collect();
     println!(
         "Zbh1: idle per stage {idle:.3?}, worst {:.3} vs 1f1b {:.3}",
@@ -125,22 +125,8 @@ fn measured_bubble_in_device_time_matches_the_schedule() {
 #[ignore = "diagnostic: prints the average cost of each action kind under ZB-H1"]
 fn zb_action_costs() {
     let (cfg, params) = balanced_model();
-    let batch = TokenBatch {
-        ids: (0..8 * 256).map(|i| (i * 7 % 64) as u32).collect(),
-        batch: 8,
-        seq: 256,
-    };
     let part = StagePartition::for_model(&cfg, 4).unwrap();
-    let run = pipeline_steps(
-        &cfg,
-        &params,
-        &batch,
-        &layout(Schedule::Zbh1, 1, 4),
-        &part,
-        Duration::from_secs(60),
-        1,
-    )
-    .unwrap();
+    let run = one_step(&cfg, &params, &part, Schedule::Zbh1);
     for kind in ['F', 'I', 'W'] {
         let d: Vec<f64> = run
             .timeline

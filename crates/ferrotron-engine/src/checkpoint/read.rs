@@ -5,13 +5,13 @@
 use super::slice::{overlap_spans, whole};
 use super::{Kind, Manifest, TensorEntry, FORMAT, LATEST, MANIFEST, VERSION};
 use crate::error::{EngineError, Result};
+use crate::hf::{array_index, map_file, ArrayInfo};
 use crate::parallel::tensor::Slice;
 use crate::transformer::ParamStore;
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;
 use memmap2::Mmap;
 use safetensors::tensor::Dtype;
-use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -26,26 +26,51 @@ pub struct Checkpoint {
     index: HashMap<String, ArrayIndex>,
 }
 
-type ArrayIndex = HashMap<String, (Range<usize>, usize)>;
+type ArrayIndex = std::collections::BTreeMap<String, ArrayInfo>;
 
-/// The byte range of every array of a safetensors file, by key, with its element count.
-fn array_index(file: &Path, bytes: &[u8]) -> Result<ArrayIndex> {
-    let st = SafeTensors::deserialize(bytes)
-        .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;
-    let mut out = HashMap::new();
-    for (name, view) in st.tensors() {
-        if view.dtype() != Dtype::F32 {
-            return Err(EngineError::format(
-                file,
-                format!("array `{name}` is {:?}; checkpoints hold f32", view.dtype()),
-            ));
-        }
-        let data = view.data();
-        // Offsets within the file: the view borrows from `bytes`.
-        let start = data.as_ptr() as usize - bytes.as_ptr() as usize;
-        out.insert(name, (start..start + data.len(), data.len() / 4));
+/// A rank file's arrays, which must all be f32.
+fn f32_arrays(file: &Path, bytes: &[u8]) -> Result<ArrayIndex> {
+    let index = array_index(file, bytes)?;
+    if let Some((name, a)) = index.iter().find(|(_, a)| a.dtype != Dtype::F32) {
+        return Err(EngineError::format(
+            file,
+            format!("array `{name}` is {:?}; checkpoints hold f32", a.dtype),
+        ));
     }
-    Ok(out)
+    Ok(index)
+}
+
+/// Whether a piece describes a real part of a tensor of `shape`: its cut dimension exists, its
+/// ranges lie inside it, its shard shape is what the ranges and padding make, and its flat range
+/// lies inside the shard.
+fn check_piece(shape: &[usize], p: &super::Piece) -> std::result::Result<(), String> {
+    let s = &p.tp_slice;
+    let Some(&len) = shape.get(s.dim) else {
+        return Err(format!(
+            "cut along dimension {} of a {}-d tensor",
+            s.dim,
+            shape.len()
+        ));
+    };
+    if let Some(r) = s.ranges.iter().find(|r| r[0] > r[1] || r[1] > len) {
+        return Err(format!("range {}..{} outside 0..{len}", r[0], r[1]));
+    }
+    let mut shard = shape.to_vec();
+    shard[s.dim] = s.ranges.iter().map(|r| r[1] - r[0]).sum::<usize>() + s.pad;
+    if shard != p.shard_shape {
+        return Err(format!(
+            "shard shape {:?}, but its ranges and padding make {shard:?}",
+            p.shard_shape
+        ));
+    }
+    let numel: usize = shard.iter().product();
+    if p.flat[0] > p.flat[1] || p.flat[1] > numel {
+        return Err(format!(
+            "flat range {}..{} outside the shard's {numel} elements",
+            p.flat[0], p.flat[1]
+        ));
+    }
+    Ok(())
 }
 
 impl Checkpoint {
@@ -100,6 +125,27 @@ impl Checkpoint {
                 ),
             ));
         }
+        // The tensor list is the manifest's own model's, shape for shape.
+        for spec in manifest.model.param_specs() {
+            match manifest.tensors.iter().find(|t| t.name == spec.name) {
+                Some(t) if t.shape == spec.shape => {}
+                Some(t) => {
+                    return Err(EngineError::format(
+                        &mpath,
+                        format!(
+                            "tensor `{}` has shape {:?}; its model has {:?}",
+                            spec.name, t.shape, spec.shape
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(EngineError::format(
+                        &mpath,
+                        format!("lists no tensor `{}` of its model", spec.name),
+                    ))
+                }
+            }
+        }
         let mut files = HashMap::new();
         let mut index = HashMap::new();
         for f in &manifest.files {
@@ -121,15 +167,21 @@ impl Checkpoint {
                     ),
                 ));
             }
-            let file = std::fs::File::open(&path).map_err(|e| EngineError::io(&path, e))?;
-            // SAFETY: the file was just verified and checkpoints are never modified in place
-            // (a save writes a new directory and renames it).
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(&path, e))?;
-            index.insert(f.file.clone(), array_index(&path, &map)?);
+            let map = map_file(&path)?;
+            index.insert(f.file.clone(), f32_arrays(&path, &map)?);
             files.insert(f.file.clone(), map);
         }
         for t in &manifest.tensors {
             for p in &t.pieces {
+                if let Err(why) = check_piece(&t.shape, p) {
+                    return Err(EngineError::format(
+                        &mpath,
+                        format!(
+                            "tensor `{}`, piece `{}` in `{}`: {why}",
+                            t.name, p.key, p.file
+                        ),
+                    ));
+                }
                 let Some(arrays) = index.get(&p.file) else {
                     return Err(EngineError::format(
                         &mpath,
@@ -140,9 +192,9 @@ impl Checkpoint {
                     ));
                 };
                 let want = p.flat[1].saturating_sub(p.flat[0]);
-                match arrays.get(&p.key) {
-                    Some((_, n)) if *n == want => {}
-                    Some((_, n)) => {
+                match arrays.get(&p.key).map(|a| a.bytes.len() / 4) {
+                    Some(n) if n == want => {}
+                    Some(n) => {
                         return Err(EngineError::format(
                             dir.join(&p.file),
                             format!("array `{}` has {n} values; the manifest says {want}", p.key),
@@ -185,18 +237,6 @@ impl Checkpoint {
                     super::describe_model(cfg)
                 ),
             ));
-        }
-        for spec in cfg.param_specs() {
-            let t = self.tensor(&spec.name)?;
-            if t.shape != spec.shape {
-                return Err(EngineError::format(
-                    self.dir.join(MANIFEST),
-                    format!(
-                        "tensor `{}` has shape {:?}; the model needs {:?}",
-                        spec.name, t.shape, spec.shape
-                    ),
-                ));
-            }
         }
         Ok(())
     }
@@ -288,7 +328,7 @@ impl Checkpoint {
             self.files.get(file),
             self.index.get(file).and_then(|i| i.get(key)),
         ) {
-            (Some(map), Some((range, _))) => Ok(&map[range.clone()]),
+            (Some(map), Some(a)) => Ok(&map[a.bytes.clone()]),
             _ => Err(EngineError::format(
                 self.dir.join(file),
                 format!("holds no array `{key}`"),

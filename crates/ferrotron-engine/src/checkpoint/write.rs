@@ -65,7 +65,7 @@ impl View for &F32View<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+        Cow::Owned(crate::hf::encode(self.data, crate::hf::StorageDtype::F32).1)
     }
     fn data_len(&self) -> usize {
         4 * self.data.len()
@@ -259,7 +259,8 @@ pub fn commit(
     }
     sync_dir(root)?;
     crash_at("latest", step);
-    replace_latest(root, &name)?;
+    write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
+    sync_dir(root)?;
     prune(root, keep)?;
     Ok(dir)
 }
@@ -297,19 +298,6 @@ fn exchange(a: &Path, b: &Path) -> Result<()> {
     std::fs::rename(b, &aside).map_err(|e| EngineError::io(b, e))?;
     std::fs::rename(a, b).map_err(|e| EngineError::io(a, e))?;
     std::fs::rename(&aside, a).map_err(|e| EngineError::io(a, e))
-}
-
-/// Points `latest` at checkpoint `name`: written beside it under a hidden name, synced, renamed
-/// over it.
-fn replace_latest(root: &Path, name: &str) -> Result<()> {
-    let tmp = root.join(format!(".{LATEST}.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, format!("{name}\n")).map_err(|e| EngineError::io(&tmp, e))?;
-    std::fs::File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| EngineError::io(&tmp, e))?;
-    let latest = root.join(LATEST);
-    std::fs::rename(&tmp, &latest).map_err(|e| EngineError::io(&latest, e))?;
-    sync_dir(root)
 }
 
 /// Removes all but the newest `keep` checkpoints under `root` (0: keeps all); never the one

@@ -20,10 +20,6 @@ pub struct CheckpointPlan {
     pub every: usize,
     pub keep: usize,
     pub total_steps: usize,
-    /// The run's first step (0, or where it resumed).
-    pub start: usize,
-    /// The data loader's position after each step from `start` on.
-    pub loader_after: Vec<serde_json::Value>,
     template: Manifest,
 }
 
@@ -34,8 +30,6 @@ impl CheckpointPlan {
         layout: &Layout,
         adam: AdamWConfig,
         schedule: LrSchedule,
-        start: usize,
-        loader_after: Vec<serde_json::Value>,
     ) -> Self {
         Self {
             root: cfg
@@ -45,8 +39,6 @@ impl CheckpointPlan {
             every: cfg.checkpoint_every,
             keep: cfg.keep_checkpoints,
             total_steps: cfg.steps,
-            start,
-            loader_after,
             template: Manifest {
                 format: FORMAT.into(),
                 version: VERSION,
@@ -75,22 +67,21 @@ impl CheckpointPlan {
         steps_done == self.total_steps || self.every > 0 && steps_done.is_multiple_of(self.every)
     }
 
-    /// The manifest of the checkpoint after `steps_done` steps (files and tensors are filled in
-    /// when it is committed).
+    /// The manifest of the checkpoint after `steps_done` steps, the data loader then at
+    /// `data_loader` (files and tensors are filled in when it is committed).
     pub fn manifest(
         &self,
         steps_done: usize,
         optimizer_step: u64,
         loss_scaler: Option<(f64, usize)>,
+        data_loader: serde_json::Value,
     ) -> Manifest {
         let mut m = self.template.clone();
         m.step = steps_done;
         m.optimizer.step = optimizer_step;
         m.loss_scaler =
             loss_scaler.map(|(scale, clean_steps)| LossScalerState { scale, clean_steps });
-        m.data_loader = steps_done
-            .checked_sub(self.start + 1)
-            .and_then(|k| self.loader_after.get(k).cloned());
+        m.data_loader = Some(data_loader);
         m
     }
 }

@@ -37,6 +37,8 @@ pub(super) struct MeshTraining<'a> {
     pub initial_val_loss: f64,
     /// The first step to run (0, or where the run resumes); `batches` starts there.
     pub start: usize,
+    /// The data loader's position after each step's batch, from `start` on.
+    pub loader_after: &'a [serde_json::Value],
     pub checkpoints: &'a CheckpointPlan,
     /// The checkpoint the run resumes from (the devices' optimizer state comes from it).
     pub resume: Option<&'a Checkpoint>,
@@ -225,6 +227,7 @@ fn run_device<C: Comm>(
                             done,
                             dev.zero.optimizer_step(),
                             mesh.loss_scaler(),
+                            run.loader_after[done - 1 - run.start].clone(),
                         )
                     });
                     let ck = run.checkpoints;

@@ -515,9 +515,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             .open(&metrics_path)
             .map_err(|e| EngineError::io(&metrics_path, e))
     };
-    let plan_for = |layout: &Layout, loader_after| {
-        CheckpointPlan::new(cfg, &model_cfg, layout, adam, schedule, start, loader_after)
-    };
+    let plan_for = |layout: &Layout| CheckpointPlan::new(cfg, &model_cfg, layout, adam, schedule);
     let initial_val_loss = mean_loss(&tf, &be, &params, &val_batches);
     let summary_of =
         |last_loss: f64, last_val: f64, tokens_per_s: f64, layout, devices| TrainSummary {
@@ -547,7 +545,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         let auto = !layout_spec.auto_keys.is_empty();
         let mut tried = Vec::new();
         for &layout in candidates.iter().take(if auto { AUTO_ATTEMPTS } else { 1 }) {
-            let checkpoints = plan_for(&layout, loader_after.clone());
+            let checkpoints = plan_for(&layout);
             let run = MeshTraining {
                 cfg,
                 model_cfg: &model_cfg,
@@ -560,6 +558,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
                 schedule,
                 initial_val_loss,
                 start,
+                loader_after: &loader_after,
                 checkpoints: &checkpoints,
                 resume: resume.as_ref(),
             };
@@ -627,7 +626,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     if let Some(ck) = &resume {
         restore_single(ck, &params, &mut opt)?;
     }
-    let checkpoints = plan_for(&layout, Vec::new());
+    let checkpoints = plan_for(&layout);
     let (mut last_loss, mut last_val, mut total_tokens, mut total_time) =
         (f64::NAN, initial_val_loss, 0usize, 0.0);
     for step in start..cfg.steps {
@@ -695,8 +694,8 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         writeln!(metrics, "{line}").map_err(|e| EngineError::io(&metrics_path, e))?;
         on_step(&report);
         if checkpoints.due(step + 1) {
-            let mut manifest = checkpoints.manifest(step + 1, opt.step, None);
-            manifest.data_loader = Some(serde_json::to_value(&sampler).expect("serialisable"));
+            let position = serde_json::to_value(&sampler).expect("serialisable");
+            let manifest = checkpoints.manifest(step + 1, opt.step, None, position);
             save_single(
                 &checkpoints,
                 manifest,
