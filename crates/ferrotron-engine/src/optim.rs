@@ -1,6 +1,7 @@
 //! AdamW with decoupled weight decay, gradient clipping by the global norm, and a warm-up + cosine
 //! learning-rate schedule. Parameters are the f32 master copy whatever the storage dtype on disk.
 
+use crate::kernels::simd::simd_kernel;
 use crate::transformer::ParamStore;
 use rayon::prelude::*;
 
@@ -106,15 +107,15 @@ impl AdamW {
         let bc2 = 1.0 - (c.beta2 as f64).powi(self.step as i32);
         let step_size = (lr as f64 / bc1) as f32;
         let bc2_sqrt = bc2.sqrt() as f32;
-        let decay = 1.0 - lr * c.weight_decay;
-        let update = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                *p *= decay;
-                *m = c.beta1 * *m + (1.0 - c.beta1) * g;
-                *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
-                *p -= step_size * *m / (v.sqrt() / bc2_sqrt + c.eps);
-            }
+        let k = UpdateConstants {
+            decay: 1.0 - lr * c.weight_decay,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            step_size,
+            bc2_sqrt,
         };
+        let update = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| update(p, g, m, v, k);
         for (((p, g), m), v) in params
             .iter_mut()
             .zip(grads)
@@ -130,6 +131,28 @@ impl AdamW {
             } else {
                 update(p, g, m, v);
             }
+        }
+    }
+}
+
+/// What one AdamW step applies to every element.
+#[derive(Clone, Copy)]
+struct UpdateConstants {
+    decay: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+}
+
+simd_kernel! {
+    fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: UpdateConstants) {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *p *= k.decay;
+            *m = k.beta1 * *m + (1.0 - k.beta1) * g;
+            *v = k.beta2 * *v + (1.0 - k.beta2) * g * g;
+            *p -= k.step_size * *m / (v.sqrt() / k.bc2_sqrt + k.eps);
         }
     }
 }

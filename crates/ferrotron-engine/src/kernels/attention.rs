@@ -3,7 +3,8 @@
 
 use super::cpu::SendPtr;
 use super::float::Real;
-use super::{simd, AttnShape, CpuBackend};
+use super::simd::{self, simd_kernel};
+use super::{AttnShape, CpuBackend};
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
 /// concurrent tasks write disjoint elements.
@@ -44,17 +45,27 @@ fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(ROW_BLOCK)).map(move |b| (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(t)))
 }
 
-/// Scaled, causally masked softmax of score row `i` in place: entries past `i` become 0.
-fn softmax_causal_row<T: Real>(row: &mut [T], i: usize, scale: T) {
-    let visible = &mut row[..=i];
-    simd::vectorized(|| {
+simd_kernel! {
+    /// Scaled, causally masked softmax of score row `i` in place: entries past `i` become 0.
+    fn softmax_causal_row<T: Real>(row: &mut [T], i: usize, scale: T) {
+        let visible = &mut row[..=i];
         visible.iter_mut().for_each(|x| *x *= scale);
         let max = simd::max(visible);
         visible.iter_mut().for_each(|x| *x = (*x - max).exp());
         let inv = T::ONE / simd::sum(visible);
         visible.iter_mut().for_each(|x| *x *= inv);
-    });
-    row[i + 1..].fill(T::ZERO);
+        row[i + 1..].fill(T::ZERO);
+    }
+}
+
+simd_kernel! {
+    /// dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale over one row's visible part, in place of dP.
+    fn softmax_backward_row<T: Real>(dp: &mut [T], p: &[T], scale: T) {
+        let dot = simd::dot(dp, p);
+        for (x, &p) in dp.iter_mut().zip(p) {
+            *x = p * (*x - dot) * scale;
+        }
+    }
 }
 
 fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, probs: usize) {
@@ -182,13 +193,7 @@ pub(crate) fn backward<T: Real>(
                 // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale; zero past the diagonal.
                 for (i, (dsr, pr)) in dsb.chunks_exact_mut(t).zip(pb.chunks_exact(t)).enumerate() {
                     let last = r0 + i;
-                    let (visible, pv) = (&mut dsr[..=last], &pr[..=last]);
-                    simd::vectorized(|| {
-                        let dot = simd::dot(visible, pv);
-                        for (x, &p) in visible.iter_mut().zip(pv) {
-                            *x = p * (*x - dot) * scale;
-                        }
-                    });
+                    softmax_backward_row(&mut dsr[..=last], &pr[..=last], scale);
                     dsr[last + 1..r1].fill(T::ZERO);
                 }
                 unsafe {

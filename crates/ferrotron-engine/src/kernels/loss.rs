@@ -1,32 +1,54 @@
 //! Softmax cross-entropy fused with its gradient, row by row.
 
 use super::float::Real;
-use super::{simd, CpuBackend};
+use super::simd::{self, simd_kernel};
+use super::CpuBackend;
 use rayon::prelude::*;
 
-fn row_loss_and_grad<T: Real>(row: &mut [T], target: Option<u32>, scale: T) -> f64 {
-    let Some(target) = target else {
-        row.fill(T::ZERO);
-        return 0.0;
-    };
-    let target = target as usize;
-    let target_logit = row[target];
-    let (max, sum) = simd::vectorized(|| {
+simd_kernel! {
+    fn row_loss_and_grad<T: Real>(row: &mut [T], target: Option<u32>, scale: T) -> f64 {
+        let Some(target) = target else {
+            row.fill(T::ZERO);
+            return 0.0;
+        };
+        let target = target as usize;
+        let target_logit = row[target];
         let max = simd::max(row);
-        row.iter_mut().for_each(|x| *x = (*x - max).exp());
-        // Lane sums over short blocks, blocks summed in f64: accurate for long vocabularies.
-        (
-            max,
-            row.chunks(256).map(|b| simd::sum(b).to_f64()).sum::<f64>(),
-        )
-    });
-    let shifted_target = (target_logit - max).to_f64();
-    // loss = logsumexp − logit[target] = ln Σexp(x − max) − (logit[target] − max)
-    let loss = sum.ln() - shifted_target;
-    let inv_scale = T::of(1.0 / sum) * scale;
-    simd::vectorized(|| row.iter_mut().for_each(|x| *x *= inv_scale));
-    row[target] -= scale;
-    loss
+        let sum = exp_shifted_sum(row, max);
+        let shifted_target = (target_logit - max).to_f64();
+        // loss = logsumexp − logit[target] = ln Σexp(x − max) − (logit[target] − max)
+        let loss = sum.ln() - shifted_target;
+        let inv_scale = T::of(1.0 / sum) * scale;
+        row.iter_mut().for_each(|x| *x *= inv_scale);
+        row[target] -= scale;
+        loss
+    }
+}
+
+/// Replaces `row` by exp(row − max) and returns its sum: lane sums over short blocks, the blocks summed
+/// in f64, accurate for long vocabularies.
+#[inline(always)]
+fn exp_shifted_sum<T: Real>(row: &mut [T], max: T) -> f64 {
+    row.iter_mut().for_each(|x| *x = (*x - max).exp());
+    row.chunks(256).map(|b| simd::sum(b).to_f64()).sum::<f64>()
+}
+
+simd_kernel! {
+    fn row_max<T: Real>(row: &[T]) -> T {
+        simd::max(row)
+    }
+}
+
+simd_kernel! {
+    fn row_exp_sum<T: Real>(row: &mut [T], max: T) -> f64 {
+        exp_shifted_sum(row, max)
+    }
+}
+
+simd_kernel! {
+    fn row_scale<T: Real>(row: &mut [T], by: T) {
+        row.iter_mut().for_each(|x| *x *= by);
+    }
 }
 
 pub(crate) fn cross_entropy<T: Real>(
@@ -97,7 +119,7 @@ pub(crate) fn shard_logit_max<T: Real>(
         "shard_logit_max: logits length"
     );
     each_row(be, max, 1, |m, i| {
-        m[0] = simd::vectorized(|| simd::max(&logits[i * vocab..][..valid]))
+        m[0] = row_max(&logits[i * vocab..][..valid])
     });
 }
 
@@ -132,10 +154,7 @@ pub(crate) fn shard_exp_sums<T: Real>(
         let real = &mut row[..valid];
         let shifted_target =
             local_target(target, start, valid).map_or(0.0, |t| (real[t] - max[i]).to_f64());
-        let sum = simd::vectorized(|| {
-            real.iter_mut().for_each(|x| *x = (*x - max[i]).exp());
-            real.chunks(256).map(|b| simd::sum(b).to_f64()).sum::<f64>()
-        });
+        let sum = row_exp_sum(real, max[i]);
         s[0] = sum;
         s[1] = shifted_target;
     };
@@ -168,7 +187,7 @@ pub(crate) fn shard_softmax_grad<T: Real>(
             return;
         };
         let inv_scale = T::of(1.0 / sums[2 * i]) * scale;
-        simd::vectorized(|| row[..valid].iter_mut().for_each(|x| *x *= inv_scale));
+        row_scale(&mut row[..valid], inv_scale);
         row[valid..].fill(T::ZERO);
         if let Some(t) = local_target(target, start, valid) {
             row[t] -= scale;

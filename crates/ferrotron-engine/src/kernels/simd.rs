@@ -1,5 +1,6 @@
 //! Helpers that let plain element-wise loops vectorise: lane-wise reductions, an `exp` made only of multiplies, adds and bit
-//! operations, and a runtime switch that compiles a loop body for AVX2+FMA when the CPU has them.
+//! operations, and `simd_kernel!`, which compiles a kernel function (closures included) a second time for AVX2+FMA and
+//! picks that copy at run time when the CPU has them.
 
 use super::float::Real;
 
@@ -12,7 +13,11 @@ pub fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     let x = x.clamp(-87.3, 88.7);
     // x = n·ln2 + r with |r| ≤ ln2/2; rounding to nearest via the 1.5·2²³ trick.
-    let n = (x * LOG2E + 12_582_912.0) - 12_582_912.0;
+    // The sum's low mantissa bits hold n as an integer: read it from the bits, since a float-to-int
+    // `as` cast saturates, which compiles to scalar compares and stops the loop vectorising.
+    let shifted = x * LOG2E + 12_582_912.0;
+    let n = shifted - 12_582_912.0;
+    let n_int = shifted.to_bits() as i32 - 0x4B40_0000;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     // Taylor series of e^r to degree 7: truncation error < 6e-9 relative for |r| ≤ 0.347.
     let p = 1.0 / 5040.0;
@@ -24,7 +29,7 @@ pub fn exp(x: f32) -> f32 {
     let p = p * r + 1.0;
     let p = p * r + 1.0;
     // Scale by 2^n in two halves so that n = 128 does not overflow the exponent field.
-    let n = n as i32;
+    let n = n_int;
     let half = n >> 1;
     let s1 = f32::from_bits(((half + 127) as u32) << 23);
     let s2 = f32::from_bits(((n - half + 127) as u32) << 23);
@@ -81,23 +86,78 @@ pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     acc.iter().fold(tail, |s, &x| s + x)
 }
 
-/// Runs `f` compiled for AVX2+FMA when the CPU supports them (the closure is inlined into a function
-/// with those target features), else as is. Results are identical: no fused multiply-adds are formed.
+const F64_LANES: usize = 8;
+
+/// Σ term(i) over `0..n` in 8 independent f64 lanes (a fixed order), so that it vectorises when `term`
+/// reads slices at least `n` long.
 #[inline(always)]
-pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2")]
-            fn run<R>(f: impl FnOnce() -> R) -> R {
-                f()
-            }
-            // SAFETY: the feature was detected just above.
-            return unsafe { run(f) };
+fn sum_f64_lanes(n: usize, term: impl Fn(usize) -> f64) -> f64 {
+    let mut acc = [0f64; F64_LANES];
+    let full = n / F64_LANES * F64_LANES;
+    for base in (0..full).step_by(F64_LANES) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += term(base + l);
         }
     }
-    f()
+    let tail = (full..n).fold(0.0, |s, i| s + term(i));
+    acc.iter().sum::<f64>() + tail
 }
+
+/// Σ xᵢ², each square formed in f64.
+#[inline(always)]
+pub fn sum_sq_f64<T: Real>(x: &[T]) -> f64 {
+    sum_f64_lanes(x.len(), |i| x[i].to_f64() * x[i].to_f64())
+}
+
+/// Σ (aᵢ·bᵢ)·cᵢ, the product aᵢ·bᵢ in `T` and the rest in f64.
+#[inline(always)]
+pub fn dot3_f64<T: Real>(a: &[T], b: &[T], c: &[T]) -> f64 {
+    let n = a.len().min(b.len()).min(c.len());
+    let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+    sum_f64_lanes(n, |i| (a[i] * b[i]).to_f64() * c[i].to_f64())
+}
+
+/// Whether the AVX2+FMA copies of `simd_kernel!` functions may run (cached by the standard library).
+#[inline(always)]
+pub fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Defines a kernel function whose body is compiled twice: once for AVX2+FMA, taken at run time when
+/// the CPU has them, and once for the baseline. Closures written in the body inherit the features, so
+/// the row loops handed to the thread pool vectorise 8 lanes wide; helpers they call must be
+/// `#[inline(always)]`. Both copies give identical results: Rust never contracts `a * b + c` into a
+/// fused multiply-add, and every reduction here has a fixed lane order.
+macro_rules! simd_kernel {
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident $(<$t:ident: $bound:path>)? ($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
+        $body:block
+    ) => {
+        $(#[$attr])*
+        $vis fn $name $(<$t: $bound>)? ($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                $(#[$attr])*
+                fn avx2 $(<$t: $bound>)? ($($arg: $ty),*) $(-> $ret)? $body
+                if $crate::kernels::simd::has_avx2() {
+                    // SAFETY: the CPU has both features, checked just above.
+                    return unsafe { avx2 $(::<$t>)? ($($arg),*) };
+                }
+            }
+            $body
+        }
+    };
+}
+pub(crate) use simd_kernel;
 
 #[cfg(test)]
 mod tests {
