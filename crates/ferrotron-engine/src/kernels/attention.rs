@@ -4,10 +4,12 @@
 use super::cpu::SendPtr;
 use super::float::Real;
 use super::simd::{self, simd_kernel};
+use super::small_gemm;
 use super::{AttnShape, CpuBackend};
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
-/// concurrent tasks write disjoint elements.
+/// concurrent tasks write disjoint elements. In f32, with `b` and `c` rows contiguous, the AVX-512
+/// kernel made for these shapes; otherwise the `gemm` crate.
 unsafe fn gemm_raw<T: Real>(
     (m, n, k): (usize, usize, usize),
     a: (*const T, usize, usize),
@@ -15,6 +17,21 @@ unsafe fn gemm_raw<T: Real>(
     c: (*mut T, usize, usize),
     accumulate: bool,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+        && b.2 == 1
+        && c.2 == 1
+        && small_gemm::available()
+    {
+        small_gemm::gemm_f32(
+            (m, n, k),
+            (a.0.cast(), a.1, a.2),
+            (b.0.cast(), b.1),
+            (c.0.cast(), c.1),
+            accumulate,
+        );
+        return;
+    }
     gemm::gemm(
         m,
         n,
@@ -36,6 +53,18 @@ unsafe fn gemm_raw<T: Real>(
         false,
         gemm::Parallelism::None,
     )
+}
+
+/// Head columns `[off, off + d)` of the `t` token rows of `x` (row stride `width`), transposed to
+/// `[d × t]`: Kᵀ and Vᵀ as right operands with contiguous rows.
+fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usize) -> Vec<T> {
+    let mut out = vec![T::ZERO; d * t];
+    for (j, row) in x[off..].chunks(width).take(t).enumerate() {
+        for (c, &e) in row[..d].iter().enumerate() {
+            out[c * t + j] = e;
+        }
+    }
+    out
 }
 
 const ROW_BLOCK: usize = 64;
@@ -100,6 +129,7 @@ pub(crate) fn forward<T: Real>(
         let (qo, ko) = (b * t * qw + h * d, b * t * kw + kvh * d);
         // SAFETY: each task owns head h of sequence b: its T×T block of `probs` and its column
         // block of `out`; lengths were checked above.
+        let kt = transposed_head(k, ko, kw, t, d);
         unsafe {
             let p = probs_p.get().add(task * t * t);
             // Row block [r0, r1) attends to keys [0, r1): the masked upper triangle is skipped.
@@ -109,7 +139,7 @@ pub(crate) fn forward<T: Real>(
                 gemm_raw(
                     (m, r1, d),
                     (q.as_ptr().add(qo + r0 * qw), qw, 1),
-                    (k.as_ptr().add(ko), 1, kw),
+                    (kt.as_ptr(), t, 1),
                     (pb, t, 1),
                     false,
                 );
@@ -163,6 +193,7 @@ pub(crate) fn backward<T: Real>(
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let ko = b * t * kw + kvh * d;
         let mut ds = vec![T::ZERO; t * t];
+        let vt = transposed_head(v, ko, kw, t, d);
         for j in 0..group {
             let h = kvh * group + j;
             let qo = b * t * qw + h * d;
@@ -178,7 +209,7 @@ pub(crate) fn backward<T: Real>(
                     gemm_raw(
                         (m, r1, d),
                         (dor, qw, 1),
-                        (v.as_ptr().add(ko), 1, kw),
+                        (vt.as_ptr(), t, 1),
                         (dsb.as_mut_ptr(), t, 1),
                         false,
                     );

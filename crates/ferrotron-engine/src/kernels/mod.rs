@@ -16,6 +16,7 @@ mod linear;
 mod loss;
 mod norm;
 mod rope;
+mod small_gemm;
 pub mod simd;
 
 pub use cpu::CpuBackend;
