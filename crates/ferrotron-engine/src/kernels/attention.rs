@@ -4,7 +4,7 @@
 use super::cpu::SendPtr;
 use super::float::Real;
 use super::simd::{self, simd_kernel};
-use super::small_gemm;
+use super::small_gemm::{self, Causal};
 use super::{AttnShape, CpuBackend};
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
@@ -16,6 +16,7 @@ unsafe fn gemm_raw<T: Real>(
     b: (*const T, usize, usize),
     c: (*mut T, usize, usize),
     accumulate: bool,
+    mask: Causal,
 ) {
     #[cfg(target_arch = "x86_64")]
     if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
@@ -29,6 +30,7 @@ unsafe fn gemm_raw<T: Real>(
             (b.0.cast(), b.1),
             (c.0.cast(), c.1),
             accumulate,
+            mask,
         );
         return;
     }
@@ -58,10 +60,18 @@ unsafe fn gemm_raw<T: Real>(
 /// Head columns `[off, off + d)` of the `t` token rows of `x` (row stride `width`), transposed to
 /// `[d × t]`: Kᵀ and Vᵀ as right operands with contiguous rows.
 fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usize) -> Vec<T> {
+    // In blocks of 16 tokens, so that each output row is written 16 contiguous elements at a time
+    // while the block's 16 input rows stay in L1.
+    const BLOCK: usize = 16;
     let mut out = vec![T::ZERO; d * t];
-    for (j, row) in x[off..].chunks(width).take(t).enumerate() {
-        for (c, &e) in row[..d].iter().enumerate() {
-            out[c * t + j] = e;
+    for j0 in (0..t).step_by(BLOCK) {
+        let rows: Vec<&[T]> = (j0..(j0 + BLOCK).min(t))
+            .map(|j| &x[off + j * width..][..d])
+            .collect();
+        for c in 0..d {
+            for (o, row) in out[c * t + j0..].iter_mut().zip(&rows) {
+                *o = row[c];
+            }
         }
     }
     out
@@ -142,6 +152,7 @@ pub(crate) fn forward<T: Real>(
                     (kt.as_ptr(), t, 1),
                     (pb, t, 1),
                     false,
+                    Causal::Columns(r0),
                 );
                 for (i, row) in std::slice::from_raw_parts_mut(pb, m * t)
                     .chunks_exact_mut(t)
@@ -155,6 +166,7 @@ pub(crate) fn forward<T: Real>(
                     (v.as_ptr().add(ko), kw, 1),
                     (out_p.get().add(qo + r0 * qw), qw, 1),
                     false,
+                    Causal::DepthUpTo(r0),
                 );
             }
         }
@@ -212,6 +224,7 @@ pub(crate) fn backward<T: Real>(
                         (vt.as_ptr(), t, 1),
                         (dsb.as_mut_ptr(), t, 1),
                         false,
+                        Causal::Columns(r0),
                     );
                     gemm_raw(
                         (r1, d, m),
@@ -219,6 +232,7 @@ pub(crate) fn backward<T: Real>(
                         (dor, qw, 1),
                         (dv_p.get().add(ko), kw, 1),
                         !first,
+                        Causal::DepthFrom(r0),
                     );
                 }
                 // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale; zero past the diagonal.
@@ -235,6 +249,7 @@ pub(crate) fn backward<T: Real>(
                         (k.as_ptr().add(ko), kw, 1),
                         (dq_p.get().add(qo + r0 * qw), qw, 1),
                         false,
+                        Causal::DepthUpTo(r0),
                     );
                     gemm_raw(
                         (r1, d, m),
@@ -242,6 +257,7 @@ pub(crate) fn backward<T: Real>(
                         (qr, qw, 1),
                         (dk_p.get().add(ko), kw, 1),
                         !first,
+                        Causal::DepthFrom(r0),
                     );
                 }
             }

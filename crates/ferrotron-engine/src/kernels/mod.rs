@@ -16,8 +16,8 @@ mod linear;
 mod loss;
 mod norm;
 mod rope;
-mod small_gemm;
 pub mod simd;
+mod small_gemm;
 
 pub use cpu::CpuBackend;
 pub use rope::RopeTable;

@@ -19,7 +19,7 @@ pub(crate) fn available() -> bool {
 /// `c[m×n] (+)= a[m×k]·b[k×n]`. `a` is read element by element through (row, column) strides, so a
 /// transposed view is free; `b` and `c` rows are contiguous with row strides `b_rs` and `c_rs`. Each
 /// element of `c` is one fused multiply-add chain over `k` in order, so results do not depend on how
-/// the work is cut.
+/// the work is cut. `mask` skips work in row tiles of 4; columns it skips are left as they were.
 ///
 /// # Safety
 /// [`available`] must be true, and every element the views name must lie inside its allocation, with
@@ -33,19 +33,28 @@ pub(crate) unsafe fn gemm_f32(
     b: (*const f32, usize),
     c: (*mut f32, usize),
     accumulate: bool,
+    mask: Causal,
 ) {
     const MR: usize = 4;
     const NC: usize = 4 * LANES;
     let mut i0 = 0;
     while i0 < m {
         let rows = (m - i0).min(MR);
+        // The part of the product this row tile needs (the rest is masked or multiplies zeros).
+        let (n, depth) = match mask {
+            #[cfg(test)]
+            Causal::None => (n, 0..k),
+            Causal::Columns(diag) => ((i0 + MR + diag).min(n), 0..k),
+            Causal::DepthUpTo(diag) => (n, 0..(i0 + MR + diag).min(k)),
+            Causal::DepthFrom(diag) => (n, i0.saturating_sub(diag).min(k)..k),
+        };
         let mut j0 = 0;
         while j0 < n {
             let cols = (n - j0).min(NC);
             let tile = Tile {
-                k,
-                a: (a.0.add(i0 * a.1), a.1, a.2),
-                b: (b.0.add(j0), b.1),
+                k: depth.len(),
+                a: (a.0.add(i0 * a.1 + depth.start * a.2), a.1, a.2),
+                b: (b.0.add(depth.start * b.1 + j0), b.1),
                 c: (c.0.add(i0 * c.1 + j0), c.1),
                 cols,
                 accumulate,
@@ -75,6 +84,22 @@ pub(crate) unsafe fn gemm_f32(
 }
 
 const LANES: usize = 16;
+
+/// Where a causal mask makes part of a product unnecessary, for row `i` of `c`. Skipped depth
+/// multiplies exact zeros, so skipping it changes no result; skipped columns are ones the caller
+/// masks afterwards.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Causal {
+    /// Everything is computed (the tests' reference).
+    #[cfg(test)]
+    None,
+    /// Only columns `j ≤ i + diag` are needed (scores, and their gradient, of queries `diag + i`).
+    Columns(usize),
+    /// Depth `p > i + diag` multiplies zeros (probabilities of queries `diag + i` past the diagonal).
+    DepthUpTo(usize),
+    /// Depth `p < i − diag` multiplies zeros (row `i` is key `i`; depth `p` is query `diag + p`).
+    DepthFrom(usize),
+}
 
 /// One block of at most 4 rows × 64 columns of `c`.
 #[cfg(target_arch = "x86_64")]
@@ -126,6 +151,7 @@ impl Tile {
 
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
+    use super::Causal;
     use rand::{Rng, SeedableRng};
 
     /// Odd sizes, tails in both directions, transposed and strided `a`, overwrite and accumulate,
@@ -136,11 +162,20 @@ mod tests {
             return;
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for &(m, n, k) in &[(1, 1, 1), (3, 17, 5), (4, 64, 64), (9, 70, 33), (64, 256, 64), (7, 129, 1)] {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (3, 17, 5),
+            (4, 64, 64),
+            (9, 70, 33),
+            (64, 256, 64),
+            (7, 129, 1),
+        ] {
             for transposed in [false, true] {
                 for accumulate in [false, true] {
                     let (a_rs, a_cs) = if transposed { (1, m + 3) } else { (k + 2, 1) };
-                    let a: Vec<f32> = (0..(m + 3) * (k + 2)).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let a: Vec<f32> = (0..(m + 3) * (k + 2))
+                        .map(|_| rng.gen_range(-1.0..1.0))
+                        .collect();
                     let (b_rs, c_rs) = (n + 5, n + 1);
                     let b: Vec<f32> = (0..k * b_rs).map(|_| rng.gen_range(-1.0..1.0)).collect();
                     let c0: Vec<f32> = (0..m * c_rs).map(|_| rng.gen_range(-1.0..1.0)).collect();
@@ -152,6 +187,7 @@ mod tests {
                             (b.as_ptr(), b_rs),
                             (c.as_mut_ptr(), c_rs),
                             accumulate,
+                            Causal::None,
                         )
                     };
                     for i in 0..m {
@@ -161,15 +197,94 @@ mod tests {
                                 assert_eq!(got, c0[i * c_rs + j] as f64, "wrote past column {n}");
                                 continue;
                             }
-                            let mut want = if accumulate { c0[i * c_rs + j] as f64 } else { 0.0 };
+                            let mut want = if accumulate {
+                                c0[i * c_rs + j] as f64
+                            } else {
+                                0.0
+                            };
                             for p in 0..k {
                                 want += a[i * a_rs + p * a_cs] as f64 * b[p * b_rs + j] as f64;
                             }
                             let tol = 1e-6 * (k as f64).sqrt().max(1.0) * 4.0;
-                            assert!((got - want).abs() <= tol, "{m}x{n}x{k} [{i},{j}]: {got} vs {want}");
+                            assert!(
+                                (got - want).abs() <= tol,
+                                "{m}x{n}x{k} [{i},{j}]: {got} vs {want}"
+                            );
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// A causal mask gives the same numbers as the full product wherever the skipped work multiplies
+    /// zeros, and leaves skipped columns alone.
+    #[test]
+    fn causal_masks_skip_only_zeros() {
+        if !super::available() {
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        let (m, n, k, diag) = (13, 40, 40, 21);
+        let rand = |rng: &mut rand_chacha::ChaCha8Rng, len| -> Vec<f32> {
+            (0..len).map(|_| rng.gen_range(-1.0..1.0)).collect()
+        };
+        let run = |a: &[f32], (a_rs, a_cs), b: &[f32], mask| {
+            let mut c = vec![7.0f32; m * n];
+            unsafe {
+                super::gemm_f32(
+                    (m, n, k),
+                    (a.as_ptr(), a_rs, a_cs),
+                    (b.as_ptr(), n),
+                    (c.as_mut_ptr(), n),
+                    false,
+                    mask,
+                )
+            };
+            c
+        };
+        let b = rand(&mut rng, k * n);
+        // Depth up to the diagonal: a[i][p] = 0 for p > i + diag.
+        let mut a = rand(&mut rng, m * k);
+        (0..m).for_each(|i| {
+            (0..k)
+                .filter(|&p| p > i + diag)
+                .for_each(|p| a[i * k + p] = 0.0)
+        });
+        assert_eq!(
+            run(&a, (k, 1), &b, Causal::DepthUpTo(diag)),
+            run(&a, (k, 1), &b, Causal::None)
+        );
+        // Depth from the diagonal: row i is key i, depth p is query diag' + p, zero where p < i − diag'.
+        let d2 = 3;
+        let mut a = rand(&mut rng, m * k);
+        (0..m).for_each(|i| {
+            (0..k)
+                .filter(|&p| p + d2 < i)
+                .for_each(|p| a[i * k + p] = 0.0)
+        });
+        assert_eq!(
+            run(&a, (k, 1), &b, Causal::DepthFrom(d2)),
+            run(&a, (k, 1), &b, Causal::None)
+        );
+        // Columns: every needed column equals the full product's; the rest keep their old value or
+        // equal the full product (row tiles compute up to their last row's limit).
+        let a = rand(&mut rng, m * k);
+        let (full, part) = (
+            run(&a, (k, 1), &b, Causal::None),
+            run(&a, (k, 1), &b, Causal::Columns(5)),
+        );
+        for i in 0..m {
+            for j in 0..n {
+                let (f, p) = (full[i * n + j], part[i * n + j]);
+                assert!(
+                    if j <= i + 5 {
+                        p == f
+                    } else {
+                        p == f || p == 7.0
+                    },
+                    "[{i},{j}]"
+                );
             }
         }
     }
