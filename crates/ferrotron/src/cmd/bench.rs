@@ -222,6 +222,13 @@ fn kernels(b: KernelBench) -> Result<()> {
         "ferrotron bench kernels: {} shapes, {rows} rows, threads {}",
         b.model, be.threads
     );
+    match fma_peak_gflops(be.threads) {
+        Some((gflops, isa)) => println!(
+            "f32 FMA peak of {} threads: {gflops:.1} GFLOP/s ({isa}, independent FMA chains)",
+            be.threads
+        ),
+        None => println!("f32 FMA peak: not measured on this CPU"),
+    }
     println!("| kernel | shape | ms | GFLOP/s |\n|---|---|---|---|");
     for (name, i, o) in [
         ("linear q/o", h, h),
@@ -323,6 +330,74 @@ fn kernels(b: KernelBench) -> Result<()> {
     });
     println!("| cross-entropy | {rows}x{v} | {:.2} | |", (t - copy) * 1e3);
     Ok(())
+}
+
+/// The CPU's f32 multiply-add peak on `threads` threads, for reading every GFLOP/s above as a fraction
+/// of what the cores can do: twelve independent FMA chains per thread, 16 lanes wide with AVX-512 or
+/// 8 with AVX2.
+fn fma_peak_gflops(threads: usize) -> Option<(f64, &'static str)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        const ITERS: usize = 40_000_000;
+        let (run, isa): (fn(usize) -> f64, _) = if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was detected just above.
+            (|n| unsafe { fma_chains_avx512(n) }, "AVX-512")
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the features were detected just above.
+            (|n| unsafe { fma_chains_avx2(n) }, "AVX2")
+        } else {
+            return None;
+        };
+        let t0 = Instant::now();
+        let flop: f64 = std::thread::scope(|s| {
+            let runs: Vec<_> = (0..threads).map(|_| s.spawn(move || run(ITERS))).collect();
+            runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
+        });
+        Some((flop / t0.elapsed().as_secs_f64() / 1e9, isa))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = threads;
+        None
+    }
+}
+
+/// FLOP done by `iters` rounds of 12 independent 16-lane fused multiply-adds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma_chains_avx512(iters: usize) -> f64 {
+    use std::arch::x86_64::*;
+    // Opaque operands, so that the compiler cannot fold or hoist the chains.
+    let (b, c) = (_mm512_set1_ps(std::hint::black_box(0.999_9)), _mm512_set1_ps(1e-4));
+    let mut acc: [__m512; 12] = std::array::from_fn(|i| _mm512_set1_ps(std::hint::black_box(i as f32)));
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    std::hint::black_box(acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum::<f32>());
+    (iters * 12 * 16 * 2) as f64
+}
+
+/// FLOP done by `iters` rounds of 12 independent 8-lane fused multiply-adds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma_chains_avx2(iters: usize) -> f64 {
+    use std::arch::x86_64::*;
+    let (b, c) = (_mm256_set1_ps(std::hint::black_box(0.999_9)), _mm256_set1_ps(1e-4));
+    let mut acc: [__m256; 12] = std::array::from_fn(|i| _mm256_set1_ps(std::hint::black_box(i as f32)));
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm256_fmadd_ps(*a, b, c);
+        }
+    }
+    let mut lanes = [0f32; 8];
+    for a in acc {
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        std::hint::black_box(lanes);
+    }
+    (iters * 12 * 8 * 2) as f64
 }
 
 /// The threads backend's table; `ferrotron-mpi-selftest bench` prints the MPI backend's.
