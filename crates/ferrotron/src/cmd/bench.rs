@@ -368,8 +368,12 @@ fn fma_peak_gflops(threads: usize) -> Option<(f64, &'static str)> {
 fn fma_chains_avx512(iters: usize) -> f64 {
     use std::arch::x86_64::*;
     // Opaque operands, so that the compiler cannot fold or hoist the chains.
-    let (b, c) = (_mm512_set1_ps(std::hint::black_box(0.999_9)), _mm512_set1_ps(1e-4));
-    let mut acc: [__m512; 12] = std::array::from_fn(|i| _mm512_set1_ps(std::hint::black_box(i as f32)));
+    let (b, c) = (
+        _mm512_set1_ps(std::hint::black_box(0.999_9)),
+        _mm512_set1_ps(1e-4),
+    );
+    let mut acc: [__m512; 12] =
+        std::array::from_fn(|i| _mm512_set1_ps(std::hint::black_box(i as f32)));
     for _ in 0..iters {
         for a in acc.iter_mut() {
             *a = _mm512_fmadd_ps(*a, b, c);
@@ -384,8 +388,12 @@ fn fma_chains_avx512(iters: usize) -> f64 {
 #[target_feature(enable = "avx2,fma")]
 fn fma_chains_avx2(iters: usize) -> f64 {
     use std::arch::x86_64::*;
-    let (b, c) = (_mm256_set1_ps(std::hint::black_box(0.999_9)), _mm256_set1_ps(1e-4));
-    let mut acc: [__m256; 12] = std::array::from_fn(|i| _mm256_set1_ps(std::hint::black_box(i as f32)));
+    let (b, c) = (
+        _mm256_set1_ps(std::hint::black_box(0.999_9)),
+        _mm256_set1_ps(1e-4),
+    );
+    let mut acc: [__m256; 12] =
+        std::array::from_fn(|i| _mm256_set1_ps(std::hint::black_box(i as f32)));
     for _ in 0..iters {
         for a in acc.iter_mut() {
             *a = _mm256_fmadd_ps(*a, b, c);
