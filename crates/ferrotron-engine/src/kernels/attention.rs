@@ -18,6 +18,8 @@ unsafe fn gemm_raw<T: Real>(
     accumulate: bool,
     mask: Causal,
 ) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = mask;
     #[cfg(target_arch = "x86_64")]
     if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
         && b.2 == 1

@@ -5,15 +5,9 @@
 //! broadcast elements of `a` per step.
 
 /// Whether [`gemm_f32`] may be called on this CPU.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    std::arch::is_x86_feature_detected!("avx512f")
 }
 
 /// `c[m×n] (+)= a[m×k]·b[k×n]`. `a` is read element by element through (row, column) strides, so a
@@ -83,12 +77,14 @@ pub(crate) unsafe fn gemm_f32(
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 const LANES: usize = 16;
 
 /// Where a causal mask makes part of a product unnecessary, for row `i` of `c`. Skipped depth
 /// multiplies exact zeros, so skipping it changes no result; skipped columns are ones the caller
 /// masks afterwards.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Causal {
     /// Everything is computed (the tests' reference).
     #[cfg(test)]
