@@ -307,4 +307,24 @@ impl Backend for CpuBackend {
             yc.iter_mut().zip(&x[c * 4096..]).for_each(|(y, x)| *y += x)
         });
     }
+
+    fn zeros(&self, len: usize) -> Vec<f32> {
+        // Freed activation memory stays in the process, so the allocator's zeroing is a memset on the
+        // calling thread while the other cores wait; split it instead.
+        const CHUNK: usize = 1 << 16;
+        if self.threads == 1 || len < 4 * CHUNK {
+            return vec![0.0; len];
+        }
+        let mut v = Vec::with_capacity(len);
+        v.spare_capacity_mut()[..len]
+            .par_chunks_mut(CHUNK)
+            .for_each(|c| {
+                c.iter_mut().for_each(|x| {
+                    x.write(0.0);
+                })
+            });
+        // SAFETY: every one of the first `len` elements was written just above.
+        unsafe { v.set_len(len) };
+        v
+    }
 }

@@ -28,7 +28,7 @@ impl Lin {
     }
 
     fn forward(&self, be: &dyn Backend, p: &ParamStore, x: &[f32], rows: usize) -> Vec<f32> {
-        let mut y = vec![0f32; rows * self.out_dim];
+        let mut y = be.zeros(rows * self.out_dim);
         let bias = self.b.map(|b| p.tensors[b].as_slice());
         be.linear_forward(self.shape(rows), x, &p.tensors[self.w], bias, &mut y);
         y
@@ -106,7 +106,7 @@ impl NormIds {
         let w = &p.tensors[self.w];
         let rows = x.len() / w.len();
         let mut s = NormStash {
-            out: vec![0f32; x.len()],
+            out: be.zeros(x.len()),
             mean: Vec::new(),
             rstd: vec![0f32; rows],
         };
@@ -308,7 +308,7 @@ fn row_parallel_forward(
     if tp.size() == 1 {
         return lin.forward(be, p, x, rows);
     }
-    let mut y = vec![0f32; rows * lin.out_dim];
+    let mut y = be.zeros(rows * lin.out_dim);
     be.linear_forward(lin.shape(rows), x, &p.tensors[lin.w], None, &mut y);
     let mut y = tp.reduce(y);
     if let Some(b) = lin.b {
@@ -351,8 +351,8 @@ pub(crate) fn forward(
         be.rope_forward(rope, positions, cfg.num_kv_heads, &mut k);
     }
     let shape = attn_shape(cfg, batch, seq);
-    let mut attn = vec![0f32; rows * cfg.q_dim()];
-    let mut probs = vec![0f32; shape.probs_len()];
+    let mut attn = be.zeros(rows * cfg.q_dim());
+    let mut probs = be.zeros(shape.probs_len());
     be.attention_forward(shape, &q, &k, &v, &mut attn, &mut probs);
     let mut x_mid = row_parallel_forward(&ids.attn_out, be, tp, p, &attn, rows);
     be.add_assign(&mut x_mid, &x);
@@ -365,7 +365,7 @@ pub(crate) fn forward(
         .map(|l| l.forward(be, p, n2_in, rows))
         .collect();
     drop(n2_all);
-    let mut mlp_act = vec![0f32; rows * cfg.intermediate_size];
+    let mut mlp_act = be.zeros(rows * cfg.intermediate_size);
     match cfg.arch {
         Arch::Llama => be.swiglu_forward(&mlp_pre[0], &mlp_pre[1], &mut mlp_act),
         Arch::Gpt2 => be.gelu_forward(&mlp_pre[0], &mut mlp_act),
@@ -412,7 +412,7 @@ pub(crate) fn backward(
     let (rows, h, f) = (batch * seq, cfg.hidden_size, cfg.intermediate_size);
     // MLP branch: out = x_mid + down(act(in(norm2(x_mid)))). The split region sees every row: the
     // gradient at its output is gathered, its input gradient (a partial sum) reduced back.
-    let mut dact = vec![0f32; rows * f];
+    let mut dact = be.zeros(rows * f);
     {
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
@@ -420,7 +420,7 @@ pub(crate) fn backward(
             .backward(be, p, g, dout, &a.mlp_act.get(), &mut dact, false);
     }
     drop(a.mlp_act);
-    let mut dn2 = vec![0f32; rows * h];
+    let mut dn2 = be.zeros(rows * h);
     {
         let n2_out = a.n2_out.get();
         let n2_all = tp.gather_rows(&n2_out);
@@ -428,13 +428,13 @@ pub(crate) fn backward(
         let pre: Vec<_> = a.mlp_pre.iter().map(Kept::get).collect();
         match cfg.arch {
             Arch::Llama => {
-                let (mut dgate, mut dup) = (vec![0f32; rows * f], vec![0f32; rows * f]);
+                let (mut dgate, mut dup) = (be.zeros(rows * f), be.zeros(rows * f));
                 be.swiglu_backward(&dact, &pre[0], &pre[1], &mut dgate, &mut dup);
                 ids.mlp_in[0].backward(be, p, g, &dgate, n2_in, &mut dn2, false);
                 ids.mlp_in[1].backward(be, p, g, &dup, n2_in, &mut dn2, true);
             }
             Arch::Gpt2 => {
-                let mut dpre = vec![0f32; rows * f];
+                let mut dpre = be.zeros(rows * f);
                 be.gelu_backward(&dact, &pre[0], &mut dpre);
                 ids.mlp_in[0].backward(be, p, g, &dpre, n2_in, &mut dn2, false);
             }
@@ -446,7 +446,7 @@ pub(crate) fn backward(
     drop(dn2);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
-    let mut dattn = vec![0f32; rows * cfg.q_dim()];
+    let mut dattn = be.zeros(rows * cfg.q_dim());
     {
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
@@ -457,16 +457,12 @@ pub(crate) fn backward(
     let (q, k, v) = (a.q.get(), a.k.get(), a.v.get());
     if a.probs.is_empty() {
         // Selective recompute dropped the attention probabilities: recompute them from Q and K.
-        let mut probs = vec![0f32; shape.probs_len()];
-        let mut scratch = vec![0f32; a.attn.len()];
+        let mut probs = be.zeros(shape.probs_len());
+        let mut scratch = be.zeros(a.attn.len());
         be.attention_forward(shape, &q, &k, &v, &mut scratch, &mut probs);
         a.probs = Kept::F32(probs);
     }
-    let (mut dq, mut dk, mut dv) = (
-        vec![0f32; q.len()],
-        vec![0f32; k.len()],
-        vec![0f32; v.len()],
-    );
+    let (mut dq, mut dk, mut dv) = (be.zeros(q.len()), be.zeros(k.len()), be.zeros(v.len()));
     be.attention_backward(
         shape,
         &dattn,
@@ -483,7 +479,7 @@ pub(crate) fn backward(
         be.rope_backward(rope, positions, cfg.num_heads, &mut dq);
         be.rope_backward(rope, positions, cfg.num_kv_heads, &mut dk);
     }
-    let mut dn1 = vec![0f32; rows * h];
+    let mut dn1 = be.zeros(rows * h);
     {
         let n1_out = a.n1_out.get();
         let n1_all = tp.gather_rows(&n1_out);

@@ -292,7 +292,7 @@ impl Transformer {
                 let local = self.vocab.local_ids(&b.ids);
                 let mut x = Vec::new();
                 res.params(Unit::Embedding, &mut |p| {
-                    let mut e = vec![0f32; rows * h];
+                    let mut e = be.zeros(rows * h);
                     be.embedding_forward(&local, &p.tensors[embed], h, &mut e, false);
                     // Each device looked up the ids its vocabulary slice holds: the rows sum over
                     // the group.
@@ -353,7 +353,7 @@ impl Transformer {
             (Some(norm), Some(head)) => {
                 res.params(Unit::Head, &mut |p| {
                     let normed = norm.forward(be, p, &x, self.cfg.norm_eps as f32);
-                    let mut logits = vec![0f32; rows * self.cfg.vocab_size];
+                    let mut logits = be.zeros(rows * self.cfg.vocab_size);
                     let normed_all = tp.gather_rows(&normed.out);
                     be.linear_forward(
                         head.shape(rows),
@@ -469,11 +469,11 @@ impl Transformer {
             (Some(norm), Some(head), Some(stash)) => {
                 loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
                 let dlogits = std::mem::take(&mut state.logits);
-                let mut dx = vec![0f32; rows / blocks * h];
+                let mut dx = be.zeros(rows / blocks * h);
                 let final_in = std::mem::take(&mut state.final_in).into_f32();
                 let final_out = std::mem::take(&mut state.final_out).into_f32();
                 in_unit(Unit::Head, &mut |p, sink| {
-                    let mut dnormed = vec![0f32; rows * h];
+                    let mut dnormed = be.zeros(rows * h);
                     let normed_all = tp.gather_rows(&final_out);
                     let normed = normed_all.as_deref().unwrap_or(&final_out);
                     head.backward(be, p, sink, &dlogits, normed, &mut dnormed, false);
