@@ -67,12 +67,10 @@ fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usiz
     const BLOCK: usize = 16;
     let mut out = vec![T::ZERO; d * t];
     for j0 in (0..t).step_by(BLOCK) {
-        let rows: Vec<&[T]> = (j0..(j0 + BLOCK).min(t))
-            .map(|j| &x[off + j * width..][..d])
-            .collect();
+        let j1 = (j0 + BLOCK).min(t);
         for c in 0..d {
-            for (o, row) in out[c * t + j0..].iter_mut().zip(&rows) {
-                *o = row[c];
+            for (j, o) in (j0..j1).zip(&mut out[c * t + j0..c * t + j1]) {
+                *o = x[off + j * width + c];
             }
         }
     }

@@ -180,23 +180,40 @@ fn rope_rotation() {
     }
 }
 
+/// An attention shape from (batch, seq, heads, kv_heads, head_dim).
+fn attn_shape(
+    (batch, seq, heads, kv_heads, head_dim): (usize, usize, usize, usize, usize),
+) -> AttnShape {
+    AttnShape {
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_dim,
+    }
+}
+
+/// Attention forward then backward with output gradient `dout`: `[out, probs, dq, dk, dv]`.
+fn attention_run<T: Real>(s: AttnShape, q: &[T], k: &[T], v: &[T], dout: &[T]) -> [Vec<T>; 5] {
+    let zeros = |n: usize| vec![T::ZERO; n];
+    let (mut out, mut p) = (zeros(q.len()), zeros(s.probs_len()));
+    attention::forward(&be(), s, q, k, v, &mut out, &mut p);
+    let (mut dq, mut dk, mut dv) = (zeros(q.len()), zeros(k.len()), zeros(v.len()));
+    attention::backward(&be(), s, dout, q, k, v, &p, &mut dq, &mut dk, &mut dv);
+    [out, p, dq, dk, dv]
+}
+
 #[test]
 fn causal_attention_with_grouped_query_heads() {
     let mut r = rng(4);
-    for (batch, seq, heads, kv_heads, head_dim) in [
+    for dims in [
         (1, 1, 1, 1, 1),
         (2, 7, 4, 2, 5),
         (1, 13, 3, 1, 4),
         (2, 67, 2, 2, 3),
     ] {
-        let s = AttnShape {
-            batch,
-            seq,
-            heads,
-            kv_heads,
-            head_dim,
-        };
-        let rows = batch * seq;
+        let s = attn_shape(dims);
+        let rows = s.batch * s.seq;
         let (q, k, v) = (
             randn(&mut r, rows * s.q_width()),
             randn(&mut r, rows * s.kv_width()),
@@ -208,10 +225,7 @@ fn causal_attention_with_grouped_query_heads() {
             attention::forward(&be(), s, &inp[0], &inp[1], &inp[2], &mut out, &mut p);
             dot(&out, &wy)
         };
-        let (mut out, mut p) = (vec![0.0; rows * s.q_width()], vec![0.0; s.probs_len()]);
-        attention::forward(&be(), s, &q, &k, &v, &mut out, &mut p);
-        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        attention::backward(&be(), s, &wy, &q, &k, &v, &p, &mut dq, &mut dk, &mut dv);
+        let [_, _, dq, dk, dv] = attention_run(s, &q, &k, &v, &wy);
         check(&format!("attention {s:?}"), &[q, k, v], &[dq, dk, dv], f);
     }
 }
@@ -307,61 +321,24 @@ fn f32_kernels_agree_with_f64_kernels() {
 fn f32_attention_agrees_with_f64_attention() {
     // In f32 the per-head products run on the AVX-512 kernel where the CPU has it (with its causal
     // skipping), in f64 on the `gemm` crate: the same function, to f32 precision. Sequences cross the
-    // 64-row blocks and the kernel's 4-row and 16-lane tails; head widths 64 and 5.
+    // 64-row blocks and the kernel's 4-row and 16-lane tails; head widths 64, 17 and 5.
     let mut r = rng(9);
-    for (batch, seq, heads, kv_heads, head_dim) in
-        [(2, 130, 4, 2, 64), (1, 67, 3, 1, 5), (1, 9, 2, 2, 17)]
-    {
-        let s = AttnShape {
-            batch,
-            seq,
-            heads,
-            kv_heads,
-            head_dim,
-        };
-        let rows = batch * seq;
-        let inputs: Vec<Vec<f64>> = [s.q_width(), s.kv_width(), s.kv_width(), s.q_width()]
+    for dims in [(2, 130, 4, 2, 64), (1, 67, 3, 1, 5), (1, 9, 2, 2, 17)] {
+        let s = attn_shape(dims);
+        let rows = s.batch * s.seq;
+        let [q, k, v, dout] =
+            [s.q_width(), s.kv_width(), s.kv_width(), s.q_width()].map(|w| randn(&mut r, rows * w));
+        let narrow = |x: &[f64]| -> Vec<f32> { x.iter().map(|&e| e as f32).collect() };
+        let want = attention_run(s, &q, &k, &v, &dout);
+        let got = attention_run(s, &narrow(&q), &narrow(&k), &narrow(&v), &narrow(&dout));
+        for ((name, want), got) in ["out", "probs", "dq", "dk", "dv"]
             .iter()
-            .map(|&w| randn(&mut r, rows * w))
-            .collect();
-        let [q, k, v, dout] = &inputs[..] else {
-            unreachable!()
-        };
-        let narrow = |x: &Vec<f64>| -> Vec<f32> { x.iter().map(|&e| e as f32).collect() };
-        let (q32, k32, v32, dout32) = (narrow(q), narrow(k), narrow(v), narrow(dout));
-        let (mut out, mut p) = (vec![0.0; rows * s.q_width()], vec![0.0; s.probs_len()]);
-        attention::forward(&be(), s, q, k, v, &mut out, &mut p);
-        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        attention::backward(&be(), s, dout, q, k, v, &p, &mut dq, &mut dk, &mut dv);
-        let (mut out32, mut p32) = (vec![0f32; out.len()], vec![0f32; p.len()]);
-        attention::forward(&be(), s, &q32, &k32, &v32, &mut out32, &mut p32);
-        let (mut dq32, mut dk32, mut dv32) = (
-            vec![0f32; dq.len()],
-            vec![0f32; dk.len()],
-            vec![0f32; dv.len()],
-        );
-        attention::backward(
-            &be(),
-            s,
-            &dout32,
-            &q32,
-            &k32,
-            &v32,
-            &p32,
-            &mut dq32,
-            &mut dk32,
-            &mut dv32,
-        );
-        for (name, want, got) in [
-            ("out", &out, &out32),
-            ("probs", &p, &p32),
-            ("dq", &dq, &dq32),
-            ("dk", &dk, &dk32),
-            ("dv", &dv, &dv32),
-        ] {
+            .zip(&want)
+            .zip(&got)
+        {
             let err = want
                 .iter()
-                .zip(got.iter())
+                .zip(got)
                 .map(|(a, &b)| (a - b as f64).powi(2))
                 .sum::<f64>()
                 .sqrt();

@@ -248,8 +248,8 @@ pub trait Backend: Sync {
     /// `y += x`.
     fn add_assign(&self, y: &mut [f32], x: &[f32]);
 
-    /// A new buffer of `len` zeros: every activation and gradient buffer is made here, so a backend
-    /// decides how (the CPU one zeroes large buffers on all its threads).
+    /// A new buffer of `len` zeros. The model executor makes its activation and gradient buffers here,
+    /// so a backend decides how (the CPU one zeroes large buffers on all its threads).
     fn zeros(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }
