@@ -199,6 +199,16 @@ impl LayoutSpec {
 }
 
 impl Layout {
+    /// The layout's ranks on nodes of `devices_per_node` devices (see [`crate::rank`]).
+    pub fn rank_grid(&self, devices_per_node: usize) -> crate::rank::RankGrid {
+        crate::rank::RankGrid {
+            tp: self.tp.max(1),
+            dp: self.dp.max(1),
+            pp: self.pp.max(1),
+            devices_per_node: devices_per_node.max(1),
+        }
+    }
+
     pub fn world_size(&self) -> usize {
         self.dp * self.tp * self.pp
     }

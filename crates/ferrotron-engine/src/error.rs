@@ -36,6 +36,9 @@ pub enum EngineError {
     /// prediction for the same layout.
     #[error("{0}")]
     RunOutOfMemory(String),
+    /// Another device of the run went out of memory, and this one stopped with it.
+    #[error("{0}")]
+    PeerOutOfMemory(String),
 }
 
 impl EngineError {

@@ -11,7 +11,7 @@ use ferrotron_engine::comm::ThreadWorld;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
-use ferrotron_engine::parallel::{pipeline_step, MeshStep};
+use ferrotron_engine::parallel::{pipeline_step, MeshStep, Training};
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use std::time::Duration;
 
@@ -92,11 +92,13 @@ fn mesh_training(
             let mut losses = Vec::new();
             let dev = step.train_device(
                 c,
-                batches.len(),
-                &|k| batches[k].clone(),
-                adam,
-                lr,
-                clip,
+                &Training {
+                    steps: batches.len(),
+                    batch_of: &|k| batches[k].clone(),
+                    adam: adam,
+                    lr: &lr,
+                    clip: clip,
+                },
                 &mut |_, _, _, r| {
                     losses.push(r.loss);
                     Ok(())
@@ -204,11 +206,13 @@ fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
                     let mut losses = Vec::new();
                     step.train_device(
                         c,
-                        5,
-                        &|k| batches[k].clone(),
-                        adam,
-                        &lr,
-                        1.0,
+                        &Training {
+                            steps: 5,
+                            batch_of: &|k| batches[k].clone(),
+                            adam: adam,
+                            lr: &lr,
+                            clip: 1.0,
+                        },
                         &mut |_, _, _, r| {
                             losses.push(r.loss);
                             Ok(())
@@ -252,11 +256,13 @@ fn mixed_precision_moves_half_the_bytes() {
                 let mut sent = [0; 3];
                 step.train_device(
                     c,
-                    1,
-                    &|_| batch.clone(),
-                    Default::default(),
-                    &lr,
-                    0.0,
+                    &Training {
+                        steps: 1,
+                        batch_of: &|_| batch.clone(),
+                        adam: Default::default(),
+                        lr: &lr,
+                        clip: 0.0,
+                    },
                     &mut |_, _, _, r| {
                         let by = |g: &str| r.stats.bytes_sent_by_group(g);
                         sent = [by("tp"), by("dp"), by("p2p")];

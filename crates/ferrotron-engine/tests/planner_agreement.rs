@@ -7,6 +7,7 @@ use ferrotron_core::layout::Layout;
 use ferrotron_core::plan::stage_activation_stash;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::parallel::Training;
 use ferrotron_engine::transformer::{TokenBatch, Transformer};
 
 #[test]
@@ -173,11 +174,13 @@ fn measured_data_parallel_bytes_match_the_planners_figure() {
             let mut dp_bytes = 0;
             step.train_device(
                 c,
-                1,
-                &|_| batch.clone(),
-                Default::default(),
-                &lr,
-                0.0,
+                &Training {
+                    steps: 1,
+                    batch_of: &|_| batch.clone(),
+                    adam: Default::default(),
+                    lr: &lr,
+                    clip: 0.0,
+                },
                 &mut |_, _, _, r| {
                     dp_bytes = r.stats.bytes_sent_by_group("dp");
                     Ok(())

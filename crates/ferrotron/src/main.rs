@@ -3,9 +3,9 @@
 mod cmd;
 mod report;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(
     name = "ferrotron",
     version,
@@ -41,9 +41,16 @@ enum Command {
 
 fn main() {
     ferrotron_engine::keep_freed_memory_in_process();
-    let cli = Cli::parse();
+    // The matches are kept: `train` asks them which settings were given as flags.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
-        Command::Train(a) => cmd::train::run(*a),
+        Command::Train(a) => cmd::train::run(
+            *a,
+            matches
+                .subcommand_matches("train")
+                .expect("the train subcommand was parsed"),
+        ),
         Command::Grads(a) => cmd::grads::run(a),
         Command::Plan(a) => cmd::plan::run(*a),
         Command::Verify(a) => cmd::verify::run(a),

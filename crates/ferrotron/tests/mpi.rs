@@ -211,3 +211,54 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
         "step 4 after resuming"
     );
 }
+
+#[test]
+fn auto_plans_for_the_job_s_ranks() {
+    let root = std::env::temp_dir().join(format!("ferrotron-mpi-auto-{}", std::process::id()));
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/gnu-manuals.txt");
+    let model = fixture("llama_tiny");
+    let args = |out: &std::path::Path, batch: &str| -> Vec<String> {
+        [
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--layout",
+            "auto",
+            "--steps",
+            "2",
+            "--batch-size",
+            batch,
+            "--seq-len",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "mpi",
+            "--out-dir",
+            out.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    // Two ranks: a two-device layout, trained.
+    let a = args(&root.join("two"), "8");
+    let (ok, text) = mpirun(2, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{text}");
+    let line = std::fs::read_to_string(root.join("two/metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    let layout = ferrotron_core::layout::LayoutSpec::parse(first["layout"].as_str().unwrap())
+        .unwrap()
+        .layout;
+    assert_eq!(layout.world_size(), 2, "{layout}");
+    // Three ranks, a batch of 8, 4 layers and 4 heads: nothing divides; the error says so.
+    let a = args(&root.join("three"), "8");
+    let (ok, text) = mpirun(3, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("no layout of 3 devices") && text.contains("dp=3,tp=1,pp=1"),
+        "{text}"
+    );
+}

@@ -3,6 +3,7 @@
 use super::PlanInput;
 use crate::layout::{Layout, Recompute};
 use crate::model::{Arch, ModelConfig};
+use crate::rank::Dim;
 use crate::schedule::ActionCosts;
 use crate::topology::{Cluster, Link};
 
@@ -45,7 +46,8 @@ pub fn step_flops(cfg: &ModelConfig, l: &Layout, seq: usize, global_batch: usize
     (model, model + extra)
 }
 
-/// Which link each group's traffic uses, by the rank order tp → dp → pp and `rank / devices_per_node`.
+/// Which link each group's traffic uses: the slow one when any group of that dimension spans nodes
+/// (placement by [`crate::rank::RankGrid`]).
 pub struct Links {
     pub tp: Link,
     pub dp: Link,
@@ -53,12 +55,18 @@ pub struct Links {
 }
 
 pub fn links(c: &Cluster, l: &Layout) -> Links {
-    let n = c.devices_per_node;
-    let pick = |inside: bool| if inside { c.intra_node } else { c.inter_node };
+    let grid = l.rank_grid(c.devices_per_node);
+    let pick = |d: Dim| {
+        if grid.within_nodes(d) {
+            c.intra_node
+        } else {
+            c.inter_node
+        }
+    };
     Links {
-        tp: pick(l.tp <= n && n.is_multiple_of(l.tp)),
-        dp: pick(l.tp * l.dp <= n),
-        pp: pick(l.tp * l.dp < n && l.pp * l.tp * l.dp <= n),
+        tp: pick(Dim::Tp),
+        dp: pick(Dim::Dp),
+        pp: pick(Dim::Pp),
     }
 }
 

@@ -15,7 +15,7 @@ pub use memory::{
     largest_unit_params, layer_activation_bytes, padded_vocab, params_on_device,
     stage_activation_stash, stage_memory,
 };
-pub use search::search;
+pub use search::{search, why_no_layout};
 pub use spec::{ActivationModel, Dtype, OptimizerKind, PlanModel, Precision, PLAN_MODEL_PRESETS};
 
 use crate::error::{ConfigError, Result};

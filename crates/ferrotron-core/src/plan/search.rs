@@ -79,6 +79,45 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
     out
 }
 
+/// For each way to cut the devices into tp × pp × dp, the first rule the plainest such layout
+/// (micro-batch 1, no ZeRO, no recompute) breaks: what did not divide, or what did not fit.
+pub fn why_no_layout(input: &PlanInput) -> Vec<String> {
+    let world = input.cluster.world_size();
+    let layers = match &input.model {
+        PlanModel::Shape(cfg) => Some(cfg.num_layers),
+        PlanModel::ParamsOnly(_) => None,
+    };
+    let mut out = Vec::new();
+    for tp in divisors(world) {
+        for pp in divisors(world / tp) {
+            let dp = world / (tp * pp);
+            let l = Layout {
+                dp,
+                tp,
+                pp,
+                ..Layout::default()
+            };
+            let why = match layers {
+                Some(n) if !n.is_multiple_of(pp) => {
+                    format!("pp={pp} does not divide the model's {n} layers")
+                }
+                _ => match check_layout(input, &l).and_then(|()| evaluate(input, &l)) {
+                    Err(e) => e.to_string(),
+                    Ok(p) if !p.fits => format!(
+                        "keeps the rules; needs {:.1} MB per device without ZeRO or recompute \
+                         (usable: {:.1} MB)",
+                        p.memory_bytes.total as f64 / 1e6,
+                        input.usable_memory() as f64 / 1e6
+                    ),
+                    Ok(_) => continue,
+                },
+            };
+            out.push(format!("  dp={dp},tp={tp},pp={pp}: {why}"));
+        }
+    }
+    out
+}
+
 /// Closed-form memory and step time, for pruning before the exact simulation.
 fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {
     let m = input.global_batch / (l.dp * l.micro_batch_size);
@@ -112,8 +151,9 @@ pub fn search(input: &PlanInput) -> Result<Vec<Plan>> {
     let all = enumerate(input);
     if all.is_empty() {
         return Err(ConfigError::Invalid(format!(
-            "no layout of {} devices keeps the rules for this model and batch (check that the global batch, heads and layers divide)",
-            input.cluster.world_size()
+            "no layout of {} devices keeps the rules for this model and batch:\n{}",
+            input.cluster.world_size(),
+            why_no_layout(input).join("\n")
         )));
     }
     let mut scored: Vec<(f64, u64, Layout)> = all

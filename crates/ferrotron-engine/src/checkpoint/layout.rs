@@ -3,7 +3,6 @@
 //! ([`TpShard`], [`crate::parallel::data::owned`]), so files and devices always agree.
 
 use super::{Kind, Piece, SliceEntry, TensorEntry};
-use crate::comm::DeviceMesh;
 use crate::error::{EngineError, Result};
 use crate::parallel::data::owned;
 use crate::parallel::tensor::Slice;
@@ -53,7 +52,7 @@ pub fn rank_holdings(cfg: &ModelConfig, layout: &Layout, rank: usize) -> Result<
             "rank {rank} of layout `{layout}`, which has {world} devices"
         )));
     }
-    let (t, d, s) = DeviceMesh::new(tp, dp, pp, world, world)?.coords(rank);
+    let (t, d, s) = layout.rank_grid(world).coords(rank);
     let sharded = layout.zero >= 1 && dp > 1;
     if !sharded && d > 0 {
         return Ok(Vec::new());

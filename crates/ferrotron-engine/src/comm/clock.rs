@@ -29,26 +29,50 @@ pub fn burn_cpu(seconds: f64) {
     }
 }
 
+/// What a device's compute time is measured by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClockSource {
+    /// The device thread's CPU time: right when the device computes on its own thread only (several
+    /// devices sharing a process's cores), and immune to the other devices' threads.
+    #[default]
+    ThreadCpu,
+    /// Elapsed time: for a device whose kernels run on several threads (a device with the process
+    /// to itself), where its own thread's CPU time would miss the helpers' work.
+    Wall,
+}
+
+impl ClockSource {
+    fn read(self, origin: Instant) -> f64 {
+        match self {
+            ClockSource::ThreadCpu => thread_cpu_time(),
+            ClockSource::Wall => origin.elapsed().as_secs_f64(),
+        }
+    }
+}
+
 pub(crate) struct DeviceClock {
     /// Device time, seconds.
     pub now: f64,
+    source: ClockSource,
     cpu_mark: f64,
     wall_start: Instant,
 }
 
 impl DeviceClock {
     /// Starts counting on the calling thread.
-    pub fn start() -> Self {
+    pub fn start(source: ClockSource) -> Self {
+        let wall_start = Instant::now();
         Self {
             now: 0.0,
-            cpu_mark: thread_cpu_time(),
-            wall_start: Instant::now(),
+            source,
+            cpu_mark: source.read(wall_start),
+            wall_start,
         }
     }
 
-    /// Adds the CPU time spent computing since the last mark to device time.
+    /// Adds the time spent computing since the last mark to device time.
     pub fn accrue(&mut self, stats: &mut CommStats) {
-        let cpu = thread_cpu_time();
+        let cpu = self.source.read(self.wall_start);
         let dt = (cpu - self.cpu_mark).max(0.0);
         self.now += dt;
         stats.compute_time_s += dt;
@@ -57,7 +81,7 @@ impl DeviceClock {
 
     /// Ends a stretch of communication: the CPU time it took is not compute.
     pub fn mark(&mut self) {
-        self.cpu_mark = thread_cpu_time();
+        self.cpu_mark = self.source.read(self.wall_start);
     }
 
     /// Waits (in device time) until `t`; returns how long that was.

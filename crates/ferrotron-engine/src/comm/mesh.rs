@@ -1,26 +1,8 @@
-//! The device mesh: the one place that knows how ranks map to (tp, dp, pp) coordinates, which node a
-//! rank sits on, and which ranks form each process group.
+//! Process groups: named sets of ranks for the collectives, made from the core's rank grid
+//! (`ferrotron_core::rank`), which alone defines rank order, placement and group membership.
 
 use super::CommError;
-
-/// A parallel dimension of the mesh, fastest-varying first in Megatron's rank order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Dim {
-    Tp,
-    Dp,
-    Pp,
-}
-
-impl Dim {
-    pub const ALL: [Dim; 3] = [Dim::Tp, Dim::Dp, Dim::Pp];
-    pub fn name(self) -> &'static str {
-        match self {
-            Dim::Tp => "tp",
-            Dim::Dp => "dp",
-            Dim::Pp => "pp",
-        }
-    }
-}
+pub use ferrotron_core::rank::{Dim, RankGrid};
 
 /// An ordered set of ranks that take part in a collective together.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -59,13 +41,16 @@ impl Group {
     }
 }
 
-/// dp × pp × tp ranks, laid out tp fastest, then dp, then pp: `rank = tp + tp_size·(dp + dp_size·pp)`.
+/// The ranks of a run and their groups: the core's [`RankGrid`] (the one definition of rank order
+/// and placement), with each group as a named [`Group`] the collectives take.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceMesh {
-    pub tp: usize,
-    pub dp: usize,
-    pub pp: usize,
-    pub devices_per_node: usize,
+pub struct DeviceMesh(RankGrid);
+
+impl std::ops::Deref for DeviceMesh {
+    type Target = RankGrid;
+    fn deref(&self) -> &RankGrid {
+        &self.0
+    }
 }
 
 impl DeviceMesh {
@@ -77,75 +62,29 @@ impl DeviceMesh {
         world: usize,
         devices_per_node: usize,
     ) -> Result<Self, CommError> {
-        if tp == 0 || dp == 0 || pp == 0 || devices_per_node == 0 {
-            return Err(CommError::Usage(
-                "mesh dimensions and devices per node must be positive".into(),
-            ));
-        }
-        if tp * dp * pp != world {
+        let grid = RankGrid::new(tp, dp, pp, devices_per_node)
+            .map_err(|e| CommError::Usage(e.to_string()))?;
+        if grid.world_size() != world {
             return Err(CommError::Usage(format!(
                 "mesh tp={tp} × dp={dp} × pp={pp} = {} does not equal the world size {world}",
-                tp * dp * pp
+                grid.world_size()
             )));
         }
-        Ok(Self {
-            tp,
-            dp,
-            pp,
-            devices_per_node,
-        })
-    }
-
-    pub fn world_size(&self) -> usize {
-        self.tp * self.dp * self.pp
-    }
-
-    pub fn size(&self, d: Dim) -> usize {
-        match d {
-            Dim::Tp => self.tp,
-            Dim::Dp => self.dp,
-            Dim::Pp => self.pp,
-        }
-    }
-
-    /// (tp, dp, pp) coordinates of `rank`.
-    pub fn coords(&self, rank: usize) -> (usize, usize, usize) {
-        (
-            rank % self.tp,
-            (rank / self.tp) % self.dp,
-            rank / (self.tp * self.dp),
-        )
-    }
-
-    pub fn rank_of(&self, tp: usize, dp: usize, pp: usize) -> usize {
-        tp + self.tp * (dp + self.dp * pp)
-    }
-
-    pub fn node_of(&self, rank: usize) -> usize {
-        rank / self.devices_per_node
+        Ok(Self(grid))
     }
 
     /// The group along `d` that contains `rank`, its members in coordinate order.
     pub fn group_of(&self, rank: usize, d: Dim) -> Group {
-        let (t, p_, q) = self.coords(rank);
-        let ranks = (0..self.size(d))
-            .map(|i| match d {
-                Dim::Tp => self.rank_of(i, p_, q),
-                Dim::Dp => self.rank_of(t, i, q),
-                Dim::Pp => self.rank_of(t, p_, i),
-            })
-            .collect();
-        Group::new(d.name(), ranks)
+        Group::new(d.name(), self.group_ranks(rank, d))
     }
 
     /// Every group along `d`.
     pub fn groups(&self, d: Dim) -> Vec<Group> {
-        let mut out: Vec<Group> = (0..self.world_size())
-            .map(|r| self.group_of(r, d))
-            .collect();
-        out.sort_by(|a, b| a.ranks.cmp(&b.ranks));
-        out.dedup();
-        out
+        self.0
+            .groups(d)
+            .into_iter()
+            .map(|ranks| Group::new(d.name(), ranks))
+            .collect()
     }
 
     pub fn world(&self) -> Group {
@@ -154,19 +93,7 @@ impl DeviceMesh {
 
     /// True when every tensor-parallel group sits inside one node.
     pub fn tp_groups_within_nodes(&self) -> bool {
-        self.groups(Dim::Tp).iter().all(|g| {
-            g.ranks
-                .iter()
-                .all(|&r| self.node_of(r) == self.node_of(g.ranks[0]))
-        })
-    }
-
-    /// The next and previous pipeline stage's rank (same tp and dp coordinates), if any.
-    pub fn pipeline_neighbours(&self, rank: usize) -> (Option<usize>, Option<usize>) {
-        let (t, d, p) = self.coords(rank);
-        let next = (p + 1 < self.pp).then(|| self.rank_of(t, d, p + 1));
-        let prev = (p > 0).then(|| self.rank_of(t, d, p - 1));
-        (prev, next)
+        self.within_nodes(Dim::Tp)
     }
 }
 

@@ -4,7 +4,7 @@
 //! deadline, so a missing peer becomes an error naming it rather than a hang. A rank that hits an
 //! error should call [`MpiComm::abort`]: mpirun then ends every other rank with a non-zero status.
 
-use super::clock::DeviceClock;
+use super::clock::{ClockSource, DeviceClock};
 use super::ring::{check_received, Received, Tally, Transport};
 use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
@@ -58,7 +58,7 @@ impl MpiComm {
             world,
             timeout: timeout.unwrap_or(DEFAULT_TIMEOUT),
             pending: Vec::new(),
-            clock: DeviceClock::start(),
+            clock: DeviceClock::start(ClockSource::ThreadCpu),
             stats: CommStats {
                 rank,
                 ..CommStats::default()

@@ -5,7 +5,7 @@
 //! clock and the message's arrival (sender's clock + the modelled transfer cost), so timelines mean on
 //! 2 cores what they would on N real devices.
 
-use super::clock::DeviceClock;
+use super::clock::{ClockSource, DeviceClock};
 use super::ring::{check_received, Received, Tally, Transport};
 use super::stats::CommStats;
 use super::{CommError, CommResult, Element, DEFAULT_TIMEOUT};
@@ -93,6 +93,7 @@ pub struct ThreadWorld {
     pub world: usize,
     pub timeout: Duration,
     pub link: Option<LinkModel>,
+    pub clock: ClockSource,
 }
 
 impl ThreadWorld {
@@ -101,7 +102,14 @@ impl ThreadWorld {
             world,
             timeout: DEFAULT_TIMEOUT,
             link: None,
+            clock: ClockSource::ThreadCpu,
         }
+    }
+    /// How the devices' compute time is measured (their thread's CPU time unless a device computes
+    /// on several threads).
+    pub fn clock(mut self, source: ClockSource) -> Self {
+        self.clock = source;
+        self
     }
     pub fn timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
@@ -137,7 +145,7 @@ impl ThreadWorld {
                 pools: pools.clone(),
                 timeout: self.timeout,
                 link: self.link,
-                clock: DeviceClock::start(),
+                clock: DeviceClock::start(self.clock),
                 link_free: 0.0,
                 early: (0..n).map(|_| None).collect(),
                 held: (0..n).map(|_| Vec::new()).collect(),
@@ -161,7 +169,7 @@ impl ThreadWorld {
                     let f = &f;
                     s.spawn(move || {
                         // Start the device clock on the device's own thread.
-                        c.clock = DeviceClock::start();
+                        c.clock = DeviceClock::start(self.clock);
                         f(&mut c)
                     })
                 })

@@ -7,6 +7,6 @@ mod mesh;
 mod pipeline;
 pub mod tensor;
 
-pub use mesh::{Device, LossScaling, MeshStep, Resume, StepReport};
+pub use mesh::{Device, LossScaling, MeshStep, Resume, StepReport, Training};
 pub use pipeline::{action_event, pipeline_step, pipeline_steps, DeviceResult, PipelineRun};
 pub use tensor::{TpGroup, TpShard};

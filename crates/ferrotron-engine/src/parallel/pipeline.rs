@@ -25,8 +25,8 @@ pub struct PipelineRun {
     pub loss: f64,
     /// Every parameter's gradient, gathered from the stages that hold it.
     pub grads: ParamStore,
-    /// Per device, in rank order (`rank = tp_rank + tp · stage`; with tp = 1, rank = stage), here and
-    /// in every per-device field below: communication accounting and device clocks.
+    /// Per device, in rank order (`grid`'s), here and in every per-device field below:
+    /// communication accounting and device clocks.
     pub stats: Vec<CommStats>,
     /// Per stage: the most micro-batches whose activations were stashed at once, and the most bytes
     /// the stash (and deferred weight-gradient work) held.
@@ -40,8 +40,8 @@ pub struct PipelineRun {
     /// Per stage: every action with its start and end in device time (the time its inputs arrived
     /// counts as waiting, not as the action).
     pub timeline: Vec<Vec<(Action, f64, f64)>>,
-    /// Pipeline stages (devices are `stages · dp · tp`).
-    pub stages: usize,
+    /// The run's ranks: which (tp, dp, stage) each device index is.
+    pub grid: ferrotron_core::rank::RankGrid,
     /// Per device: memory during the step, measured by term.
     pub memory: Vec<crate::memory::DeviceMemory>,
 }
@@ -76,12 +76,13 @@ impl PipelineRun {
     /// event per action, in device time (microseconds).
     pub fn chrome_trace(&self) -> serde_json::Value {
         let mut events = Vec::new();
-        let tp = self.timeline.len() / self.stages.max(1);
         for (s, actions) in self.timeline.iter().enumerate() {
-            let name = if tp > 1 {
-                format!("stage {} tp {}", s / tp, s % tp)
-            } else {
-                format!("stage {s}")
+            let (t, d, p) = self.grid.coords(s);
+            let name = match (self.grid.dp > 1, self.grid.tp > 1) {
+                (false, false) => format!("stage {p}"),
+                (false, true) => format!("stage {p} tp {t}"),
+                (true, false) => format!("stage {p} dp {d}"),
+                (true, true) => format!("stage {p} dp {d} tp {t}"),
             };
             events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": name}}));
             for &(a, t0, t1) in actions {
@@ -161,6 +162,8 @@ pub(crate) struct StageRun<'a> {
     pub extra_compute_s: f64,
     /// The format the boundary tensors travel in.
     pub wire: super::half::Wire,
+    /// Kernel threads this device computes on (1 when devices share the process's cores).
+    pub threads: usize,
 }
 
 /// What a device's pass over its action list measured.
@@ -172,6 +175,9 @@ pub(crate) struct StageOutcome {
     /// Transfers between stages: (what, start, end) in device time (a receive's interval is its
     /// wait for the neighbour).
     pub transfers: Vec<(String, f64, f64)>,
+    /// The device went over its memory capacity: where it was first seen. The step still runs to
+    /// its end so that its peers are not left waiting; the caller ends the run.
+    pub over_capacity: Option<EngineError>,
 }
 
 impl StageRun<'_> {
@@ -186,8 +192,11 @@ impl StageRun<'_> {
         let (s, p, v) = (self.stage, self.stages, self.chunks_per_device);
         let nv = p * v;
         let res = zero.residency(tpg);
-        // Each device computes on its own thread (its clock is that thread's CPU time).
-        let be = CpuBackend::single_threaded();
+        // Several devices in one process compute on one thread each (a device's clock is its
+        // thread's CPU time); a device with the process to itself uses its cores.
+        let be = CpuBackend {
+            threads: self.threads.max(1),
+        };
         let (mbs, seq) = (self.micro[0].batch, self.micro[0].seq);
         let mut stash: HashMap<(usize, usize), ForwardState> = HashMap::new();
         // Zero-bubble schedules: weight gradients waiting for their W action.
@@ -204,14 +213,20 @@ impl StageRun<'_> {
             };
         let mut timeline = Vec::new();
         let mut transfers = Vec::new();
-        for action in &self.schedule.actions[s] {
-            if let Some(at) = crate::memory::over_capacity(self.account) {
-                return Err(EngineError::OutOfMemory {
-                    device: (self.device_of)(s),
-                    capacity: crate::memory::capacity(self.account).unwrap_or(0),
-                    at: Box::new(at),
-                });
+        let mut over_capacity = None;
+        let check_capacity = |over: &mut Option<EngineError>| {
+            if over.is_none() {
+                if let Some(at) = crate::memory::over_capacity(self.account) {
+                    *over = Some(EngineError::OutOfMemory {
+                        device: (self.device_of)(s),
+                        capacity: crate::memory::capacity(self.account).unwrap_or(0),
+                        at: Box::new(at),
+                    });
+                }
             }
+        };
+        for action in &self.schedule.actions[s] {
+            check_capacity(&mut over_capacity);
             let started;
             match *action {
                 Action::Forward { mb, chunk } => {
@@ -312,12 +327,14 @@ impl StageRun<'_> {
                 }
             }
         }
+        check_capacity(&mut over_capacity);
         Ok(StageOutcome {
             loss,
             peak,
             peak_bytes,
             timeline,
             transfers,
+            over_capacity,
         })
     }
 }

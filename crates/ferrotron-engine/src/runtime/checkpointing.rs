@@ -1,15 +1,14 @@
 //! A training run's checkpoints: when to save, what the manifest records, what each device saves,
 //! and how a resumed device restores its optimizer state.
 
-use super::train::TrainConfig;
+use super::config::TrainConfig;
 use crate::checkpoint::{
-    commit, prepare_staging, rank_holdings, write_rank_file, Checkpoint, Kind, LossScalerState,
-    Manifest, OptimizerState, RankArrays, FORMAT, VERSION,
+    rank_holdings, Checkpoint, Kind, LossScalerState, Manifest, OptimizerState, RankArrays, FORMAT,
+    VERSION,
 };
 use crate::error::{EngineError, Result};
-use crate::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::Device;
-use crate::transformer::ParamStore;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use std::path::PathBuf;
@@ -32,10 +31,7 @@ impl CheckpointPlan {
         schedule: LrSchedule,
     ) -> Self {
         Self {
-            root: cfg
-                .checkpoint_dir
-                .clone()
-                .unwrap_or_else(|| cfg.out_dir.join("checkpoints")),
+            root: cfg.checkpoint_root(),
             every: cfg.checkpoint_every,
             keep: cfg.keep_checkpoints,
             total_steps: cfg.steps,
@@ -132,43 +128,5 @@ pub fn restore_device(ck: &Checkpoint, cfg: &ModelConfig, dev: &mut Device) -> R
         .collect::<Result<Vec<_>>>()?;
     dev.zero
         .restore_optimizer(ck.manifest.optimizer.step, moments);
-    Ok(())
-}
-
-/// The single-device run's arrays: every tensor whole.
-pub fn single_device_arrays(
-    cfg: &ModelConfig,
-    params: &ParamStore,
-    opt: &AdamW,
-) -> Result<Vec<RankArrays>> {
-    rank_holdings(cfg, &Layout::default(), 0)?
-        .into_iter()
-        .map(|h| {
-            let id = params.id(&h.name).expect("a model tensor");
-            Ok(RankArrays {
-                param: params.tensors[id].clone(),
-                moments: (opt.step > 0).then(|| (opt.m[id].clone(), opt.v[id].clone())),
-                holding: h,
-            })
-        })
-        .collect()
-}
-
-/// Restores the single-device optimizer from `ck`.
-pub fn restore_single(ck: &Checkpoint, params: &ParamStore, opt: &mut AdamW) -> Result<()> {
-    for (i, spec) in params.specs.iter().enumerate() {
-        opt.m[i] = ck.read_whole(&spec.name, Kind::ExpAvg)?;
-        opt.v[i] = ck.read_whole(&spec.name, Kind::ExpAvgSq)?;
-    }
-    opt.step = ck.manifest.optimizer.step;
-    Ok(())
-}
-
-/// Saves the single-device run's checkpoint (one rank file).
-pub fn save_single(plan: &CheckpointPlan, manifest: Manifest, arrays: &[RankArrays]) -> Result<()> {
-    let step = manifest.step;
-    let staging = prepare_staging(&plan.root, step)?;
-    let file = write_rank_file(&staging, 0, step, arrays)?;
-    commit(&plan.root, &staging, manifest, vec![file], plan.keep)?;
     Ok(())
 }

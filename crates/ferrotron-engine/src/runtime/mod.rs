@@ -1,15 +1,22 @@
-//! Runs training: resolves the model and data, executes steps, evaluates, records metrics, saves.
+//! Runs training: settings (`config`), the planner's view and the layouts to try (`resolve`), the
+//! run (`train`) on a world of threads or MPI ranks (`world`), what every device does
+//! (`device_loop`), what is reported (`metrics`), checkpoints (`checkpointing`).
 
 mod checkpointing;
-mod mesh_train;
+mod config;
+mod device_loop;
+mod metrics;
+mod resolve;
 mod source;
 mod step;
 mod train;
+mod world;
 
 pub use crate::memory::MemoryTerms;
+pub use config::{parse_bytes, TrainConfig};
+pub use metrics::{DeviceSummary, StepReport};
+pub use resolve::{cluster_for_job, plan_input, resolve_layout};
 pub use source::{resolve_model, ModelSource};
 pub use step::{layout_step, layout_step_on, run_step, StepOutput};
-pub use train::{
-    parse_bytes, plan_input, resolve_layout, train, DeviceSummary, StepReport, TrainConfig,
-    TrainSummary,
-};
+pub use train::{train, TrainSummary};
+pub use world::World;

@@ -259,6 +259,20 @@ impl Transformer {
         self.forward_stage_in(be, tp, &Resident::new(p), input)
     }
 
+    /// The units a pass of this chunk asks its residency for, in order: embedding, layers, head
+    /// forward; the reverse backward.
+    fn pass_units(&self, backward: bool) -> Vec<Unit> {
+        let mut units: Vec<Unit> = self.embed.map(|_| Unit::Embedding).into_iter().collect();
+        units.extend(self.layer_range.clone().map(Unit::Layer));
+        if self.head.is_some() {
+            units.push(Unit::Head);
+        }
+        if backward {
+            units.reverse();
+        }
+        units
+    }
+
     /// [`Transformer::forward_stage`] with the parameters held by `res`, one unit at a time.
     pub fn forward_stage_in(
         &self,
@@ -267,6 +281,7 @@ impl Transformer {
         res: &dyn Residency,
         input: StageInput,
     ) -> ForwardState {
+        res.begin_pass(&self.pass_units(false));
         let h = self.cfg.hidden_size;
         let (batch, seq) = match &input {
             StageInput::Tokens(b) => (b.batch, b.seq),
@@ -452,6 +467,7 @@ impl Transformer {
         loss_scale: f32,
         defer_weights: bool,
     ) -> (f64, Option<Vec<f32>>, Option<WeightGrads>) {
+        res.begin_pass(&self.pass_units(true));
         let (rows, h) = (state.rows, self.cfg.hidden_size);
         let blocks = tp.row_block().1;
         let mut jobs = Vec::new();

@@ -19,6 +19,9 @@ pub enum Unit {
 }
 
 pub trait Residency {
+    /// The units a pass (one chunk's forward, or its backward) will ask for, in order, each once.
+    /// A sharded residency may start fetching a unit before it is asked for.
+    fn begin_pass(&self, _units: &[Unit]) {}
     /// Runs `f` with `unit`'s parameters present in the store it is given.
     fn params(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore));
     /// Runs `f` with `unit`'s parameters present and a gradient store its weight gradients accumulate

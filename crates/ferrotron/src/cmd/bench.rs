@@ -22,6 +22,24 @@ pub enum BenchCommand {
     Comm(CommBench),
     /// Pipeline schedules on 4 stages: predicted and measured bubble, peak stash, step time.
     Pipeline(PipelineBench),
+    /// ZeRO-3 on a simulated link: the gathers' exposed time per step, without and with prefetch.
+    Zero3(Zero3Bench),
+}
+
+#[derive(Args)]
+pub struct Zero3Bench {
+    #[arg(long, default_value = "llama-small")]
+    model: String,
+    /// Data-parallel group sizes to measure.
+    #[arg(long, value_parser = positive(), value_delimiter = ',', default_value = "2,4")]
+    dp: Vec<usize>,
+    /// The simulated link's bandwidth, GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    link_gb_s: f64,
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
+    batch: usize,
+    #[arg(long, value_parser = positive(), default_value_t = 128)]
+    seq: usize,
 }
 
 #[derive(Args)]
@@ -83,6 +101,9 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Kernels(b) => kernels(b),
         BenchCommand::Comm(b) => comm(b),
         BenchCommand::Pipeline(b) => pipeline(b),
+        BenchCommand::Zero3(b) => {
+            super::bench_zero3::run(&b.model, &b.dp, b.link_gb_s, b.batch, b.seq)
+        }
     }
 }
 
@@ -182,12 +203,85 @@ fn train(b: TrainBench) -> Result<()> {
         "| GFLOP/s | {:.1} |",
         flop * step.len() as f64 / total / 1e9
     );
+    let engine = engine_step_times(&cfg, &b, be.threads)?;
+    let engine_total: f64 = engine.iter().sum();
+    let engine_tps = tokens as f64 * engine.len() as f64 / engine_total;
+    println!("| tokens/s through the training loop (1×1×1 mesh) | {engine_tps:.1} |");
+    println!(
+        "| training loop / bare kernels | {:.3} |",
+        engine_tps / (tokens as f64 * step.len() as f64 / total)
+    );
     println!(
         "| loss first -> last | {:.3} -> {:.3} |",
         losses[0],
         losses[losses.len() - 1]
     );
     Ok(())
+}
+
+/// Wall seconds of each measured step of the same model and batches through the engine's training
+/// loop: the 1×1×1 mesh (`MeshStep::train_device`), as `ferrotron train` runs one device.
+fn engine_step_times(
+    cfg: &ferrotron_core::model::ModelConfig,
+    b: &TrainBench,
+    threads: usize,
+) -> Result<Vec<f64>> {
+    use ferrotron_core::layout::Layout;
+    use ferrotron_core::schedule::StagePartition;
+    use ferrotron_engine::comm::{ClockSource, ThreadWorld};
+    use ferrotron_engine::optim::LrSchedule;
+    use ferrotron_engine::parallel::{MeshStep, Training};
+    let params = ParamStore::init_random(cfg, 0);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let batches: Vec<TokenBatch> = (0..b.warmup + b.steps)
+        .map(|_| TokenBatch {
+            ids: (0..b.batch * b.seq)
+                .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
+                .collect(),
+            batch: b.batch,
+            seq: b.seq,
+        })
+        .collect();
+    let layout = Layout {
+        micro_batch_size: b.batch,
+        ..Layout::default()
+    };
+    let partition = StagePartition::for_model(cfg, 1)?;
+    let lr = LrSchedule {
+        peak_lr: 3e-4,
+        min_lr: 3e-4,
+        warmup_steps: 0,
+        total_steps: batches.len(),
+    };
+    let adam = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut results = ThreadWorld::new(1).clock(ClockSource::Wall).run(|c| {
+        let mut step = MeshStep::new(cfg, &params, &batches[0], &layout, &partition)?
+            .with_kernel_threads(threads);
+        let mut times = Vec::new();
+        step.train_device(
+            c,
+            &Training {
+                steps: batches.len(),
+                batch_of: &|k| batches[k].clone(),
+                adam,
+                lr: &lr,
+                clip: 0.0,
+            },
+            &mut |_, _, _, r| {
+                if r.step >= b.warmup {
+                    times.push(r.wall_s);
+                }
+                Ok(())
+            },
+        )?;
+        Ok::<_, ferrotron_engine::error::EngineError>(times)
+    });
+    Ok(results.remove(0)??)
 }
 
 /// Median seconds of `reps` runs of `f`.

@@ -1,5 +1,6 @@
 pub mod backend;
 pub mod bench;
+mod bench_zero3;
 pub mod checkpoint;
 pub mod grads;
 pub mod plan;

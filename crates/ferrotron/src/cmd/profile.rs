@@ -10,7 +10,7 @@ use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::comm::{Comm, ThreadWorld};
 use ferrotron_engine::memory::{self, format_bytes};
 use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
-use ferrotron_engine::parallel::{MeshStep, StepReport};
+use ferrotron_engine::parallel::{MeshStep, StepReport, Training};
 use ferrotron_engine::runtime::{plan_input, resolve_model, TrainConfig};
 use ferrotron_engine::transformer::TokenBatch;
 use std::fmt::Write as _;
@@ -83,7 +83,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
             model.max_position_embeddings
         );
     }
-    let input = plan_input(&cfg, &model)?;
+    let input = plan_input(&cfg, &model, None)?;
     let layout = ferrotron_engine::runtime::resolve_layout(
         &ferrotron_core::layout::LayoutSpec::parse(&a.layout)?,
         &input,
@@ -152,11 +152,13 @@ pub fn run(a: ProfileArgs) -> Result<()> {
             let mut last = None;
             step.train_device(
                 c,
-                a.steps,
-                &|k| batches[k].clone(),
-                AdamWConfig::default(),
-                &lr,
-                1.0,
+                &Training {
+                    steps: a.steps,
+                    batch_of: &|k| batches[k].clone(),
+                    adam: AdamWConfig::default(),
+                    lr: &lr,
+                    clip: 1.0,
+                },
                 &mut |_, _, _, r| {
                     last = Some(r.clone());
                     Ok(())

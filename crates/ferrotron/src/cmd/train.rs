@@ -4,181 +4,48 @@ use ferrotron_engine::runtime::{train, TrainConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
-/// Every key of `run.toml` as a flag; a flag overrides the file, the file overrides the defaults.
-#[derive(Args, serde::Serialize)]
+/// `ferrotron train`: a TOML file and the settings' flags (one struct, [`TrainConfig`], is both).
+#[derive(Args)]
 pub struct TrainArgs {
-    /// A TOML file with any of the keys below (flags win over it).
+    /// A TOML file with any of the settings below as keys (`batch_size` for `--batch-size`); flags
+    /// win over it.
     #[arg(long)]
-    #[serde(skip)]
     config: Option<PathBuf>,
-    /// Preset (llama-small, llama-tiny, gpt2-tiny, llama-bench) or a Hugging Face model directory.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    model: Option<String>,
-    /// `builtin:gnu-manuals`, or comma-separated text files or directories.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    data: Option<String>,
-    /// A tokenizer.json (default: the model directory's, or one trained on the data and cached).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    tokenizer: Option<PathBuf>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    steps: Option<usize>,
-    /// Sequences per optimizer step.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    batch_size: Option<usize>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    seq_len: Option<usize>,
-    /// Peak learning rate.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    lr: Option<f64>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    min_lr: Option<f64>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    warmup_steps: Option<usize>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    weight_decay: Option<f32>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    beta1: Option<f32>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    beta2: Option<f32>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    adam_eps: Option<f32>,
-    /// Clip the global gradient norm (0: off).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    grad_clip: Option<f64>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    seed: Option<u64>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    eval_every: Option<usize>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    eval_batches: Option<usize>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    val_fraction: Option<f64>,
-    /// Run directory: metrics.jsonl, train_config.json, model/.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    out_dir: Option<PathBuf>,
-    /// Kernel threads (0: all cores).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    threads: Option<usize>,
-    /// Layout spec, e.g. `dp=1,tp=1,pp=1,mbs=4`.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    layout: Option<String>,
-    /// Precision of the saved model: f32, bf16, f16.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    save_dtype: Option<String>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    cache_dir: Option<PathBuf>,
-    /// The cluster the devices stand for (a `plan --cluster` spec; default this-machine).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    cluster: Option<String>,
-    /// Memory of each device, e.g. 64MiB (default: the cluster's); more is an out-of-memory error.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    device_memory: Option<String>,
-    /// Allow a tensor-parallel group to span nodes.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    force_cross_node_tp: Option<bool>,
-    /// threads (default) or mpi (one rank per device under mpirun; a build with --features mpi).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    backend: Option<String>,
-    /// Warn of a straggler when a device computes this fraction above the median (default 0.2) ...
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    straggler_threshold: Option<f64>,
-    /// ... for this many steps in a row (default 3).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    straggler_steps: Option<usize>,
-    /// Drills: make this device compute --slow-device-ms longer per action.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    slow_device: Option<usize>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    slow_device_ms: Option<f64>,
-    /// f32 (default), or mixed precision bf16 / fp16 (16-bit weights, gradients, activations).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    precision: Option<String>,
-    /// fp16: initial loss scale (65536) and clean steps to double it (1000).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    loss_scale: Option<f64>,
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    loss_scale_window: Option<usize>,
-    /// Testing: an inf in the gradients at this step (fp16 skips it).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    inject_nonfinite_step: Option<usize>,
-    /// Save a sharded checkpoint every this many steps (0: only after the last step).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    checkpoint_every: Option<usize>,
-    /// Where checkpoints go (default: <out-dir>/checkpoints).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    checkpoint_dir: Option<PathBuf>,
-    /// Keep only the newest this many checkpoints (0: all).
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    keep_checkpoints: Option<usize>,
-    /// Continue from a checkpoint (a step-NNNNNN directory, or a checkpoint directory with
-    /// `latest`), resharded to this run's layout.
-    #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    resume: Option<PathBuf>,
+    #[command(flatten)]
+    settings: TrainConfig,
 }
 
-/// Defaults, then the TOML file, then the flags.
-fn resolve(args: &TrainArgs) -> Result<TrainConfig> {
-    let mut merged = serde_json::Map::new();
-    if let Some(path) = &args.config {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("{}: cannot read", path.display()))?;
-        let table: toml::Table =
-            toml::from_str(&text).with_context(|| format!("{}: not valid TOML", path.display()))?;
-        let value = serde_json::to_value(table)?;
-        merged.extend(value.as_object().cloned().unwrap_or_default());
-    }
-    if let serde_json::Value::Object(flags) = serde_json::to_value(args)? {
-        merged.extend(flags);
-    }
+/// Defaults, then the TOML file, then the flags given on the command line (`matches`: the train
+/// subcommand's).
+fn resolve(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<TrainConfig> {
+    let toml = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("{}: cannot read", path.display()))?;
+            let table: toml::Table = toml::from_str(&text)
+                .with_context(|| format!("{}: not valid TOML", path.display()))?;
+            match serde_json::to_value(table)? {
+                serde_json::Value::Object(m) => Some(m),
+                _ => None,
+            }
+        }
+        None => None,
+    };
     let source = args
         .config
         .as_ref()
         .map_or("flags".to_string(), |p| p.display().to_string());
-    serde_json::from_value(serde_json::Value::Object(merged))
-        .with_context(|| format!("{source}: bad train config"))
+    let given = |key: &str| {
+        matches!(
+            matches.value_source(key),
+            Some(clap::parser::ValueSource::CommandLine)
+        )
+    };
+    Ok(TrainConfig::layered(toml, &args.settings, &given, &source)?)
 }
 
-pub fn run(args: TrainArgs) -> Result<()> {
-    let cfg = resolve(&args)?;
+pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
+    let cfg = resolve(&args, matches)?;
     eprintln!(
         "ferrotron train: model {}, data {}, {} steps x {} sequences x {} tokens -> {}",
         cfg.model,

@@ -3,15 +3,22 @@
 //! the step equal the unsplit one, and the optimizer step over ZeRO-sharded state.
 //!
 //! Ranks follow the design's order: `rank = tp_rank + tp · (dp_rank + dp · stage)`.
+//!
+//! `train.rs` runs a device through optimizer steps; `gather.rs` brings whole tensors to rank 0.
+
+mod gather;
+mod train;
+
+pub use train::{LossScaling, StepReport, Training};
 
 use super::data::ZeroState;
 use super::half::Wire;
-use super::pipeline::{DeviceResult, PipelineRun, StageOutcome, StageRun};
-use super::tensor::{finish_grads, gather_tensor, TpGroup, TpShard};
-use crate::comm::{Comm, CommStats, DeviceMesh, Dim, Group, ReduceOp};
+use super::pipeline::{DeviceResult, StageOutcome, StageRun};
+use super::tensor::{finish_grads, TpGroup, TpShard};
+use crate::comm::{Comm, DeviceMesh, Dim, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::memory::{self, Term};
-use crate::optim::{AdamWConfig, LrSchedule};
+use crate::optim::AdamWConfig;
 use crate::transformer::{Half, ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{ModelConfig, ParamSpec};
@@ -43,6 +50,10 @@ pub struct MeshStep<'a> {
     clean_steps: usize,
     /// Training resumed from a checkpoint: where, and how each device restores its state.
     resume: Option<Resume<'a>>,
+    /// Kernel threads per device: 1 when several devices share the process's cores.
+    kernel_threads: usize,
+    /// ZeRO-3: prefetch the next unit's gather (on by default).
+    zero3_prefetch: bool,
 }
 
 /// Where a resumed run starts: the first step to run, the loss scaler's state then, and how a
@@ -52,17 +63,6 @@ pub struct Resume<'a> {
     pub step: usize,
     pub loss_scaler: Option<(f64, usize)>,
     pub restore: &'a (dyn Fn(&mut Device) -> Result<()> + Sync),
-}
-
-/// Dynamic loss scaling (fp16): the loss is multiplied by `scale` before backward; a step whose
-/// gradients hold an inf or NaN anywhere is skipped and the scale halved; after `growth_interval`
-/// clean steps it doubles.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LossScaling {
-    pub initial: f64,
-    pub growth_interval: usize,
-    /// Testing: put an inf into device 0's gradients at this step.
-    pub inject_nonfinite_at: Option<usize>,
 }
 
 /// One device's lasting state: its model chunks and its parameters, gradients and optimizer state.
@@ -137,7 +137,27 @@ impl<'a> MeshStep<'a> {
             loss_scale: 1.0,
             clean_steps: 0,
             resume: None,
+            kernel_threads: 1,
+            zero3_prefetch: true,
         })
+    }
+
+    /// ZeRO-3 prefetch on or off (benchmarks compare the two).
+    pub fn with_zero3_prefetch(mut self, on: bool) -> Self {
+        self.zero3_prefetch = on;
+        self
+    }
+
+    /// Kernel threads each device computes on. More than one only for a device that has the
+    /// process to itself (a one-device world, or an MPI rank), whose clock must then be wall time.
+    pub fn with_kernel_threads(mut self, threads: usize) -> Self {
+        self.kernel_threads = threads.max(1);
+        self
+    }
+
+    /// Kernel threads each device computes on.
+    pub fn kernel_threads(&self) -> usize {
+        self.kernel_threads
     }
 
     /// Resumes training: [`MeshStep::train_device`] starts at `resume.step` with the devices'
@@ -226,6 +246,13 @@ impl<'a> MeshStep<'a> {
         let shard = TpShard::new(cfg, self.mesh.tp, t, layout.sequence_parallel)?;
         let local = shard.local_config(cfg);
         let ranges = self.ranges(rank);
+        {
+            let _other = memory::scope(Term::Other);
+            crate::kernels::CpuBackend {
+                threads: self.kernel_threads,
+            }
+            .reserve_workspace();
+        }
         let store = {
             let _weights = memory::scope(Term::Weights);
             shard.shard_store(
@@ -245,7 +272,7 @@ impl<'a> MeshStep<'a> {
             })
             .collect();
         let dp_group = self.mesh.group_of(rank, Dim::Dp);
-        let zero = ZeroState::new(
+        let mut zero = ZeroState::new(
             cfg,
             store,
             layout.zero,
@@ -255,6 +282,8 @@ impl<'a> MeshStep<'a> {
             adam,
             self.storage,
         );
+        zero.set_threaded_update(self.kernel_threads > 1);
+        zero.set_prefetch(self.zero3_prefetch);
         Ok(Device {
             rank,
             shard,
@@ -289,6 +318,7 @@ impl<'a> MeshStep<'a> {
                 _ => 0.0,
             },
             wire: Wire(self.storage),
+            threads: self.kernel_threads,
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
@@ -333,7 +363,7 @@ impl<'a> MeshStep<'a> {
                         dev.shard.counts_in_norm(self.cfg, &sp.name)
                             && !(tied_copy && sp.name == self.cfg.embedding_name())
                     })
-                    .map(|(_, g)| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+                    .map(|(_, g)| sum_of_squares(g, self.kernel_threads))
                     .sum()
             });
         }
@@ -352,7 +382,11 @@ impl<'a> MeshStep<'a> {
         for _ in 0..=warmup {
             measured_from = c.stats().clone();
             memory::reset_peaks(account);
-            last = Some(self.step_device(c, &dev)?);
+            let out = self.step_device(c, &dev)?;
+            if let Some(e) = out.over_capacity {
+                return Err(e);
+            }
+            last = Some(out);
         }
         let measured = memory::device_memory(account);
         let StageOutcome {
@@ -378,330 +412,22 @@ impl<'a> MeshStep<'a> {
         })
     }
 
-    /// Runs device `c.rank()` through optimizer steps up to `steps` (from 0, or from where a
-    /// [`Resume`] says), the batch of step k from `batch_of(k)`
-    /// (the same on every device), gradients clipped to `clip` by the global norm (0: off).
-    /// `on_step` sees each step's report on every device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn train_device<C: Comm>(
-        &mut self,
-        c: &mut C,
-        steps: usize,
-        batch_of: &dyn Fn(usize) -> TokenBatch,
-        adam: AdamWConfig,
-        lr: &LrSchedule,
-        clip: f64,
-        on_step: &mut dyn FnMut(&MeshStep, &mut C, &Device, &StepReport) -> Result<()>,
-    ) -> Result<Device> {
-        let account = self.account(c.rank());
-        memory::set_device(account);
-        let mut dev = self.device(c.rank(), adam)?;
-        let mut first = 0;
-        if let Some(r) = self.resume {
-            (r.restore)(&mut dev)?;
-            first = r.step;
-            if let (Some(_), Some((scale, clean))) = (self.loss_scaling, r.loss_scaler) {
-                (self.loss_scale, self.clean_steps) = (scale, clean);
-            }
-        }
-        for step in first..steps {
-            self.set_batch(&batch_of(step))?;
-            memory::reset_peaks(account);
-            let started = c.device_time();
-            let from = c.stats().clone();
-            let wall = std::time::Instant::now();
-            let StageOutcome {
-                loss,
-                peak_bytes,
-                timeline,
-                transfers,
-                ..
-            } = self.step_device(c, &dev)?;
-            let reduced = c.device_time();
-            // Loss scaling: an inf or NaN anywhere skips the step for every device.
-            let mut skipped = false;
-            let scale_used = self.loss_scale;
-            if let Some(ls) = self.loss_scaling {
-                if ls.inject_nonfinite_at == Some(step) && c.rank() == 0 {
-                    dev.zero.with_grad_view(|g| {
-                        if let Some(x) = g.iter_mut().find_map(|t| t.first_mut()) {
-                            *x = f32::INFINITY;
-                        }
-                    });
-                }
-                let mut bad = [dev
-                    .zero
-                    .with_grad_view(|g| g.iter().any(|t| t.iter().any(|x| !x.is_finite())))
-                    as u8 as f64];
-                c.all_reduce(&self.mesh.world(), &mut bad, ReduceOp::Sum)?;
-                if bad[0] > 0.0 {
-                    skipped = true;
-                    self.loss_scale = (self.loss_scale / 2.0).max(1.0);
-                    self.clean_steps = 0;
-                } else {
-                    let unscale = (1.0 / self.loss_scale) as f32;
-                    dev.zero.with_grad_view(|g| {
-                        g.iter_mut()
-                            .for_each(|t| t.iter_mut().for_each(|x| *x *= unscale))
-                    });
-                    self.clean_steps += 1;
-                    if self.clean_steps >= ls.growth_interval.max(1) {
-                        self.loss_scale *= 2.0;
-                        self.clean_steps = 0;
-                    }
-                }
-            }
-            let norm = if skipped {
-                f64::NAN
-            } else {
-                self.grad_norm(c, &dev)?
-            };
-            if !skipped && clip > 0.0 && norm > clip {
-                let scale = (clip / (norm + 1e-6)) as f32;
-                dev.zero.with_grad_view(|grads| {
-                    grads
-                        .iter_mut()
-                        .for_each(|g| g.iter_mut().for_each(|x| *x *= scale))
-                });
-            }
-            let rate = lr.lr(step) as f32;
-            let update_start = c.device_time();
-            if !skipped {
-                dev.zero.update(c, rate)?;
-            }
-            let update_end = c.device_time();
-            // Every device learns the step's loss (summed from the devices that count it).
-            let mut l = [loss];
-            c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
-            let ended = c.device_time();
-            let stats = c.stats().since(&from);
-            let report = StepReport {
-                step,
-                loss: l[0] / self.total_tokens as f64,
-                grad_norm: norm,
-                lr: rate as f64,
-                // Computing is the device's CPU time; the rest of the step is waiting (bubble,
-                // peers late to a collective) and moving data.
-                busy_s: stats.compute_time_s,
-                span_s: ended - started,
-                stats,
-                peak_stash_bytes: peak_bytes,
-                // After the last action: the gradient reductions' tail and the global norm, then
-                // the optimizer step (with ZeRO 1–2 its all-gather).
-                reduce_s: (timeline.last().map_or(reduced, |a| a.2), update_start),
-                update_s: (update_start, update_end),
-                timeline,
-                transfers,
-                wall_s: wall.elapsed().as_secs_f64(),
-                memory: memory::device_memory(account),
-                loss_scale: scale_used,
-                skipped,
-            };
-            on_step(self, c, &dev, &report)?;
-        }
-        Ok(dev)
-    }
-
-    /// The whole model's parameters, gathered from every device onto rank 0 (`None` elsewhere).
-    /// Every device must call it.
-    pub fn gather_params<C: Comm>(&self, c: &mut C, dev: &Device) -> Result<Option<ParamStore>> {
-        let mine = dev.zero.full_params(c)?;
-        self.gather_to_root(c, mine, 1 << 61)
-    }
-
-    /// Sends every device's whole-shard store to rank 0, which assembles the model's tensors (from
-    /// replica 0 of each stage's tensor-parallel group).
-    fn gather_to_root<C: Comm>(
-        &self,
-        c: &mut C,
-        mine: ParamStore,
-        tag: u64,
-    ) -> Result<Option<ParamStore>> {
-        let (_, d, _) = self.mesh.coords(c.rank());
-        if c.rank() != 0 {
-            if d == 0 {
-                for (i, t) in mine.tensors.iter().enumerate() {
-                    c.send(0, t, tag + i as u64)?;
-                }
-            }
-            return Ok(None);
-        }
-        let mut stores = vec![mine];
-        for r in 1..self.world() {
-            if self.mesh.coords(r).1 != 0 {
-                continue;
-            }
-            let mut s = ParamStore::zeros(self.device_specs(r)?);
-            for (i, t) in s.tensors.iter_mut().enumerate() {
-                c.recv(r, t, tag + i as u64)?;
-            }
-            stores.push(s);
-        }
-        // `stores` is in rank order over replica 0: stage-major, tensor-parallel rank fastest.
-        let mut full = self.params.zeros_like();
-        for stage in stores.chunks(self.mesh.tp) {
-            for spec in &stage[0].specs {
-                let shards: Vec<&[f32]> = stage
-                    .iter()
-                    .map(|s| {
-                        s.get(&spec.name)
-                            .expect("a stage's devices hold its parameters")
-                    })
-                    .collect();
-                let id = full.id(&spec.name).expect("model parameter");
-                full.tensors[id] = gather_tensor(self.cfg, &full.specs[id], &shards)?;
-            }
-        }
-        Ok(Some(full))
-    }
-
-    /// Runs this process's device of the step and collects every device's loss and gradients on
-    /// rank 0, which returns the combined run (every other rank returns `None`). The entry for
-    /// backends with one device per process (MPI); other ranks' communication statistics stay with
-    /// them.
-    pub fn run_collected<C: Comm>(&self, c: &mut C) -> Result<Option<PipelineRun>> {
-        if c.world_size() != self.world() {
-            return Err(EngineError::Invalid(format!(
-                "layout `{}` needs {} devices, the job has {} ranks",
-                self.layout,
-                self.world(),
-                c.world_size()
-            )));
-        }
-        let wall = std::time::Instant::now();
-        let mine = self.run_device(c, 0)?;
-        // Tags above any pipeline tag (those fit in 48 bits).
-        const COLLECT: u64 = 1 << 60;
-        if c.rank() != 0 {
-            let head = [
-                mine.loss,
-                mine.end,
-                mine.stats.compute_time_s,
-                mine.peak as f64,
-                mine.peak_bytes as f64,
-            ];
-            c.send(0, &head, COLLECT)?;
-            for (i, t) in mine.grads.tensors.iter().enumerate() {
-                c.send(0, t, COLLECT + 1 + i as u64)?;
-            }
-            return Ok(None);
-        }
-        let mut results = vec![mine];
-        for r in 1..self.world() {
-            let mut head = [0f64; 5];
-            c.recv(r, &mut head, COLLECT)?;
-            let mut grads = ParamStore::zeros(self.device_specs(r)?);
-            for (i, t) in grads.tensors.iter_mut().enumerate() {
-                c.recv(r, t, COLLECT + 1 + i as u64)?;
-            }
-            results.push(DeviceResult {
-                loss: head[0],
-                grads,
-                stats: CommStats {
-                    rank: r,
-                    compute_time_s: head[2],
-                    ..CommStats::default()
-                },
-                peak: head[3] as usize,
-                peak_bytes: head[4] as usize,
-                end: head[1],
-                timeline: Vec::new(),
-                memory: memory::DeviceMemory::default(),
-            });
-        }
-        self.combine(results, wall.elapsed().as_secs_f64())
-            .map(Some)
-    }
-
-    /// Combines every device's result (in rank order) into the step's loss and whole gradients.
-    pub fn combine(&self, results: Vec<DeviceResult>, wall_time_s: f64) -> Result<PipelineRun> {
-        let mut full = self.params.zeros_like();
-        let tp = self.mesh.tp;
-        // Replica 0's devices, stage-major, tensor-parallel rank fastest.
-        let replica0: Vec<&DeviceResult> = results
-            .iter()
-            .enumerate()
-            .filter(|(r, _)| self.mesh.coords(*r).1 == 0)
-            .map(|(_, x)| x)
-            .collect();
-        for stage in replica0.chunks(tp) {
-            for spec in &stage[0].grads.specs {
-                let shards: Vec<&[f32]> = stage
-                    .iter()
-                    .map(|r| {
-                        r.grads
-                            .get(&spec.name)
-                            .expect("every device of a stage holds its parameters")
-                    })
-                    .collect();
-                let id = full
-                    .id(&spec.name)
-                    .expect("stage parameters are model parameters");
-                full.tensors[id] = gather_tensor(self.cfg, &full.specs[id], &shards)?;
-            }
-        }
-        let mut run = PipelineRun {
-            loss: 0.0,
-            grads: ParamStore::zeros(Vec::new()),
-            stats: Vec::new(),
-            peak_stashed: Vec::new(),
-            peak_stash_bytes: Vec::new(),
-            device_time_s: Vec::new(),
-            compute_time_s: Vec::new(),
-            wall_time_s,
-            timeline: Vec::new(),
-            stages: self.mesh.pp,
-            memory: Vec::new(),
-        };
-        for r in results {
-            run.loss += r.loss;
-            run.compute_time_s.push(r.stats.compute_time_s);
-            run.stats.push(r.stats);
-            run.peak_stashed.push(r.peak);
-            run.peak_stash_bytes.push(r.peak_bytes);
-            run.device_time_s.push(r.end);
-            run.timeline.push(r.timeline);
-            run.memory.push(r.memory);
-        }
-        run.loss /= self.total_tokens as f64;
-        run.grads = full;
-        Ok(run)
-    }
-
     pub fn mesh(&self) -> &DeviceMesh {
         &self.mesh
     }
 }
 
-/// What one optimizer step measured on one device.
-#[derive(Debug, Clone)]
-pub struct StepReport {
-    pub step: usize,
-    /// Mean loss over the global batch (the same on every device).
-    pub loss: f64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    pub lr: f64,
-    /// This device's communication during the step.
-    pub stats: CommStats,
-    pub peak_stash_bytes: usize,
-    /// Device time spent computing during the step, and the step's length in device time.
-    pub busy_s: f64,
-    pub span_s: f64,
-    /// Every action of the step with its start and end in device time.
-    pub timeline: Vec<(ferrotron_core::schedule::Action, f64, f64)>,
-    /// Sends and receives between stages, (what, start, end) in device time.
-    pub transfers: Vec<(String, f64, f64)>,
-    /// Device-time intervals of the reductions after the last action (with the global norm), and
-    /// of the optimizer step.
-    pub reduce_s: (f64, f64),
-    pub update_s: (f64, f64),
-    pub wall_s: f64,
-    /// This device's memory during the step, measured by term.
-    pub memory: memory::DeviceMemory,
-    /// fp16: the loss scale this step used, and whether it was skipped (inf/NaN in the gradients).
-    pub loss_scale: f64,
-    pub skipped: bool,
+/// Σx² in f64, over the device's kernel threads when it has several (chunked, so the order of the
+/// partial sums depends only on the length).
+fn sum_of_squares(g: &[f32], threads: usize) -> f64 {
+    let sq = |c: &[f32]| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+    if threads > 1 && g.len() >= 1 << 17 {
+        use rayon::prelude::*;
+        let parts: Vec<f64> = g.par_chunks(1 << 16).map(sq).collect();
+        parts.iter().sum()
+    } else {
+        sq(g)
+    }
 }
 
 fn micro_batches(batch: &TokenBatch, mbs: usize) -> Vec<TokenBatch> {

@@ -1,0 +1,136 @@
+//! ZeRO-3 gathers: a unit's whole parameters from every replica's pieces, just before use, with
+//! the pass's next unit prefetched in the background; and their release after use.
+
+use super::{piece, ZeroState};
+use crate::comm::{Comm, CommError};
+use crate::memory::{self, Term};
+use crate::transformer::Unit;
+
+impl ZeroState {
+    /// Gathers whole tensors `ids` from every rank's pieces (ZeRO-3), or widens them from 16-bit
+    /// storage (mixed precision), into the executor's view.
+    pub(super) fn gather<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+        if let Some(h) = &self.half {
+            let mut view = self.params.borrow_mut();
+            return with_half!(h, p => p.borrow().materialize(c, &self.dp_group, ids, &mut view));
+        }
+        // A gathered unit's parameters are transient buffers (the lasting copy is the pieces).
+        let _buffers = memory::scope(Term::CommBuffers);
+        let mine = self.own_param_pieces(ids);
+        let mut all = vec![0f32; mine.len() * self.dp];
+        c.all_gather(&self.dp_group, &mine, &mut all)?;
+        self.file_gathered(ids, &all);
+        Ok(())
+    }
+
+    /// This rank's pieces of tensors `ids`, concatenated (what it contributes to their gather).
+    pub(super) fn own_param_pieces(&self, ids: &[usize]) -> Vec<f32> {
+        ids.iter()
+            .flat_map(|&i| self.param_pieces[i].iter().copied())
+            .collect()
+    }
+
+    /// Files an all-gather of `ids`' pieces (one block per rank) as whole tensors.
+    pub(super) fn file_gathered(&self, ids: &[usize], all: &[f32]) {
+        let block = all.len() / self.dp;
+        let mut params = self.params.borrow_mut();
+        let mut at = 0;
+        for &id in ids {
+            let len = params.specs[id].numel();
+            let n = piece(len, self.dp, 0).len();
+            let mut t = Vec::with_capacity(n * self.dp);
+            for k in 0..self.dp {
+                t.extend_from_slice(&all[k * block + at..k * block + at + n]);
+            }
+            t.truncate(len);
+            params.tensors[id] = t;
+            at += n;
+        }
+    }
+
+    /// Whether units are gathered ahead of use (ZeRO-3 over several replicas, f32 storage).
+    pub(super) fn prefetches(&self) -> bool {
+        self.prefetch_enabled && self.stage == 3 && self.dp > 1 && self.half.is_none()
+    }
+
+    pub(super) fn unit_ids(&self, unit: Unit) -> &[usize] {
+        self.units.get(&unit).map_or(&[], Vec::as_slice)
+    }
+
+    /// Starts the gather of `unit` in the background.
+    pub(super) fn start_prefetch<C: Comm>(&self, c: &mut C, unit: Unit) -> Result<(), CommError> {
+        let _buffers = memory::scope(Term::CommBuffers);
+        let mine = self.own_param_pieces(self.unit_ids(unit));
+        let pending = c.start_all_gather(&self.dp_group, &mine)?;
+        *self.prefetch.borrow_mut() = Some((unit, pending));
+        Ok(())
+    }
+
+    /// Completes the gather in flight, if any: its unit is present from then on.
+    pub(super) fn finish_prefetch<C: Comm>(&self, c: &mut C) -> Result<(), CommError> {
+        let Some((unit, pending)) = self.prefetch.borrow_mut().take() else {
+            return Ok(());
+        };
+        let _buffers = memory::scope(Term::CommBuffers);
+        let all = c.wait(pending)?;
+        self.file_gathered(self.unit_ids(unit), &all);
+        *self.present.borrow_mut() = Some(unit);
+        Ok(())
+    }
+
+    /// Makes `unit`'s parameters present for the executor: prefetched, or gathered now. Then starts
+    /// gathering the next unit of the pass, to overlap the work on this one.
+    pub(super) fn bring_in<C: Comm>(&self, c: &mut C, unit: Unit) -> Result<(), CommError> {
+        if !self.prefetches() {
+            return self.gather(c, self.unit_ids(unit));
+        }
+        self.finish_prefetch(c)?;
+        match self.present.borrow_mut().take() {
+            Some(u) if u == unit => {}
+            Some(other) => {
+                self.release(self.unit_ids(other));
+                self.gather(c, self.unit_ids(unit))?;
+            }
+            None => self.gather(c, self.unit_ids(unit))?,
+        }
+        let next = {
+            let mut pass = self.pass.borrow_mut();
+            while let Some(u) = pass.pop_front() {
+                if u == unit {
+                    break;
+                }
+            }
+            pass.front().copied()
+        };
+        match next {
+            Some(n) => self.start_prefetch(c, n),
+            None => Ok(()),
+        }
+    }
+
+    /// Frees `unit`'s gathered parameters, except those the unit fetched next shares with it (a
+    /// tied embedding is in the embedding and the head).
+    pub(super) fn release_unit(&self, unit: Unit) {
+        let ahead = self
+            .prefetch
+            .borrow()
+            .as_ref()
+            .map(|(u, _)| *u)
+            .or(*self.present.borrow());
+        let keep = ahead.map_or(&[][..], |u| self.unit_ids(u));
+        let ids: Vec<usize> = self
+            .unit_ids(unit)
+            .iter()
+            .copied()
+            .filter(|i| !keep.contains(i))
+            .collect();
+        self.release(&ids);
+    }
+
+    pub(super) fn release(&self, ids: &[usize]) {
+        let mut params = self.params.borrow_mut();
+        for &i in ids {
+            params.tensors[i] = Vec::new();
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! Data parallelism with ZeRO stages 0–3 over the dp group of one device.
+//!
+//! Every tensor of the device's (tensor- and pipeline-parallel) shard is cut, for ZeRO, into dp equal
+//! pieces (padded with zeros to a multiple of dp); dp rank d owns piece d.
+//! - **ZeRO-0**: parameters, gradients and Adam moments whole on every replica; gradients all-reduced
+//!   in buckets (a unit's tensors, as soon as their last contribution of the step is in, overlapping
+//!   the rest of the backward pass).
+//! - **ZeRO-1**: Adam moments (and the f32 master, which in f32 training is the parameter itself) only
+//!   for the owned piece; gradients reduce-scattered in buckets, the owned piece updated, parameters
+//!   all-gathered after the step.
+//! - **ZeRO-2**: gradients sharded too: each unit's gradient exists whole only while its backward runs,
+//!   then is reduce-scattered into the owned piece (every micro-batch: accumulation across micro-batches
+//!   happens in the pieces, so pipelining stays correct).
+//! - **ZeRO-3**: parameters sharded too: a unit's parameters are all-gathered just before the executor
+//!   uses them (forward, and again in backward) and freed after.
+
+use super::half::HalfParts;
+use super::tensor::TpGroup;
+use crate::comm::{Comm, Group, Pending};
+use crate::memory::{self, Term};
+use crate::optim::AdamW;
+use crate::transformer::{ParamStore, Unit};
+use ferrotron_core::model::ModelConfig;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ops::Range;
+
+/// The unit(s) parameter `name` belongs to: its block, the embedding, the head (the tied embedding is
+/// in both the embedding and the head).
+pub fn units_of(cfg: &ModelConfig, name: &str) -> Vec<Unit> {
+    let (fw, fb) = cfg.final_norm_names();
+    let mut units = Vec::new();
+    if name == cfg.embedding_name() || Some(name) == cfg.position_embedding_name() {
+        units.push(Unit::Embedding);
+    }
+    if name == fw || Some(name) == fb || name == cfg.lm_head_name() {
+        units.push(Unit::Head);
+    }
+    if units.is_empty() {
+        let rest = name
+            .strip_prefix("model.layers.")
+            .or_else(|| name.strip_prefix("transformer.h."));
+        if let Some(i) = rest.and_then(|r| r.split('.').next()?.parse().ok()) {
+            units.push(Unit::Layer(i));
+        }
+    }
+    units
+}
+
+/// This rank's piece of a tensor of `len` elements padded to a multiple of `dp`.
+pub(crate) fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {
+    let n = len.div_ceil(dp);
+    rank * n..(rank + 1) * n
+}
+
+/// The part of a tensor of `len` elements a rank owns (its piece without the padding).
+pub(crate) fn owned(len: usize, dp: usize, rank: usize) -> Range<usize> {
+    let r = piece(len, dp, rank);
+    let end = r.end.min(len);
+    r.start.min(end)..end
+}
+
+/// Rank `rank`'s piece of each tensor, padded, concatenated.
+fn own_pieces(tensors: &[&[f32]], dp: usize, rank: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for t in tensors {
+        let r = piece(t.len(), dp, rank);
+        let end = r.end.min(t.len());
+        let start = r.start.min(end);
+        out.extend_from_slice(&t[start..end]);
+        out.resize(out.len() + r.len() - (end - start), 0.0);
+    }
+    out
+}
+
+/// What a rank owns of one tensor of its shard: the range of the flattened tensor, and there the f32
+/// master values and the Adam moments.
+pub struct OwnedState {
+    pub flat: Range<usize>,
+    pub master: Vec<f32>,
+    pub exp_avg: Vec<f32>,
+    pub exp_avg_sq: Vec<f32>,
+}
+
+/// One device's parameters, gradients and optimizer state under ZeRO stage `stage` over `dp` replicas.
+pub struct ZeroState {
+    pub stage: u8,
+    dp: usize,
+    dp_rank: usize,
+    dp_group: Group,
+    /// Every tensor whole (ZeRO 0–2); under ZeRO-3 empty except while its unit is gathered.
+    params: RefCell<ParamStore>,
+    /// Whole gradients (ZeRO 0–1, accumulated over the step); under ZeRO-2/3 empty except while a
+    /// unit's backward runs.
+    grads: RefCell<ParamStore>,
+    /// ZeRO-3: this rank's pieces of the parameters, the only lasting copy.
+    param_pieces: Vec<Vec<f32>>,
+    /// ZeRO-2/3: this rank's pieces of the step's reduced gradients (ZeRO-1 files its reduced
+    /// pieces in place, in the whole gradients).
+    grad_pieces: RefCell<Vec<Vec<f32>>>,
+    /// Tensor indices of each unit this device holds.
+    units: HashMap<Unit, Vec<usize>>,
+    /// Per tensor: unit visits with gradients still to come this step, and whether it was reduced.
+    visits_left: RefCell<Vec<usize>>,
+    visits_per_step: Vec<usize>,
+    reduced: RefCell<Vec<bool>>,
+    /// The bucket being reduced in the background (ZeRO 0–1) and its tensors.
+    in_flight: RefCell<Option<(Vec<usize>, Pending<f32>)>>,
+    opt: AdamW,
+    /// Mixed precision: 16-bit weights and gradients, f32 master weights (then `params` is only the
+    /// executor's per-unit f32 view and `grads` its per-unit f32 scratch).
+    half: Option<HalfStore>,
+    /// The device has the process's cores to itself: its optimizer step uses them.
+    threaded_update: bool,
+    /// ZeRO-3: gather the pass's next unit while this one computes (on unless a benchmark compares).
+    prefetch_enabled: bool,
+    /// ZeRO-3 prefetch: the units the current pass has still to ask for, the gather in flight, and
+    /// the unit a finished prefetch made present.
+    pass: RefCell<std::collections::VecDeque<Unit>>,
+    prefetch: RefCell<Option<(Unit, Pending<f32>)>>,
+    present: RefCell<Option<Unit>>,
+}
+
+/// The 16-bit state, in its format.
+enum HalfStore {
+    Bf16(RefCell<HalfParts<half::bf16>>),
+    F16(RefCell<HalfParts<half::f16>>),
+}
+
+/// Runs `$body` with `$p` bound to the `RefCell` of the 16-bit state, whatever its format.
+macro_rules! with_half {
+    ($store:expr, $p:ident => $body:expr) => {
+        match $store {
+            $crate::parallel::data::HalfStore::Bf16($p) => $body,
+            $crate::parallel::data::HalfStore::F16($p) => $body,
+        }
+    };
+}
+
+mod gather;
+mod reduce;
+mod residency;
+mod update;
+mod whole;
+
+pub use residency::ZeroResidency;
+
+impl ZeroState {
+    /// Takes over the device's shard `params`; `micro_batches` backward passes accumulate per step;
+    /// `storage` is the 16-bit format under mixed precision.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: &ModelConfig,
+        params: ParamStore,
+        stage: u8,
+        dp_group: Group,
+        dp_rank: usize,
+        micro_batches: usize,
+        adam: crate::optim::AdamWConfig,
+        storage: Option<crate::transformer::Half>,
+    ) -> Self {
+        let dp = dp_group.size();
+        let mut units: HashMap<Unit, Vec<usize>> = HashMap::new();
+        let mut visits_per_step = vec![0; params.specs.len()];
+        for (i, spec) in params.specs.iter().enumerate() {
+            for u in units_of(cfg, &spec.name) {
+                units.entry(u).or_default().push(i);
+                visits_per_step[i] += micro_batches;
+            }
+        }
+        let pieces = |store: &ParamStore| -> Vec<Vec<f32>> {
+            store
+                .tensors
+                .iter()
+                .map(|t| {
+                    let r = piece(t.len(), dp, dp_rank);
+                    let mut p = vec![0f32; r.len()];
+                    let end = r.end.min(t.len());
+                    if r.start < end {
+                        p[..end - r.start].copy_from_slice(&t[r.start..end]);
+                    }
+                    p
+                })
+                .collect()
+        };
+        let sharded = stage >= 1 && dp > 1;
+        let opt = {
+            let _states = memory::scope(Term::OptimizerStates);
+            // Moments for what this rank updates: every element, or its pieces.
+            let shapes = ParamStore::from_tensors(
+                params.specs.clone(),
+                params
+                    .tensors
+                    .iter()
+                    .map(|t| {
+                        let n = if sharded {
+                            piece(t.len(), dp, dp_rank).len()
+                        } else {
+                            t.len()
+                        };
+                        vec![0f32; n]
+                    })
+                    .collect(),
+            );
+            let mut opt = AdamW::new(adam, &shapes);
+            drop(shapes);
+            opt.shrink();
+            opt
+        };
+        let mut param_pieces = Vec::new();
+        let mut params = params;
+        let n = params.specs.len();
+        let (grads, grad_pieces, half) = match storage {
+            Some(h) => {
+                let half =
+                    match h {
+                        crate::transformer::Half::Bf16 => HalfStore::Bf16(RefCell::new(
+                            HalfParts::new(&mut params, stage, dp, dp_rank),
+                        )),
+                        crate::transformer::Half::F16 => HalfStore::F16(RefCell::new(
+                            HalfParts::new(&mut params, stage, dp, dp_rank),
+                        )),
+                    };
+                // The executor's f32 gradients exist per unit only (scratch).
+                let scratch = ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n]);
+                (scratch, Vec::new(), Some(half))
+            }
+            None => {
+                if stage == 3 && dp > 1 {
+                    let _weights = memory::scope(Term::Weights);
+                    param_pieces = pieces(&params);
+                    params.tensors.iter_mut().for_each(|t| *t = Vec::new());
+                }
+                let _grads_term = memory::scope(Term::Gradients);
+                let grads = if stage >= 2 && dp > 1 {
+                    ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n])
+                } else {
+                    let mut g = ParamStore::zeros(params.specs.clone());
+                    // Fault the buffers in now, not in the first backward.
+                    g.tensors.iter_mut().for_each(|t| t.fill(0.0));
+                    g
+                };
+                let grad_pieces = if stage >= 2 && dp > 1 {
+                    params
+                        .specs
+                        .iter()
+                        .map(|s| vec![0f32; piece(s.numel(), dp, dp_rank).len()])
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                (grads, grad_pieces, None)
+            }
+        };
+        Self {
+            stage,
+            dp,
+            dp_rank,
+            dp_group,
+            params: RefCell::new(params),
+            grads: RefCell::new(grads),
+            param_pieces,
+            grad_pieces: RefCell::new(grad_pieces),
+            units,
+            visits_left: RefCell::new(visits_per_step.clone()),
+            visits_per_step,
+            reduced: RefCell::new(vec![false; n]),
+            in_flight: RefCell::new(None),
+            opt,
+            half,
+            threaded_update: false,
+            prefetch_enabled: true,
+            pass: RefCell::new(Default::default()),
+            prefetch: RefCell::new(None),
+            present: RefCell::new(None),
+        }
+    }
+
+    /// ZeRO-3 prefetch on or off (off: every unit is gathered when asked for, nothing overlaps).
+    pub fn set_prefetch(&mut self, on: bool) {
+        self.prefetch_enabled = on;
+    }
+
+    /// Lets the optimizer step use the process's cores (a device alone in its process).
+    pub fn set_threaded_update(&mut self, threaded: bool) {
+        self.threaded_update = threaded;
+    }
+
+    pub(super) fn sharded(&self) -> bool {
+        self.stage >= 1 && self.dp > 1
+    }
+
+    /// The parameter specs of the device's shard.
+    pub fn specs(&self) -> Vec<ferrotron_core::model::ParamSpec> {
+        self.params.borrow().specs.clone()
+    }
+
+    /// Starts a step: gradients zeroed, every tensor waiting for its contributions.
+    pub fn begin_step(&self) {
+        if let Some(h) = &self.half {
+            with_half!(h, p => p.borrow_mut().begin_step());
+            return;
+        }
+        if self.stage < 2 || self.dp == 1 {
+            let mut g = self.grads.borrow_mut();
+            if self.threaded_update {
+                // A device with the cores to itself zeroes on all of them.
+                use rayon::prelude::*;
+                g.tensors
+                    .par_iter_mut()
+                    .flat_map(|t| t.par_chunks_mut(1 << 16))
+                    .for_each(|c| c.fill(0.0));
+            } else {
+                g.tensors.iter_mut().for_each(|t| t.fill(0.0));
+            }
+        }
+        self.grad_pieces
+            .borrow_mut()
+            .iter_mut()
+            .for_each(|p| p.fill(0.0));
+        self.visits_left
+            .borrow_mut()
+            .clone_from(&self.visits_per_step);
+        self.reduced.borrow_mut().fill(false);
+    }
+
+    /// A residency for the executor over this state, with the device's communicator.
+    pub fn residency<'s, 'c, C: Comm>(
+        &'s self,
+        tpg: &'s TpGroup<'c, C>,
+    ) -> ZeroResidency<'s, 'c, C> {
+        ZeroResidency { state: self, tpg }
+    }
+
+    /// The gradients this rank holds after the reduction, by tensor: whole (no sharding) or the
+    /// part it owns (the same part of each tensor on every device that shares the layout).
+    pub fn with_grad_view<R>(&self, f: impl FnOnce(&mut [&mut [f32]]) -> R) -> R {
+        if let Some(h) = &self.half {
+            return with_half!(h, p => {
+                let mut parts = p.borrow_mut();
+                let mut view: Vec<&mut [f32]> =
+                    parts.main.iter_mut().map(|g| g.as_mut_slice()).collect();
+                f(&mut view)
+            });
+        }
+        if self.stage >= 2 && self.dp > 1 {
+            let mut pieces = self.grad_pieces.borrow_mut();
+            let mut view: Vec<&mut [f32]> = pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
+            f(&mut view)
+        } else if self.sharded() {
+            let mut g = self.grads.borrow_mut();
+            let mut view: Vec<&mut [f32]> = g
+                .tensors
+                .iter_mut()
+                .map(|t| {
+                    let own = self.own_range(t.len());
+                    &mut t[own]
+                })
+                .collect();
+            f(&mut view)
+        } else {
+            let mut g = self.grads.borrow_mut();
+            let mut view: Vec<&mut [f32]> =
+                g.tensors.iter_mut().map(|t| t.as_mut_slice()).collect();
+            f(&mut view)
+        }
+    }
+
+    /// Whether the gradient view holds pieces (a share of each tensor) rather than whole tensors.
+    pub fn grads_sharded(&self) -> bool {
+        self.sharded()
+    }
+}

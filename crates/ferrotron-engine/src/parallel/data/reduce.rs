@@ -1,0 +1,238 @@
+//! Gradient reductions over the replicas: background buckets (ZeRO 0–1), a unit's reduce-scatter
+//! into this rank's pieces (ZeRO-2/3), 16-bit gradients (mixed precision), deferred weight gradients.
+
+use super::{owned, piece, ZeroState};
+use crate::comm::{Comm, CommError, ReduceOp};
+use crate::memory::{self, Term};
+use crate::transformer::{ParamStore, Unit};
+use std::ops::Range;
+
+impl ZeroState {
+    /// Lays out `ids`' tensors as dp blocks, block k holding piece k of each tensor in turn (so that a
+    /// reduce-scatter hands each rank its pieces, and an all-gather of pieces rebuilds the tensors).
+    pub(super) fn interleave(&self, tensors: &[&[f32]]) -> Vec<f32> {
+        let mut out = Vec::new();
+        for k in 0..self.dp {
+            for t in tensors {
+                let r = piece(t.len(), self.dp, k);
+                let end = r.end.min(t.len());
+                let start = r.start.min(end);
+                out.extend_from_slice(&t[start..end]);
+                out.resize(out.len() + r.len() - (end - start), 0.0);
+            }
+        }
+        out
+    }
+
+    /// Splits this rank's block of an interleaved buffer back into per-tensor pieces.
+    pub(super) fn split_pieces(
+        &self,
+        ids: &[usize],
+        lens: &[usize],
+        block: &[f32],
+    ) -> Vec<(usize, Vec<f32>)> {
+        let mut at = 0;
+        ids.iter()
+            .zip(lens)
+            .map(|(&id, &len)| {
+                let n = piece(len, self.dp, 0).len();
+                let p = block[at..at + n].to_vec();
+                at += n;
+                (id, p)
+            })
+            .collect()
+    }
+
+    /// Reduce-scatters whole gradients `ids` into this rank's pieces and frees them (ZeRO-2/3).
+    pub(super) fn scatter_grads<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+        let _buffers = memory::scope(Term::CommBuffers);
+        let (buf, lens) = {
+            let g = self.grads.borrow();
+            let ts: Vec<&[f32]> = ids.iter().map(|&i| g.tensors[i].as_slice()).collect();
+            (
+                self.interleave(&ts),
+                ts.iter().map(|t| t.len()).collect::<Vec<_>>(),
+            )
+        };
+        let mut mine = vec![0f32; buf.len() / self.dp];
+        c.reduce_scatter(&self.dp_group, &buf, &mut mine, ReduceOp::Sum)?;
+        drop(buf);
+        let mut pieces = self.grad_pieces.borrow_mut();
+        for (id, p) in self.split_pieces(ids, &lens, &mine) {
+            pieces[id].iter_mut().zip(&p).for_each(|(a, b)| *a += b);
+        }
+        let mut g = self.grads.borrow_mut();
+        for &i in ids {
+            g.tensors[i] = Vec::new();
+        }
+        Ok(())
+    }
+
+    /// Mixed precision: zeroed f32 gradients for `ids`, for the executor to accumulate into.
+    pub(super) fn open_scratch(&self, ids: &[usize]) {
+        let _grads = memory::scope(Term::Gradients);
+        let mut g = self.grads.borrow_mut();
+        for &i in ids {
+            g.tensors[i] = vec![0f32; g.specs[i].numel()];
+        }
+    }
+
+    /// Mixed precision: rounds the f32 gradients of `ids` into the 16-bit storage (and frees them).
+    pub(super) fn absorb<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+        let h = self.half.as_ref().expect("mixed precision");
+        let mut scratch = self.grads.borrow_mut();
+        with_half!(h, p => p.borrow_mut().absorb(c, &self.dp_group, ids, &mut scratch))
+    }
+
+    /// Allocates zeroed whole gradients for `ids` (ZeRO-2/3): a bucket that lives until it is
+    /// reduce-scattered, so it counts as a communication buffer.
+    pub(super) fn open_grads(&self, ids: &[usize]) {
+        let _bucket = memory::scope(Term::CommBuffers);
+        let mut g = self.grads.borrow_mut();
+        for &i in ids {
+            g.tensors[i] = vec![0f32; g.specs[i].numel()];
+        }
+    }
+
+    /// Waits for the bucket in flight, if any, and files its result.
+    pub(super) fn finish_in_flight<C: Comm>(&self, c: &mut C) -> Result<(), CommError> {
+        let Some((ids, pending)) = self.in_flight.borrow_mut().take() else {
+            return Ok(());
+        };
+        let out = c.wait(pending)?;
+        self.file_reduced(&ids, &out);
+        Ok(())
+    }
+
+    /// Files the result of a bucket's reduction: whole sums (ZeRO-0), or this rank's pieces into
+    /// their place in the whole gradients (ZeRO-1; the rest of them is stale from then on).
+    pub(super) fn file_reduced(&self, ids: &[usize], out: &[f32]) {
+        if self.sharded() {
+            let mut g = self.grads.borrow_mut();
+            let mut at = 0;
+            for &i in ids {
+                let t = &mut g.tensors[i];
+                let (own, n) = (self.own_range(t.len()), piece(t.len(), self.dp, 0).len());
+                let len = own.len();
+                t[own].copy_from_slice(&out[at..at + len]);
+                at += n;
+            }
+        } else {
+            let mut g = self.grads.borrow_mut();
+            let mut at = 0;
+            for &i in ids {
+                let n = g.tensors[i].len();
+                g.tensors[i].copy_from_slice(&out[at..at + n]);
+                at += n;
+            }
+        }
+    }
+
+    /// Starts the reduction of the tensors whose gradients are final (ZeRO 0–1), after the previous
+    /// bucket (one collective in flight per group).
+    pub(super) fn start_bucket<C: Comm>(
+        &self,
+        c: &mut C,
+        ids: Vec<usize>,
+    ) -> Result<(), CommError> {
+        self.finish_in_flight(c)?;
+        let _buffers = memory::scope(Term::CommBuffers);
+        let buf: Vec<f32> = {
+            let g = self.grads.borrow();
+            let ts: Vec<&[f32]> = ids.iter().map(|&i| g.tensors[i].as_slice()).collect();
+            if self.sharded() {
+                self.interleave(&ts)
+            } else {
+                ts.concat()
+            }
+        };
+        let pending = if self.sharded() {
+            c.start_reduce_scatter(&self.dp_group, buf, ReduceOp::Sum)?
+        } else {
+            c.start_all_reduce(&self.dp_group, buf, ReduceOp::Sum)?
+        };
+        {
+            let mut reduced = self.reduced.borrow_mut();
+            ids.iter().for_each(|&i| reduced[i] = true);
+        }
+        *self.in_flight.borrow_mut() = Some((ids, pending));
+        Ok(())
+    }
+
+    /// Counts one gradient visit of `unit`'s tensors and, under ZeRO 0–1, starts reducing those that
+    /// are now final.
+    pub(super) fn visited<C: Comm>(&self, c: &mut C, unit: Unit) -> Result<(), CommError> {
+        if self.dp == 1 || self.stage >= 2 {
+            return Ok(());
+        }
+        let ready: Vec<usize> = {
+            let mut left = self.visits_left.borrow_mut();
+            self.units
+                .get(&unit)
+                .map_or(&[][..], Vec::as_slice)
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    left[i] = left[i].saturating_sub(1);
+                    left[i] == 0
+                })
+                .collect()
+        };
+        if ready.is_empty() {
+            return Ok(());
+        }
+        self.start_bucket(c, ready)
+    }
+
+    /// Accumulates deferred weight gradients (a zero-bubble W action): `apply` writes into a gradient
+    /// store in which every tensor it touches is present.
+    pub fn apply_deferred<C: Comm>(
+        &self,
+        c: &mut C,
+        touched: &[usize],
+        apply: impl FnOnce(&mut ParamStore),
+    ) -> Result<(), CommError> {
+        if self.half.is_some() {
+            self.open_scratch(touched);
+            apply(&mut self.grads.borrow_mut());
+            return self.absorb(c, touched);
+        }
+        let sharded_grads = self.stage >= 2 && self.dp > 1;
+        if sharded_grads {
+            self.open_grads(touched);
+        }
+        apply(&mut self.grads.borrow_mut());
+        if sharded_grads {
+            self.scatter_grads(c, touched)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the step's gradient reduction over dp: every gradient not yet reduced is, and the bucket in
+    /// flight completes. Afterwards [`ZeroState::grad_view`] holds the reduced gradients this rank owns.
+    pub fn reduce_grads<C: Comm>(&self, c: &mut C) -> Result<(), CommError> {
+        if let Some(h) = &self.half {
+            return with_half!(h, p => p.borrow_mut().reduce(c, &self.dp_group));
+        }
+        if self.dp == 1 || self.stage >= 2 {
+            return Ok(());
+        }
+        let rest: Vec<usize> = self
+            .reduced
+            .borrow()
+            .iter()
+            .enumerate()
+            .filter(|(_, &r)| !r)
+            .map(|(i, _)| i)
+            .collect();
+        if !rest.is_empty() {
+            self.start_bucket(c, rest)?;
+        }
+        self.finish_in_flight(c)
+    }
+
+    /// The part of a tensor of `len` elements this rank owns (its piece without the padding).
+    pub(super) fn own_range(&self, len: usize) -> Range<usize> {
+        owned(len, self.dp, self.dp_rank)
+    }
+}

@@ -1,0 +1,214 @@
+//! One device through optimizer steps: the step, fp16 loss scaling, global-norm clipping, the
+//! (ZeRO-sharded) update, and what the device measured.
+
+use super::{Device, MeshStep};
+use crate::comm::{Comm, CommStats, ReduceOp};
+use crate::error::{EngineError, Result};
+use crate::memory;
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::parallel::pipeline::StageOutcome;
+use crate::transformer::TokenBatch;
+
+/// Dynamic loss scaling (fp16): the loss is multiplied by `scale` before backward; a step whose
+/// gradients hold an inf or NaN anywhere is skipped and the scale halved; after `growth_interval`
+/// clean steps it doubles.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossScaling {
+    pub initial: f64,
+    pub growth_interval: usize,
+    /// Testing: put an inf into device 0's gradients at this step.
+    pub inject_nonfinite_at: Option<usize>,
+}
+
+/// What one optimizer step measured on one device.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    pub step: usize,
+    /// Mean loss over the global batch (the same on every device).
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// This device's communication during the step.
+    pub stats: CommStats,
+    pub peak_stash_bytes: usize,
+    /// Device time spent computing during the step, and the step's length in device time.
+    pub busy_s: f64,
+    pub span_s: f64,
+    /// Every action of the step with its start and end in device time.
+    pub timeline: Vec<(ferrotron_core::schedule::Action, f64, f64)>,
+    /// Sends and receives between stages, (what, start, end) in device time.
+    pub transfers: Vec<(String, f64, f64)>,
+    /// Device-time intervals of the reductions after the last action (with the global norm), and
+    /// of the optimizer step.
+    pub reduce_s: (f64, f64),
+    pub update_s: (f64, f64),
+    pub wall_s: f64,
+    /// This device's memory during the step, measured by term.
+    pub memory: memory::DeviceMemory,
+    /// fp16: the loss scale this step used, and whether it was skipped (inf/NaN in the gradients).
+    pub loss_scale: f64,
+    pub skipped: bool,
+}
+
+/// How a device trains: steps to reach, each step's batch, the optimizer and clipping.
+pub struct Training<'a> {
+    /// Train up to (not including) this step.
+    pub steps: usize,
+    /// The batch of step k (the same on every device).
+    pub batch_of: &'a dyn Fn(usize) -> TokenBatch,
+    pub adam: AdamWConfig,
+    pub lr: &'a LrSchedule,
+    /// Clip the global gradient norm to this (0: off).
+    pub clip: f64,
+}
+
+impl MeshStep<'_> {
+    /// Runs device `c.rank()` through optimizer steps up to `t.steps` (from 0, or from where a
+    /// [`super::Resume`] says). `on_step` sees each step's report on every device. A device over its
+    /// memory capacity ends the run on every device at the end of that step.
+    pub fn train_device<C: Comm>(
+        &mut self,
+        c: &mut C,
+        t: &Training,
+        on_step: &mut dyn FnMut(&MeshStep, &mut C, &Device, &StepReport) -> Result<()>,
+    ) -> Result<Device> {
+        let account = self.account(c.rank());
+        memory::set_device(account);
+        let mut dev = self.device(c.rank(), t.adam)?;
+        let mut first = 0;
+        if let Some(r) = self.resume {
+            (r.restore)(&mut dev)?;
+            first = r.step;
+            if let (Some(_), Some((scale, clean))) = (self.loss_scaling, r.loss_scaler) {
+                (self.loss_scale, self.clean_steps) = (scale, clean);
+            }
+        }
+        for step in first..t.steps {
+            self.set_batch(&(t.batch_of)(step))?;
+            let report = self.optimizer_step(c, &mut dev, step, t)?;
+            on_step(self, c, &dev, &report)?;
+        }
+        Ok(dev)
+    }
+
+    /// One step of device `dev`: forward and backward, reductions, loss scaling, clipping, update.
+    fn optimizer_step<C: Comm>(
+        &mut self,
+        c: &mut C,
+        dev: &mut Device,
+        step: usize,
+        t: &Training,
+    ) -> Result<StepReport> {
+        let account = self.account(c.rank());
+        memory::reset_peaks(account);
+        let started = c.device_time();
+        let from = c.stats().clone();
+        let wall = std::time::Instant::now();
+        let StageOutcome {
+            loss,
+            peak_bytes,
+            timeline,
+            transfers,
+            over_capacity,
+            ..
+        } = self.step_device(c, dev)?;
+        let reduced = c.device_time();
+        let scale_used = self.loss_scale;
+        let skipped = self.unscale_or_skip(c, dev, step)?;
+        let norm = if skipped {
+            f64::NAN
+        } else {
+            self.grad_norm(c, dev)?
+        };
+        if !skipped && t.clip > 0.0 && norm > t.clip {
+            let scale = (t.clip / (norm + 1e-6)) as f32;
+            dev.zero.with_grad_view(|grads| {
+                grads
+                    .iter_mut()
+                    .for_each(|g| g.iter_mut().for_each(|x| *x *= scale))
+            });
+        }
+        let rate = t.lr.lr(step) as f32;
+        let update_start = c.device_time();
+        if !skipped {
+            dev.zero.update(c, rate)?;
+        }
+        let update_end = c.device_time();
+        // Every device learns the step's loss (summed from the devices that count it), and whether
+        // any device went over its capacity: then every device ends the run here, together.
+        let mut l = [loss, over_capacity.is_some() as u8 as f64];
+        c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
+        if let Some(e) = over_capacity {
+            return Err(e);
+        }
+        if l[1] > 0.0 {
+            return Err(EngineError::PeerOutOfMemory(format!(
+                "device {} stopped at step {}: another device went over its memory capacity",
+                c.rank(),
+                step + 1
+            )));
+        }
+        let ended = c.device_time();
+        let stats = c.stats().since(&from);
+        Ok(StepReport {
+            step,
+            loss: l[0] / self.total_tokens as f64,
+            grad_norm: norm,
+            lr: rate as f64,
+            // Computing is the device's compute time; the rest of the step is waiting (bubble,
+            // peers late to a collective) and moving data.
+            busy_s: stats.compute_time_s,
+            span_s: ended - started,
+            stats,
+            peak_stash_bytes: peak_bytes,
+            // After the last action: the gradient reductions' tail and the global norm, then
+            // the optimizer step (with ZeRO 1–2 its all-gather).
+            reduce_s: (timeline.last().map_or(reduced, |a| a.2), update_start),
+            update_s: (update_start, update_end),
+            timeline,
+            transfers,
+            wall_s: wall.elapsed().as_secs_f64(),
+            memory: memory::device_memory(account),
+            loss_scale: scale_used,
+            skipped,
+        })
+    }
+
+    /// fp16 loss scaling: an inf or NaN in any device's gradients skips the step for every device
+    /// and halves the scale (returns true); otherwise the gradients are unscaled, and the scale
+    /// doubles after `growth_interval` clean steps. Without loss scaling, nothing is skipped.
+    fn unscale_or_skip<C: Comm>(&mut self, c: &mut C, dev: &Device, step: usize) -> Result<bool> {
+        let Some(ls) = self.loss_scaling else {
+            return Ok(false);
+        };
+        if ls.inject_nonfinite_at == Some(step) && c.rank() == 0 {
+            dev.zero.with_grad_view(|g| {
+                if let Some(x) = g.iter_mut().find_map(|t| t.first_mut()) {
+                    *x = f32::INFINITY;
+                }
+            });
+        }
+        let mut bad = [dev
+            .zero
+            .with_grad_view(|g| g.iter().any(|t| t.iter().any(|x| !x.is_finite())))
+            as u8 as f64];
+        c.all_reduce(&self.mesh.world(), &mut bad, ReduceOp::Sum)?;
+        if bad[0] > 0.0 {
+            self.loss_scale = (self.loss_scale / 2.0).max(1.0);
+            self.clean_steps = 0;
+            return Ok(true);
+        }
+        let unscale = (1.0 / self.loss_scale) as f32;
+        dev.zero.with_grad_view(|g| {
+            g.iter_mut()
+                .for_each(|t| t.iter_mut().for_each(|x| *x *= unscale))
+        });
+        self.clean_steps += 1;
+        if self.clean_steps >= ls.growth_interval.max(1) {
+            self.loss_scale *= 2.0;
+            self.clean_steps = 0;
+        }
+        Ok(false)
+    }
+}

@@ -1,0 +1,342 @@
+//! The settings of a training run: one struct is the `ferrotron train` flags, the keys of `run.toml`
+//! and the defaults. Each field's name is its flag (`--batch-size`) and its key (`batch_size`); its
+//! `default_value` is the default; its doc comment is the help text. Flags override the file, the
+//! file overrides the defaults.
+
+use crate::data;
+use crate::error::{EngineError, Result};
+use crate::transformer::Half;
+use std::path::PathBuf;
+
+/// Every setting of a training run. Each is a key of `run.toml` and a `ferrotron train` flag.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, clap::Args)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// A preset (llama-small, llama-tiny, gpt2-tiny, llama-bench), trained from scratch, or a
+    /// Hugging Face model directory, fine-tuned.
+    #[arg(long, default_value = "llama-small")]
+    pub model: String,
+    /// `builtin:gnu-manuals`, or comma-separated text files or directories of text files.
+    #[arg(long, default_value = data::BUILTIN_NAME)]
+    pub data: String,
+    /// A tokenizer.json (default: the model directory's, or one trained on the data and cached).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 240)]
+    pub steps: usize,
+    /// Sequences per optimizer step (the effective batch, whatever the layout).
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Peak learning rate (after warm-up; cosine decay to `min_lr`).
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 3e-4)]
+    pub min_lr: f64,
+    #[arg(long, default_value_t = 20)]
+    pub warmup_steps: usize,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f32,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f32,
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f32,
+    #[arg(long, default_value_t = 1e-8)]
+    pub adam_eps: f32,
+    /// Clip the global gradient norm to this (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Evaluate the validation loss every this many steps (and before the first and after the last).
+    #[arg(long, default_value_t = 40)]
+    pub eval_every: usize,
+    #[arg(long, default_value_t = 8)]
+    pub eval_batches: usize,
+    /// Fraction of the token stream (its tail) held out for validation.
+    #[arg(long, default_value_t = 0.05)]
+    pub val_fraction: f64,
+    /// Run directory: metrics.jsonl, train_config.json, model/, checkpoints/.
+    #[arg(long, default_value = "runs/default")]
+    pub out_dir: PathBuf,
+    /// Kernel threads of a device that has the process to itself (0: all cores). Several devices
+    /// in one process compute on one thread each.
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// The `--layout` spec, e.g. `dp=2,tp=2,pp=2,zero=1,mbs=2`, or `auto` (empty: one device).
+    #[arg(long, default_value = "")]
+    pub layout: String,
+    /// Precision of the saved model: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub save_dtype: String,
+    /// Where trained tokenizers are cached (default: `$XDG_CACHE_HOME/ferrotron` or
+    /// `~/.cache/ferrotron`).
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// The cluster the devices stand for (a `ferrotron plan --cluster` spec): node placement, the
+    /// planner's predictions, and the device memory `layout = "auto"` plans for.
+    #[arg(long, default_value = "this-machine")]
+    pub cluster: String,
+    /// Memory of each device, e.g. `64MiB`, `1.5GB` (default: the cluster's). Going over it is an
+    /// out-of-memory error with the per-term breakdown.
+    #[arg(long)]
+    pub device_memory: Option<String>,
+    /// Allow a tensor-parallel group to span nodes.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub force_cross_node_tp: bool,
+    /// Where the devices run: `threads` (one process) or `mpi` (one rank per device under mpirun;
+    /// needs a build with the `mpi` feature).
+    #[arg(long, default_value = "threads")]
+    pub backend: String,
+    /// Warn of a straggler when a device computes this fraction above the devices' median ...
+    #[arg(long, default_value_t = 0.2)]
+    pub straggler_threshold: f64,
+    /// ... for this many steps in a row.
+    #[arg(long, default_value_t = 3)]
+    pub straggler_steps: usize,
+    /// Drills: make this device compute `slow_device_ms` longer per action.
+    #[arg(long)]
+    pub slow_device: Option<usize>,
+    #[arg(long, default_value_t = 10.0)]
+    pub slow_device_ms: f64,
+    /// `f32`, or mixed precision `bf16` / `fp16`: weights, gradients and activations stored (and
+    /// moved) in 16 bits, master weights and Adam moments in f32.
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// fp16: the initial loss scale ...
+    #[arg(long, default_value_t = 65536.0)]
+    pub loss_scale: f64,
+    /// ... and how many clean steps double it (an inf/NaN halves it and skips the step).
+    #[arg(long, default_value_t = 1000)]
+    pub loss_scale_window: usize,
+    /// Testing: put an inf into the gradients at this step (fp16 must skip it).
+    #[arg(long)]
+    pub inject_nonfinite_step: Option<usize>,
+    /// Save a sharded checkpoint every this many steps (0: only after the last step, which always
+    /// saves one).
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: usize,
+    /// Where checkpoints go (default: `<out_dir>/checkpoints`).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Keep only the newest this many checkpoints (0: keep all).
+    #[arg(long, default_value_t = 0)]
+    pub keep_checkpoints: usize,
+    /// Continue from this checkpoint (a `step-NNNNNN` directory, or a checkpoint directory whose
+    /// `latest` names one), on this run's layout: the parameters and Adam moments are resharded
+    /// to it, the data loader, LR schedule and loss scaler continue where they were.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+impl Default for TrainConfig {
+    /// The embedded default run: a ~4M-parameter Llama trained from scratch on the bundled manuals.
+    /// The defaults are the flags' defaults above.
+    fn default() -> Self {
+        use clap::{FromArgMatches, Parser};
+        #[derive(Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            cfg: TrainConfig,
+        }
+        let matches = <Defaults as clap::CommandFactory>::command()
+            .try_get_matches_from(["defaults"])
+            .expect("every setting has a default or is optional");
+        Defaults::from_arg_matches(&matches)
+            .expect("the defaults parse")
+            .cfg
+    }
+}
+
+impl TrainConfig {
+    /// Defaults, then the keys of a TOML file (`toml`, already parsed to JSON), then the flags the
+    /// user gave (`flags`: the parsed settings, `given`: whether a setting's flag was on the command
+    /// line). `source` names the file in errors.
+    pub fn layered(
+        toml: Option<serde_json::Map<String, serde_json::Value>>,
+        flags: &TrainConfig,
+        given: &dyn Fn(&str) -> bool,
+        source: &str,
+    ) -> Result<TrainConfig> {
+        let mut merged = match serde_json::to_value(TrainConfig::default()) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => unreachable!("a struct serialises to an object"),
+        };
+        if let Some(t) = toml {
+            for (k, v) in t {
+                if !merged.contains_key(&k) {
+                    return Err(EngineError::Invalid(format!(
+                        "{source}: unknown key `{k}` (the keys are the `ferrotron train` flags \
+                         with `_` for `-`)"
+                    )));
+                }
+                merged.insert(k, v);
+            }
+        }
+        if let Ok(serde_json::Value::Object(f)) = serde_json::to_value(flags) {
+            for (k, v) in f {
+                if given(&k) {
+                    merged.insert(k, v);
+                }
+            }
+        }
+        let keys: Vec<String> = merged.keys().cloned().collect();
+        serde_json::from_value(serde_json::Value::Object(merged)).map_err(|e| {
+            // serde's message names the type, not always the key: name the key when it is there.
+            let msg = e.to_string();
+            let key = keys.iter().find(|k| msg.contains(&format!("`{k}`")));
+            EngineError::Invalid(match key {
+                Some(_) => format!("{source}: {msg}"),
+                None => format!("{source}: bad train config: {msg}"),
+            })
+        })
+    }
+
+    /// The 16-bit format of a mixed-precision run.
+    pub fn storage(&self) -> Result<Option<Half>> {
+        match self.precision.as_str() {
+            "f32" | "fp32" => Ok(None),
+            "bf16" => Ok(Some(Half::Bf16)),
+            "fp16" | "f16" => Ok(Some(Half::F16)),
+            other => Err(EngineError::Invalid(format!(
+                "train config `precision`: `{other}` (expected f32, bf16 or fp16)"
+            ))),
+        }
+    }
+
+    /// Kernel threads of a device that has its process to itself.
+    pub fn kernel_threads(&self) -> usize {
+        if self.threads == 0 {
+            crate::kernels::CpuBackend::default().threads
+        } else {
+            self.threads
+        }
+    }
+
+    /// Where checkpoints go.
+    pub fn checkpoint_root(&self) -> PathBuf {
+        self.checkpoint_dir
+            .clone()
+            .unwrap_or_else(|| self.out_dir.join("checkpoints"))
+    }
+
+    /// Refuses settings that cannot run, naming the setting.
+    pub fn check(&self) -> Result<()> {
+        let bad = |field: &str, msg: &str| {
+            Err(EngineError::Invalid(format!(
+                "train config `{field}`: {msg}"
+            )))
+        };
+        if self.steps == 0 {
+            return bad("steps", "must be positive");
+        }
+        if self.batch_size == 0 {
+            return bad("batch_size", "must be positive");
+        }
+        if self.seq_len < 2 {
+            return bad(
+                "seq_len",
+                "must be at least 2 (one token predicts the next)",
+            );
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("lr", "must be a positive number");
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0) {
+            return bad("min_lr", "must be a non-negative number");
+        }
+        if !(self.loss_scale.is_finite() && self.loss_scale >= 1.0) {
+            return bad("loss_scale", "must be a finite number of at least 1");
+        }
+        if !(self.straggler_threshold.is_finite() && self.straggler_threshold >= 0.0) {
+            return bad("straggler_threshold", "must be a non-negative fraction");
+        }
+        if !(self.slow_device_ms.is_finite() && self.slow_device_ms >= 0.0) {
+            return bad(
+                "slow_device_ms",
+                "must be a non-negative number of milliseconds",
+            );
+        }
+        self.storage()?;
+        if !matches!(self.backend.as_str(), "threads" | "mpi") {
+            return bad("backend", "expected `threads` or `mpi`");
+        }
+        if self.backend == "mpi" && !cfg!(feature = "mpi") {
+            return bad(
+                "backend",
+                "this build has no MPI; build with `--features mpi` (needs OpenMPI) and run under mpirun",
+            );
+        }
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return bad("val_fraction", "must be in [0, 1)");
+        }
+        Ok(())
+    }
+}
+
+/// `64MiB`, `1.5GB`, `200000000` → bytes.
+pub fn parse_bytes(spec: &str) -> Result<u64> {
+    let t = spec.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num.trim().parse().map_err(|_| {
+        EngineError::Invalid(format!(
+            "device_memory `{spec}`: expected a size such as 64MiB or 2GB"
+        ))
+    })?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(EngineError::Invalid(format!(
+                "device_memory `{spec}`: unknown unit `{other}` (B, kB, MB, GB, KiB, MiB, GiB)"
+            )))
+        }
+    };
+    if !(x.is_finite() && x > 0.0) {
+        return Err(EngineError::Invalid(format!(
+            "device_memory `{spec}` must be positive"
+        )));
+    }
+    Ok((x * scale) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_the_embedded_run() {
+        let d = TrainConfig::default();
+        assert_eq!(d.model, "llama-small");
+        assert_eq!((d.steps, d.batch_size, d.seq_len), (240, 16, 128));
+        assert_eq!(d.out_dir, PathBuf::from("runs/default"));
+        assert!(d.resume.is_none() && !d.force_cross_node_tp);
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_the_defaults() {
+        let toml: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(r#"{"steps": 7, "lr": 0.01}"#).unwrap();
+        let flags = TrainConfig {
+            steps: 9,
+            lr: 0.5,
+            ..TrainConfig::default()
+        };
+        let cfg = TrainConfig::layered(Some(toml.clone()), &flags, &|k| k == "steps", "run.toml")
+            .unwrap();
+        assert_eq!((cfg.steps, cfg.lr, cfg.batch_size), (9, 0.01, 16));
+        let mut bad = toml;
+        bad.insert("stepz".into(), 3.into());
+        let e = TrainConfig::layered(Some(bad), &flags, &|_| false, "run.toml").unwrap_err();
+        assert!(e.to_string().contains("unknown key `stepz`"), "{e}");
+    }
+}

@@ -1,0 +1,257 @@
+//! What every device of a training run does, whatever runs it (a thread, or an MPI rank): build its
+//! shard, train through the steps, send its figures to device 0, evaluate and checkpoint when due,
+//! and finally gather the trained model onto device 0. The unsplit model is the 1×1×1 mesh and runs
+//! here too.
+
+use super::checkpointing::{device_arrays, restore_device, CheckpointPlan};
+use super::config::TrainConfig;
+use super::metrics::DeviceSummary;
+use super::metrics::{collect_figures, Figures, StepFigures};
+use crate::checkpoint::{save_distributed, Checkpoint};
+use crate::comm::Comm;
+use crate::error::{EngineError, Result};
+use crate::kernels::CpuBackend;
+use crate::memory::{self, format_terms, MemoryTerms};
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::parallel::{LossScaling, MeshStep, Resume, Training};
+use crate::transformer::{Half, ParamStore, TokenBatch, Transformer};
+use ferrotron_core::layout::Layout;
+use ferrotron_core::model::ModelConfig;
+use ferrotron_core::plan::{evaluate, PlanInput};
+use ferrotron_core::schedule::StagePartition;
+
+/// Everything a run on one layout needs.
+pub(super) struct TrainingRun<'a> {
+    pub cfg: &'a TrainConfig,
+    pub model_cfg: &'a ModelConfig,
+    pub params: &'a ParamStore,
+    pub layout: Layout,
+    pub input: &'a PlanInput,
+    /// Every step's global batch from `start` on (the same for every device).
+    pub batches: &'a [TokenBatch],
+    pub val_batches: &'a [TokenBatch],
+    pub adam: AdamWConfig,
+    pub schedule: LrSchedule,
+    pub initial_val_loss: f64,
+    /// The first step to run (0, or where the run resumes); `batches` starts there.
+    pub start: usize,
+    /// The data loader's position after each step's batch, from `start` on.
+    pub loader_after: &'a [serde_json::Value],
+    pub checkpoints: &'a CheckpointPlan,
+    /// The checkpoint the run resumes from (the devices' optimizer state comes from it).
+    pub resume: Option<&'a Checkpoint>,
+    /// Kernel threads per device (more than one only for a device with the process to itself).
+    pub kernel_threads: usize,
+}
+
+impl TrainingRun<'_> {
+    /// The batch of (0-based) step `k`.
+    pub fn batch(&self, k: usize) -> &TokenBatch {
+        &self.batches[k - self.start]
+    }
+
+    fn is_eval(&self, step: usize) -> bool {
+        let cfg = self.cfg;
+        cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every) || step + 1 == cfg.steps
+    }
+
+    /// The mesh step of this run, with its precision, resume point, drills and threads.
+    fn mesh_step<'s>(
+        &'s self,
+        partition: &'s StagePartition,
+        restore: &'s (dyn Fn(&mut crate::parallel::Device) -> Result<()> + Sync),
+    ) -> Result<MeshStep<'s>> {
+        let cfg = self.cfg;
+        let storage = cfg.storage()?;
+        Ok(MeshStep::new(
+            self.model_cfg,
+            self.params,
+            self.batch(self.start),
+            &self.layout,
+            partition,
+        )?
+        .with_resume(self.resume.map(|ck| Resume {
+            step: self.start,
+            loss_scaler: ck.manifest.loss_scaler.map(|s| (s.scale, s.clean_steps)),
+            restore,
+        }))
+        .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)))
+        .with_kernel_threads(self.kernel_threads)
+        .with_precision(
+            storage,
+            (storage == Some(Half::F16)).then_some(LossScaling {
+                initial: cfg.loss_scale,
+                growth_interval: cfg.loss_scale_window,
+                inject_nonfinite_at: cfg.inject_nonfinite_step,
+            }),
+        ))
+    }
+}
+
+/// What the run produced, on the device that reports it.
+pub(super) struct RunOutcome {
+    pub params: ParamStore,
+    pub last_loss: f64,
+    pub last_val: f64,
+    pub tokens_per_s: f64,
+    pub devices: Vec<DeviceSummary>,
+}
+
+/// The validation loss of the whole model `params`: the host's work, not a device's, so it is kept
+/// off the device's memory account.
+pub(super) fn validation_loss(
+    model: &ModelConfig,
+    params: &ParamStore,
+    batches: &[TokenBatch],
+    threads: usize,
+) -> f64 {
+    let tf = Transformer::new(model, params);
+    let be = CpuBackend { threads };
+    let (mut sum, mut n) = (0.0, 0usize);
+    for b in batches {
+        sum += tf.loss(&be, params, b) * b.predicted_tokens() as f64;
+        n += b.predicted_tokens();
+    }
+    sum / n.max(1) as f64
+}
+
+/// Runs one device of the mesh through the whole training (every device calls it). Device 0
+/// receives every step's figures and hands them to `sink`; it returns the trained model, gathered.
+pub(super) fn run_device<C: Comm>(
+    run: &TrainingRun,
+    partition: &StagePartition,
+    c: &mut C,
+    account_base: usize,
+    sink: &mut dyn FnMut(StepFigures) -> Result<()>,
+) -> Result<Option<ParamStore>> {
+    let cfg = run.cfg;
+    let account = account_base + c.rank();
+    memory::set_capacity(account, capacity(cfg)?);
+    let restore = |dev: &mut crate::parallel::Device| match run.resume {
+        Some(ck) => restore_device(ck, run.model_cfg, dev),
+        None => Ok(()),
+    };
+    let mut step = run
+        .mesh_step(partition, &restore)?
+        .with_account_base(account_base);
+    let world = step.world();
+    let training = Training {
+        steps: cfg.steps,
+        batch_of: &|k| run.batch(k).clone(),
+        adam: run.adam,
+        lr: &run.schedule,
+        clip: cfg.grad_clip,
+    };
+    let dev = step.train_device(c, &training, &mut |mesh, c, dev, report| {
+        let mine = Figures::of(report);
+        let eval_started = std::time::Instant::now();
+        let val_loss = if run.is_eval(report.step) {
+            mesh.gather_params(c, dev)?.map(|p| {
+                memory::clear_device();
+                let v = validation_loss(run.model_cfg, &p, run.val_batches, run.kernel_threads);
+                memory::set_device(account);
+                v
+            })
+        } else {
+            None
+        };
+        let eval_s = eval_started.elapsed().as_secs_f64();
+        if let Some(devices) = collect_figures(c, world, mine)? {
+            sink(StepFigures {
+                devices,
+                step: report.step,
+                loss: report.loss,
+                grad_norm: report.grad_norm,
+                lr: report.lr,
+                val_loss,
+                eval_s,
+                loss_scale: report.loss_scale,
+                skipped: report.skipped,
+            })?;
+        }
+        let done = report.step + 1;
+        if run.checkpoints.due(done) {
+            // The copies a save makes are the host's, not the device's.
+            memory::clear_device();
+            let saved = save_checkpoint(run, mesh, c, dev, done);
+            memory::set_device(account);
+            saved?;
+        }
+        Ok(())
+    })?;
+    let full = step.gather_params(c, &dev)?;
+    memory::set_capacity(account, None);
+    memory::clear_device();
+    Ok(full)
+}
+
+/// Every device writes its part of the checkpoint after `done` steps; device 0 the manifest.
+fn save_checkpoint<C: Comm>(
+    run: &TrainingRun,
+    mesh: &MeshStep,
+    c: &mut C,
+    dev: &crate::parallel::Device,
+    done: usize,
+) -> Result<()> {
+    let arrays = device_arrays(run.model_cfg, &run.layout, dev)?;
+    let manifest = (c.rank() == 0).then(|| {
+        run.checkpoints.manifest(
+            done,
+            dev.zero.optimizer_step(),
+            mesh.loss_scaler(),
+            run.loader_after[done - 1 - run.start].clone(),
+        )
+    });
+    let ck = run.checkpoints;
+    save_distributed(c, &ck.root, done, &arrays, manifest, ck.keep)
+}
+
+/// Each device's (tp, dp, stage) coordinates.
+pub(super) type Coords = Vec<(usize, usize, usize)>;
+
+/// The partition, the device coordinates and the planner's per-stage prediction of a run.
+pub(super) fn layout_facts(
+    run: &TrainingRun,
+) -> Result<(StagePartition, Coords, Vec<MemoryTerms>)> {
+    let layout = run.layout;
+    let partition = StagePartition::for_model(run.model_cfg, layout.pp * layout.vpp)?;
+    let plan = evaluate(run.input, &layout)?;
+    let grid = layout.rank_grid(run.input.cluster.devices_per_node);
+    let coords = (0..layout.world_size()).map(|r| grid.coords(r)).collect();
+    Ok((partition, coords, plan.memory_bytes_per_stage))
+}
+
+fn capacity(cfg: &TrainConfig) -> Result<Option<u64>> {
+    cfg.device_memory
+        .as_deref()
+        .map(super::config::parse_bytes)
+        .transpose()
+}
+
+/// An out-of-memory error beside the planner's prediction for the same device's stage.
+pub(super) fn with_prediction(
+    e: EngineError,
+    layout: &Layout,
+    coords: &[(usize, usize, usize)],
+    predicted: &[MemoryTerms],
+) -> EngineError {
+    match e {
+        EngineError::OutOfMemory {
+            device,
+            capacity,
+            at,
+        } => {
+            let s = coords.get(device).map_or(0, |c| c.2);
+            EngineError::RunOutOfMemory(format!(
+                "{}\nthe planner predicted for this layout (`{layout}`), stage {s}:\n{}",
+                EngineError::OutOfMemory {
+                    device,
+                    capacity,
+                    at
+                },
+                format_terms(&predicted[s])
+            ))
+        }
+        other => other,
+    }
+}

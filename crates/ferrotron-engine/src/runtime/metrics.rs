@@ -1,0 +1,372 @@
+//! What a run reports: every step's figures from every device, gathered on device 0, written to
+//! `metrics.jsonl` beside the planner's prediction, with straggler warnings; and each device's
+//! summary over the run.
+
+use super::device_loop::{RunOutcome, TrainingRun};
+use crate::error::{EngineError, Result};
+use crate::memory::{DeviceMemory, MemoryTerms};
+use crate::parallel::StepReport as DeviceStep;
+use crate::transformer::ParamStore;
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepReport {
+    pub step: usize,
+    pub total_steps: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub step_time_s: f64,
+    pub val_loss: Option<f64>,
+    pub memory: MemoryTerms,
+    /// Warnings raised at this step (a straggler forming).
+    pub warnings: Vec<String>,
+}
+
+impl StepReport {
+    /// The step's line in `metrics.jsonl`: its figures, then `extra` (the layout, warnings) and the
+    /// per-device objects.
+    pub fn metrics_line(
+        &self,
+        extra: serde_json::Map<String, serde_json::Value>,
+        devices: Vec<serde_json::Value>,
+    ) -> String {
+        let mut line = serde_json::json!({
+            "step": self.step,
+            "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens_per_s,
+            "step_time_s": self.step_time_s,
+            "val_loss": self.val_loss,
+            "warnings": self.warnings,
+        });
+        let obj = line.as_object_mut().expect("an object");
+        obj.extend(extra);
+        obj.insert("devices".into(), serde_json::Value::Array(devices));
+        line.to_string()
+    }
+}
+
+/// One device over the whole run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeviceSummary {
+    pub device: usize,
+    pub stage: usize,
+    pub dp_rank: usize,
+    pub tp_rank: usize,
+    /// The highest peak of each term over all steps, measured by the tracking allocator.
+    pub peak_memory_bytes: MemoryTerms,
+    pub predicted_memory_bytes: MemoryTerms,
+    pub idle_fraction: f64,
+    pub bytes_sent_per_step: u64,
+    /// Mean step time in device time and in wall time.
+    pub step_time_s: f64,
+    pub wall_step_time_s: f64,
+}
+
+/// One device's figures for one step, as device 0 receives them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Figures {
+    memory: DeviceMemory,
+    busy_s: f64,
+    span_s: f64,
+    wall_s: f64,
+    bytes_sent: u64,
+    bytes_tp: u64,
+    bytes_dp: u64,
+    bytes_pp: u64,
+}
+
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4;
+/// Tag of the figures message (above any pipeline or gathering tag).
+const FIGURES_TAG: u64 = 1 << 59;
+
+impl Figures {
+    pub(super) fn of(r: &DeviceStep) -> Self {
+        let by = |g: &str| r.stats.bytes_sent_by_group(g);
+        Self {
+            memory: r.memory,
+            busy_s: r.busy_s,
+            span_s: r.span_s,
+            wall_s: r.wall_s,
+            bytes_sent: r.stats.total().bytes_sent,
+            bytes_tp: by("tp"),
+            bytes_dp: by("dp"),
+            // Pipeline traffic: the stage-to-stage transfers and the tied embedding's reduction.
+            bytes_pp: by("p2p") + by("pp"),
+        }
+    }
+    fn pack(&self) -> [f64; FIGURES] {
+        let mut out = [0f64; FIGURES];
+        for t in 0..7 {
+            out[t] = self.memory.live[t] as f64;
+            out[7 + t] = self.memory.peak[t] as f64;
+        }
+        out[14] = self.memory.peak_total as f64;
+        out[15] = self.busy_s;
+        out[16] = self.span_s;
+        out[17] = self.wall_s;
+        out[18] = self.bytes_sent as f64;
+        out[19] = self.bytes_tp as f64;
+        out[20] = self.bytes_dp as f64;
+        out[21] = self.bytes_pp as f64;
+        out
+    }
+    fn unpack(v: &[f64; FIGURES]) -> Self {
+        let mut f = Self::default();
+        for t in 0..7 {
+            f.memory.live[t] = v[t] as u64;
+            f.memory.peak[t] = v[7 + t] as u64;
+        }
+        f.memory.peak_total = v[14] as u64;
+        (f.busy_s, f.span_s, f.wall_s) = (v[15], v[16], v[17]);
+        (f.bytes_sent, f.bytes_tp, f.bytes_dp, f.bytes_pp) =
+            (v[18] as u64, v[19] as u64, v[20] as u64, v[21] as u64);
+        f
+    }
+}
+
+/// Every device sends its figures to device 0, which returns them all in rank order (the other
+/// devices return `None`).
+pub(super) fn collect_figures<C: crate::comm::Comm>(
+    c: &mut C,
+    world: usize,
+    mine: Figures,
+) -> Result<Option<Vec<Figures>>> {
+    if c.rank() != 0 {
+        c.send(0, &mine.pack(), FIGURES_TAG)?;
+        return Ok(None);
+    }
+    let mut devices = vec![mine];
+    for r in 1..world {
+        let mut v = [0f64; FIGURES];
+        c.recv(r, &mut v, FIGURES_TAG)?;
+        devices.push(Figures::unpack(&v));
+    }
+    Ok(Some(devices))
+}
+
+/// What device 0 knows after a step: every device's figures, the step's numbers, the validation loss.
+pub(super) struct StepFigures {
+    pub devices: Vec<Figures>,
+    pub step: usize,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub val_loss: Option<f64>,
+    /// Wall seconds the evaluation took (not training: kept out of tokens/s).
+    pub eval_s: f64,
+    pub loss_scale: f64,
+    pub skipped: bool,
+}
+
+/// Writes `metrics.jsonl` and keeps each device's running summary (device 0's side).
+pub(super) struct MetricsWriter<'a> {
+    run: &'a TrainingRun<'a>,
+    /// `metrics.jsonl`, open on the process that reports the run.
+    file: std::fs::File,
+    path: &'a Path,
+    summaries: Vec<DeviceSummary>,
+    last_wall: Instant,
+    tokens: usize,
+    seconds: f64,
+    last_loss: f64,
+    last_val: f64,
+    /// Per device: steps in a row it computed above the straggler threshold.
+    slow_steps: Vec<usize>,
+}
+
+/// Warnings for devices whose compute time has been `threshold` above the devices' median for
+/// `steps` steps in a row (`slow_steps` carries the counts from step to step).
+fn straggler_warnings(
+    busy: &[f64],
+    slow_steps: &mut [usize],
+    threshold: f64,
+    steps: usize,
+    summaries: &[DeviceSummary],
+) -> Vec<String> {
+    let mut sorted = busy.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let mut out = Vec::new();
+    for (d, (&b, n)) in busy.iter().zip(slow_steps.iter_mut()).enumerate() {
+        if median > 0.0 && b > median * (1.0 + threshold) {
+            *n += 1;
+            if *n >= steps.max(1) {
+                let s = &summaries[d];
+                out.push(format!(
+                    "straggler: device {d} (stage {}, dp rank {}, tp rank {}) computed {:.2}× the \
+                     devices' median ({:.4} s vs {:.4} s) for {} steps in a row",
+                    s.stage,
+                    s.dp_rank,
+                    s.tp_rank,
+                    b / median,
+                    b,
+                    median,
+                    n
+                ));
+            }
+        } else {
+            *n = 0;
+        }
+    }
+    out
+}
+
+impl<'a> MetricsWriter<'a> {
+    pub(super) fn new(
+        run: &'a TrainingRun<'a>,
+        file: std::fs::File,
+        path: &'a Path,
+        coords: &[(usize, usize, usize)],
+        predicted: &[MemoryTerms],
+    ) -> Self {
+        let summaries = coords
+            .iter()
+            .enumerate()
+            .map(|(r, &(t, d, s))| DeviceSummary {
+                device: r,
+                stage: s,
+                dp_rank: d,
+                tp_rank: t,
+                peak_memory_bytes: MemoryTerms::default(),
+                predicted_memory_bytes: predicted[s],
+                idle_fraction: 0.0,
+                bytes_sent_per_step: 0,
+                step_time_s: 0.0,
+                wall_step_time_s: 0.0,
+            })
+            .collect();
+        Self {
+            run,
+            file,
+            path,
+            summaries,
+            last_wall: Instant::now(),
+            tokens: 0,
+            seconds: 0.0,
+            last_loss: f64::NAN,
+            last_val: run.initial_val_loss,
+            slow_steps: vec![0; coords.len()],
+        }
+    }
+
+    pub(super) fn step(
+        &mut self,
+        f: StepFigures,
+        on_step: &mut dyn FnMut(&StepReport),
+    ) -> Result<()> {
+        let dt = (self.last_wall.elapsed().as_secs_f64() - f.eval_s).max(1e-9);
+        self.last_wall = Instant::now();
+        let batch = self.run.batch(f.step);
+        let batch_tokens = batch.batch * batch.seq;
+        self.tokens += batch_tokens;
+        self.seconds += dt;
+        self.last_loss = f.loss;
+        if let Some(v) = f.val_loss {
+            self.last_val = v;
+        }
+        let devices: Vec<serde_json::Value> = f
+            .devices
+            .iter()
+            .zip(self.summaries.iter_mut())
+            .map(|(fig, sum)| device_json(fig, sum, dt))
+            .collect();
+        let memory = f
+            .devices
+            .iter()
+            .map(|d| d.memory.peak_terms())
+            .max_by_key(|m| m.total)
+            .expect("a device");
+        let busy: Vec<f64> = f.devices.iter().map(|d| d.busy_s).collect();
+        let warnings = straggler_warnings(
+            &busy,
+            &mut self.slow_steps,
+            self.run.cfg.straggler_threshold,
+            self.run.cfg.straggler_steps,
+            &self.summaries,
+        );
+        let report = StepReport {
+            step: f.step + 1,
+            total_steps: self.run.cfg.steps,
+            loss: f.loss,
+            lr: f.lr,
+            grad_norm: f.grad_norm,
+            tokens_per_s: batch_tokens as f64 / dt,
+            step_time_s: dt,
+            val_loss: f.val_loss,
+            memory,
+            warnings,
+        };
+        let mut extra = serde_json::Map::new();
+        extra.insert("layout".into(), self.run.layout.to_string().into());
+        if self.run.cfg.storage().ok().flatten().is_some() {
+            extra.insert("precision".into(), self.run.cfg.precision.clone().into());
+            extra.insert("loss_scale".into(), f.loss_scale.into());
+            extra.insert("skipped".into(), f.skipped.into());
+        }
+        let line = report.metrics_line(extra, devices);
+        writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;
+        on_step(&report);
+        Ok(())
+    }
+
+    pub(super) fn finish(mut self, params: ParamStore) -> RunOutcome {
+        let steps = (self.run.cfg.steps - self.run.start).max(1) as f64;
+        for s in self.summaries.iter_mut() {
+            s.idle_fraction /= steps;
+            s.step_time_s /= steps;
+            s.wall_step_time_s /= steps;
+        }
+        RunOutcome {
+            params,
+            last_loss: self.last_loss,
+            last_val: self.last_val,
+            tokens_per_s: self.tokens as f64 / self.seconds.max(1e-9),
+            devices: self.summaries,
+        }
+    }
+}
+
+/// One device's figures for one step as a JSON object (and into its running summary).
+fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::Value {
+    let peak = f.memory.peak_terms();
+    let idle = if f.span_s > 0.0 {
+        1.0 - f.busy_s / f.span_s
+    } else {
+        0.0
+    };
+    let p = &mut sum.peak_memory_bytes;
+    *p = MemoryTerms {
+        weights: p.weights.max(peak.weights),
+        gradients: p.gradients.max(peak.gradients),
+        master_weights: p.master_weights.max(peak.master_weights),
+        optimizer_states: p.optimizer_states.max(peak.optimizer_states),
+        activations: p.activations.max(peak.activations),
+        comm_buffers: p.comm_buffers.max(peak.comm_buffers),
+        total: p.total.max(peak.total),
+    };
+    sum.idle_fraction += idle;
+    sum.bytes_sent_per_step = f.bytes_sent;
+    sum.step_time_s += f.span_s;
+    sum.wall_step_time_s += wall;
+    serde_json::json!({
+        "device": sum.device,
+        "stage": sum.stage,
+        "dp_rank": sum.dp_rank,
+        "tp_rank": sum.tp_rank,
+        "peak_memory_bytes": peak,
+        "predicted_memory_bytes": sum.predicted_memory_bytes,
+        "other_memory_bytes": f.memory.peak_other(),
+        "idle_fraction": idle,
+        "bytes_sent": f.bytes_sent,
+        "bytes_sent_by_group": {"tp": f.bytes_tp, "dp": f.bytes_dp, "pp": f.bytes_pp},
+        "step_time_s": f.span_s,
+        "wall_step_time_s": wall,
+    })
+}

@@ -1,0 +1,106 @@
+//! From settings to layouts: the planner's view of the run (the job's devices, the batch, the
+//! precision), and the layouts to try, the given one checked or `auto`'s choices.
+
+use super::config::{parse_bytes, TrainConfig};
+use crate::error::{EngineError, Result};
+use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::model::ModelConfig;
+use ferrotron_core::plan::{
+    check_layout, search, why_no_layout, ActivationModel, OptimizerKind, PlanInput, PlanModel,
+    Precision,
+};
+use ferrotron_core::topology::Cluster;
+
+/// The cluster cut to the `devices` a job has (an MPI world): whole nodes of the cluster's size, or
+/// one node of `devices` when fewer than a node. Anything else cannot be placed.
+pub fn cluster_for_job(mut cluster: Cluster, devices: usize) -> Result<Cluster> {
+    let per_node = cluster.devices_per_node;
+    if devices == 0 {
+        return Err(EngineError::Invalid("the job has no devices".into()));
+    }
+    if devices <= per_node {
+        cluster.nodes = 1;
+        cluster.devices_per_node = devices;
+    } else if devices.is_multiple_of(per_node) {
+        cluster.nodes = devices / per_node;
+    } else {
+        return Err(EngineError::Invalid(format!(
+            "the job has {devices} ranks, which do not fill whole nodes of {per_node} devices \
+             (cluster `{}`): run a multiple of {per_node} ranks, or give a cluster whose nodes \
+             match the job",
+            cluster.name
+        )));
+    }
+    Ok(cluster)
+}
+
+/// The planner's view of this run: the model's shape, the cluster (cut to the job's devices when
+/// they are fixed, with the configured device memory), the batch, the precision and the engine's
+/// activation model.
+pub fn plan_input(
+    cfg: &TrainConfig,
+    model: &ModelConfig,
+    job_devices: Option<usize>,
+) -> Result<PlanInput> {
+    let mut cluster = Cluster::parse(&cfg.cluster)?;
+    if let Some(n) = job_devices {
+        cluster = cluster_for_job(cluster, n)?;
+    }
+    if let Some(m) = &cfg.device_memory {
+        cluster.device_memory_bytes = parse_bytes(m)?;
+    }
+    Ok(PlanInput {
+        model: PlanModel::Shape(model.clone()),
+        cluster,
+        seq: cfg.seq_len,
+        global_batch: cfg.batch_size,
+        precision: Precision::parse(if cfg.storage()?.is_some() {
+            "weights=bf16,grads=bf16,master=fp32,optimizer=fp32"
+        } else {
+            "weights=fp32,grads=fp32,master=fp32,optimizer=fp32"
+        })?,
+        optimizer: OptimizerKind::Adam,
+        activation_model: ActivationModel::Ferrotron,
+        lora_rank: None,
+        // `layout = "auto"` keeps a tenth of each device free: the activation model and the
+        // communication buffers are estimates (within ~10% of what the tracking allocator measures).
+        memory_reserve: 0.1,
+        force_cross_node_tp: cfg.force_cross_node_tp,
+    })
+}
+
+/// The layouts to try, in order: the given one (checked against the model, batch and cluster), or
+/// under `auto` the planner's layouts that fit the job's devices, fastest first. When none does,
+/// the error says why for each way to cut the devices.
+pub fn resolve_layout(spec: &LayoutSpec, input: &PlanInput) -> Result<Vec<Layout>> {
+    if spec.auto_keys.is_empty() {
+        if !(spec.layout.is_single_device() && spec.layout.zero == 0) {
+            // The model's own divisibility first (heads, KV heads), then the cluster's rules.
+            if let PlanModel::Shape(model) = &input.model {
+                crate::parallel::TpShard::check(model, spec.layout.tp)?;
+            }
+            check_layout(input, &spec.layout)?;
+        }
+        return Ok(vec![spec.layout]);
+    }
+    let devices = input.cluster.world_size();
+    let candidates: Vec<Layout> = search(input)
+        .map_err(|e| EngineError::Invalid(format!("layout auto: {e}")))?
+        .into_iter()
+        .map(|p| p.layout)
+        .collect();
+    if candidates.is_empty() {
+        let reasons = why_no_layout(input);
+        return Err(EngineError::Invalid(format!(
+            "layout auto: no layout of the job's {devices} devices fits {} per device{}",
+            crate::memory::format_bytes(input.cluster.device_memory_bytes),
+            if reasons.is_empty() {
+                " (every cut keeps the rules; the model state and activations are too large)"
+                    .to_string()
+            } else {
+                format!(":\n{}", reasons.join("\n"))
+            }
+        )));
+    }
+    Ok(candidates)
+}

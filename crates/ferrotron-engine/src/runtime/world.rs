@@ -1,0 +1,193 @@
+//! Where a run's devices are: threads of this process, or one MPI rank each. The training loop
+//! ([`super::device_loop::run_device`]) is the same on both; the world decides how many devices
+//! the job has, which process reports, and how the devices are started.
+
+use super::config::TrainConfig;
+use super::device_loop::{layout_facts, run_device, with_prediction, RunOutcome, TrainingRun};
+use super::metrics::{MetricsWriter, StepFigures, StepReport};
+use crate::comm::{ClockSource, ThreadWorld};
+use crate::error::{EngineError, Result};
+use crate::memory;
+use std::path::Path;
+use std::sync::{mpsc, Mutex};
+use std::time::Duration;
+
+/// How long a device waits for a peer before it names the peer and gives up.
+const PEER_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The devices of a job.
+pub enum World {
+    /// Every device a thread of this process; as many as the layout has.
+    Threads,
+    /// This process is one device of an MPI job of `world_size` ranks.
+    #[cfg(feature = "mpi")]
+    Mpi(crate::comm::MpiComm),
+}
+
+impl World {
+    /// The world `cfg.backend` names (under MPI: joins the job).
+    pub fn open(cfg: &TrainConfig) -> Result<Self> {
+        match cfg.backend.as_str() {
+            #[cfg(feature = "mpi")]
+            "mpi" => Ok(World::Mpi(crate::comm::MpiComm::init(None)?)),
+            _ => Ok(World::Threads),
+        }
+    }
+
+    /// The devices the job has, when that is fixed by how it was started (the MPI world size);
+    /// `None` on threads, where the run starts as many as its layout needs.
+    pub fn fixed_devices(&self) -> Option<usize> {
+        match self {
+            World::Threads => None,
+            #[cfg(feature = "mpi")]
+            World::Mpi(c) => Some(crate::comm::Comm::world_size(c)),
+        }
+    }
+
+    /// Whether this process reports the run (writes metrics, the model, the summary).
+    pub fn reporter(&self) -> bool {
+        match self {
+            World::Threads => true,
+            #[cfg(feature = "mpi")]
+            World::Mpi(c) => crate::comm::Comm::rank(c) == 0,
+        }
+    }
+
+    /// Kernel threads for each device: a device alone in its process uses the cores; several
+    /// devices in one process compute on one thread each.
+    pub fn kernel_threads(&self, cfg: &TrainConfig, devices: usize) -> usize {
+        match self {
+            World::Threads if devices == 1 => cfg.kernel_threads(),
+            _ => 1,
+        }
+    }
+
+    /// Runs every device of `run`; the reporting process writes `metrics_path` (when `metrics` is
+    /// given) and returns the outcome, every other process `None`.
+    pub(super) fn run(
+        &mut self,
+        run: &TrainingRun,
+        metrics: Option<std::fs::File>,
+        metrics_path: &Path,
+        on_step: &mut dyn FnMut(&StepReport),
+    ) -> Result<Option<RunOutcome>> {
+        let layout = run.layout;
+        let world = layout.world_size();
+        if let Some(n) = self.fixed_devices() {
+            if n != world {
+                return Err(EngineError::Invalid(format!(
+                    "layout `{layout}` needs {world} devices, the job has {n} ranks"
+                )));
+            }
+        }
+        let (partition, coords, predicted) = layout_facts(run)?;
+        let writer = metrics.map(|f| MetricsWriter::new(run, f, metrics_path, &coords, &predicted));
+        let out = match self {
+            World::Threads => on_threads(run, &partition, writer, on_step),
+            #[cfg(feature = "mpi")]
+            World::Mpi(c) => {
+                let mut writer = writer;
+                let mut sink = |f: StepFigures| match writer.as_mut() {
+                    Some(w) => w.step(f, on_step),
+                    None => Ok(()),
+                };
+                // One device per process: its counters are its own (account = its rank).
+                let params = run_device(run, &partition, c, 0, &mut sink);
+                match (params, writer) {
+                    (Ok(Some(p)), Some(w)) => Ok(Some(w.finish(p))),
+                    (Ok(_), _) => Ok(None),
+                    // Every device learns of an out-of-memory at the same step and returns (so
+                    // `auto` can try the next layout on every rank); any other failure ends the job.
+                    (
+                        Err(
+                            e @ (EngineError::OutOfMemory { .. } | EngineError::PeerOutOfMemory(_)),
+                        ),
+                        _,
+                    ) => Err(e),
+                    (Err(e), _) => {
+                        let rank = crate::comm::Comm::rank(c);
+                        c.abort(&format!("rank {rank}: {e}"), 1)
+                    }
+                }
+            }
+        };
+        out.map_err(|e| with_prediction(e, &layout, &coords, &predicted))
+    }
+}
+
+/// Every device on a thread of its own; device 0's figures travel to this thread, which owns the
+/// metrics file and the callback.
+fn on_threads(
+    run: &TrainingRun,
+    partition: &ferrotron_core::schedule::StagePartition,
+    writer: Option<MetricsWriter>,
+    on_step: &mut dyn FnMut(&StepReport),
+) -> Result<Option<RunOutcome>> {
+    let world = run.layout.world_size();
+    if world > memory::MAX_DEVICES {
+        return Err(EngineError::Invalid(format!(
+            "layout `{}` has {world} devices; one process accounts for at most {}",
+            run.layout,
+            memory::MAX_DEVICES
+        )));
+    }
+    let mut writer = writer.expect("the threads backend reports its runs");
+    let accounts = memory::Accounts::claim(world);
+    let (tx, rx) = mpsc::channel::<Option<StepFigures>>();
+    let tx = Mutex::new(tx);
+    // A device alone in the process computes on several threads: its clock is elapsed time.
+    let clock = if run.kernel_threads > 1 {
+        ClockSource::Wall
+    } else {
+        ClockSource::ThreadCpu
+    };
+    let results = std::thread::scope(|scope| -> Result<_> {
+        let (tx, accounts) = (&tx, &accounts);
+        let devices = scope.spawn(move || {
+            let results = ThreadWorld::new(world)
+                .timeout(PEER_TIMEOUT)
+                .clock(clock)
+                .run(|c| {
+                    let mut sink = |f: StepFigures| {
+                        let _ = tx.lock().expect("no panics").send(Some(f));
+                        Ok(())
+                    };
+                    run_device(run, partition, c, accounts.base, &mut sink)
+                });
+            let _ = tx.lock().expect("no panics").send(None);
+            results
+        });
+        while let Ok(Some(f)) = rx.recv() {
+            writer.step(f, on_step)?;
+        }
+        Ok(devices.join().expect("the device threads are joined"))
+    })?;
+    first_error_or_model(results).map(|p| Some(writer.finish(p)))
+}
+
+/// The model device 0 gathered, or the error that ended the run: a device's own out-of-memory
+/// before its peers' reports of it, the first device's error otherwise.
+fn first_error_or_model(
+    results: Vec<crate::comm::CommResult<Result<Option<crate::transformer::ParamStore>>>>,
+) -> Result<crate::transformer::ParamStore> {
+    let mut params = None;
+    let mut first_error = None;
+    for (r, res) in results.into_iter().enumerate() {
+        match res.map_err(|e| EngineError::Invalid(format!("device {r}: {e}")))? {
+            Ok(Some(p)) => params = Some(p),
+            Ok(None) => {}
+            Err(e @ EngineError::OutOfMemory { .. }) => return Err(e),
+            Err(e @ EngineError::PeerOutOfMemory(_)) => {
+                first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                first_error.get_or_insert(EngineError::Invalid(format!("device {r}: {e}")));
+            }
+        }
+    }
+    match (first_error, params) {
+        (Some(e), _) => Err(e),
+        (None, Some(p)) => Ok(p),
+        (None, None) => Err(EngineError::Invalid("device 0 returned no model".into())),
+    }
+}
