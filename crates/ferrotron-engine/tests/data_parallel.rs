@@ -95,9 +95,9 @@ fn mesh_training(
                 &Training {
                     steps: batches.len(),
                     batch_of: &|k| batches[k].clone(),
-                    adam: adam,
-                    lr: &lr,
-                    clip: clip,
+                    adam,
+                    lr,
+                    clip,
                 },
                 &mut |_, _, _, r| {
                     losses.push(r.loss);
@@ -209,7 +209,7 @@ fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
                         &Training {
                             steps: 5,
                             batch_of: &|k| batches[k].clone(),
-                            adam: adam,
+                            adam,
                             lr: &lr,
                             clip: 1.0,
                         },

@@ -21,7 +21,7 @@ pub enum World {
     Threads,
     /// This process is one device of an MPI job of `world_size` ranks.
     #[cfg(feature = "mpi")]
-    Mpi(crate::comm::MpiComm),
+    Mpi(Box<crate::comm::MpiComm>),
 }
 
 impl World {
@@ -29,7 +29,7 @@ impl World {
     pub fn open(cfg: &TrainConfig) -> Result<Self> {
         match cfg.backend.as_str() {
             #[cfg(feature = "mpi")]
-            "mpi" => Ok(World::Mpi(crate::comm::MpiComm::init(None)?)),
+            "mpi" => Ok(World::Mpi(Box::new(crate::comm::MpiComm::init(None)?))),
             _ => Ok(World::Threads),
         }
     }
@@ -40,7 +40,7 @@ impl World {
         match self {
             World::Threads => None,
             #[cfg(feature = "mpi")]
-            World::Mpi(c) => Some(crate::comm::Comm::world_size(c)),
+            World::Mpi(c) => Some(crate::comm::Comm::world_size(c.as_ref())),
         }
     }
 
@@ -49,7 +49,7 @@ impl World {
         match self {
             World::Threads => true,
             #[cfg(feature = "mpi")]
-            World::Mpi(c) => crate::comm::Comm::rank(c) == 0,
+            World::Mpi(c) => crate::comm::Comm::rank(c.as_ref()) == 0,
         }
     }
 
@@ -92,7 +92,7 @@ impl World {
                     None => Ok(()),
                 };
                 // One device per process: its counters are its own (account = its rank).
-                let params = run_device(run, &partition, c, 0, &mut sink);
+                let params = run_device(run, &partition, c.as_mut(), 0, &mut sink);
                 match (params, writer) {
                     (Ok(Some(p)), Some(w)) => Ok(Some(w.finish(p))),
                     (Ok(_), _) => Ok(None),
@@ -105,7 +105,7 @@ impl World {
                         _,
                     ) => Err(e),
                     (Err(e), _) => {
-                        let rank = crate::comm::Comm::rank(c);
+                        let rank = crate::comm::Comm::rank(c.as_ref());
                         c.abort(&format!("rank {rank}: {e}"), 1)
                     }
                 }
