@@ -126,38 +126,50 @@ fn losses(dir: &std::path::Path) -> Vec<f64> {
         .collect()
 }
 
+/// `ferrotron train` on the llama_tiny fixture and the bundled text, sequences of 32 tokens, no
+/// evaluation, into `out`; `extra` adds or overrides flags.
+fn train_args(out: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/gnu-manuals.txt");
+    let model = fixture("llama_tiny");
+    let mut args: Vec<String> = [
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "0",
+        "--out-dir",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
 #[test]
 fn training_under_mpi_matches_the_threads_backend_step_by_step() {
     let root = std::env::temp_dir().join(format!("ferrotron-mpi-train-{}", std::process::id()));
-    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/gnu-manuals.txt");
-    let model = fixture("llama_tiny");
-    let args = |backend: &str, out: &std::path::Path| -> Vec<String> {
-        [
-            "train",
-            "--model",
-            model.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--layout",
-            "dp=2,tp=2,pp=2,zero=1",
-            "--steps",
-            "4",
-            "--batch-size",
-            "8",
-            "--seq-len",
-            "32",
-            "--eval-every",
-            "0",
-            "--checkpoint-every",
-            "2",
-            "--backend",
-            backend,
-            "--out-dir",
-            out.to_str().unwrap(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    let args = |backend: &str, out: &std::path::Path| {
+        train_args(
+            out,
+            &[
+                "--layout",
+                "dp=2,tp=2,pp=2,zero=1",
+                "--steps",
+                "4",
+                "--batch-size",
+                "8",
+                "--checkpoint-every",
+                "2",
+                "--backend",
+                backend,
+            ],
+        )
     };
     let (mpi_dir, threads_dir) = (root.join("mpi"), root.join("threads"));
     let a = args("mpi", &mpi_dir);
@@ -215,33 +227,20 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
 #[test]
 fn auto_plans_for_the_job_s_ranks() {
     let root = std::env::temp_dir().join(format!("ferrotron-mpi-auto-{}", std::process::id()));
-    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/gnu-manuals.txt");
-    let model = fixture("llama_tiny");
-    let args = |out: &std::path::Path, batch: &str| -> Vec<String> {
-        [
-            "train",
-            "--model",
-            model.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--layout",
-            "auto",
-            "--steps",
-            "2",
-            "--batch-size",
-            batch,
-            "--seq-len",
-            "32",
-            "--eval-every",
-            "0",
-            "--backend",
-            "mpi",
-            "--out-dir",
-            out.to_str().unwrap(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    let args = |out: &std::path::Path, batch: &str| {
+        train_args(
+            out,
+            &[
+                "--layout",
+                "auto",
+                "--steps",
+                "2",
+                "--batch-size",
+                batch,
+                "--backend",
+                "mpi",
+            ],
+        )
     };
     // Two ranks: a two-device layout, trained.
     let a = args(&root.join("two"), "8");

@@ -451,3 +451,38 @@ fn megatron_activations_follow_the_published_multipliers() {
         closed.activations
     );
 }
+
+#[test]
+fn with_no_layout_to_run_the_search_says_what_each_cut_breaks() {
+    // 3 devices, 4 layers, 4 heads, a batch of 8: no cut of 3 divides anything.
+    let mut input = small_input("arch=llama,layers=4,hidden=64,heads=4,vocab=256");
+    input.cluster = Cluster::parse("dgx-a100-80g,devices_per_node=3").unwrap();
+    input.global_batch = 8;
+    let e = search(&input).unwrap_err().to_string();
+    assert!(e.contains("no layout of 3 devices"), "{e}");
+    for (cut, why) in [
+        ("dp=3,tp=1,pp=1", "not divisible by dp·mbs = 3"),
+        (
+            "dp=1,tp=3,pp=1",
+            "4 attention heads are not divisible by tp=3",
+        ),
+        (
+            "dp=1,tp=1,pp=3",
+            "pp=3 does not divide the model's 4 layers",
+        ),
+    ] {
+        assert!(
+            e.lines().any(|l| l.contains(cut) && l.contains(why)),
+            "{cut}: {why}\n{e}"
+        );
+    }
+    // Cuts that keep the rules but do not fit say how much the plainest of them needs.
+    let mut big = small_input("arch=llama,layers=4,hidden=64,heads=4,vocab=256");
+    big.cluster = Cluster::parse("dgx-a100-80g,devices_per_node=2,memory_gib=0.0001").unwrap();
+    let why = why_no_layout(&big);
+    assert!(
+        why.iter()
+            .any(|l| l.contains("dp=2,tp=1,pp=1") && l.contains("keeps the rules; needs")),
+        "{why:?}"
+    );
+}

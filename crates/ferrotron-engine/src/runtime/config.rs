@@ -161,10 +161,11 @@ impl TrainConfig {
         given: &dyn Fn(&str) -> bool,
         source: &str,
     ) -> Result<TrainConfig> {
-        let mut merged = match serde_json::to_value(TrainConfig::default()) {
+        let defaults = match serde_json::to_value(TrainConfig::default()) {
             Ok(serde_json::Value::Object(m)) => m,
             _ => unreachable!("a struct serialises to an object"),
         };
+        let mut merged = defaults.clone();
         if let Some(t) = toml {
             for (k, v) in t {
                 if !merged.contains_key(&k) {
@@ -183,14 +184,20 @@ impl TrainConfig {
                 }
             }
         }
-        let keys: Vec<String> = merged.keys().cloned().collect();
-        serde_json::from_value(serde_json::Value::Object(merged)).map_err(|e| {
-            // serde's message names the type, not always the key: name the key when it is there.
-            let msg = e.to_string();
-            let key = keys.iter().find(|k| msg.contains(&format!("`{k}`")));
-            EngineError::Invalid(match key {
-                Some(_) => format!("{source}: {msg}"),
-                None => format!("{source}: bad train config: {msg}"),
+        serde_json::from_value(serde_json::Value::Object(merged.clone())).map_err(|e| {
+            // serde names the type it expected, not the key: find the key by trying each value
+            // alone on the defaults. A NaN or infinity has no JSON form and arrives as null.
+            let bad = merged.iter().find(|(k, v)| {
+                let mut one = defaults.clone();
+                one.insert((*k).clone(), (*v).clone());
+                serde_json::from_value::<TrainConfig>(serde_json::Value::Object(one)).is_err()
+            });
+            EngineError::Invalid(match bad {
+                Some((k, v)) if v.is_null() => {
+                    format!("{source}: `{k}` must be a finite number")
+                }
+                Some((k, _)) => format!("{source}: `{k}`: {e}"),
+                None => format!("{source}: bad train config: {e}"),
             })
         })
     }
@@ -338,5 +345,16 @@ mod tests {
         bad.insert("stepz".into(), 3.into());
         let e = TrainConfig::layered(Some(bad), &flags, &|_| false, "run.toml").unwrap_err();
         assert!(e.to_string().contains("unknown key `stepz`"), "{e}");
+        // A NaN flag and a wrongly typed key are named.
+        let nan = TrainConfig {
+            lr: f64::NAN,
+            ..TrainConfig::default()
+        };
+        let e = TrainConfig::layered(None, &nan, &|k| k == "lr", "flags").unwrap_err();
+        assert_eq!(e.to_string(), "flags: `lr` must be a finite number");
+        let typed: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(r#"{"batch_size": "eight"}"#).unwrap();
+        let e = TrainConfig::layered(Some(typed), &flags, &|_| false, "run.toml").unwrap_err();
+        assert!(e.to_string().starts_with("run.toml: `batch_size`: "), "{e}");
     }
 }

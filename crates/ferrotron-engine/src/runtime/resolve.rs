@@ -104,3 +104,20 @@ pub fn resolve_layout(spec: &LayoutSpec, input: &PlanInput) -> Result<Vec<Layout
     }
     Ok(candidates)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cluster_is_cut_to_the_job_s_devices() {
+        let eight = Cluster::parse("dgx-a100-80g,nodes=2").unwrap();
+        let one_node = cluster_for_job(eight.clone(), 3).unwrap();
+        assert_eq!((one_node.nodes, one_node.devices_per_node), (1, 3));
+        let two_nodes = cluster_for_job(eight.clone(), 16).unwrap();
+        assert_eq!((two_nodes.nodes, two_nodes.devices_per_node), (2, 8));
+        let e = cluster_for_job(eight.clone(), 12).unwrap_err().to_string();
+        assert!(e.contains("12 ranks") && e.contains("nodes of 8"), "{e}");
+        assert!(cluster_for_job(eight, 0).is_err());
+    }
+}

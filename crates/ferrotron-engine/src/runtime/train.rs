@@ -202,12 +202,17 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         warmup_steps: cfg.warmup_steps,
         total_steps: cfg.steps,
     };
-    let initial_val_loss = validation_loss(
-        &sp.model,
-        &sp.params,
-        &data.val_batches,
-        cfg.kernel_threads(),
-    );
+    // Only the reporting process uses it (under MPI every rank would otherwise compute it).
+    let initial_val_loss = if world.reporter() {
+        validation_loss(
+            &sp.model,
+            &sp.params,
+            &data.val_batches,
+            cfg.kernel_threads(),
+        )
+    } else {
+        f64::NAN
+    };
     let metrics_path = cfg.out_dir.join("metrics.jsonl");
     let auto = !layout_spec.auto_keys.is_empty();
     let mut tried = Vec::new();

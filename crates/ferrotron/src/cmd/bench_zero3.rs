@@ -60,6 +60,10 @@ fn measure(
 }
 
 pub fn run(model: &str, dps: &[usize], link_gb_s: f64, batch: usize, seq: usize) -> Result<()> {
+    anyhow::ensure!(
+        link_gb_s.is_finite() && link_gb_s > 0.0,
+        "--link-gb-s {link_gb_s}: the link's bandwidth must be a positive number of GB/s"
+    );
     let cfg = preset(model)?;
     let params = ParamStore::init_random(&cfg, 0);
     let tokens = TokenBatch {
