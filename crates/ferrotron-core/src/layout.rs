@@ -100,6 +100,9 @@ pub struct LayoutSpec {
     pub given_keys: Vec<String>,
 }
 
+/// The largest value of a layout's integer keys: products of a few of them stay far from overflow.
+pub const MAX_LAYOUT_SIZE: usize = 1 << 20;
+
 pub const LAYOUT_KEYS: &[&str] = &[
     "dp",
     "tp",
@@ -151,6 +154,10 @@ impl LayoutSpec {
             }
             let positive = |v: &str| -> Result<usize> {
                 match v.parse::<usize>() {
+                    Ok(n) if n > MAX_LAYOUT_SIZE => Err(bad(
+                        key,
+                        format!("{n} is beyond the largest size handled ({MAX_LAYOUT_SIZE})"),
+                    )),
                     Ok(n) if n > 0 => Ok(n),
                     _ => Err(bad(key, format!("`{v}` is not a positive integer"))),
                 }

@@ -102,22 +102,35 @@ impl RankGrid {
         out
     }
 
+    /// How far apart consecutive ranks of a group along `d` are.
+    fn stride(&self, d: Dim) -> usize {
+        match d {
+            Dim::Tp => 1,
+            Dim::Dp => self.tp,
+            Dim::Pp => self.tp * self.dp,
+        }
+    }
+
     /// True when every group along `d` sits inside one node. A group's ranks increase along it, so
-    /// its first and last rank sharing a node means all of them do.
+    /// it does when its first and last rank share a node: when `first mod n + span < n` (n devices
+    /// per node, span its last rank − its first). Only the largest residue of a first rank matters,
+    /// and residues repeat within n steps, so this takes at most n² steps however large the grid
+    /// (the planner asks it for every candidate of a search).
     pub fn within_nodes(&self, d: Dim) -> bool {
-        (0..self.world_size())
-            .filter(|&r| {
-                let (t, dd, p) = self.coords(r);
-                match d {
-                    Dim::Tp => t == 0,
-                    Dim::Dp => dd == 0,
-                    Dim::Pp => p == 0,
-                }
-            })
-            .all(|first| {
-                let last = *self.group_ranks(first, d).last().expect("a group");
-                self.node_of(first) == self.node_of(last)
-            })
+        let n = self.devices_per_node;
+        let span = (self.size(d) - 1) * self.stride(d);
+        let (tp, dp, pp) = (self.tp, self.dp, self.pp);
+        let highest = match d {
+            // First ranks: tp·j for every (dp, pp) pair j.
+            Dim::Tp => (0..(dp * pp).min(n)).map(|j| (j * tp) % n).max(),
+            // First ranks: t + tp·dp·p.
+            Dim::Dp => (0..tp.min(n))
+                .flat_map(|t| (0..pp.min(n)).map(move |p| (t + tp * dp * p) % n))
+                .max(),
+            // First ranks: every rank of stage 0, 0 .. tp·dp.
+            Dim::Pp => Some((tp * dp).min(n) - 1),
+        };
+        highest.unwrap_or(0) + span < n
     }
 
     /// The previous and next pipeline stage's rank (same tp and dp coordinates), if any.
@@ -132,6 +145,26 @@ impl RankGrid {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn within_nodes_agrees_with_checking_every_group() {
+        for tp in 1..=6 {
+            for dp in 1..=5 {
+                for pp in 1..=4 {
+                    for n in 1..=9 {
+                        let g = RankGrid::new(tp, dp, pp, n).unwrap();
+                        for d in Dim::ALL {
+                            let every = g
+                                .groups(d)
+                                .iter()
+                                .all(|gr| gr.iter().all(|&r| g.node_of(r) == g.node_of(gr[0])));
+                            assert_eq!(g.within_nodes(d), every, "{g:?} {d:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn megatron_rank_order_groups_and_nodes() {

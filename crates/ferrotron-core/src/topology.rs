@@ -44,6 +44,9 @@ pub const CLUSTER_PRESETS: &[&str] = &["dgx-a100-80g", "dgx-h100-80g", "this-mac
 const GB: f64 = 1e9;
 const GIB: u64 = 1 << 30;
 
+/// The most devices a cluster may have (a million: ten times the largest training clusters).
+pub const MAX_DEVICES: usize = 1 << 20;
+
 impl Cluster {
     pub fn world_size(&self) -> usize {
         self.nodes * self.devices_per_node
@@ -186,10 +189,15 @@ impl Cluster {
                 },
             },
         };
+        let mut seen = Vec::new();
         for item in items {
             let (k, v) = item
                 .split_once('=')
                 .ok_or_else(|| bad(item, "expected key=value".into()))?;
+            if seen.contains(&k.trim()) {
+                return Err(bad(k, "given twice".into()));
+            }
+            seen.push(k.trim());
             let x: f64 = v
                 .trim()
                 .parse()
@@ -198,10 +206,13 @@ impl Cluster {
                 return Err(bad(k, format!("`{v}` must be a non-negative number")));
             }
             let whole = || -> Result<usize> {
-                if x.fract() == 0.0 && x >= 1.0 {
+                if x.fract() == 0.0 && x >= 1.0 && x <= MAX_DEVICES as f64 {
                     Ok(x as usize)
                 } else {
-                    Err(bad(k, format!("`{v}` must be a positive integer")))
+                    Err(bad(
+                        k,
+                        format!("`{v}` must be a whole number from 1 to {MAX_DEVICES}"),
+                    ))
                 }
             };
             match k.trim() {
@@ -238,10 +249,21 @@ impl Cluster {
                 "link_efficiency",
                 c.calibration.link_efficiency > 0.0 && c.calibration.link_efficiency <= 1.0,
             ),
+            ("dp_overlap", c.calibration.dp_overlap <= 1.0),
+            ("gemm_half_width", c.calibration.gemm_half_width > 0.0),
         ] {
             if !ok {
                 return Err(bad(field, "missing, zero or out of range".into()));
             }
+        }
+        if c.nodes.saturating_mul(c.devices_per_node) > MAX_DEVICES {
+            return Err(bad(
+                "nodes",
+                format!(
+                    "{} nodes × {} devices is beyond the {MAX_DEVICES} devices the planner handles",
+                    c.nodes, c.devices_per_node
+                ),
+            ));
         }
         Ok(c)
     }

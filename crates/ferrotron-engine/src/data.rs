@@ -61,17 +61,22 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
 
 /// Trains a byte-level BPE tokenizer of `vocab_size` entries on `docs`, or loads the one cached in
 /// `cache_dir` from an earlier run on the same text and size.
+/// Where [`train_or_load_tokenizer`] caches the tokenizer of these documents and vocabulary size.
+pub fn tokenizer_cache_path(docs: &[String], vocab_size: usize, cache_dir: &Path) -> PathBuf {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&(docs, vocab_size, "bpe-bytelevel-v1"), &mut h);
+    cache_dir.join(format!(
+        "tokenizer-{:016x}.json",
+        std::hash::Hasher::finish(&h)
+    ))
+}
+
 pub fn train_or_load_tokenizer(
     docs: &[String],
     vocab_size: usize,
     cache_dir: &Path,
 ) -> Result<(Tokenizer, PathBuf)> {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    std::hash::Hash::hash(&(docs, vocab_size, "bpe-bytelevel-v1"), &mut h);
-    let path = cache_dir.join(format!(
-        "tokenizer-{:016x}.json",
-        std::hash::Hasher::finish(&h)
-    ));
+    let path = tokenizer_cache_path(docs, vocab_size, cache_dir);
     if path.exists() {
         return Ok((load_tokenizer(&path)?, path));
     }
@@ -259,6 +264,55 @@ pub fn validation_batches(
             seq,
         })
         .collect()
+}
+
+/// Reads a token file: a safetensors file with `input_ids` ([batch, seq], int64 or int32). The
+/// ids are only read here; [`TokenBatch::check`] says whether they fit a model.
+pub fn read_token_file(path: &Path) -> Result<TokenBatch> {
+    let bytes = std::fs::read(path).map_err(|e| EngineError::io(path, e))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| EngineError::format(path, format!("not a valid safetensors file: {e}")))?;
+    let view = st
+        .tensor("input_ids")
+        .map_err(|_| EngineError::format(path, "tensor `input_ids` is missing"))?;
+    let &[batch, seq] = view.shape() else {
+        return Err(EngineError::format(
+            path,
+            format!(
+                "tensor `input_ids` has shape {:?}, expected [batch, seq]",
+                view.shape()
+            ),
+        ));
+    };
+    let ids: Vec<i64> = match view.dtype() {
+        safetensors::Dtype::I64 => view
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect(),
+        safetensors::Dtype::I32 => view
+            .data()
+            .chunks_exact(4)
+            .map(|b| i64::from(i32::from_le_bytes(b.try_into().expect("4 bytes"))))
+            .collect(),
+        d => {
+            return Err(EngineError::format(
+                path,
+                format!("tensor `input_ids` has dtype {d:?}, expected int64 or int32"),
+            ))
+        }
+    };
+    if let Some(bad) = ids.iter().find(|&&i| u32::try_from(i).is_err()) {
+        return Err(EngineError::format(
+            path,
+            format!("`input_ids` holds the invalid id {bad}"),
+        ));
+    }
+    Ok(TokenBatch {
+        ids: ids.into_iter().map(|i| i as u32).collect(),
+        batch,
+        seq,
+    })
 }
 
 #[cfg(test)]

@@ -76,11 +76,14 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         })?;
     let mut files: Vec<PathBuf> = map
         .values()
-        .map(|f| f.as_str().map(|f| dir.join(f)))
-        .collect::<Option<_>>()
-        .ok_or_else(|| {
-            EngineError::format(&index, "field `weight_map` has a non-string file name")
-        })?;
+        .map(|f| match f.as_str() {
+            Some(f) => crate::paths::contained(dir, f, &index),
+            None => Err(EngineError::format(
+                &index,
+                "field `weight_map` has a non-string file name",
+            )),
+        })
+        .collect::<Result<_>>()?;
     files.sort();
     files.dedup();
     Ok(files)

@@ -13,6 +13,7 @@ pub mod comm;
 pub mod data;
 pub mod optim;
 pub mod parallel;
+pub mod paths;
 pub mod runtime;
 
 /// Training frees and reallocates the same large activation buffers every step. glibc would hand them

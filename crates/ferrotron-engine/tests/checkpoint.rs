@@ -331,6 +331,42 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
         "{e}"
     );
 
+    // A manifest naming a file outside the checkpoint: refused, though the file checks out.
+    let d = damaged_copy(&good, "escape");
+    let outside = d.parent().unwrap().join("escaped-rank-00001.safetensors");
+    std::fs::rename(d.join("rank-00001.safetensors"), &outside).unwrap();
+    let path = d.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).unwrap().replace(
+        "\"rank-00001.safetensors\"",
+        "\"../escaped-rank-00001.safetensors\"",
+    );
+    std::fs::write(&path, text).unwrap();
+    let e = open_err(&d);
+    assert!(
+        e.contains(MANIFEST)
+            && e.contains("../escaped-rank-00001")
+            && e.contains("must lie inside"),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(outside);
+
+    // A `latest` that points out of its directory.
+    let root = temp_dir("latest-escape");
+    std::fs::write(
+        root.join(ferrotron_engine::checkpoint::LATEST),
+        format!("../../{}\n", good.strip_prefix("/").unwrap().display()),
+    )
+    .unwrap();
+    let e = open_err(&root);
+    assert!(e.contains("latest") && e.contains("must lie inside"), "{e}");
+
+    // The run's tokenizer travels with the checkpoint, checksummed.
+    let d = damaged_copy(&good, "tokenizer");
+    assert!(d.join("tokenizer.json").exists());
+    std::fs::write(d.join("tokenizer.json"), "{}").unwrap();
+    let e = open_err(&d);
+    assert!(e.contains("tokenizer.json") && e.contains("corrupt"), "{e}");
+
     // A corrupt manifest.
     let d = damaged_copy(&good, "badjson");
     std::fs::write(d.join(MANIFEST), "{\"format\": ").unwrap();

@@ -123,6 +123,23 @@ fn sharded_checkpoint_loads_like_a_single_file() {
             .zip(b)
             .all(|(&x, &y)| half::f16::from_f32(x).to_f32() == y));
     }
+    // An index that names a file outside the model directory is refused, though the file is there.
+    let outside = dir.parent().unwrap().join(format!(
+        "ferrotron-outside-{}.safetensors",
+        std::process::id()
+    ));
+    std::fs::rename(dir.join("model-00002-of-00002.safetensors"), &outside).unwrap();
+    let escaped = index.to_string().replace(
+        "model-00002-of-00002.safetensors",
+        &format!("../{}", outside.file_name().unwrap().to_str().unwrap()),
+    );
+    std::fs::write(dir.join("model.safetensors.index.json"), escaped).unwrap();
+    let e = hf::load_model(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("model.safetensors.index.json") && e.contains("must lie inside"),
+        "{e}"
+    );
+    std::fs::remove_file(outside).ok();
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -39,10 +39,39 @@ enum Command {
     Bench(cmd::bench::BenchCommand),
 }
 
+/// `--lr -1` is a value to refuse with a reason, not an unknown flag `-1`: every option that takes
+/// a value accepts a negative number, in every subcommand.
+fn accept_negative_numbers(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        if a.get_action().takes_values() {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(accept_negative_numbers)
+}
+
+/// The error and its causes joined by `: `, each cause once: many errors already quote their
+/// source in their own message (`path: cannot read: No such file…`).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if !text.contains(&part) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&part);
+        }
+    }
+    text
+}
+
 fn main() {
     ferrotron_engine::keep_freed_memory_in_process();
     // The matches are kept: `train` asks them which settings were given as flags.
-    let matches = Cli::command().get_matches();
+    let matches = accept_negative_numbers(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Train(a) => cmd::train::run(
@@ -60,7 +89,7 @@ fn main() {
         Command::Checkpoint(c) => cmd::checkpoint::run(c),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_chain(&e));
         std::process::exit(1);
     }
 }

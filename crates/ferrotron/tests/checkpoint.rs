@@ -217,6 +217,11 @@ fn checkpoint_commands_inspect_reshard_export_and_import() {
         hf.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // A whole model: the tokenizer came in with the import and goes out with the export.
+    assert_eq!(
+        std::fs::read(hf.join("tokenizer.json")).unwrap(),
+        std::fs::read(fixture("gpt2_tiny").join("tokenizer.json")).unwrap()
+    );
     let want = read_f32(&fixture("gpt2_tiny").join("model.safetensors"));
     let got = read_f32(&hf.join("model.safetensors"));
     for (name, (shape, values)) in &got {

@@ -261,3 +261,40 @@ fn auto_plans_for_the_job_s_ranks() {
         "{text}"
     );
 }
+
+/// The README's `mpirun` commands, shortened like the others (`tests/readme.rs`), in a directory
+/// laid out like a fresh clone.
+#[test]
+fn readme_mpirun_commands_run() {
+    let dir = temp_dir("readme-mpi");
+    common::readme::clone_like(&dir);
+    let mut ran = 0;
+    for c in common::readme::commands() {
+        if c.words[0] != "mpirun" {
+            continue;
+        }
+        let mut words = common::readme::shortened(&c.words[1..]);
+        let bin = words
+            .iter()
+            .position(|w| w.ends_with("target/release/ferrotron"))
+            .expect("the README runs target/release/ferrotron");
+        words[bin] = env!("CARGO_BIN_EXE_ferrotron").to_string();
+        let out = Command::new("mpirun")
+            .args(&words)
+            .current_dir(&dir)
+            .output()
+            .expect("mpirun runs");
+        assert!(
+            out.status.success(),
+            "README line {}: `mpirun {}` failed:\n{}",
+            c.line,
+            words.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Only rank 0 speaks: one banner, however many ranks.
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.matches("ferrotron train:").count() <= 1, "{err}");
+        ran += 1;
+    }
+    assert!(ran >= 2, "only {ran} mpirun commands found");
+}

@@ -166,7 +166,7 @@ fn bad_profile_input_is_refused_clearly() {
     let (ok, text) = profile(&["--layout", "tp=3"], &out);
     assert!(!ok && text.contains("heads"), "{text}");
     let (ok, text) = profile(&["--layout", "dp=3", "--batch", "8"], &out);
-    assert!(!ok && text.contains("divisible"), "{text}");
+    assert!(!ok && text.contains("does not divide among dp=3"), "{text}");
 }
 
 #[test]

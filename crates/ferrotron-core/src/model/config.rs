@@ -2,6 +2,12 @@ use crate::error::{ConfigError, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+/// The largest single dimension (vocabulary, width, layers, positions…) a model may have: every
+/// shape product then fits a 64-bit count.
+pub const MAX_DIMENSION: usize = 1 << 31;
+/// The largest parameter count: 16 bytes each still fit a 64-bit byte count many times over.
+pub const MAX_PARAMS: f64 = 1e15;
+
 /// The two transformer families ferrotron implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -255,6 +261,23 @@ impl ModelConfig {
                 return Err((name.into(), "must be positive".into()));
             }
         }
+        for (name, value) in positive {
+            if value > MAX_DIMENSION {
+                return Err((
+                    name.into(),
+                    format!("{value} is beyond the largest size handled ({MAX_DIMENSION})"),
+                ));
+            }
+        }
+        let params = self.approx_num_params();
+        if params > MAX_PARAMS {
+            return Err((
+                "num_hidden_layers".into(),
+                format!(
+                    "this shape has ~{params:.2e} parameters, beyond the {MAX_PARAMS:.0e} whose byte counts the planner and engine hold"
+                ),
+            ));
+        }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err((
                 "num_key_value_heads".into(),
@@ -280,6 +303,23 @@ impl ModelConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The parameter count in floating point, which cannot overflow: what `validate` bounds before
+    /// any exact (integer) count is taken.
+    pub fn approx_num_params(&self) -> f64 {
+        let f = |x: usize| x as f64;
+        let (h, q, kv) = (
+            f(self.hidden_size),
+            f(self.num_heads) * f(self.head_dim),
+            f(self.num_kv_heads) * f(self.head_dim),
+        );
+        let mlp = if self.arch == Arch::Llama { 3.0 } else { 2.0 };
+        let layer = 2.0 * h * q + 2.0 * h * kv + mlp * h * f(self.intermediate_size);
+        let tables = if self.tie_word_embeddings { 1.0 } else { 2.0 };
+        f(self.num_layers) * layer
+            + tables * f(self.vocab_size) * h
+            + f(self.max_position_embeddings) * h
     }
 
     /// Writes a `config.json` that Hugging Face transformers loads.
@@ -358,9 +398,15 @@ impl Reader<'_> {
     fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
-                self.field(key, format!("expected a non-negative integer, found {v}"))
-            }),
+            Some(v) => match v.as_u64() {
+                // Bounded here, before any size is multiplied out of it.
+                Some(n) if n as usize > MAX_DIMENSION => Err(self.field(
+                    key,
+                    format!("{n} is beyond the largest size handled ({MAX_DIMENSION})"),
+                )),
+                Some(n) => Ok(Some(n as usize)),
+                None => Err(self.field(key, format!("expected a non-negative integer, found {v}"))),
+            },
         }
     }
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {

@@ -5,6 +5,8 @@ mod config;
 mod params;
 mod presets;
 
-pub use config::{Activation, Arch, ModelConfig, NormKind, PositionKind};
+pub use config::{
+    Activation, Arch, ModelConfig, NormKind, PositionKind, MAX_DIMENSION, MAX_PARAMS,
+};
 pub use params::{LayerParamNames, ParamSpec, WeightLayout};
 pub use presets::{preset, PRESET_NAMES};

@@ -85,6 +85,30 @@ impl PlanInput {
     pub fn usable_memory(&self) -> u64 {
         (self.cluster.device_memory_bytes as f64 * (1.0 - self.memory_reserve)) as u64
     }
+
+    /// What must hold whatever the layout: each failure names its flag.
+    pub fn check(&self) -> Result<()> {
+        let flag = |name: &str, msg: String| ConfigError::Invalid(format!("{name}: {msg}"));
+        if self.seq == 0 {
+            return Err(flag("--seq", "a sequence needs at least one token".into()));
+        }
+        if self.global_batch == 0 {
+            return Err(flag(
+                "--global-batch",
+                "a step needs at least one sequence".into(),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.memory_reserve) {
+            return Err(flag(
+                "--reserve",
+                format!("{} is not a fraction in [0, 1)", self.memory_reserve),
+            ));
+        }
+        if self.lora_rank == Some(0) {
+            return Err(flag("--lora-rank", "a LoRA rank must be at least 1".into()));
+        }
+        Ok(())
+    }
 }
 
 /// The planner's verdict on one layout. Field names are a stable interface (`plan --json`).
@@ -119,30 +143,42 @@ fn rule(field: &str, msg: String) -> ConfigError {
 
 /// The rules every layout must keep on this model and cluster; each failure names the key.
 pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
+    input.check()?;
     let c = &input.cluster;
     if l.world_size() > c.world_size() {
+        // Blame the largest dimension: that is the one a user mistyped or must shrink.
+        let blamed = [("pp", l.pp), ("tp", l.tp), ("dp", l.dp)]
+            .into_iter()
+            .max_by_key(|&(_, n)| n)
+            .map_or("dp", |(k, _)| k);
         return Err(rule(
-            "dp",
+            blamed,
             format!(
-                "dp·tp·pp = {} devices, but the cluster has {}",
+                "dp·tp·pp = {}·{}·{} = {} devices, but the cluster has {}",
+                l.dp,
+                l.tp,
+                l.pp,
                 l.world_size(),
                 c.world_size()
             ),
         ));
     }
-    if input.global_batch == 0 || input.seq == 0 {
+    if !input.global_batch.is_multiple_of(l.dp) {
         return Err(rule(
-            "global-batch",
-            "the global batch and sequence length must be positive".into(),
+            "dp",
+            format!(
+                "the global batch of {} sequences does not divide among dp={} replicas",
+                input.global_batch, l.dp
+            ),
         ));
     }
     if !input.global_batch.is_multiple_of(l.dp * l.micro_batch_size) {
         return Err(rule(
             "mbs",
             format!(
-                "the global batch {} is not divisible by dp·mbs = {}",
-                input.global_batch,
-                l.dp * l.micro_batch_size
+                "each replica's {} sequences are not divisible by mbs={}",
+                input.global_batch / l.dp,
+                l.micro_batch_size
             ),
         ));
     }

@@ -148,6 +148,7 @@ fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {
 
 /// The layouts that fit, best (shortest step; smallest memory for a bare parameter count) first.
 pub fn search(input: &PlanInput) -> Result<Vec<Plan>> {
+    input.check()?;
     let all = enumerate(input);
     if all.is_empty() {
         return Err(ConfigError::Invalid(format!(

@@ -2,7 +2,7 @@
 //! policy, optimizer, activation model.
 
 use crate::error::{ConfigError, Result};
-use crate::model::{preset, Arch, ModelConfig, PRESET_NAMES};
+use crate::model::{preset, Arch, ModelConfig, MAX_DIMENSION, MAX_PARAMS, PRESET_NAMES};
 use std::path::Path;
 
 /// What the planner knows of the model.
@@ -37,8 +37,14 @@ impl PlanModel {
             let p: f64 = n
                 .parse()
                 .map_err(|_| bad("params", format!("`{n}` is not a number")))?;
-            if !(p.is_finite() && p > 0.0) {
-                return Err(bad("params", format!("`{n}` must be positive")));
+            if !(p.is_finite() && p >= 1.0) {
+                return Err(bad("params", format!("`{n}` must be at least 1")));
+            }
+            if p > MAX_PARAMS {
+                return Err(bad(
+                    "params",
+                    format!("`{n}` is beyond the {MAX_PARAMS:.0e} parameters the planner's byte counts hold"),
+                ));
             }
             return Ok(Self::ParamsOnly(p));
         }
@@ -86,6 +92,9 @@ impl PlanModel {
                 .split_once('=')
                 .ok_or_else(|| bad(item, "expected key=value".into()))?;
             if k == "arch" {
+                if arch.is_some() {
+                    return Err(bad("arch", "given twice".into()));
+                }
                 arch = Some(match v {
                     "gpt" | "gpt2" => Arch::Gpt2,
                     "llama" => Arch::Llama,
@@ -112,7 +121,15 @@ impl PlanModel {
             if n <= 0 {
                 return Err(bad(k, format!("`{v}` must be positive")));
             }
-            nums.insert(k, n as usize);
+            if n as u64 > MAX_DIMENSION as u64 {
+                return Err(bad(
+                    k,
+                    format!("{n} is beyond the largest size handled ({MAX_DIMENSION})"),
+                ));
+            }
+            if nums.insert(k, n as usize).is_some() {
+                return Err(bad(k, "given twice".into()));
+            }
         }
         let get = |k: &str| nums.get(k).copied().ok_or_else(|| bad(k, "missing".into()));
         let arch = arch.ok_or_else(|| bad("arch", "missing".into()))?;

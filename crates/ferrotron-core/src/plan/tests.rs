@@ -461,7 +461,7 @@ fn with_no_layout_to_run_the_search_says_what_each_cut_breaks() {
     let e = search(&input).unwrap_err().to_string();
     assert!(e.contains("no layout of 3 devices"), "{e}");
     for (cut, why) in [
-        ("dp=3,tp=1,pp=1", "not divisible by dp·mbs = 3"),
+        ("dp=3,tp=1,pp=1", "does not divide among dp=3 replicas"),
         (
             "dp=1,tp=3,pp=1",
             "4 attention heads are not divisible by tp=3",

@@ -2,6 +2,11 @@ use super::{Action, PipelineSchedule};
 use crate::error::{ConfigError, Result};
 use crate::layout::Schedule;
 
+/// The most actions a schedule may hold (all stages together): ~16M, far beyond any real pipeline
+/// (128 stages × 4,096 micro-batches × 8 chunks is 12.6M), so a mistyped size is an error, not
+/// gigabytes.
+pub const MAX_ACTIONS: usize = 1 << 24;
+
 /// Builds the per-stage action lists of `kind` for `stages` × `micro_batches` × `chunks`.
 pub fn build(
     kind: Schedule,
@@ -14,6 +19,13 @@ pub fn build(
         return Err(ConfigError::Invalid(
             "a schedule needs at least one stage, micro-batch and chunk".into(),
         ));
+    }
+    // Actions per stage: a forward and a backward (or its two halves) per micro-batch and chunk.
+    let actions = p.saturating_mul(m).saturating_mul(v).saturating_mul(3);
+    if actions > MAX_ACTIONS {
+        return Err(ConfigError::Invalid(format!(
+            "{p} stages × {m} micro-batches × {v} chunks is ~{actions} actions, beyond the {MAX_ACTIONS} a schedule may hold"
+        )));
     }
     if v > 1 && kind != Schedule::Interleaved {
         return Err(ConfigError::Invalid(format!(

@@ -7,7 +7,7 @@ mod generate;
 mod partition;
 mod simulate;
 
-pub use generate::build;
+pub use generate::{build, MAX_ACTIONS};
 pub use partition::StagePartition;
 pub use simulate::{replay, simulate, ActionCosts, Event, Timeline};
 

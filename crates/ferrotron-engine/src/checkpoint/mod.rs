@@ -62,7 +62,24 @@ pub struct Manifest {
     pub source: Option<String>,
     pub files: Vec<FileEntry>,
     pub tensors: Vec<TensorEntry>,
+    /// The run's `tokenizer.json`, kept beside the rank files so that an export is a whole model.
+    #[serde(default)]
+    pub tokenizer: Option<AuxFile>,
+    /// Where [`write::commit`] copies the tokenizer from (not written: `tokenizer` records it).
+    #[serde(skip)]
+    pub tokenizer_source: Option<std::path::PathBuf>,
 }
+
+/// A file of a checkpoint that is not a rank's: its name in the checkpoint, size and SHA-256.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AuxFile {
+    pub file: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// The name of the tokenizer's copy in a checkpoint.
+pub const TOKENIZER: &str = "tokenizer.json";
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OptimizerState {

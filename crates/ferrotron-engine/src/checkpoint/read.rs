@@ -83,7 +83,7 @@ impl Checkpoint {
         let latest = path.join(LATEST);
         if latest.exists() {
             let name = std::fs::read_to_string(&latest).map_err(|e| EngineError::io(&latest, e))?;
-            let dir = path.join(name.trim());
+            let dir = crate::paths::contained(path, name.trim(), &latest)?;
             if !dir.join(MANIFEST).exists() {
                 return Err(EngineError::format(
                     &latest,
@@ -115,6 +115,10 @@ impl Checkpoint {
                 ),
             ));
         }
+        // The model is data like the rest: checked before any size is computed from it.
+        manifest.model.validate().map_err(|(field, msg)| {
+            EngineError::format(&mpath, format!("model field `{field}`: {msg}"))
+        })?;
         if manifest.files.len() != manifest.world_size {
             return Err(EngineError::format(
                 &mpath,
@@ -149,7 +153,7 @@ impl Checkpoint {
         let mut files = HashMap::new();
         let mut index = HashMap::new();
         for f in &manifest.files {
-            let path = dir.join(&f.file);
+            let path = crate::paths::contained(&dir, &f.file, &mpath)?;
             if !path.exists() {
                 return Err(EngineError::format(
                     &path,
@@ -170,6 +174,16 @@ impl Checkpoint {
             let map = map_file(&path)?;
             index.insert(f.file.clone(), f32_arrays(&path, &map)?);
             files.insert(f.file.clone(), map);
+        }
+        if let Some(t) = &manifest.tokenizer {
+            let path = crate::paths::contained(&dir, &t.file, &mpath)?;
+            let (bytes, sha) = super::write::sha256_file(&path)?;
+            if bytes != t.bytes || sha != t.sha256 {
+                return Err(EngineError::format(
+                    &path,
+                    "checksum mismatch with the manifest: the tokenizer copy is corrupt",
+                ));
+            }
         }
         for t in &manifest.tensors {
             for p in &t.pieces {
@@ -320,6 +334,12 @@ impl Checkpoint {
             .map(|s| self.read_whole(&s.name, Kind::Param))
             .collect::<Result<Vec<_>>>()?;
         Ok(ParamStore::from_tensors(specs, tensors))
+    }
+
+    /// The tokenizer saved with the checkpoint (verified by [`Checkpoint::open`]), if it has one.
+    pub fn tokenizer(&self) -> Option<PathBuf> {
+        let t = self.manifest.tokenizer.as_ref()?;
+        Some(self.dir.join(&t.file))
     }
 
     /// The raw bytes of array `key` of `file` (both checked by [`Checkpoint::open`]).

@@ -4,7 +4,7 @@
 
 use super::layout::rank_holdings;
 use super::write::{commit, prepare_staging, write_rank_file, RankArrays, RankFile};
-use super::{Checkpoint, Kind, Manifest, OptimizerState, FORMAT, MANIFEST, VERSION};
+use super::{Checkpoint, Kind, Manifest, OptimizerState, FORMAT, MANIFEST, TOKENIZER, VERSION};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::memory::format_bytes;
@@ -62,7 +62,9 @@ pub fn reshard(src: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> 
         )));
     }
     let moments = ck.manifest.optimizer.step > 0;
-    write_layout(out_root, ck.manifest.clone(), layout, &|h| {
+    let mut manifest = ck.manifest.clone();
+    manifest.tokenizer_source = ck.tokenizer();
+    write_layout(out_root, manifest, layout, &|h| {
         let read = |k| ck.read(&h.name, k, &h.tp_slice, h.flat.clone());
         Ok(RankArrays {
             holding: h.clone(),
@@ -101,6 +103,8 @@ pub fn import_hf(hf_dir: &Path, layout: &Layout, out_root: &Path) -> Result<Path
         source: Some(hf_dir.display().to_string()),
         files: Vec::new(),
         tensors: Vec::new(),
+        tokenizer: None,
+        tokenizer_source: Some(hf_dir.join(TOKENIZER)).filter(|p| p.exists()),
     };
     let specs = cfg.param_specs();
     // The cut is the slice's alone: any shard object makes it.
@@ -196,6 +200,10 @@ pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype) -> Result<()> {
         .and_then(|f| f.sync_all())
         .map_err(|e| EngineError::io(&tmp, e))?;
     std::fs::rename(&tmp, &file).map_err(|e| EngineError::io(&file, e))?;
+    if let Some(src) = ck.tokenizer() {
+        let dst = out.join(TOKENIZER);
+        std::fs::copy(&src, &dst).map_err(|e| EngineError::io(&dst, e))?;
+    }
     hf::write_config(out, cfg, dtype)
 }
 

@@ -6,7 +6,9 @@
 //! save clears it.
 
 use super::layout::{manifest_tensors, Holding};
-use super::{rank_file_name, step_dir_name, FileEntry, Kind, Manifest, LATEST, MANIFEST};
+use super::{
+    rank_file_name, step_dir_name, AuxFile, FileEntry, Kind, Manifest, LATEST, MANIFEST, TOKENIZER,
+};
 use crate::comm::{Comm, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::hf::write_atomic;
@@ -243,6 +245,16 @@ pub fn commit(
             sha256: f.sha256,
         })
         .collect();
+    if let Some(src) = manifest.tokenizer_source.take() {
+        let copy = staging.join(TOKENIZER);
+        std::fs::copy(&src, &copy).map_err(|e| EngineError::io(&src, e))?;
+        let (bytes, sha256) = sha256_file(&copy)?;
+        manifest.tokenizer = Some(AuxFile {
+            file: TOKENIZER.into(),
+            bytes,
+            sha256,
+        });
+    }
     let text = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
     write_atomic(&staging.join(MANIFEST), text.as_bytes())?;
     sync_dir(staging)?;

@@ -97,6 +97,10 @@ pub struct ThreadWorld {
 }
 
 impl ThreadWorld {
+    /// The most devices one process runs as threads: each is a thread with a channel to every
+    /// other, so more is work that grows with the square of the count; more belongs under MPI.
+    pub const MAX_DEVICES: usize = 256;
+
     pub fn new(world: usize) -> Self {
         Self {
             world,

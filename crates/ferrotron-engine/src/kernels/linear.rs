@@ -56,6 +56,12 @@ pub(crate) fn gemm_strided<T: Real>(
     } else {
         gemm::Parallelism::None
     };
+    // A threaded call allocates the crate's per-thread packing buffers for the call: kernel
+    // workspace, which would otherwise count in the activations peak of a one-device run (3.5× the
+    // stash on llama-tiny with 2 threads). Single-threaded calls (every device of a mesh) are
+    // measured as before.
+    let _workspace = matches!(par, gemm::Parallelism::Rayon(_))
+        .then(|| crate::memory::scope(crate::memory::Term::Other));
     // SAFETY: bounds checked above; `c` is exclusively borrowed and does not alias `a` or `b`.
     unsafe {
         gemm::gemm(

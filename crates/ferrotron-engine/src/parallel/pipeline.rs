@@ -365,6 +365,13 @@ pub fn pipeline_steps(
     timeout: Duration,
     warmup: usize,
 ) -> Result<PipelineRun> {
+    if layout.world_size() > ThreadWorld::MAX_DEVICES {
+        return Err(EngineError::Invalid(format!(
+            "layout `{layout}` has {} devices; the threads backend runs at most {} in one process (run more under mpirun with --backend mpi)",
+            layout.world_size(),
+            ThreadWorld::MAX_DEVICES
+        )));
+    }
     let accounts = crate::memory::Accounts::claim(layout.world_size());
     let step =
         MeshStep::new(cfg, params, batch, layout, partition)?.with_account_base(accounts.base);

@@ -29,6 +29,7 @@ impl CheckpointPlan {
         layout: &Layout,
         adam: AdamWConfig,
         schedule: LrSchedule,
+        tokenizer: &std::path::Path,
     ) -> Self {
         Self {
             root: cfg.checkpoint_root(),
@@ -54,6 +55,8 @@ impl CheckpointPlan {
                 source: None,
                 files: Vec::new(),
                 tensors: Vec::new(),
+                tokenizer: None,
+                tokenizer_source: Some(tokenizer.to_path_buf()),
             },
         }
     }

@@ -34,26 +34,34 @@ pub struct TrainConfig {
     /// Peak learning rate (after warm-up; cosine decay to `min_lr`).
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
+    /// The learning rate the cosine decay ends at.
     #[arg(long, default_value_t = 3e-4)]
     pub min_lr: f64,
+    /// Steps of linear warm-up from 0 to `lr`.
     #[arg(long, default_value_t = 20)]
     pub warmup_steps: usize,
+    /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.1)]
     pub weight_decay: f32,
+    /// Adam's first-moment decay.
     #[arg(long, default_value_t = 0.9)]
     pub beta1: f32,
+    /// Adam's second-moment decay.
     #[arg(long, default_value_t = 0.95)]
     pub beta2: f32,
+    /// Adam's epsilon.
     #[arg(long, default_value_t = 1e-8)]
     pub adam_eps: f32,
     /// Clip the global gradient norm to this (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     pub grad_clip: f64,
+    /// Seeds the preset's initial weights and the data order.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Evaluate the validation loss every this many steps (and before the first and after the last).
     #[arg(long, default_value_t = 40)]
     pub eval_every: usize,
+    /// Validation batches per evaluation (at most; fewer when less is held out).
     #[arg(long, default_value_t = 8)]
     pub eval_batches: usize,
     /// Fraction of the token stream (its tail) held out for validation.
@@ -62,6 +70,10 @@ pub struct TrainConfig {
     /// Run directory: metrics.jsonl, train_config.json, model/, checkpoints/.
     #[arg(long, default_value = "runs/default")]
     pub out_dir: PathBuf,
+    /// When `out_dir` (or the checkpoint directory) already holds a run, replace it: its metrics,
+    /// model and checkpoints are deleted. Without this or `resume` such a directory is refused.
+    #[arg(long, default_value_t = false)]
+    pub overwrite: bool,
     /// Kernel threads of a device that has the process to itself (0: all cores). Several devices
     /// in one process compute on one thread each.
     #[arg(long, default_value_t = 0)]
@@ -100,6 +112,7 @@ pub struct TrainConfig {
     /// Drills: make this device compute `slow_device_ms` longer per action.
     #[arg(long)]
     pub slow_device: Option<usize>,
+    /// How much longer the drill's slow device computes per action.
     #[arg(long, default_value_t = 10.0)]
     pub slow_device_ms: f64,
     /// `f32`, or mixed precision `bf16` / `fp16`: weights, gradients and activations stored (and
@@ -279,6 +292,10 @@ impl TrainConfig {
         }
         if !(0.0..1.0).contains(&self.val_fraction) {
             return bad("val_fraction", "must be in [0, 1)");
+        }
+        ferrotron_core::topology::Cluster::parse(&self.cluster)?;
+        if let Some(m) = &self.device_memory {
+            parse_bytes(m)?;
         }
         Ok(())
     }

@@ -32,7 +32,7 @@ pub(super) struct TrainingRun<'a> {
     pub val_batches: &'a [TokenBatch],
     pub adam: AdamWConfig,
     pub schedule: LrSchedule,
-    pub initial_val_loss: f64,
+    pub initial_val_loss: Option<f64>,
     /// The first step to run (0, or where the run resumes); `batches` starts there.
     pub start: usize,
     /// The data loader's position after each step's batch, from `start` on.
@@ -92,7 +92,7 @@ impl TrainingRun<'_> {
 pub(super) struct RunOutcome {
     pub params: ParamStore,
     pub last_loss: f64,
-    pub last_val: f64,
+    pub last_val: Option<f64>,
     pub tokens_per_s: f64,
     pub devices: Vec<DeviceSummary>,
 }
@@ -104,7 +104,10 @@ pub(super) fn validation_loss(
     params: &ParamStore,
     batches: &[TokenBatch],
     threads: usize,
-) -> f64 {
+) -> Option<f64> {
+    if batches.is_empty() {
+        return None; // nothing held out: no figure, rather than a loss of 0 over nothing
+    }
     let tf = Transformer::new(model, params);
     let be = CpuBackend { threads };
     let (mut sum, mut n) = (0.0, 0usize);
@@ -112,7 +115,7 @@ pub(super) fn validation_loss(
         sum += tf.loss(&be, params, b) * b.predicted_tokens() as f64;
         n += b.predicted_tokens();
     }
-    sum / n.max(1) as f64
+    Some(sum / n.max(1) as f64)
 }
 
 /// Runs one device of the mesh through the whole training (every device calls it). Device 0
@@ -146,7 +149,7 @@ pub(super) fn run_device<C: Comm>(
         let mine = Figures::of(report);
         let eval_started = std::time::Instant::now();
         let val_loss = if run.is_eval(report.step) {
-            mesh.gather_params(c, dev)?.map(|p| {
+            mesh.gather_params(c, dev)?.and_then(|p| {
                 memory::clear_device();
                 let v = validation_loss(run.model_cfg, &p, run.val_batches, run.kernel_threads);
                 memory::set_device(account);

@@ -176,7 +176,7 @@ pub(super) struct MetricsWriter<'a> {
     tokens: usize,
     seconds: f64,
     last_loss: f64,
-    last_val: f64,
+    last_val: Option<f64>,
     /// Per device: steps in a row it computed above the straggler threshold.
     slow_steps: Vec<usize>,
 }
@@ -269,7 +269,7 @@ impl<'a> MetricsWriter<'a> {
         self.seconds += dt;
         self.last_loss = f.loss;
         if let Some(v) = f.val_loss {
-            self.last_val = v;
+            self.last_val = Some(v);
         }
         let devices: Vec<serde_json::Value> = f
             .devices

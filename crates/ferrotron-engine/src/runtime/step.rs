@@ -62,6 +62,7 @@ pub fn layout_step(
     layout: &Layout,
     be: &dyn Backend,
 ) -> Result<(f64, ParamStore, Option<PipelineRun>)> {
+    batch.check(cfg).map_err(EngineError::Invalid)?;
     if !layout.is_single_device() || layout.zero > 0 {
         // Every device a thread, each stage's layers chosen by compute.
         let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;

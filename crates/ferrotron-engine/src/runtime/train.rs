@@ -6,6 +6,7 @@ use super::config::TrainConfig;
 use super::device_loop::{validation_loss, RunOutcome, TrainingRun};
 use super::metrics::{DeviceSummary, StepReport};
 use super::resolve::{plan_input, resolve_layout};
+use super::run_dir;
 use super::source::{resolve_model, ModelSource};
 use super::world::World;
 use crate::checkpoint::Checkpoint;
@@ -20,8 +21,9 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
-    pub initial_val_loss: f64,
-    pub final_val_loss: f64,
+    /// None when nothing is held out (`val_fraction = 0` or `eval_batches = 0`).
+    pub initial_val_loss: Option<f64>,
+    pub final_val_loss: Option<f64>,
     pub final_train_loss: f64,
     pub tokens_per_s: f64,
     pub num_params: usize,
@@ -104,7 +106,8 @@ struct TrainingData {
 }
 
 impl TrainingData {
-    fn prepare(cfg: &TrainConfig, sp: &StartingPoint) -> Result<Self> {
+    /// `reporter`: whether this process tells the user what it does (the first run trains a tokenizer).
+    fn prepare(cfg: &TrainConfig, sp: &StartingPoint, reporter: bool) -> Result<Self> {
         let docs = data::read_corpus(&cfg.data)?;
         let (tokenizer, tokenizer_path) = match (&cfg.tokenizer, &sp.source) {
             (Some(path), _) => (data::load_tokenizer(path)?, path.clone()),
@@ -114,7 +117,15 @@ impl TrainingData {
             }
             _ => {
                 let cache = cfg.cache_dir.clone().unwrap_or_else(default_cache_dir);
-                data::train_or_load_tokenizer(&docs, sp.model.vocab_size, &cache)?
+                let vocab = sp.model.vocab_size;
+                let cached = data::tokenizer_cache_path(&docs, vocab, &cache);
+                if reporter && !cached.exists() {
+                    eprintln!(
+                        "training a {vocab}-token byte-level BPE tokenizer on the data (once: it is cached as {})",
+                        cached.display()
+                    );
+                }
+                data::train_or_load_tokenizer(&docs, vocab, &cache)?
             }
         };
         data::check_tokenizer_fits(&tokenizer, &tokenizer_path, sp.model.vocab_size)?;
@@ -168,6 +179,9 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let save_dtype = StorageDtype::parse(&cfg.save_dtype)?;
     let layout_spec = LayoutSpec::parse(&cfg.layout)?;
     let mut world = World::open(cfg)?;
+    if world.reporter() {
+        run_dir::claim(cfg)?;
+    }
     let sp = StartingPoint::resolve(cfg)?;
     let input = plan_input(cfg, &sp.model, world.fixed_devices())?;
     let candidates = resolve_layout(&layout_spec, &input)?;
@@ -180,7 +194,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             )));
         }
     }
-    let data = TrainingData::prepare(cfg, &sp)?;
+    let data = TrainingData::prepare(cfg, &sp, world.reporter())?;
     if world.reporter() {
         std::fs::create_dir_all(&cfg.out_dir).map_err(|e| EngineError::io(&cfg.out_dir, e))?;
         hf::write_atomic(
@@ -211,13 +225,20 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             cfg.kernel_threads(),
         )
     } else {
-        f64::NAN
+        None
     };
     let metrics_path = cfg.out_dir.join("metrics.jsonl");
     let auto = !layout_spec.auto_keys.is_empty();
     let mut tried = Vec::new();
     for &layout in candidates.iter().take(if auto { AUTO_ATTEMPTS } else { 1 }) {
-        let checkpoints = CheckpointPlan::new(cfg, &sp.model, &layout, adam, schedule);
+        let checkpoints = CheckpointPlan::new(
+            cfg,
+            &sp.model,
+            &layout,
+            adam,
+            schedule,
+            &data.tokenizer_path,
+        );
         let run = TrainingRun {
             cfg,
             model_cfg: &sp.model,
@@ -253,7 +274,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             let out = out.unwrap_or(RunOutcome {
                 params: ParamStore::zeros(Vec::new()),
                 last_loss: f64::NAN,
-                last_val: f64::NAN,
+                last_val: None,
                 tokens_per_s: 0.0,
                 devices: Vec::new(),
             });

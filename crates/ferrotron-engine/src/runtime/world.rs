@@ -24,6 +24,14 @@ pub enum World {
     Mpi(Box<crate::comm::MpiComm>),
 }
 
+/// This process's rank as the MPI launcher set it in the environment (OpenMPI, MPICH, PMIx), known
+/// before the job is joined: what lets only rank 0 print before training starts.
+pub fn launcher_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
 impl World {
     /// The world `cfg.backend` names (under MPI: joins the job).
     pub fn open(cfg: &TrainConfig) -> Result<Self> {

@@ -41,6 +41,42 @@ impl TokenBatch {
     pub fn predicted_tokens(&self) -> usize {
         self.batch * self.seq.saturating_sub(1)
     }
+
+    /// Why this batch cannot be a training step of `cfg`'s model, if it cannot: no rows, sequences
+    /// too short to predict a token (a loss of 0 over nothing would look like a result), ids outside
+    /// the vocabulary, or sequences longer than the model's positions.
+    pub fn check(&self, cfg: &ModelConfig) -> std::result::Result<(), String> {
+        if self.batch == 0 {
+            return Err("the batch has no sequences (shape [0, seq])".into());
+        }
+        if self.seq < 2 {
+            return Err(format!(
+                "sequences of {} token(s) predict nothing: the loss needs at least 2 tokens per sequence",
+                self.seq
+            ));
+        }
+        if self.ids.len() != self.batch * self.seq {
+            return Err(format!(
+                "{} token ids for a batch of {} × {}",
+                self.ids.len(),
+                self.batch,
+                self.seq
+            ));
+        }
+        if let Some(bad) = self.ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
+            return Err(format!(
+                "token id {bad} is outside the model's vocabulary of {}",
+                cfg.vocab_size
+            ));
+        }
+        if self.seq > cfg.max_position_embeddings {
+            return Err(format!(
+                "sequence length {} exceeds the model's max_position_embeddings {}",
+                self.seq, cfg.max_position_embeddings
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What a stage receives: token ids (the first stage) or the previous stage's hidden states (this

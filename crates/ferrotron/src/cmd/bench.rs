@@ -1,6 +1,7 @@
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use ferrotron_core::model::preset;
+use ferrotron_engine::comm::ThreadWorld;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::optim::{AdamW, AdamWConfig};
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
@@ -10,6 +11,11 @@ use std::time::Instant;
 /// Counts that must be at least 1: a clear error from the argument parser rather than a panic later.
 fn positive() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)
+}
+
+/// A device count the threads backend runs: 1 to [`ThreadWorld::MAX_DEVICES`].
+fn device_count() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..=ThreadWorld::MAX_DEVICES as u64)
 }
 
 #[derive(Subcommand)]
@@ -28,16 +34,19 @@ pub enum BenchCommand {
 
 #[derive(Args)]
 pub struct Zero3Bench {
+    /// A preset or a Hugging Face model directory.
     #[arg(long, default_value = "llama-small")]
     model: String,
     /// Data-parallel group sizes to measure.
-    #[arg(long, value_parser = positive(), value_delimiter = ',', default_value = "2,4")]
+    #[arg(long, value_parser = device_count(), value_delimiter = ',', default_value = "2,4")]
     dp: Vec<usize>,
     /// The simulated link's bandwidth, GB/s.
     #[arg(long, default_value_t = 10.0)]
     link_gb_s: f64,
+    /// Sequences per step (the global batch).
     #[arg(long, value_parser = positive(), default_value_t = 8)]
     batch: usize,
+    /// Tokens per sequence.
     #[arg(long, value_parser = positive(), default_value_t = 128)]
     seq: usize,
 }
@@ -47,8 +56,10 @@ pub struct PipelineBench {
     /// Micro-batch counts to measure.
     #[arg(long, value_parser = positive(), value_delimiter = ',', default_value = "4,8,16")]
     micro_batches: Vec<usize>,
-    #[arg(long, value_parser = positive(), default_value_t = 4)]
+    /// Pipeline stages (one device each).
+    #[arg(long, value_parser = device_count(), default_value_t = 4)]
     stages: usize,
+    /// Tokens per sequence.
     #[arg(long, value_parser = positive(), default_value_t = 256)]
     seq: usize,
 }
@@ -56,7 +67,7 @@ pub struct PipelineBench {
 #[derive(Args)]
 pub struct CommBench {
     /// Group sizes to measure.
-    #[arg(long, value_parser = positive(), value_delimiter = ',', default_value = "2,4,8")]
+    #[arg(long, value_parser = device_count(), value_delimiter = ',', default_value = "2,4,8")]
     devices: Vec<usize>,
     /// Largest message in MiB (sizes go from 1 KiB up by factors of 4... to this).
     #[arg(long, value_parser = positive(), default_value_t = 256)]
@@ -68,26 +79,35 @@ pub struct CommBench {
 
 #[derive(Args)]
 pub struct KernelBench {
+    /// A preset or a Hugging Face model directory: the kernels run at its shapes.
     #[arg(long, default_value = "llama-bench")]
     model: String,
+    /// Sequences per step.
     #[arg(long, value_parser = positive(), default_value_t = 8)]
     batch: usize,
+    /// Tokens per sequence.
     #[arg(long, value_parser = positive(), default_value_t = 256)]
     seq: usize,
+    /// Kernel threads (0: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
 }
 
 #[derive(Args)]
 pub struct TrainBench {
+    /// A preset or a Hugging Face model directory.
     #[arg(long, default_value = "llama-bench")]
     model: String,
+    /// Sequences per step.
     #[arg(long, value_parser = positive(), default_value_t = 8)]
     batch: usize,
+    /// Tokens per sequence.
     #[arg(long, value_parser = positive(), default_value_t = 256)]
     seq: usize,
+    /// Steps run first and not timed.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Steps timed.
     #[arg(long, value_parser = positive(), default_value_t = 10)]
     steps: usize,
     /// Kernel threads (0: all cores).
@@ -228,7 +248,7 @@ fn engine_step_times(
 ) -> Result<Vec<f64>> {
     use ferrotron_core::layout::Layout;
     use ferrotron_core::schedule::StagePartition;
-    use ferrotron_engine::comm::{ClockSource, ThreadWorld};
+    use ferrotron_engine::comm::ClockSource;
     use ferrotron_engine::optim::LrSchedule;
     use ferrotron_engine::parallel::{MeshStep, Training};
     let params = ParamStore::init_random(cfg, 0);
@@ -507,7 +527,7 @@ fn comm(b: CommBench) -> Result<()> {
     use ferrotron_engine::comm::selftest::{
         all_reduce_memory_ceiling, bench_op, bench_row, bench_sizes, BENCH_HEADER, BENCH_OPS,
     };
-    use ferrotron_engine::comm::ThreadWorld;
+
     let elems = (b.max_mib.min(64) << 20) / 4;
     println!(
         "memory-bandwidth ceiling of a 2-rank {} MiB all-reduce on this machine (only the adds and copies \

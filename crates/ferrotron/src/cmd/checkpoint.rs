@@ -14,6 +14,7 @@ pub enum CheckpointCommand {
     },
     /// Rewrite a checkpoint for another layout (parameters and Adam moments resharded).
     Reshard {
+        /// The checkpoint to read: a step-NNNNNN directory, or a checkpoint directory with `latest`.
         dir: PathBuf,
         /// The target layout, e.g. `dp=2,tp=2,zero=3`.
         #[arg(long)]
@@ -23,9 +24,12 @@ pub enum CheckpointCommand {
         out: PathBuf,
     },
     /// Write a checkpoint's weights as a Hugging Face model directory (config.json +
-    /// model.safetensors) that transformers loads.
+    /// model.safetensors + tokenizer.json) that transformers loads.
     Export {
+        /// The checkpoint to read: a step-NNNNNN directory, or a checkpoint directory with `latest`.
         dir: PathBuf,
+        /// The Hugging Face model directory to write (config.json, model.safetensors and the
+        /// run's tokenizer.json).
         #[arg(long)]
         hf: PathBuf,
         /// f32, bf16 or f16.
@@ -35,6 +39,7 @@ pub enum CheckpointCommand {
     /// Import a Hugging Face model directory as a step-0 checkpoint (fresh optimizer), to train
     /// from with `ferrotron train --resume`.
     Import {
+        /// A Hugging Face model directory (config.json, model.safetensors or a sharded index).
         hf_dir: PathBuf,
         /// The checkpoint directory to write.
         #[arg(long)]

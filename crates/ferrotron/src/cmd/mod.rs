@@ -15,7 +15,7 @@ pub fn concrete_layout(spec: &str) -> anyhow::Result<ferrotron_core::layout::Lay
     if !parsed.auto_keys.is_empty() {
         anyhow::bail!(
             "--layout `{spec}`: `auto` ({}) is chosen by the planner in `ferrotron train` and \
-             `ferrotron plan`; here give every key",
+             `ferrotron plan`; here give values (an omitted key takes its default)",
             parsed.auto_keys.join(", ")
         );
     }

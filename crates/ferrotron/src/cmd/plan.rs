@@ -5,6 +5,7 @@ use ferrotron_core::plan::{
     self, search_notes, ActivationModel, OptimizerKind, Plan, PlanInput, PlanModel, Precision,
 };
 use ferrotron_core::topology::Cluster;
+use ferrotron_engine::memory::format_bytes;
 use serde_json::json;
 
 #[derive(Args)]
@@ -17,8 +18,10 @@ pub struct PlanArgs {
     /// (`dgx-a100-80g,nodes=4`), or inline keys `nodes,devices_per_node,memory_gib,peak_tflops,intra_gbs,inter_gbs`.
     #[arg(long, default_value = "this-machine")]
     cluster: String,
+    /// Tokens per sequence.
     #[arg(long, default_value_t = 2048)]
     seq: usize,
+    /// Sequences per optimizer step (the effective batch, whatever the layout).
     #[arg(long)]
     global_batch: usize,
     /// Evaluate this layout; without it (or with `auto` values) search.
@@ -27,8 +30,10 @@ pub struct PlanArgs {
     /// Storage dtypes: weights=bf16,grads=bf16,master=fp32,optimizer=fp32 (the default).
     #[arg(long, default_value = "")]
     precision: String,
+    /// adam (2 states), sgd (momentum: 1) or adam8bit (2 one-byte states).
     #[arg(long, default_value = "adam")]
     optimizer: String,
+    /// ferrotron (what the engine's kernels stash) or megatron (Korthikanti et al. 2022).
     #[arg(long, default_value = "ferrotron")]
     activation_model: String,
     /// LoRA rank: frozen base weights, trainable state for the adapters only.
@@ -43,6 +48,7 @@ pub struct PlanArgs {
     /// How many candidates a search prints.
     #[arg(long, default_value_t = 5)]
     top: usize,
+    /// Print JSON (the fields are a stable interface) instead of tables.
     #[arg(long)]
     json: bool,
     /// Also write the predicted pictures (timeline, memory per stage) and an HTML report of the
@@ -77,33 +83,73 @@ fn plan_json(p: &Plan) -> serde_json::Value {
     })
 }
 
-fn gb(b: u64) -> String {
-    format!("{:.2}", b as f64 / 1e9)
+/// One unit for a whole table, chosen from its largest figure, so small models do not print 0.00.
+fn unit_for(largest: u64) -> (&'static str, f64) {
+    [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)]
+        .into_iter()
+        .find(|&(_, d)| largest as f64 >= d)
+        .unwrap_or(("B", 1.0))
 }
 
-/// One bar per stage, a letter per term, scaled to the device's capacity.
-fn memory_bars(p: &Plan) -> String {
+/// Stages drawn one per line; beyond this the rest are summarised.
+const MAX_DRAWN_STAGES: usize = 16;
+
+/// Which stages a picture or table shows: all of them up to [`MAX_DRAWN_STAGES`], otherwise the
+/// first and last few and the worst, with how many were left out.
+fn shown_stages(p: &Plan) -> (Vec<usize>, usize) {
+    let n = p.memory_bytes_per_stage.len();
+    if n <= MAX_DRAWN_STAGES {
+        return ((0..n).collect(), 0);
+    }
+    let worst = (0..n)
+        .max_by_key(|&s| p.memory_bytes_per_stage[s].total)
+        .unwrap_or(0);
+    let half = MAX_DRAWN_STAGES / 2;
+    let mut shown: Vec<usize> = (0..half).chain(n - half..n).collect();
+    if !shown.contains(&worst) {
+        shown.push(worst);
+        shown.sort_unstable();
+    }
+    let left_out = n - shown.len();
+    (shown, left_out)
+}
+
+/// One bar per stage, a letter per term, of a fixed width: scaled to the capacity, or to the
+/// largest stage when that is over it, so any size draws in the same 50 columns.
+fn memory_bars(p: &Plan, unit: (&str, f64)) -> String {
     const WIDTH: f64 = 50.0;
     let mut out = String::from("memory per device (W weights, G gradients, M master, O optimizer, A activations, C comm; | = usable limit)\n");
-    let scale = WIDTH / p.capacity_bytes as f64;
+    let largest = p
+        .memory_bytes_per_stage
+        .iter()
+        .map(|m| m.total)
+        .max()
+        .unwrap_or(0);
+    let scale = WIDTH / (p.capacity_bytes.max(largest).max(1) as f64);
     let limit = (p.usable_bytes as f64 * scale).round() as usize;
-    for (s, m) in p.memory_bytes_per_stage.iter().enumerate() {
-        let mut bar = String::new();
+    let (shown, left_out) = shown_stages(p);
+    for s in shown {
+        let m = &p.memory_bytes_per_stage[s];
+        let mut cells: Vec<char> = Vec::new();
         for ((_, bytes), ch) in m.terms().iter().zip(['W', 'G', 'M', 'O', 'A', 'C']) {
-            bar.extend(std::iter::repeat_n(
-                ch,
-                (*bytes as f64 * scale).round() as usize,
-            ));
+            let n = (*bytes as f64 * scale).round().min(WIDTH) as usize;
+            cells.extend(std::iter::repeat_n(ch, n));
         }
-        let mut cells: Vec<char> = bar.chars().collect();
+        cells.truncate(WIDTH as usize);
         if cells.len() < limit {
             cells.resize(limit, '.');
         }
         cells.insert(limit.min(cells.len()), '|');
         out.push_str(&format!(
-            "  stage {s:>3} {} {} GB\n",
+            "  stage {s:>3} {} {:.2} {}\n",
             cells.into_iter().collect::<String>(),
-            gb(m.total)
+            m.total as f64 / unit.1,
+            unit.0
+        ));
+    }
+    if left_out > 0 {
+        out.push_str(&format!(
+            "  ({left_out} more stages not drawn; every stage is in --json)\n"
         ));
     }
     out
@@ -116,26 +162,37 @@ fn print_plan(p: &Plan) {
         p.num_micro_batches,
         if p.fits { "fits" } else { "DOES NOT FIT" }
     );
-    print!("{}", memory_bars(p));
-    println!("| stage | weights | gradients | master | optimizer | activations | comm | total (GB) |\n|---|---|---|---|---|---|---|---|");
-    for (s, m) in p.memory_bytes_per_stage.iter().enumerate() {
+    let largest = p.memory_bytes_per_stage.iter().map(|m| m.total).max();
+    let unit = unit_for(largest.unwrap_or(0));
+    let v = |b: u64| format!("{:.2}", b as f64 / unit.1);
+    print!("{}", memory_bars(p, unit));
+    println!(
+        "| stage | weights | gradients | master | optimizer | activations | comm | total ({}) |\n|---|---|---|---|---|---|---|---|",
+        unit.0
+    );
+    let (shown, left_out) = shown_stages(p);
+    for s in shown {
+        let m = &p.memory_bytes_per_stage[s];
         println!(
             "| {s} | {} | {} | {} | {} | {} | {} | {} |",
-            gb(m.weights),
-            gb(m.gradients),
-            gb(m.master_weights),
-            gb(m.optimizer_states),
-            gb(m.activations),
-            gb(m.comm_buffers),
-            gb(m.total)
+            v(m.weights),
+            v(m.gradients),
+            v(m.master_weights),
+            v(m.optimizer_states),
+            v(m.activations),
+            v(m.comm_buffers),
+            v(m.total)
         );
+    }
+    if left_out > 0 {
+        println!("| … {left_out} more stages | | | | | | | |");
     }
     let c = &p.comm_bytes_per_step;
     println!(
-        "bytes per step per device: tp {:.3} GB, pp {:.3} GB, dp {:.3} GB | bubble {:.1}% | step {:.4} s | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%",
-        c.tp / 1e9,
-        c.pp / 1e9,
-        c.dp / 1e9,
+        "bytes per step per device: tp {}, pp {}, dp {} | bubble {:.1}% | step {:.4} s | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%",
+        format_bytes(c.tp as u64),
+        format_bytes(c.pp as u64),
+        format_bytes(c.dp as u64),
         p.bubble_fraction * 100.0,
         p.step_time_s,
         p.tokens_per_s,

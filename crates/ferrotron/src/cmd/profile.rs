@@ -25,9 +25,10 @@ pub struct ProfileArgs {
     /// The layout to profile (every key given, or `auto` for the planner's choice).
     #[arg(long)]
     layout: String,
-    /// Sequences per step (the global batch) and tokens per sequence.
+    /// Sequences per step (the global batch).
     #[arg(long, default_value_t = 8)]
     batch: usize,
+    /// Tokens per sequence.
     #[arg(long, default_value_t = 128)]
     seq: usize,
     /// Steps to run; the last is reported (the first ones warm up).

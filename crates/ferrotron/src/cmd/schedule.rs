@@ -19,6 +19,9 @@ pub struct ScheduleArgs {
     vpp: usize,
 }
 
+const MAX_DRAWN_STAGES: usize = 64;
+const MAX_DRAWN_SLOTS: usize = 400;
+
 /// Prints a schedule's per-stage action lists, its simulated timeline as stages × time slots with unit
 /// costs (a forward 1 slot, a backward 2, each zero-bubble half 1), and its bubble.
 pub fn run(a: ScheduleArgs) -> Result<()> {
@@ -30,17 +33,30 @@ pub fn run(a: ScheduleArgs) -> Result<()> {
         )
     })?;
     let s = build(kind, a.pp, a.micro_batches, a.vpp)?;
-    println!("action lists (in order):");
-    print!("{}", s.chart());
     // Unit costs per chunk action keep every event on whole slots; the bubble fraction does not
     // depend on the scale.
     let t = simulate(&s, &[ActionCosts::uniform(1.0, 2.0)])?;
-    println!("\ntime slots (F = 1, B = 2, I = W = 1; `.` idle):");
-    print!("{}", t.slot_chart(a.pp, 1.0));
+    let slots = t.makespan.round() as usize;
+    if a.pp <= MAX_DRAWN_STAGES && slots <= MAX_DRAWN_SLOTS {
+        println!("action lists (in order):");
+        print!("{}", s.chart());
+        println!("\ntime slots (F = 1, B = 2, I = W = 1; `.` idle):");
+        print!("{}", t.slot_chart(a.pp, 1.0));
+    } else {
+        println!(
+            "{} stages × {slots} time slots: too large to draw (at most {MAX_DRAWN_STAGES} stages and {MAX_DRAWN_SLOTS} slots are drawn)",
+            a.pp
+        );
+    }
+    let stashes = if a.pp <= MAX_DRAWN_STAGES {
+        format!("per stage {:?}", t.peak_in_flight)
+    } else {
+        let most = t.peak_in_flight.iter().max().copied().unwrap_or(0);
+        format!("at most {most} (stage 0's; {} stages)", a.pp)
+    };
     println!(
-        "bubble (idle / step, worst stage) {:.3}; peak stashed activations per stage {:?}",
-        t.bubble_fraction(),
-        t.peak_in_flight
+        "bubble (idle / step, worst stage) {:.3}; peak stashed activations {stashes}",
+        t.bubble_fraction()
     );
     Ok(())
 }

@@ -1,6 +1,6 @@
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrotron_engine::runtime::{train, TrainConfig};
+use ferrotron_engine::runtime::{launcher_rank, train, TrainConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
@@ -46,26 +46,31 @@ fn resolve(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<TrainConfig> 
 
 pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
     let cfg = resolve(&args, matches)?;
-    eprintln!(
-        "ferrotron train: model {}, data {}, {} steps x {} sequences x {} tokens -> {}",
-        cfg.model,
-        cfg.data,
-        cfg.steps,
-        cfg.batch_size,
-        cfg.seq_len,
-        cfg.out_dir.display()
-    );
-    if let Some(from) = &cfg.resume {
-        let dir = ferrotron_engine::checkpoint::Checkpoint::resolve(from)?;
+    cfg.check()?;
+    // Under mpirun only rank 0 speaks; the others' output would repeat it.
+    let speaks = cfg.backend != "mpi" || launcher_rank().is_none_or(|r| r == 0);
+    if speaks {
         eprintln!(
-            "resuming from {} on layout `{}`",
-            dir.display(),
-            if cfg.layout.is_empty() {
-                "dp=1,tp=1,pp=1"
-            } else {
-                &cfg.layout
-            }
+            "ferrotron train: model {}, data {}, {} steps x {} sequences x {} tokens -> {}",
+            cfg.model,
+            cfg.data,
+            cfg.steps,
+            cfg.batch_size,
+            cfg.seq_len,
+            cfg.out_dir.display()
         );
+        if let Some(from) = &cfg.resume {
+            let dir = ferrotron_engine::checkpoint::Checkpoint::resolve(from)?;
+            eprintln!(
+                "resuming from {} on layout `{}`",
+                dir.display(),
+                if cfg.layout.is_empty() {
+                    "dp=1,tp=1,pp=1"
+                } else {
+                    &cfg.layout
+                }
+            );
+        }
     }
     let pb = ProgressBar::new(cfg.steps as u64);
     pb.set_style(
@@ -106,10 +111,12 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
         summary.val_tokens,
         summary.tokens_per_s
     );
+    let validation = match (summary.initial_val_loss, summary.final_val_loss) {
+        (Some(a), Some(b)) => format!("validation loss {a:.4} -> {b:.4}"),
+        _ => "no validation loss (nothing held out: val_fraction or eval_batches is 0)".into(),
+    };
     println!(
-        "validation loss {:.4} -> {:.4} (train loss {:.4}); model saved to {} (tokenizer {})",
-        summary.initial_val_loss,
-        summary.final_val_loss,
+        "{validation} (train loss {:.4}); model saved to {} (tokenizer {})",
         summary.final_train_loss,
         summary.model_dir.display(),
         summary.tokenizer.display()

@@ -19,8 +19,10 @@ pub struct VerifyArgs {
     /// safetensors with int64 `input_ids` [batch, seq]; default: a seeded random batch.
     #[arg(long)]
     tokens: Option<PathBuf>,
+    /// Sequences of the random batch (without --tokens).
     #[arg(long, default_value_t = 8)]
     batch: usize,
+    /// Tokens per sequence of the random batch.
     #[arg(long, default_value_t = 32)]
     seq: usize,
     /// With a pipeline layout: write the split run's timeline as Chrome trace-event JSON (Perfetto).
@@ -37,10 +39,16 @@ pub struct VerifyArgs {
 
 /// Runs the unsplit model and the split one on the same batch and compares loss and every gradient.
 pub fn run(a: VerifyArgs) -> Result<()> {
+    if !(a.tolerance.is_finite() && a.tolerance > 0.0) {
+        bail!(
+            "--tolerance {}: must be a positive relative error (f32: 1e-5)",
+            a.tolerance
+        );
+    }
     let layout = super::concrete_layout(&a.layout)?;
     let (cfg, params) = hf::load_model(&a.model)?;
     let batch = match &a.tokens {
-        Some(path) => super::grads::read_input_ids(path)?,
+        Some(path) => ferrotron_engine::data::read_token_file(path)?,
         None => {
             let mut state = 0x2545_f491_4f6c_dd1du64;
             let ids = (0..a.batch * a.seq)
@@ -58,13 +66,10 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             }
         }
     };
-    if batch.seq > cfg.max_position_embeddings {
-        bail!(
-            "sequence length {} exceeds the model's max_position_embeddings {}",
-            batch.seq,
-            cfg.max_position_embeddings
-        );
-    }
+    batch.check(&cfg).map_err(|e| match &a.tokens {
+        Some(path) => anyhow::anyhow!("{}: {e}", path.display()),
+        None => anyhow::anyhow!("--batch {} --seq {}: {e}", a.batch, a.seq),
+    })?;
     let be = CpuBackend::default();
     let backend = super::backend::Backend::parse(&a.backend)?;
     let (loss, grads, run) = match backend {

@@ -63,3 +63,4 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
     (num / den).sqrt()
 }
+pub mod readme;

@@ -82,6 +82,7 @@ impl<'a> MeshStep<'a> {
         layout: &'a Layout,
         partition: &'a StagePartition,
     ) -> Result<Self> {
+        batch.check(cfg).map_err(EngineError::Invalid)?;
         let mbs = layout.micro_batch_size.max(1);
         let (p, v, dp, tp) = (
             layout.pp.max(1),

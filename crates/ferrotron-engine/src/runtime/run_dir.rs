@@ -1,0 +1,109 @@
+//! A run directory holds one run. Training into a directory that already holds a run would mix
+//! two runs' metrics, models and checkpoints, so it is refused unless the run says what it means:
+//! `resume` (continue that run from one of its own checkpoints) or `overwrite` (replace it).
+
+use super::config::TrainConfig;
+use crate::checkpoint::Checkpoint;
+use crate::error::{EngineError, Result};
+use std::path::{Path, PathBuf};
+
+/// What marks a directory as holding a run.
+const RUN_FILES: [&str; 2] = ["train_config.json", "metrics.jsonl"];
+/// What a run writes into its directory (all of it goes with `overwrite`).
+const RUN_OUTPUTS: [&str; 3] = ["train_config.json", "metrics.jsonl", "model"];
+
+/// Checks that `cfg` may write its run directory and checkpoint directory, and with `overwrite`
+/// empties them of the earlier run. The reporting process calls it before it writes anything.
+pub(super) fn claim(cfg: &TrainConfig) -> Result<()> {
+    let out = &cfg.out_dir;
+    let checkpoints = cfg.checkpoint_root();
+    let holds_run = RUN_FILES.iter().any(|f| out.join(f).exists());
+    let holds_checkpoints = checkpoints.join(crate::checkpoint::LATEST).exists();
+    if !holds_run && !holds_checkpoints {
+        return Ok(());
+    }
+    if cfg.overwrite {
+        return clear(out, &checkpoints);
+    }
+    match &cfg.resume {
+        Some(from) => {
+            let ck = Checkpoint::resolve(from)?;
+            if within(&ck, &checkpoints) {
+                Ok(()) // continuing this directory's own run
+            } else {
+                Err(EngineError::Invalid(format!(
+                    "{} holds another run: resuming {} into it would mix the two; give a new --out-dir (or --overwrite to replace it)",
+                    describe(out, &checkpoints, holds_run),
+                    ck.display()
+                )))
+            }
+        }
+        None => Err(EngineError::Invalid(format!(
+            "{} already holds a run{}; continue it with --resume {}, replace it with --overwrite, or give a new --out-dir",
+            describe(out, &checkpoints, holds_run),
+            last_step(&checkpoints).map_or(String::new(), |s| format!(" (last checkpoint: {s})")),
+            checkpoints.display()
+        ))),
+    }
+}
+
+fn describe(out: &Path, checkpoints: &Path, holds_run: bool) -> String {
+    if holds_run {
+        format!("`{}`", out.display())
+    } else {
+        format!("checkpoint directory `{}`", checkpoints.display())
+    }
+}
+
+/// The step directory `latest` names, if any.
+fn last_step(checkpoints: &Path) -> Option<String> {
+    let name = std::fs::read_to_string(checkpoints.join(crate::checkpoint::LATEST)).ok()?;
+    Some(name.trim().to_string())
+}
+
+/// Whether `path` lies inside `dir` (both made absolute; neither need exist beyond `path`).
+fn within(path: &Path, dir: &Path) -> bool {
+    match (absolute(path), absolute(dir)) {
+        (Some(p), Some(d)) => p.starts_with(d),
+        _ => false,
+    }
+}
+
+fn absolute(p: &Path) -> Option<PathBuf> {
+    p.canonicalize()
+        .ok()
+        .or_else(|| std::path::absolute(p).ok())
+}
+
+/// Deletes what the earlier run wrote: its outputs in `out` and its checkpoints.
+fn clear(out: &Path, checkpoints: &Path) -> Result<()> {
+    for name in RUN_OUTPUTS {
+        let p = out.join(name);
+        let gone = if p.is_dir() {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
+        match gone {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(EngineError::io(&p, e))
+            }
+            _ => {}
+        }
+    }
+    // Only what a run writes there: the directory may be the user's, holding other things.
+    let Ok(entries) = std::fs::read_dir(checkpoints) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let p = entry.path();
+        if name.starts_with("step-") && p.is_dir() {
+            std::fs::remove_dir_all(&p).map_err(|e| EngineError::io(&p, e))?;
+        } else if name == crate::checkpoint::LATEST {
+            std::fs::remove_file(&p).map_err(|e| EngineError::io(&p, e))?;
+        }
+    }
+    Ok(())
+}

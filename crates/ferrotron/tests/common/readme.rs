@@ -1,0 +1,131 @@
+//! The README's commands, as a new user would type them: every `cargo run --release -- …` and
+//! `mpirun … target/release/ferrotron …` line of its indented command blocks, run in order in a
+//! fresh directory that holds only what a clone has (`tests/fixtures`, `data`), shortened so the
+//! suite stays fast. So no README example can rot.
+
+use std::path::{Path, PathBuf};
+
+/// One README command: its line number and its words (continuation lines joined, the trailing
+/// `# comment` removed).
+#[derive(Debug, Clone)]
+pub struct ReadmeCommand {
+    pub line: usize,
+    pub words: Vec<String>,
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Every command of the README's indented blocks whose first word is `cargo` or `mpirun`.
+pub fn commands() -> Vec<ReadmeCommand> {
+    let text = std::fs::read_to_string(repo().join("README.md")).expect("README.md");
+    let mut out = Vec::new();
+    let mut pending: Option<(usize, String)> = None;
+    for (i, line) in text.lines().enumerate() {
+        let Some(body) = line.strip_prefix("    ") else {
+            pending = None;
+            continue;
+        };
+        let body = body.trim();
+        let (start, joined) = match pending.take() {
+            Some((start, before)) => (start, format!("{before} {body}")),
+            None if body.starts_with("cargo ") || body.starts_with("mpirun ") => {
+                (i + 1, body.to_string())
+            }
+            None => continue,
+        };
+        if let Some(rest) = joined.strip_suffix('\\') {
+            pending = Some((start, rest.trim().to_string()));
+            continue;
+        }
+        let command = joined.split(" # ").next().unwrap_or("").trim();
+        let command = command.split("  #").next().unwrap_or("").trim();
+        out.push(ReadmeCommand {
+            line: start,
+            words: command.split_whitespace().map(str::to_string).collect(),
+        });
+    }
+    out
+}
+
+/// The README's `run.toml` example (its only TOML block).
+pub fn toml_example() -> String {
+    let text = std::fs::read_to_string(repo().join("README.md")).expect("README.md");
+    let start = text.find("```toml\n").expect("a TOML block") + "```toml\n".len();
+    let end = start + text[start..].find("```").expect("its end");
+    text[start..end].to_string()
+}
+
+/// A directory laid out like a fresh clone for the commands' relative paths.
+pub fn clone_like(dir: &Path) {
+    std::fs::create_dir_all(dir.join("tests")).unwrap();
+    for (link, target) in [
+        ("tests/fixtures", repo().join("tests/fixtures")),
+        ("data", repo().join("data")),
+    ] {
+        let at = dir.join(link);
+        if !at.exists() {
+            #[cfg(unix)]
+            std::os::unix::fs::symlink(target.canonicalize().unwrap(), &at).unwrap();
+        }
+    }
+    std::fs::write(dir.join("run.toml"), toml_example()).unwrap();
+}
+
+/// Sets `--flag value` in `words`: replaces the value when the flag is there, appends it when not.
+pub fn set_flag(words: &mut Vec<String>, flag: &str, value: &str) {
+    match words.iter().position(|w| w == flag) {
+        Some(i) if i + 1 < words.len() => words[i + 1] = value.to_string(),
+        _ => {
+            words.push(flag.to_string());
+            words.push(value.to_string());
+        }
+    }
+}
+
+/// The command made short enough for the suite, as a user's shorter run of the same example:
+/// fewer steps (the steps a checkpoint is named after scaled with them), tiny benchmark sizes.
+pub fn shortened(words: &[String]) -> Vec<String> {
+    let mut w: Vec<String> = words
+        .iter()
+        .map(|x| x.replace("step-000050", "step-000001"))
+        .collect();
+    let sub = |w: &[String]| -> String {
+        let i = w.iter().position(|x| x == "--").map_or(0, |i| i + 1);
+        let i = w
+            .iter()
+            .position(|x| x.ends_with("/ferrotron"))
+            .map_or(i, |j| j + 1);
+        w[i..].iter().take(2).cloned().collect::<Vec<_>>().join(" ")
+    };
+    let which = sub(&w);
+    if which.starts_with("train") {
+        let resumed = w.iter().any(|x| x == "--resume");
+        set_flag(&mut w, "--steps", if resumed { "3" } else { "2" });
+        if w.iter().any(|x| x == "--checkpoint-every") {
+            set_flag(&mut w, "--checkpoint-every", "1");
+        }
+        set_flag(&mut w, "--eval-batches", "1");
+    } else if which == "bench train" {
+        for (f, v) in [
+            ("--model", "llama-tiny"),
+            ("--steps", "1"),
+            ("--warmup", "0"),
+            ("--seq", "32"),
+        ] {
+            set_flag(&mut w, f, v);
+        }
+    } else if which == "bench zero3" {
+        for (f, v) in [("--model", "llama-tiny"), ("--batch", "8"), ("--seq", "32")] {
+            set_flag(&mut w, f, v);
+        }
+    } else if which == "bench pipeline" {
+        for (f, v) in [("--micro-batches", "4"), ("--seq", "32")] {
+            set_flag(&mut w, f, v);
+        }
+    } else if which.starts_with("profile") {
+        set_flag(&mut w, "--steps", "2");
+    }
+    w
+}
