@@ -76,103 +76,54 @@ fn token_batches_that_cannot_be_a_step_are_refused_by_grads_and_verify() {
             assert!(err.contains(want) && err.contains(f), "{name}: {err}");
         }
     }
-    let err = fails(&[
-        "verify",
-        "--model",
-        model.to_str().unwrap(),
-        "--layout",
-        "tp=2",
-        "--batch",
-        "0",
-    ]);
-    assert!(
-        err.contains("--batch 0") && err.contains("no sequences"),
-        "{err}"
-    );
-    let err = fails(&[
-        "verify",
-        "--model",
-        model.to_str().unwrap(),
-        "--layout",
-        "tp=2",
-        "--tolerance",
-        "nan",
-    ]);
-    assert!(err.contains("--tolerance"), "{err}");
+    let m = model.to_str().unwrap();
+    for (flag, value, want) in [
+        ("--batch", "0", "no sequences"),
+        ("--tolerance", "nan", "must be a positive relative error"),
+    ] {
+        let err = fails(&["verify", "--model", m, "--layout", "tp=2", flag, value]);
+        assert!(err.contains(flag) && err.contains(want), "{err}");
+    }
 }
 
 #[test]
 fn flags_and_specs_name_what_is_wrong() {
     for (args, want) in [
+        ("train --lr -1", "`lr`: must be a positive number"),
         (
-            vec!["train", "--lr", "-1"],
-            "`lr`: must be a positive number",
-        ),
-        (
-            vec!["plan", "--model", "llama-small", "--global-batch", "-8"],
+            "plan --model llama-small --global-batch -8",
             "'-8' for '--global-batch",
         ),
         (
-            vec![
-                "plan",
-                "--model",
-                "llama-small",
-                "--global-batch",
-                "8",
-                "--seq",
-                "0",
-            ],
+            "plan --model llama-small --global-batch 8 --seq 0",
             "--seq: a sequence needs at least one token",
         ),
         (
-            vec![
-                "plan",
-                "--model",
-                "llama-small",
-                "--global-batch",
-                "8",
-                "--layout",
-                "pp=1000",
-            ],
+            "plan --model llama-small --global-batch 8 --layout pp=1000",
             "field `pp`: dp·tp·pp = 1·1·1000 = 1000 devices",
         ),
         (
-            vec![
-                "plan",
-                "--model",
-                "llama-small",
-                "--global-batch",
-                "8",
-                "--layout",
-                "dp=3",
-            ],
+            "plan --model llama-small --global-batch 8 --layout dp=3",
             "field `dp`: the global batch of 8 sequences does not divide among dp=3",
         ),
         (
-            vec![
-                "plan",
-                "--model",
-                "params=1e30",
-                "--global-batch",
-                "8",
-                "--layout",
-                "dp=8",
-            ],
+            "plan --model params=1e30 --global-batch 8 --layout dp=8",
             "field `params`: `1e30` is beyond the 1e15 parameters",
         ),
         (
-            vec!["schedule", "--pp", "1000", "--micro-batches", "100000"],
+            "schedule --pp 1000 --micro-batches 100000",
             "beyond the 16777216 a schedule may hold",
         ),
         (
-            vec!["train", "--cluster", "nodes=0"],
+            "train --cluster nodes=0",
             "field `nodes`: `0` must be a whole number",
         ),
         (
-            vec!["train", "--data", "/no/such/file.txt", "--steps", "1"],
+            "train --data /no/such/file.txt --steps 1",
             "/no/such/file.txt",
         ),
     ] {
+        let args: Vec<&str> = args.split_whitespace().collect();
         let err = fails(&args);
         assert!(err.contains(want), "`{}`: {err}", args.join(" "));
         // Each cause once: an OS error is not repeated after the message that quotes it.
@@ -182,53 +133,33 @@ fn flags_and_specs_name_what_is_wrong() {
 
 #[test]
 fn plan_prints_any_size_in_bounded_lines_and_readable_units() {
-    let o = ferrotron(&[
-        "plan",
-        "--model",
-        "gpt3-175b",
-        "--global-batch",
-        "8",
-        "--layout",
-        "dp=8",
-    ]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{}", stderr(&o));
+    // The command's standard output, after it succeeded.
+    let prints = |args: &str| {
+        let o = ferrotron(&args.split_whitespace().collect::<Vec<_>>());
+        assert!(o.status.success(), "`{args}`: {}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let out = prints("plan --model gpt3-175b --global-batch 8 --layout dp=8");
     let widest = out.lines().map(|l| l.chars().count()).max().unwrap();
     assert!(widest < 400, "a {widest}-character line");
     assert!(out.contains("total (TB)"), "{out}");
-    let o = ferrotron(&[
-        "plan",
-        "--model",
-        "llama-small",
-        "--global-batch",
-        "8",
-        "--layout",
-        "dp=2,pp=2",
-    ]);
-    let out = String::from_utf8_lossy(&o.stdout);
+    let out = prints("plan --model llama-small --global-batch 8 --layout dp=2,pp=2");
     assert!(
         out.contains("total (MB)") && !out.contains("| 0.00 | 0.00 |"),
         "{out}"
     );
     // 64 stages: the first and last 8 and the worst are drawn, the rest counted.
-    let o = ferrotron(&[
-        "plan",
-        "--model",
-        "arch=llama,layers=64,hidden=1024,heads=8,vocab=32000",
-        "--cluster",
-        "dgx-a100-80g,nodes=8",
-        "--global-batch",
-        "64",
-        "--layout",
-        "pp=64,mbs=1",
-    ]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let out = prints(
+        "plan --model arch=llama,layers=64,hidden=1024,heads=8,vocab=32000 \
+         --cluster dgx-a100-80g,nodes=8 --global-batch 64 --layout pp=64,mbs=1",
+    );
     assert!(out.contains("more stages not drawn"), "{out}");
     assert!(out.lines().filter(|l| l.contains("  stage ")).count() <= 17);
-    let o = ferrotron(&["schedule", "--pp", "100", "--micro-batches", "1000"]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && out.contains("too large to draw") && out.len() < 2000);
+    let out = prints("schedule --pp 100 --micro-batches 1000");
+    assert!(
+        out.contains("too large to draw") && out.len() < 2000,
+        "{out}"
+    );
 }
 
 /// `train` into a directory that holds a run: refused unless resumed or overwritten.

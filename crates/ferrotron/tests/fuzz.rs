@@ -12,7 +12,7 @@ mod common;
 use common::{fixture, temp_dir};
 use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::{self, ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision};
+use ferrotron_core::plan::{self, PlanInput, PlanModel};
 use ferrotron_core::topology::Cluster;
 use ferrotron_engine::{checkpoint, data, hf, memory, runtime::TrainConfig};
 use rand::{Rng, SeedableRng};
@@ -400,18 +400,7 @@ fn seeds(items: &[&str]) -> Vec<Vec<u8>> {
 
 /// The planner's question about `model` on `cluster`.
 fn input(model: PlanModel, cluster: Cluster) -> PlanInput {
-    PlanInput {
-        model,
-        cluster,
-        seq: 128,
-        global_batch: 16,
-        precision: Precision::default(),
-        optimizer: OptimizerKind::Adam,
-        activation_model: ActivationModel::Ferrotron,
-        lora_rank: None,
-        memory_reserve: 0.1,
-        force_cross_node_tp: false,
-    }
+    PlanInput::new(model, cluster, 128, 16)
 }
 
 fn small_model() -> PlanModel {

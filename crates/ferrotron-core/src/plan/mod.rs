@@ -82,6 +82,24 @@ pub struct PlanInput {
 }
 
 impl PlanInput {
+    /// `model` on `cluster` at `seq` tokens × `global_batch` sequences, with the common choices:
+    /// mixed precision (2 + 2 + 4 + 8 bytes per parameter), Adam, the ferrotron activation model,
+    /// no LoRA, 10% of memory in reserve, tensor parallelism inside nodes.
+    pub fn new(model: PlanModel, cluster: Cluster, seq: usize, global_batch: usize) -> Self {
+        Self {
+            model,
+            cluster,
+            seq,
+            global_batch,
+            precision: Precision::default(),
+            optimizer: OptimizerKind::Adam,
+            activation_model: ActivationModel::Ferrotron,
+            lora_rank: None,
+            memory_reserve: 0.1,
+            force_cross_node_tp: false,
+        }
+    }
+
     pub fn usable_memory(&self) -> u64 {
         (self.cluster.device_memory_bytes as f64 * (1.0 - self.memory_reserve)) as u64
     }

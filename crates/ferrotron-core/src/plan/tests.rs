@@ -21,20 +21,15 @@ const TABLE1: [Row; 10] = [
 
 fn table_input(row: &Row) -> PlanInput {
     let &(_, heads, hidden, layers, _, _, gpus, batch, _) = row;
+    let model = PlanModel::parse(&format!(
+        "arch=gpt,layers={layers},hidden={hidden},heads={heads},vocab=51200"
+    ))
+    .unwrap();
+    let cluster = Cluster::parse(&format!("dgx-a100-80g,nodes={}", gpus / 8)).unwrap();
     PlanInput {
-        model: PlanModel::parse(&format!(
-            "arch=gpt,layers={layers},hidden={hidden},heads={heads},vocab=51200"
-        ))
-        .unwrap(),
-        cluster: Cluster::parse(&format!("dgx-a100-80g,nodes={}", gpus / 8)).unwrap(),
-        seq: 2048,
-        global_batch: batch,
-        precision: Precision::default(),
-        optimizer: OptimizerKind::Adam,
         activation_model: ActivationModel::Megatron,
-        lora_rank: None,
         memory_reserve: 0.0,
-        force_cross_node_tp: false,
+        ..PlanInput::new(model, cluster, 2048, batch)
     }
 }
 
@@ -109,21 +104,14 @@ fn narayanan_table1_parameter_counts_and_throughput() {
 }
 
 fn params_only(n: f64, devices: usize) -> PlanInput {
+    let cluster = Cluster::parse(&format!(
+        "nodes={},devices_per_node=8,memory_gib=80,peak_tflops=312,intra_gbs=300,inter_gbs=25",
+        devices / 8
+    ))
+    .unwrap();
     PlanInput {
-        model: PlanModel::ParamsOnly(n),
-        cluster: Cluster::parse(&format!(
-            "nodes={},devices_per_node=8,memory_gib=80,peak_tflops=312,intra_gbs=300,inter_gbs=25",
-            devices / 8
-        ))
-        .unwrap(),
-        seq: 2048,
-        global_batch: devices,
-        precision: Precision::parse("weights=bf16,grads=bf16,master=fp32,optimizer=fp32").unwrap(),
-        optimizer: OptimizerKind::Adam,
-        activation_model: ActivationModel::Ferrotron,
-        lora_rank: None,
         memory_reserve: 0.0,
-        force_cross_node_tp: false,
+        ..PlanInput::new(PlanModel::ParamsOnly(n), cluster, 2048, devices)
     }
 }
 
@@ -163,18 +151,12 @@ fn zero_paper_model_state_arithmetic() {
 }
 
 fn small_input(model: &str) -> PlanInput {
-    PlanInput {
-        model: PlanModel::parse(model).unwrap(),
-        cluster: Cluster::parse("dgx-a100-80g,nodes=2").unwrap(),
-        seq: 2048,
-        global_batch: 64,
-        precision: Precision::default(),
-        optimizer: OptimizerKind::Adam,
-        activation_model: ActivationModel::Ferrotron,
-        lora_rank: None,
-        memory_reserve: 0.1,
-        force_cross_node_tp: false,
-    }
+    PlanInput::new(
+        PlanModel::parse(model).unwrap(),
+        Cluster::parse("dgx-a100-80g,nodes=2").unwrap(),
+        2048,
+        64,
+    )
 }
 
 #[test]

@@ -5,10 +5,7 @@ use super::config::{parse_bytes, TrainConfig};
 use crate::error::{EngineError, Result};
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::{
-    check_layout, search, why_no_layout, ActivationModel, OptimizerKind, PlanInput, PlanModel,
-    Precision,
-};
+use ferrotron_core::plan::{check_layout, search, why_no_layout, PlanInput, PlanModel, Precision};
 use ferrotron_core::topology::Cluster;
 
 /// The cluster cut to the `devices` a job has (an MPI world): whole nodes of the cluster's size, or
@@ -49,23 +46,22 @@ pub fn plan_input(
     if let Some(m) = &cfg.device_memory {
         cluster.device_memory_bytes = parse_bytes(m)?;
     }
+    // `layout = "auto"` keeps `PlanInput::new`'s tenth of each device free: the activation model
+    // and the communication buffers are estimates (within ~10% of what the tracking allocator
+    // measures).
     Ok(PlanInput {
-        model: PlanModel::Shape(model.clone()),
-        cluster,
-        seq: cfg.seq_len,
-        global_batch: cfg.batch_size,
         precision: Precision::parse(if cfg.storage()?.is_some() {
             "weights=bf16,grads=bf16,master=fp32,optimizer=fp32"
         } else {
             "weights=fp32,grads=fp32,master=fp32,optimizer=fp32"
         })?,
-        optimizer: OptimizerKind::Adam,
-        activation_model: ActivationModel::Ferrotron,
-        lora_rank: None,
-        // `layout = "auto"` keeps a tenth of each device free: the activation model and the
-        // communication buffers are estimates (within ~10% of what the tracking allocator measures).
-        memory_reserve: 0.1,
         force_cross_node_tp: cfg.force_cross_node_tp,
+        ..PlanInput::new(
+            PlanModel::Shape(model.clone()),
+            cluster,
+            cfg.seq_len,
+            cfg.batch_size,
+        )
     })
 }
 

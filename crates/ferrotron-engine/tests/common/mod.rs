@@ -133,17 +133,11 @@ pub fn f32_plan_input(
     seq: usize,
     batch: usize,
 ) -> ferrotron_core::plan::PlanInput {
-    use ferrotron_core::plan::{ActivationModel, OptimizerKind, PlanInput, PlanModel, Precision};
+    use ferrotron_core::plan::{PlanInput, PlanModel, Precision};
+    let cluster = ferrotron_core::topology::Cluster::parse("this-machine").unwrap();
     PlanInput {
-        model: PlanModel::Shape(cfg.clone()),
-        cluster: ferrotron_core::topology::Cluster::parse("this-machine").unwrap(),
-        seq,
-        global_batch: batch,
         precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32").unwrap(),
-        optimizer: OptimizerKind::Adam,
-        activation_model: ActivationModel::Ferrotron,
-        lora_rank: None,
         memory_reserve: 0.0,
-        force_cross_node_tp: false,
+        ..PlanInput::new(PlanModel::Shape(cfg.clone()), cluster, seq, batch)
     }
 }

@@ -234,16 +234,15 @@ pub fn input_from(
     activation_model: &str,
 ) -> Result<PlanInput> {
     Ok(PlanInput {
-        model: PlanModel::parse(model)?,
-        cluster: Cluster::parse(cluster)?,
-        seq,
-        global_batch,
         precision: Precision::parse(precision)?,
         optimizer: OptimizerKind::parse(optimizer)?,
         activation_model: ActivationModel::parse(activation_model)?,
-        lora_rank: None,
-        memory_reserve: 0.1,
-        force_cross_node_tp: false,
+        ..PlanInput::new(
+            PlanModel::parse(model)?,
+            Cluster::parse(cluster)?,
+            seq,
+            global_batch,
+        )
     })
 }
 
