@@ -73,6 +73,60 @@ fn check_piece(shape: &[usize], p: &super::Piece) -> std::result::Result<(), Str
     Ok(())
 }
 
+/// The manifest at `mpath`, parsed and checked on its own: its format, its model (validated like a
+/// `config.json` before any size is computed from it), one file per rank, its model's tensors with
+/// their shapes.
+fn read_manifest(mpath: &Path) -> Result<Manifest> {
+    let text = std::fs::read_to_string(mpath).map_err(|e| EngineError::io(mpath, e))?;
+    let manifest: Manifest = serde_json::from_str(&text)
+        .map_err(|e| EngineError::format(mpath, format!("not a valid manifest: {e}")))?;
+    if manifest.format != FORMAT || manifest.version != VERSION {
+        return Err(EngineError::format(
+            mpath,
+            format!(
+                "format `{}` version {}; this build reads `{FORMAT}` version {VERSION}",
+                manifest.format, manifest.version
+            ),
+        ));
+    }
+    // The model is data like the rest: checked before any size is computed from it.
+    manifest.model.validate().map_err(|(field, msg)| {
+        EngineError::format(mpath, format!("model field `{field}`: {msg}"))
+    })?;
+    if manifest.files.len() != manifest.world_size {
+        return Err(EngineError::format(
+            mpath,
+            format!(
+                "lists {} rank files for {} ranks",
+                manifest.files.len(),
+                manifest.world_size
+            ),
+        ));
+    }
+    // The tensor list is the manifest's own model's, shape for shape.
+    for spec in manifest.model.param_specs() {
+        match manifest.tensors.iter().find(|t| t.name == spec.name) {
+            Some(t) if t.shape == spec.shape => {}
+            Some(t) => {
+                return Err(EngineError::format(
+                    mpath,
+                    format!(
+                        "tensor `{}` has shape {:?}; its model has {:?}",
+                        spec.name, t.shape, spec.shape
+                    ),
+                ))
+            }
+            None => {
+                return Err(EngineError::format(
+                    mpath,
+                    format!("lists no tensor `{}` of its model", spec.name),
+                ))
+            }
+        }
+    }
+    Ok(manifest)
+}
+
 impl Checkpoint {
     /// The checkpoint directory `path` names: itself when it holds a manifest, or the one its
     /// `latest` file points to.
@@ -103,53 +157,7 @@ impl Checkpoint {
     pub fn open(path: &Path) -> Result<Self> {
         let dir = Self::resolve(path)?;
         let mpath = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&mpath).map_err(|e| EngineError::io(&mpath, e))?;
-        let manifest: Manifest = serde_json::from_str(&text)
-            .map_err(|e| EngineError::format(&mpath, format!("not a valid manifest: {e}")))?;
-        if manifest.format != FORMAT || manifest.version != VERSION {
-            return Err(EngineError::format(
-                &mpath,
-                format!(
-                    "format `{}` version {}; this build reads `{FORMAT}` version {VERSION}",
-                    manifest.format, manifest.version
-                ),
-            ));
-        }
-        // The model is data like the rest: checked before any size is computed from it.
-        manifest.model.validate().map_err(|(field, msg)| {
-            EngineError::format(&mpath, format!("model field `{field}`: {msg}"))
-        })?;
-        if manifest.files.len() != manifest.world_size {
-            return Err(EngineError::format(
-                &mpath,
-                format!(
-                    "lists {} rank files for {} ranks",
-                    manifest.files.len(),
-                    manifest.world_size
-                ),
-            ));
-        }
-        // The tensor list is the manifest's own model's, shape for shape.
-        for spec in manifest.model.param_specs() {
-            match manifest.tensors.iter().find(|t| t.name == spec.name) {
-                Some(t) if t.shape == spec.shape => {}
-                Some(t) => {
-                    return Err(EngineError::format(
-                        &mpath,
-                        format!(
-                            "tensor `{}` has shape {:?}; its model has {:?}",
-                            spec.name, t.shape, spec.shape
-                        ),
-                    ))
-                }
-                None => {
-                    return Err(EngineError::format(
-                        &mpath,
-                        format!("lists no tensor `{}` of its model", spec.name),
-                    ))
-                }
-            }
-        }
+        let manifest = read_manifest(&mpath)?;
         let mut files = HashMap::new();
         let mut index = HashMap::new();
         for f in &manifest.files {

@@ -167,6 +167,7 @@ pub(crate) struct StageRun<'a> {
 }
 
 /// What a device's pass over its action list measured.
+#[derive(Default)]
 pub(crate) struct StageOutcome {
     pub loss: f64,
     pub peak: usize,
@@ -180,6 +181,34 @@ pub(crate) struct StageOutcome {
     pub over_capacity: Option<EngineError>,
 }
 
+/// What a pass over the action list holds between actions: the forward states waiting for their
+/// backward, the weight gradients waiting for their W action (zero-bubble schedules), and what it
+/// measured so far.
+#[derive(Default)]
+struct Pass {
+    stash: HashMap<(usize, usize), ForwardState>,
+    deferred: HashMap<(usize, usize), WeightGrads>,
+    out: StageOutcome,
+}
+
+impl Pass {
+    /// Records the peak of what is held for later actions, in count and bytes.
+    fn note_held(&mut self) {
+        let bytes = self
+            .stash
+            .values()
+            .map(ForwardState::stashed_bytes)
+            .sum::<usize>()
+            + self
+                .deferred
+                .values()
+                .map(WeightGrads::bytes)
+                .sum::<usize>();
+        self.out.peak = self.out.peak.max(self.stash.len() + self.deferred.len());
+        self.out.peak_bytes = self.out.peak_bytes.max(bytes);
+    }
+}
+
 impl StageRun<'_> {
     /// Executes this device's action list once, its model chunks' parameters and gradients held by
     /// `zero`, collectives through `tpg`.
@@ -189,153 +218,206 @@ impl StageRun<'_> {
         zero: &ZeroState,
         chunks: &[Transformer],
     ) -> Result<StageOutcome> {
-        let (s, p, v) = (self.stage, self.stages, self.chunks_per_device);
-        let nv = p * v;
         let res = zero.residency(tpg);
         // Several devices in one process compute on one thread each (a device's clock is its
         // thread's CPU time); a device with the process to itself uses its cores.
         let be = CpuBackend {
             threads: self.threads.max(1),
         };
-        let (mbs, seq) = (self.micro[0].batch, self.micro[0].seq);
-        let mut stash: HashMap<(usize, usize), ForwardState> = HashMap::new();
-        // Zero-bubble schedules: weight gradients waiting for their W action.
-        let mut deferred: HashMap<(usize, usize), WeightGrads> = HashMap::new();
-        let (mut loss, mut peak, mut peak_bytes) = (0.0, 0, 0);
-        let stash_bytes =
-            |stash: &HashMap<(usize, usize), ForwardState>,
-             deferred: &HashMap<(usize, usize), WeightGrads>| {
-                stash
-                    .values()
-                    .map(ForwardState::stashed_bytes)
-                    .sum::<usize>()
-                    + deferred.values().map(WeightGrads::bytes).sum::<usize>()
-            };
-        let mut timeline = Vec::new();
-        let mut transfers = Vec::new();
-        let mut over_capacity = None;
-        let check_capacity = |over: &mut Option<EngineError>| {
-            if over.is_none() {
-                if let Some(at) = crate::memory::over_capacity(self.account) {
-                    *over = Some(EngineError::OutOfMemory {
-                        device: (self.device_of)(s),
-                        capacity: crate::memory::capacity(self.account).unwrap_or(0),
-                        at: Box::new(at),
-                    });
-                }
-            }
-        };
-        for action in &self.schedule.actions[s] {
-            check_capacity(&mut over_capacity);
-            let started;
-            match *action {
+        let mut pass = Pass::default();
+        for &action in &self.schedule.actions[self.stage] {
+            self.check_capacity(&mut pass.out.over_capacity);
+            match action {
                 Action::Forward { mb, chunk } => {
-                    let vs = chunk * p + s;
-                    let input = if vs == 0 {
-                        StageInput::Tokens(&self.micro[mb])
-                    } else {
-                        let mut x = vec![0f32; self.boundary];
-                        let from = (self.device_of)((vs - 1) % p);
-                        let t0 = tpg.comm().device_time();
-                        self.wire
-                            .recv(*tpg.comm(), from, &mut x, tag(mb, vs, FORWARD))?;
-                        let t1 = tpg.comm().device_time();
-                        transfers.push((format!("recv F{mb} from {from}"), t0, t1));
-                        StageInput::Hidden { x, batch: mbs, seq }
-                    };
-                    started = tpg.comm().device_time();
-                    let mut state = chunks[chunk].forward_stage_in(&be, tpg, &res, input);
-                    tpg.result()?;
-                    if self.extra_compute_s > 0.0 {
-                        crate::comm::burn_cpu(self.extra_compute_s);
-                    }
-                    timeline.push((*action, started, tpg.comm().device_time()));
-                    if vs + 1 < nv {
-                        let out = std::mem::take(&mut state.output);
-                        let to = (self.device_of)((vs + 1) % p);
-                        let t0 = tpg.comm().device_time();
-                        self.wire
-                            .send(*tpg.comm(), to, &out, tag(mb, vs + 1, FORWARD))?;
-                        let t1 = tpg.comm().device_time();
-                        transfers.push((format!("send F{mb} to {to}"), t0, t1));
-                    }
-                    stash.insert((mb, chunk), state);
-                    peak = peak.max(stash.len() + deferred.len());
-                    peak_bytes = peak_bytes.max(stash_bytes(&stash, &deferred));
+                    self.forward(tpg, &res, &be, &chunks[chunk], &mut pass, (mb, chunk))?
                 }
                 Action::Backward { mb, chunk } | Action::BackwardInput { mb, chunk } => {
                     let split = matches!(action, Action::BackwardInput { .. });
-                    let vs = chunk * p + s;
-                    let state = stash.remove(&(mb, chunk)).ok_or_else(|| {
-                        EngineError::Invalid(format!(
-                            "stage {s}: backward of micro-batch {mb} before its forward"
-                        ))
-                    })?;
-                    let dout = if vs + 1 < nv {
-                        let mut d = vec![0f32; self.boundary];
-                        let from = (self.device_of)((vs + 1) % p);
-                        let t0 = tpg.comm().device_time();
-                        self.wire
-                            .recv(*tpg.comm(), from, &mut d, tag(mb, vs, BACKWARD))?;
-                        let t1 = tpg.comm().device_time();
-                        transfers.push((format!("recv B{mb} from {from}"), t0, t1));
-                        Some(d)
-                    } else {
-                        None
-                    };
-                    started = tpg.comm().device_time();
-                    let targets = self.micro[mb].targets();
-                    let (l, dx, w) = chunks[chunk].backward_stage_in(
-                        &be, tpg, &res, state, dout, &targets, self.scale, split,
-                    );
-                    tpg.result()?;
-                    if self.extra_compute_s > 0.0 {
-                        crate::comm::burn_cpu(self.extra_compute_s);
-                    }
-                    if let Some(w) = w {
-                        deferred.insert((mb, chunk), w);
-                    }
-                    if self.counts_loss {
-                        loss += l;
-                    }
-                    timeline.push((*action, started, tpg.comm().device_time()));
-                    peak = peak.max(stash.len() + deferred.len());
-                    peak_bytes = peak_bytes.max(stash_bytes(&stash, &deferred));
-                    if let Some(dx) = dx {
-                        let to = (self.device_of)((vs - 1) % p);
-                        let t0 = tpg.comm().device_time();
-                        self.wire
-                            .send(*tpg.comm(), to, &dx, tag(mb, vs - 1, BACKWARD))?;
-                        let t1 = tpg.comm().device_time();
-                        transfers.push((format!("send B{mb} to {to}"), t0, t1));
-                    }
+                    let at = (mb, chunk);
+                    self.backward(tpg, &res, &be, &chunks[chunk], &mut pass, at, split)?
                 }
                 Action::BackwardWeight { mb, chunk } => {
-                    let w = deferred.remove(&(mb, chunk)).ok_or_else(|| {
+                    let w = pass.deferred.remove(&(mb, chunk)).ok_or_else(|| {
                         EngineError::Invalid(format!(
-                            "stage {s}: weight gradient of micro-batch {mb} before its input gradient"
+                            "stage {}: weight gradient of micro-batch {mb} before its input gradient",
+                            self.stage
                         ))
                     })?;
-                    started = tpg.comm().device_time();
+                    let started = tpg.comm().device_time();
                     let touched = w.tensors();
                     tpg.with_comm(|c| zero.apply_deferred(c, &touched, |g| w.apply(&be, g)));
-                    tpg.result()?;
-                    if self.extra_compute_s > 0.0 {
-                        crate::comm::burn_cpu(self.extra_compute_s);
-                    }
-                    timeline.push((*action, started, tpg.comm().device_time()));
+                    self.computed(tpg, action, started, &mut pass)?;
                 }
             }
         }
-        check_capacity(&mut over_capacity);
-        Ok(StageOutcome {
-            loss,
-            peak,
-            peak_bytes,
-            timeline,
-            transfers,
-            over_capacity,
-        })
+        self.check_capacity(&mut pass.out.over_capacity);
+        Ok(pass.out)
+    }
+
+    /// The forward of micro-batch `mb` through `chunk`: its input from the previous stage (or the
+    /// tokens), its output to the next.
+    fn forward<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        res: &dyn crate::transformer::Residency,
+        be: &CpuBackend,
+        model: &Transformer,
+        pass: &mut Pass,
+        (mb, chunk): (usize, usize),
+    ) -> Result<()> {
+        let (p, vs) = (self.stages, chunk * self.stages + self.stage);
+        let input = if vs == 0 {
+            StageInput::Tokens(&self.micro[mb])
+        } else {
+            let from = (self.device_of)((vs - 1) % p);
+            let x = self.receive(tpg, from, tag(mb, vs, FORWARD), format!("F{mb}"), pass)?;
+            let (batch, seq) = (self.micro[0].batch, self.micro[0].seq);
+            StageInput::Hidden { x, batch, seq }
+        };
+        let started = tpg.comm().device_time();
+        let mut state = model.forward_stage_in(be, tpg, res, input);
+        self.computed(tpg, Action::Forward { mb, chunk }, started, pass)?;
+        if vs + 1 < p * self.chunks_per_device {
+            let out = std::mem::take(&mut state.output);
+            let to = (self.device_of)((vs + 1) % p);
+            self.send(
+                tpg,
+                to,
+                &out,
+                tag(mb, vs + 1, FORWARD),
+                format!("F{mb}"),
+                pass,
+            )?;
+        }
+        pass.stash.insert((mb, chunk), state);
+        pass.note_held();
+        Ok(())
+    }
+
+    /// The backward of micro-batch `mb` through `chunk` (only its input gradient when `split`):
+    /// the output gradient from the next stage, the input gradient to the previous one.
+    #[allow(clippy::too_many_arguments)]
+    fn backward<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        res: &dyn crate::transformer::Residency,
+        be: &CpuBackend,
+        model: &Transformer,
+        pass: &mut Pass,
+        (mb, chunk): (usize, usize),
+        split: bool,
+    ) -> Result<()> {
+        let (p, vs) = (self.stages, chunk * self.stages + self.stage);
+        let state = pass.stash.remove(&(mb, chunk)).ok_or_else(|| {
+            EngineError::Invalid(format!(
+                "stage {}: backward of micro-batch {mb} before its forward",
+                self.stage
+            ))
+        })?;
+        let dout = if vs + 1 < p * self.chunks_per_device {
+            let from = (self.device_of)((vs + 1) % p);
+            Some(self.receive(tpg, from, tag(mb, vs, BACKWARD), format!("B{mb}"), pass)?)
+        } else {
+            None
+        };
+        let started = tpg.comm().device_time();
+        let targets = self.micro[mb].targets();
+        let (loss, dx, w) =
+            model.backward_stage_in(be, tpg, res, state, dout, &targets, self.scale, split);
+        let action = if split {
+            Action::BackwardInput { mb, chunk }
+        } else {
+            Action::Backward { mb, chunk }
+        };
+        self.computed(tpg, action, started, pass)?;
+        if let Some(w) = w {
+            pass.deferred.insert((mb, chunk), w);
+        }
+        if self.counts_loss {
+            pass.out.loss += loss;
+        }
+        pass.note_held();
+        if let Some(dx) = dx {
+            let to = (self.device_of)((vs - 1) % p);
+            self.send(
+                tpg,
+                to,
+                &dx,
+                tag(mb, vs - 1, BACKWARD),
+                format!("B{mb}"),
+                pass,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Ends an action's compute: its collectives' errors, a drill's extra time, its timeline entry.
+    fn computed<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        action: Action,
+        started: f64,
+        pass: &mut Pass,
+    ) -> Result<()> {
+        tpg.result()?;
+        if self.extra_compute_s > 0.0 {
+            crate::comm::burn_cpu(self.extra_compute_s);
+        }
+        pass.out
+            .timeline
+            .push((action, started, tpg.comm().device_time()));
+        Ok(())
+    }
+
+    /// A boundary tensor from the device `from`, its wait recorded as a transfer.
+    fn receive<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        from: usize,
+        tag: u64,
+        what: String,
+        pass: &mut Pass,
+    ) -> Result<Vec<f32>> {
+        let mut x = vec![0f32; self.boundary];
+        let t0 = tpg.comm().device_time();
+        self.wire.recv(*tpg.comm(), from, &mut x, tag)?;
+        let t1 = tpg.comm().device_time();
+        pass.out
+            .transfers
+            .push((format!("recv {what} from {from}"), t0, t1));
+        Ok(x)
+    }
+
+    /// A boundary tensor to the device `to`, recorded as a transfer.
+    fn send<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        to: usize,
+        data: &[f32],
+        tag: u64,
+        what: String,
+        pass: &mut Pass,
+    ) -> Result<()> {
+        let t0 = tpg.comm().device_time();
+        self.wire.send(*tpg.comm(), to, data, tag)?;
+        let t1 = tpg.comm().device_time();
+        pass.out
+            .transfers
+            .push((format!("send {what} to {to}"), t0, t1));
+        Ok(())
+    }
+
+    /// Notes the first moment this device is over its memory capacity.
+    fn check_capacity(&self, over: &mut Option<EngineError>) {
+        if over.is_none() {
+            if let Some(at) = crate::memory::over_capacity(self.account) {
+                *over = Some(EngineError::OutOfMemory {
+                    device: (self.device_of)(self.stage),
+                    capacity: crate::memory::capacity(self.account).unwrap_or(0),
+                    at: Box::new(at),
+                });
+            }
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 
 use crate::data;
 use crate::error::{EngineError, Result};
+use crate::optim::{AdamWConfig, LrSchedule};
 use crate::transformer::Half;
 use std::path::PathBuf;
 
@@ -237,6 +238,26 @@ impl TrainConfig {
     }
 
     /// Where checkpoints go.
+    /// AdamW as these settings configure it.
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.adam_eps,
+            weight_decay: self.weight_decay,
+        }
+    }
+
+    /// Warm-up to `lr`, then cosine decay to `min_lr` at the last step.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            peak_lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_steps: self.warmup_steps,
+            total_steps: self.steps,
+        }
+    }
+
     pub fn checkpoint_root(&self) -> PathBuf {
         self.checkpoint_dir
             .clone()

@@ -107,3 +107,11 @@ fn clear(out: &Path, checkpoints: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// Writes the run's resolved settings, `train_config.json`, into its (claimed) directory.
+pub(super) fn record_settings(cfg: &TrainConfig) -> Result<()> {
+    let out = &cfg.out_dir;
+    std::fs::create_dir_all(out).map_err(|e| EngineError::io(out, e))?;
+    let text = serde_json::to_string_pretty(cfg).expect("the settings serialise");
+    crate::hf::write_atomic(&out.join(RUN_FILES[0]), text.as_bytes())
+}

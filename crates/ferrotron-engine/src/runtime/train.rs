@@ -13,7 +13,6 @@ use crate::checkpoint::Checkpoint;
 use crate::data::{self, SequenceSampler, TokenSplit};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
-use crate::optim::{AdamWConfig, LrSchedule};
 use crate::transformer::{ParamStore, TokenBatch};
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;
@@ -171,6 +170,21 @@ fn default_cache_dir() -> PathBuf {
         .join("ferrotron")
 }
 
+/// The drill's slow device must be one of the devices of every layout that may run.
+fn check_slow_device(cfg: &TrainConfig, candidates: &[Layout]) -> Result<()> {
+    let Some(d) = cfg.slow_device else {
+        return Ok(());
+    };
+    let devices = candidates.iter().map(Layout::world_size).min().unwrap_or(1);
+    if d >= devices {
+        return Err(EngineError::Invalid(format!(
+            "train config `slow_device`: device {d}, but layout `{}` has {devices} devices",
+            candidates[0]
+        )));
+    }
+    Ok(())
+}
+
 /// Trains as `cfg` says, calling `on_step` after every optimizer step (on the reporting process).
 /// Appends one JSON object per step to `<out_dir>/metrics.jsonl`, saves sharded checkpoints, and
 /// saves the final model as a Hugging Face directory.
@@ -185,37 +199,12 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let sp = StartingPoint::resolve(cfg)?;
     let input = plan_input(cfg, &sp.model, world.fixed_devices())?;
     let candidates = resolve_layout(&layout_spec, &input)?;
-    if let Some(d) = cfg.slow_device {
-        let devices = candidates.iter().map(Layout::world_size).min().unwrap_or(1);
-        if d >= devices {
-            return Err(EngineError::Invalid(format!(
-                "train config `slow_device`: device {d}, but layout `{}` has {devices} devices",
-                candidates[0]
-            )));
-        }
-    }
+    check_slow_device(cfg, &candidates)?;
     let data = TrainingData::prepare(cfg, &sp, world.reporter())?;
     if world.reporter() {
-        std::fs::create_dir_all(&cfg.out_dir).map_err(|e| EngineError::io(&cfg.out_dir, e))?;
-        hf::write_atomic(
-            &cfg.out_dir.join("train_config.json"),
-            serde_json::to_string_pretty(cfg)
-                .expect("serialisable")
-                .as_bytes(),
-        )?;
+        run_dir::record_settings(cfg)?;
     }
-    let adam = AdamWConfig {
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: cfg.adam_eps,
-        weight_decay: cfg.weight_decay,
-    };
-    let schedule = LrSchedule {
-        peak_lr: cfg.lr,
-        min_lr: cfg.min_lr,
-        warmup_steps: cfg.warmup_steps,
-        total_steps: cfg.steps,
-    };
+    let (adam, schedule) = (cfg.adamw(), cfg.lr_schedule());
     // Only the reporting process uses it (under MPI every rank would otherwise compute it).
     let initial_val_loss = if world.reporter() {
         validation_loss(

@@ -145,6 +145,44 @@ mod whole;
 
 pub use residency::ZeroResidency;
 
+/// Which tensors each unit of `cfg` reaches (a unit is what the executor asks for at once), and
+/// how many times a step visits each tensor (once per unit per micro-batch).
+fn unit_index(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    micro_batches: usize,
+) -> (HashMap<Unit, Vec<usize>>, Vec<usize>) {
+    let mut units: HashMap<Unit, Vec<usize>> = HashMap::new();
+    let mut visits_per_step = vec![0; params.specs.len()];
+    for (i, spec) in params.specs.iter().enumerate() {
+        for u in units_of(cfg, &spec.name) {
+            units.entry(u).or_default().push(i);
+            visits_per_step[i] += micro_batches;
+        }
+    }
+    (units, visits_per_step)
+}
+
+/// Adam's moments for what this rank updates: every element, or with `shard = Some((dp, rank))`
+/// its piece of each tensor; counted as optimizer state.
+fn moments(
+    adam: crate::optim::AdamWConfig,
+    params: &ParamStore,
+    shard: Option<(usize, usize)>,
+) -> AdamW {
+    let _states = memory::scope(Term::OptimizerStates);
+    let sizes = params.tensors.iter().map(|t| match shard {
+        Some((dp, rank)) => piece(t.len(), dp, rank).len(),
+        None => t.len(),
+    });
+    let shapes =
+        ParamStore::from_tensors(params.specs.clone(), sizes.map(|n| vec![0f32; n]).collect());
+    let mut opt = AdamW::new(adam, &shapes);
+    drop(shapes);
+    opt.shrink();
+    opt
+}
+
 impl ZeroState {
     /// Takes over the device's shard `params`; `micro_batches` backward passes accumulate per step;
     /// `storage` is the 16-bit format under mixed precision.
@@ -160,14 +198,7 @@ impl ZeroState {
         storage: Option<crate::transformer::Half>,
     ) -> Self {
         let dp = dp_group.size();
-        let mut units: HashMap<Unit, Vec<usize>> = HashMap::new();
-        let mut visits_per_step = vec![0; params.specs.len()];
-        for (i, spec) in params.specs.iter().enumerate() {
-            for u in units_of(cfg, &spec.name) {
-                units.entry(u).or_default().push(i);
-                visits_per_step[i] += micro_batches;
-            }
-        }
+        let (units, visits_per_step) = unit_index(cfg, &params, micro_batches);
         let pieces = |store: &ParamStore| -> Vec<Vec<f32>> {
             store
                 .tensors
@@ -183,30 +214,11 @@ impl ZeroState {
                 })
                 .collect()
         };
-        let sharded = stage >= 1 && dp > 1;
-        let opt = {
-            let _states = memory::scope(Term::OptimizerStates);
-            // Moments for what this rank updates: every element, or its pieces.
-            let shapes = ParamStore::from_tensors(
-                params.specs.clone(),
-                params
-                    .tensors
-                    .iter()
-                    .map(|t| {
-                        let n = if sharded {
-                            piece(t.len(), dp, dp_rank).len()
-                        } else {
-                            t.len()
-                        };
-                        vec![0f32; n]
-                    })
-                    .collect(),
-            );
-            let mut opt = AdamW::new(adam, &shapes);
-            drop(shapes);
-            opt.shrink();
-            opt
-        };
+        let opt = moments(
+            adam,
+            &params,
+            (stage >= 1 && dp > 1).then_some((dp, dp_rank)),
+        );
         let mut param_pieces = Vec::new();
         let mut params = params;
         let n = params.specs.len();
