@@ -90,7 +90,7 @@ fn mesh_training(
         .run(|c| -> ferrotron_engine::error::Result<_> {
             let mut step = MeshStep::new(cfg, params, &batches[0], l, &part)?;
             let mut losses = Vec::new();
-            let dev = step.train_device(
+            let mut dev = step.train_device(
                 c,
                 &Training {
                     steps: batches.len(),
@@ -104,7 +104,7 @@ fn mesh_training(
                     Ok(())
                 },
             )?;
-            let full = step.gather_params(c, &dev)?;
+            let full = step.gather_params(c, &mut dev)?;
             Ok((losses, full))
         });
     let mut out = None;

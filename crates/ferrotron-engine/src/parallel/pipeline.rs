@@ -215,10 +215,9 @@ impl StageRun<'_> {
     pub fn execute<C: Comm>(
         &self,
         tpg: &TpGroup<'_, C>,
-        zero: &ZeroState,
+        zero: &mut ZeroState,
         chunks: &[Transformer],
     ) -> Result<StageOutcome> {
-        let res = zero.residency(tpg);
         // Several devices in one process compute on one thread each (a device's clock is its
         // thread's CPU time); a device with the process to itself uses its cores.
         let be = CpuBackend {
@@ -229,12 +228,14 @@ impl StageRun<'_> {
             self.check_capacity(&mut pass.out.over_capacity);
             match action {
                 Action::Forward { mb, chunk } => {
-                    self.forward(tpg, &res, &be, &chunks[chunk], &mut pass, (mb, chunk))?
+                    let mut res = zero.residency(tpg);
+                    self.forward(tpg, &mut res, &be, &chunks[chunk], &mut pass, (mb, chunk))?
                 }
                 Action::Backward { mb, chunk } | Action::BackwardInput { mb, chunk } => {
                     let split = matches!(action, Action::BackwardInput { .. });
                     let at = (mb, chunk);
-                    self.backward(tpg, &res, &be, &chunks[chunk], &mut pass, at, split)?
+                    let mut res = zero.residency(tpg);
+                    self.backward(tpg, &mut res, &be, &chunks[chunk], &mut pass, at, split)?
                 }
                 Action::BackwardWeight { mb, chunk } => {
                     let w = pass.deferred.remove(&(mb, chunk)).ok_or_else(|| {
@@ -259,7 +260,7 @@ impl StageRun<'_> {
     fn forward<C: Comm>(
         &self,
         tpg: &TpGroup<'_, C>,
-        res: &dyn crate::transformer::Residency,
+        res: &mut dyn crate::transformer::Residency,
         be: &CpuBackend,
         model: &Transformer,
         pass: &mut Pass,
@@ -300,7 +301,7 @@ impl StageRun<'_> {
     fn backward<C: Comm>(
         &self,
         tpg: &TpGroup<'_, C>,
-        res: &dyn crate::transformer::Residency,
+        res: &mut dyn crate::transformer::Residency,
         be: &CpuBackend,
         model: &Transformer,
         pass: &mut Pass,

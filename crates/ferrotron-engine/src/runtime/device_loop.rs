@@ -145,7 +145,7 @@ pub(super) fn run_device<C: Comm>(
         lr: &run.schedule,
         clip: cfg.grad_clip,
     };
-    let dev = step.train_device(c, &training, &mut |mesh, c, dev, report| {
+    let mut dev = step.train_device(c, &training, &mut |mesh, c, dev, report| {
         let mine = Figures::of(report);
         let eval_started = std::time::Instant::now();
         let val_loss = if run.is_eval(report.step) {
@@ -182,7 +182,7 @@ pub(super) fn run_device<C: Comm>(
         }
         Ok(())
     })?;
-    let full = step.gather_params(c, &dev)?;
+    let full = step.gather_params(c, &mut dev)?;
     memory::set_capacity(account, None);
     memory::clear_device();
     Ok(full)

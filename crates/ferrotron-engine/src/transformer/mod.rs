@@ -292,7 +292,7 @@ impl Transformer {
         p: &ParamStore,
         input: StageInput,
     ) -> ForwardState {
-        self.forward_stage_in(be, tp, &Resident::new(p), input)
+        self.forward_stage_in(be, tp, &mut Resident::new(p), input)
     }
 
     /// The units a pass of this chunk asks its residency for, in order: embedding, layers, head
@@ -314,7 +314,7 @@ impl Transformer {
         &self,
         be: &dyn Backend,
         tp: &dyn ShardCollectives,
-        res: &dyn Residency,
+        res: &mut dyn Residency,
         input: StageInput,
     ) -> ForwardState {
         res.begin_pass(&self.pass_units(false));
@@ -456,9 +456,9 @@ impl Transformer {
         targets: &[Option<u32>],
         loss_scale: f32,
     ) -> (f64, Option<Vec<f32>>) {
-        let res = Resident::with_grads(p, grads);
+        let mut res = Resident::with_grads(p, grads);
         let (loss, dx, _) =
-            self.backward_stage_in(be, tp, &res, state, dout, targets, loss_scale, false);
+            self.backward_stage_in(be, tp, &mut res, state, dout, targets, loss_scale, false);
         (loss, dx)
     }
 
@@ -478,7 +478,7 @@ impl Transformer {
         let (loss, dx, w) = self.backward_stage_in(
             be,
             tp,
-            &Resident::new(p),
+            &mut Resident::new(p),
             state,
             dout,
             targets,
@@ -496,7 +496,7 @@ impl Transformer {
         &self,
         be: &dyn Backend,
         tp: &dyn ShardCollectives,
-        res: &dyn Residency,
+        res: &mut dyn Residency,
         mut state: ForwardState,
         dout: Option<Vec<f32>>,
         targets: &[Option<u32>],

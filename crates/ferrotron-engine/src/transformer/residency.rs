@@ -5,7 +5,6 @@
 //! knows nothing else of it.
 
 use super::ParamStore;
-use std::cell::RefCell;
 
 /// The groups of parameters the executor uses together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -21,18 +20,18 @@ pub enum Unit {
 pub trait Residency {
     /// The units a pass (one chunk's forward, or its backward) will ask for, in order, each once.
     /// A sharded residency may start fetching a unit before it is asked for.
-    fn begin_pass(&self, _units: &[Unit]) {}
+    fn begin_pass(&mut self, _units: &[Unit]) {}
     /// Runs `f` with `unit`'s parameters present in the store it is given.
-    fn params(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore));
+    fn params(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore));
     /// Runs `f` with `unit`'s parameters present and a gradient store its weight gradients accumulate
     /// into.
-    fn params_and_grads(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore));
+    fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore));
 }
 
 /// Every parameter present throughout; gradients (if any) accumulate in one store.
 pub struct Resident<'a> {
     params: &'a ParamStore,
-    grads: RefCell<Option<&'a mut ParamStore>>,
+    grads: Option<&'a mut ParamStore>,
 }
 
 impl<'a> Resident<'a> {
@@ -40,24 +39,24 @@ impl<'a> Resident<'a> {
     pub fn new(params: &'a ParamStore) -> Self {
         Self {
             params,
-            grads: RefCell::new(None),
+            grads: None,
         }
     }
     pub fn with_grads(params: &'a ParamStore, grads: &'a mut ParamStore) -> Self {
         Self {
             params,
-            grads: RefCell::new(Some(grads)),
+            grads: Some(grads),
         }
     }
 }
 
 impl Residency for Resident<'_> {
-    fn params(&self, _unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
+    fn params(&mut self, _unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
         f(self.params)
     }
-    fn params_and_grads(&self, _unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
-        let mut grads = self.grads.borrow_mut();
-        let g = grads
+    fn params_and_grads(&mut self, _unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
+        let g = self
+            .grads
             .as_deref_mut()
             .expect("a backward that accumulates weight gradients needs a gradient store");
         f(self.params, g)

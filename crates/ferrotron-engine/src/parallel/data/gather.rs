@@ -9,10 +9,10 @@ use crate::transformer::Unit;
 impl ZeroState {
     /// Gathers whole tensors `ids` from every rank's pieces (ZeRO-3), or widens them from 16-bit
     /// storage (mixed precision), into the executor's view.
-    pub(super) fn gather<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+    pub(super) fn gather<C: Comm>(&mut self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
         if let Some(h) = &self.half {
-            let mut view = self.params.borrow_mut();
-            return with_half!(h, p => p.borrow().materialize(c, &self.dp_group, ids, &mut view));
+            let view = &mut self.params;
+            return with_half!(h, p => p.materialize(c, &self.dp_group, ids, view));
         }
         // A gathered unit's parameters are transient buffers (the lasting copy is the pieces).
         let _buffers = memory::scope(Term::CommBuffers);
@@ -31,9 +31,9 @@ impl ZeroState {
     }
 
     /// Files an all-gather of `ids`' pieces (one block per rank) as whole tensors.
-    pub(super) fn file_gathered(&self, ids: &[usize], all: &[f32]) {
+    pub(super) fn file_gathered(&mut self, ids: &[usize], all: &[f32]) {
         let block = all.len() / self.dp;
-        let mut params = self.params.borrow_mut();
+        let params = &mut self.params;
         let mut at = 0;
         for &id in ids {
             let len = params.specs[id].numel();
@@ -53,48 +53,53 @@ impl ZeroState {
         self.prefetch_enabled && self.stage == 3 && self.dp > 1 && self.half.is_none()
     }
 
-    pub(super) fn unit_ids(&self, unit: Unit) -> &[usize] {
-        self.units.get(&unit).map_or(&[], Vec::as_slice)
+    /// The tensors of `unit` (a copy: the caller goes on to change the state).
+    pub(super) fn unit_ids(&self, unit: Unit) -> Vec<usize> {
+        self.units.get(&unit).cloned().unwrap_or_default()
     }
 
     /// Starts the gather of `unit` in the background.
-    pub(super) fn start_prefetch<C: Comm>(&self, c: &mut C, unit: Unit) -> Result<(), CommError> {
+    pub(super) fn start_prefetch<C: Comm>(
+        &mut self,
+        c: &mut C,
+        unit: Unit,
+    ) -> Result<(), CommError> {
         let _buffers = memory::scope(Term::CommBuffers);
-        let mine = self.own_param_pieces(self.unit_ids(unit));
+        let mine = self.own_param_pieces(&self.unit_ids(unit));
         let pending = c.start_all_gather(&self.dp_group, &mine)?;
-        *self.prefetch.borrow_mut() = Some((unit, pending));
+        self.prefetch = Some((unit, pending));
         Ok(())
     }
 
     /// Completes the gather in flight, if any: its unit is present from then on.
-    pub(super) fn finish_prefetch<C: Comm>(&self, c: &mut C) -> Result<(), CommError> {
-        let Some((unit, pending)) = self.prefetch.borrow_mut().take() else {
+    pub(super) fn finish_prefetch<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        let Some((unit, pending)) = self.prefetch.take() else {
             return Ok(());
         };
         let _buffers = memory::scope(Term::CommBuffers);
         let all = c.wait(pending)?;
-        self.file_gathered(self.unit_ids(unit), &all);
-        *self.present.borrow_mut() = Some(unit);
+        self.file_gathered(&self.unit_ids(unit), &all);
+        self.present = Some(unit);
         Ok(())
     }
 
     /// Makes `unit`'s parameters present for the executor: prefetched, or gathered now. Then starts
     /// gathering the next unit of the pass, to overlap the work on this one.
-    pub(super) fn bring_in<C: Comm>(&self, c: &mut C, unit: Unit) -> Result<(), CommError> {
+    pub(super) fn bring_in<C: Comm>(&mut self, c: &mut C, unit: Unit) -> Result<(), CommError> {
         if !self.prefetches() {
-            return self.gather(c, self.unit_ids(unit));
+            return self.gather(c, &self.unit_ids(unit));
         }
         self.finish_prefetch(c)?;
-        match self.present.borrow_mut().take() {
+        match self.present.take() {
             Some(u) if u == unit => {}
             Some(other) => {
-                self.release(self.unit_ids(other));
-                self.gather(c, self.unit_ids(unit))?;
+                self.release(&self.unit_ids(other));
+                self.gather(c, &self.unit_ids(unit))?;
             }
-            None => self.gather(c, self.unit_ids(unit))?,
+            None => self.gather(c, &self.unit_ids(unit))?,
         }
         let next = {
-            let mut pass = self.pass.borrow_mut();
+            let pass = &mut self.pass;
             while let Some(u) = pass.pop_front() {
                 if u == unit {
                     break;
@@ -110,14 +115,9 @@ impl ZeroState {
 
     /// Frees `unit`'s gathered parameters, except those the unit fetched next shares with it (a
     /// tied embedding is in the embedding and the head).
-    pub(super) fn release_unit(&self, unit: Unit) {
-        let ahead = self
-            .prefetch
-            .borrow()
-            .as_ref()
-            .map(|(u, _)| *u)
-            .or(*self.present.borrow());
-        let keep = ahead.map_or(&[][..], |u| self.unit_ids(u));
+    pub(super) fn release_unit(&mut self, unit: Unit) {
+        let ahead = self.prefetch.as_ref().map(|(u, _)| *u).or(self.present);
+        let keep = ahead.map(|u| self.unit_ids(u)).unwrap_or_default();
         let ids: Vec<usize> = self
             .unit_ids(unit)
             .iter()
@@ -127,10 +127,9 @@ impl ZeroState {
         self.release(&ids);
     }
 
-    pub(super) fn release(&self, ids: &[usize]) {
-        let mut params = self.params.borrow_mut();
+    pub(super) fn release(&mut self, ids: &[usize]) {
         for &i in ids {
-            params.tensors[i] = Vec::new();
+            self.params.tensors[i] = Vec::new();
         }
     }
 }

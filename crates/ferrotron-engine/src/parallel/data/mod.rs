@@ -21,7 +21,6 @@ use crate::memory::{self, Term};
 use crate::optim::AdamW;
 use crate::transformer::{ParamStore, Unit};
 use ferrotron_core::model::ModelConfig;
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -89,23 +88,23 @@ pub struct ZeroState {
     dp_rank: usize,
     dp_group: Group,
     /// Every tensor whole (ZeRO 0–2); under ZeRO-3 empty except while its unit is gathered.
-    params: RefCell<ParamStore>,
+    params: ParamStore,
     /// Whole gradients (ZeRO 0–1, accumulated over the step); under ZeRO-2/3 empty except while a
     /// unit's backward runs.
-    grads: RefCell<ParamStore>,
+    grads: ParamStore,
     /// ZeRO-3: this rank's pieces of the parameters, the only lasting copy.
     param_pieces: Vec<Vec<f32>>,
     /// ZeRO-2/3: this rank's pieces of the step's reduced gradients (ZeRO-1 files its reduced
     /// pieces in place, in the whole gradients).
-    grad_pieces: RefCell<Vec<Vec<f32>>>,
+    grad_pieces: Vec<Vec<f32>>,
     /// Tensor indices of each unit this device holds.
     units: HashMap<Unit, Vec<usize>>,
     /// Per tensor: unit visits with gradients still to come this step, and whether it was reduced.
-    visits_left: RefCell<Vec<usize>>,
+    visits_left: Vec<usize>,
     visits_per_step: Vec<usize>,
-    reduced: RefCell<Vec<bool>>,
+    reduced: Vec<bool>,
     /// The bucket being reduced in the background (ZeRO 0–1) and its tensors.
-    in_flight: RefCell<Option<(Vec<usize>, Pending<f32>)>>,
+    in_flight: Option<(Vec<usize>, Pending<f32>)>,
     opt: AdamW,
     /// Mixed precision: 16-bit weights and gradients, f32 master weights (then `params` is only the
     /// executor's per-unit f32 view and `grads` its per-unit f32 scratch).
@@ -116,18 +115,19 @@ pub struct ZeroState {
     prefetch_enabled: bool,
     /// ZeRO-3 prefetch: the units the current pass has still to ask for, the gather in flight, and
     /// the unit a finished prefetch made present.
-    pass: RefCell<std::collections::VecDeque<Unit>>,
-    prefetch: RefCell<Option<(Unit, Pending<f32>)>>,
-    present: RefCell<Option<Unit>>,
+    pass: std::collections::VecDeque<Unit>,
+    prefetch: Option<(Unit, Pending<f32>)>,
+    present: Option<Unit>,
 }
 
 /// The 16-bit state, in its format.
 enum HalfStore {
-    Bf16(RefCell<HalfParts<half::bf16>>),
-    F16(RefCell<HalfParts<half::f16>>),
+    Bf16(HalfParts<half::bf16>),
+    F16(HalfParts<half::f16>),
 }
 
-/// Runs `$body` with `$p` bound to the `RefCell` of the 16-bit state, whatever its format.
+/// Runs `$body` with `$p` bound to the 16-bit state (by reference, as `$store` is), whatever its
+/// format.
 macro_rules! with_half {
     ($store:expr, $p:ident => $body:expr) => {
         match $store {
@@ -224,15 +224,14 @@ impl ZeroState {
         let n = params.specs.len();
         let (grads, grad_pieces, half) = match storage {
             Some(h) => {
-                let half =
-                    match h {
-                        crate::transformer::Half::Bf16 => HalfStore::Bf16(RefCell::new(
-                            HalfParts::new(&mut params, stage, dp, dp_rank),
-                        )),
-                        crate::transformer::Half::F16 => HalfStore::F16(RefCell::new(
-                            HalfParts::new(&mut params, stage, dp, dp_rank),
-                        )),
-                    };
+                let half = match h {
+                    crate::transformer::Half::Bf16 => {
+                        HalfStore::Bf16(HalfParts::new(&mut params, stage, dp, dp_rank))
+                    }
+                    crate::transformer::Half::F16 => {
+                        HalfStore::F16(HalfParts::new(&mut params, stage, dp, dp_rank))
+                    }
+                };
                 // The executor's f32 gradients exist per unit only (scratch).
                 let scratch = ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n]);
                 (scratch, Vec::new(), Some(half))
@@ -269,22 +268,22 @@ impl ZeroState {
             dp,
             dp_rank,
             dp_group,
-            params: RefCell::new(params),
-            grads: RefCell::new(grads),
+            params,
+            grads,
             param_pieces,
-            grad_pieces: RefCell::new(grad_pieces),
+            grad_pieces,
             units,
-            visits_left: RefCell::new(visits_per_step.clone()),
+            visits_left: visits_per_step.clone(),
             visits_per_step,
-            reduced: RefCell::new(vec![false; n]),
-            in_flight: RefCell::new(None),
+            reduced: vec![false; n],
+            in_flight: None,
             opt,
             half,
             threaded_update: false,
             prefetch_enabled: true,
-            pass: RefCell::new(Default::default()),
-            prefetch: RefCell::new(None),
-            present: RefCell::new(None),
+            pass: Default::default(),
+            prefetch: None,
+            present: None,
         }
     }
 
@@ -304,17 +303,17 @@ impl ZeroState {
 
     /// The parameter specs of the device's shard.
     pub fn specs(&self) -> Vec<ferrotron_core::model::ParamSpec> {
-        self.params.borrow().specs.clone()
+        self.params.specs.clone()
     }
 
     /// Starts a step: gradients zeroed, every tensor waiting for its contributions.
-    pub fn begin_step(&self) {
-        if let Some(h) = &self.half {
-            with_half!(h, p => p.borrow_mut().begin_step());
+    pub fn begin_step(&mut self) {
+        if let Some(h) = &mut self.half {
+            with_half!(h, p => p.begin_step());
             return;
         }
         if self.stage < 2 || self.dp == 1 {
-            let mut g = self.grads.borrow_mut();
+            let g = &mut self.grads;
             if self.threaded_update {
                 // A device with the cores to itself zeroes on all of them.
                 use rayon::prelude::*;
@@ -326,19 +325,14 @@ impl ZeroState {
                 g.tensors.iter_mut().for_each(|t| t.fill(0.0));
             }
         }
-        self.grad_pieces
-            .borrow_mut()
-            .iter_mut()
-            .for_each(|p| p.fill(0.0));
-        self.visits_left
-            .borrow_mut()
-            .clone_from(&self.visits_per_step);
-        self.reduced.borrow_mut().fill(false);
+        self.grad_pieces.iter_mut().for_each(|p| p.fill(0.0));
+        self.visits_left.clone_from(&self.visits_per_step);
+        self.reduced.fill(false);
     }
 
     /// A residency for the executor over this state, with the device's communicator.
     pub fn residency<'s, 'c, C: Comm>(
-        &'s self,
+        &'s mut self,
         tpg: &'s TpGroup<'c, C>,
     ) -> ZeroResidency<'s, 'c, C> {
         ZeroResidency { state: self, tpg }
@@ -346,32 +340,32 @@ impl ZeroState {
 
     /// The gradients this rank holds after the reduction, by tensor: whole (no sharding) or the
     /// part it owns (the same part of each tensor on every device that shares the layout).
-    pub fn with_grad_view<R>(&self, f: impl FnOnce(&mut [&mut [f32]]) -> R) -> R {
-        if let Some(h) = &self.half {
-            return with_half!(h, p => {
-                let mut parts = p.borrow_mut();
+    pub fn with_grad_view<R>(&mut self, f: impl FnOnce(&mut [&mut [f32]]) -> R) -> R {
+        let (dp, dp_rank) = (self.dp, self.dp_rank);
+        if let Some(h) = &mut self.half {
+            return with_half!(h, parts => {
                 let mut view: Vec<&mut [f32]> =
                     parts.main.iter_mut().map(|g| g.as_mut_slice()).collect();
                 f(&mut view)
             });
         }
         if self.stage >= 2 && self.dp > 1 {
-            let mut pieces = self.grad_pieces.borrow_mut();
+            let pieces = &mut self.grad_pieces;
             let mut view: Vec<&mut [f32]> = pieces.iter_mut().map(|p| p.as_mut_slice()).collect();
             f(&mut view)
         } else if self.sharded() {
-            let mut g = self.grads.borrow_mut();
+            let g = &mut self.grads;
             let mut view: Vec<&mut [f32]> = g
                 .tensors
                 .iter_mut()
                 .map(|t| {
-                    let own = self.own_range(t.len());
+                    let own = owned(t.len(), dp, dp_rank);
                     &mut t[own]
                 })
                 .collect();
             f(&mut view)
         } else {
-            let mut g = self.grads.borrow_mut();
+            let g = &mut self.grads;
             let mut view: Vec<&mut [f32]> =
                 g.tensors.iter_mut().map(|t| t.as_mut_slice()).collect();
             f(&mut view)

@@ -5,7 +5,6 @@ use super::{owned, piece, ZeroState};
 use crate::comm::{Comm, CommError, ReduceOp};
 use crate::memory::{self, Term};
 use crate::transformer::{ParamStore, Unit};
-use std::ops::Range;
 
 impl ZeroState {
     /// Lays out `ids`' tensors as dp blocks, block k holding piece k of each tensor in turn (so that a
@@ -44,10 +43,14 @@ impl ZeroState {
     }
 
     /// Reduce-scatters whole gradients `ids` into this rank's pieces and frees them (ZeRO-2/3).
-    pub(super) fn scatter_grads<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+    pub(super) fn scatter_grads<C: Comm>(
+        &mut self,
+        c: &mut C,
+        ids: &[usize],
+    ) -> Result<(), CommError> {
         let _buffers = memory::scope(Term::CommBuffers);
         let (buf, lens) = {
-            let g = self.grads.borrow();
+            let g = &self.grads;
             let ts: Vec<&[f32]> = ids.iter().map(|&i| g.tensors[i].as_slice()).collect();
             (
                 self.interleave(&ts),
@@ -57,46 +60,47 @@ impl ZeroState {
         let mut mine = vec![0f32; buf.len() / self.dp];
         c.reduce_scatter(&self.dp_group, &buf, &mut mine, ReduceOp::Sum)?;
         drop(buf);
-        let mut pieces = self.grad_pieces.borrow_mut();
         for (id, p) in self.split_pieces(ids, &lens, &mine) {
-            pieces[id].iter_mut().zip(&p).for_each(|(a, b)| *a += b);
+            self.grad_pieces[id]
+                .iter_mut()
+                .zip(&p)
+                .for_each(|(a, b)| *a += b);
         }
-        let mut g = self.grads.borrow_mut();
         for &i in ids {
-            g.tensors[i] = Vec::new();
+            self.grads.tensors[i] = Vec::new();
         }
         Ok(())
     }
 
     /// Mixed precision: zeroed f32 gradients for `ids`, for the executor to accumulate into.
-    pub(super) fn open_scratch(&self, ids: &[usize]) {
+    pub(super) fn open_scratch(&mut self, ids: &[usize]) {
         let _grads = memory::scope(Term::Gradients);
-        let mut g = self.grads.borrow_mut();
+        let g = &mut self.grads;
         for &i in ids {
             g.tensors[i] = vec![0f32; g.specs[i].numel()];
         }
     }
 
     /// Mixed precision: rounds the f32 gradients of `ids` into the 16-bit storage (and frees them).
-    pub(super) fn absorb<C: Comm>(&self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
-        let h = self.half.as_ref().expect("mixed precision");
-        let mut scratch = self.grads.borrow_mut();
-        with_half!(h, p => p.borrow_mut().absorb(c, &self.dp_group, ids, &mut scratch))
+    pub(super) fn absorb<C: Comm>(&mut self, c: &mut C, ids: &[usize]) -> Result<(), CommError> {
+        let h = self.half.as_mut().expect("mixed precision");
+        let scratch = &mut self.grads;
+        with_half!(h, p => p.absorb(c, &self.dp_group, ids, scratch))
     }
 
     /// Allocates zeroed whole gradients for `ids` (ZeRO-2/3): a bucket that lives until it is
     /// reduce-scattered, so it counts as a communication buffer.
-    pub(super) fn open_grads(&self, ids: &[usize]) {
+    pub(super) fn open_grads(&mut self, ids: &[usize]) {
         let _bucket = memory::scope(Term::CommBuffers);
-        let mut g = self.grads.borrow_mut();
+        let g = &mut self.grads;
         for &i in ids {
             g.tensors[i] = vec![0f32; g.specs[i].numel()];
         }
     }
 
     /// Waits for the bucket in flight, if any, and files its result.
-    pub(super) fn finish_in_flight<C: Comm>(&self, c: &mut C) -> Result<(), CommError> {
-        let Some((ids, pending)) = self.in_flight.borrow_mut().take() else {
+    pub(super) fn finish_in_flight<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        let Some((ids, pending)) = self.in_flight.take() else {
             return Ok(());
         };
         let out = c.wait(pending)?;
@@ -106,19 +110,20 @@ impl ZeroState {
 
     /// Files the result of a bucket's reduction: whole sums (ZeRO-0), or this rank's pieces into
     /// their place in the whole gradients (ZeRO-1; the rest of them is stale from then on).
-    pub(super) fn file_reduced(&self, ids: &[usize], out: &[f32]) {
+    pub(super) fn file_reduced(&mut self, ids: &[usize], out: &[f32]) {
+        let (dp, dp_rank) = (self.dp, self.dp_rank);
         if self.sharded() {
-            let mut g = self.grads.borrow_mut();
+            let g = &mut self.grads;
             let mut at = 0;
             for &i in ids {
                 let t = &mut g.tensors[i];
-                let (own, n) = (self.own_range(t.len()), piece(t.len(), self.dp, 0).len());
+                let (own, n) = (owned(t.len(), dp, dp_rank), piece(t.len(), dp, 0).len());
                 let len = own.len();
                 t[own].copy_from_slice(&out[at..at + len]);
                 at += n;
             }
         } else {
-            let mut g = self.grads.borrow_mut();
+            let g = &mut self.grads;
             let mut at = 0;
             for &i in ids {
                 let n = g.tensors[i].len();
@@ -131,14 +136,14 @@ impl ZeroState {
     /// Starts the reduction of the tensors whose gradients are final (ZeRO 0–1), after the previous
     /// bucket (one collective in flight per group).
     pub(super) fn start_bucket<C: Comm>(
-        &self,
+        &mut self,
         c: &mut C,
         ids: Vec<usize>,
     ) -> Result<(), CommError> {
         self.finish_in_flight(c)?;
         let _buffers = memory::scope(Term::CommBuffers);
         let buf: Vec<f32> = {
-            let g = self.grads.borrow();
+            let g = &self.grads;
             let ts: Vec<&[f32]> = ids.iter().map(|&i| g.tensors[i].as_slice()).collect();
             if self.sharded() {
                 self.interleave(&ts)
@@ -151,22 +156,19 @@ impl ZeroState {
         } else {
             c.start_all_reduce(&self.dp_group, buf, ReduceOp::Sum)?
         };
-        {
-            let mut reduced = self.reduced.borrow_mut();
-            ids.iter().for_each(|&i| reduced[i] = true);
-        }
-        *self.in_flight.borrow_mut() = Some((ids, pending));
+        ids.iter().for_each(|&i| self.reduced[i] = true);
+        self.in_flight = Some((ids, pending));
         Ok(())
     }
 
     /// Counts one gradient visit of `unit`'s tensors and, under ZeRO 0–1, starts reducing those that
     /// are now final.
-    pub(super) fn visited<C: Comm>(&self, c: &mut C, unit: Unit) -> Result<(), CommError> {
+    pub(super) fn visited<C: Comm>(&mut self, c: &mut C, unit: Unit) -> Result<(), CommError> {
         if self.dp == 1 || self.stage >= 2 {
             return Ok(());
         }
         let ready: Vec<usize> = {
-            let mut left = self.visits_left.borrow_mut();
+            let left = &mut self.visits_left;
             self.units
                 .get(&unit)
                 .map_or(&[][..], Vec::as_slice)
@@ -187,21 +189,21 @@ impl ZeroState {
     /// Accumulates deferred weight gradients (a zero-bubble W action): `apply` writes into a gradient
     /// store in which every tensor it touches is present.
     pub fn apply_deferred<C: Comm>(
-        &self,
+        &mut self,
         c: &mut C,
         touched: &[usize],
         apply: impl FnOnce(&mut ParamStore),
     ) -> Result<(), CommError> {
         if self.half.is_some() {
             self.open_scratch(touched);
-            apply(&mut self.grads.borrow_mut());
+            apply(&mut self.grads);
             return self.absorb(c, touched);
         }
         let sharded_grads = self.stage >= 2 && self.dp > 1;
         if sharded_grads {
             self.open_grads(touched);
         }
-        apply(&mut self.grads.borrow_mut());
+        apply(&mut self.grads);
         if sharded_grads {
             self.scatter_grads(c, touched)?;
         }
@@ -210,16 +212,15 @@ impl ZeroState {
 
     /// Ends the step's gradient reduction over dp: every gradient not yet reduced is, and the bucket in
     /// flight completes. Afterwards [`ZeroState::grad_view`] holds the reduced gradients this rank owns.
-    pub fn reduce_grads<C: Comm>(&self, c: &mut C) -> Result<(), CommError> {
-        if let Some(h) = &self.half {
-            return with_half!(h, p => p.borrow_mut().reduce(c, &self.dp_group));
+    pub fn reduce_grads<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        if let Some(h) = &mut self.half {
+            return with_half!(h, p => p.reduce(c, &self.dp_group));
         }
         if self.dp == 1 || self.stage >= 2 {
             return Ok(());
         }
         let rest: Vec<usize> = self
             .reduced
-            .borrow()
             .iter()
             .enumerate()
             .filter(|(_, &r)| !r)
@@ -229,10 +230,5 @@ impl ZeroState {
             self.start_bucket(c, rest)?;
         }
         self.finish_in_flight(c)
-    }
-
-    /// The part of a tensor of `len` elements this rank owns (its piece without the padding).
-    pub(super) fn own_range(&self, len: usize) -> Range<usize> {
-        owned(len, self.dp, self.dp_rank)
     }
 }

@@ -9,69 +9,68 @@ use crate::transformer::{ParamStore, Residency, Unit};
 /// The executor's view of a [`ZeroState`]: units gathered just in time (ZeRO-3), gradients reduced
 /// away per unit (ZeRO-2/3) or in background buckets (ZeRO 0–1).
 pub struct ZeroResidency<'s, 'c, C: Comm> {
-    pub(super) state: &'s ZeroState,
+    pub(super) state: &'s mut ZeroState,
     pub(super) tpg: &'s TpGroup<'c, C>,
 }
 
 impl<C: Comm> ZeroResidency<'_, '_, C> {
-    fn ids(&self, unit: Unit) -> &[usize] {
-        self.state.units.get(&unit).map_or(&[], Vec::as_slice)
-    }
     fn gathered(&self) -> bool {
         self.state.stage == 3 && self.state.dp > 1 || self.state.half.is_some()
     }
 }
 
 impl<C: Comm> Residency for ZeroResidency<'_, '_, C> {
-    fn begin_pass(&self, units: &[Unit]) {
-        let s = self.state;
+    fn begin_pass(&mut self, units: &[Unit]) {
+        let s = &mut *self.state;
         if s.prefetches() {
             // Nothing of an earlier pass is still in flight (each pass asks for all its units).
             self.tpg.with_comm(|c| s.finish_prefetch(c));
-            if let Some(u) = s.present.borrow_mut().take() {
-                s.release(s.unit_ids(u));
+            if let Some(u) = s.present.take() {
+                s.release(&s.unit_ids(u));
             }
-            *s.pass.borrow_mut() = units.iter().copied().collect();
+            s.pass = units.iter().copied().collect();
         }
     }
 
-    fn params(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
-        let s = self.state;
-        if self.gathered() {
+    fn params(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
+        let gathered = self.gathered();
+        let s = &mut *self.state;
+        if gathered {
             self.tpg.with_comm(|c| s.bring_in(c, unit));
         }
-        f(&s.params.borrow());
-        if self.gathered() {
+        f(&s.params);
+        if gathered {
             s.release_unit(unit);
         }
     }
 
-    fn params_and_grads(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
-        let ids = self.ids(unit);
-        let s = self.state;
-        if self.gathered() {
+    fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
+        let gathered = self.gathered();
+        let s = &mut *self.state;
+        let ids = s.unit_ids(unit);
+        if gathered {
             self.tpg.with_comm(|c| s.bring_in(c, unit));
         }
         if s.half.is_some() {
-            s.open_scratch(ids);
-            f(&s.params.borrow(), &mut s.grads.borrow_mut());
-            s.release(ids);
-            self.tpg.with_comm(|c| s.absorb(c, ids));
+            s.open_scratch(&ids);
+            f(&s.params, &mut s.grads);
+            s.release(&ids);
+            self.tpg.with_comm(|c| s.absorb(c, &ids));
             return;
         }
         let sharded_grads = s.stage >= 2 && s.dp > 1;
         if sharded_grads {
-            s.open_grads(ids);
+            s.open_grads(&ids);
         }
-        f(&s.params.borrow(), &mut s.grads.borrow_mut());
-        if self.gathered() {
+        f(&s.params, &mut s.grads);
+        if gathered {
             s.release_unit(unit);
         }
         if sharded_grads {
             // One collective at a time on the group: the prefetch completes first.
             self.tpg.with_comm(|c| {
                 s.finish_prefetch(c)?;
-                s.scatter_grads(c, ids)
+                s.scatter_grads(c, &ids)
             });
         } else {
             self.tpg.with_comm(|c| s.visited(c, unit));

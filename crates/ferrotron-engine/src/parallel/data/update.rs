@@ -10,11 +10,9 @@ use std::ops::Range;
 impl ZeroState {
     /// One AdamW update of what this rank owns, then (ZeRO 1–2) the updated pieces all-gathered.
     pub fn update<C: Comm>(&mut self, c: &mut C, lr: f32) -> Result<(), CommError> {
-        if let Some(h) = &self.half {
+        if let Some(h) = &mut self.half {
             let opt = &mut self.opt;
-            return with_half!(h, p => {
-                let mut parts = p.borrow_mut();
-                let parts = &mut *parts;
+            return with_half!(h, parts => {
                 let g: Vec<&[f32]> = parts.main.iter().map(Vec::as_slice).collect();
                 let mut m: Vec<&mut [f32]> =
                     parts.master.iter_mut().map(|t| t.as_mut_slice()).collect();
@@ -24,8 +22,7 @@ impl ZeroState {
             });
         }
         if !self.sharded() {
-            let params = self.params.get_mut();
-            let grads = self.grads.get_mut();
+            let (params, grads) = (&mut self.params, &mut self.grads);
             if self.threaded_update {
                 self.opt.step(params, grads, lr);
             } else {
@@ -36,8 +33,8 @@ impl ZeroState {
         // The owned gradients: pieces (ZeRO-2/3) or the owned part of the whole ones (ZeRO-1).
         let (dp, rank) = (self.dp, self.dp_rank);
         let own = |len: usize| owned(len, dp, rank);
-        let pieces = std::mem::take(self.grad_pieces.get_mut());
-        let whole = std::mem::replace(self.grads.get_mut(), ParamStore::zeros(Vec::new()));
+        let pieces = std::mem::take(&mut self.grad_pieces);
+        let whole = std::mem::replace(&mut self.grads, ParamStore::zeros(Vec::new()));
         let g: Vec<&[f32]> = if self.stage >= 2 {
             pieces.iter().map(Vec::as_slice).collect()
         } else {
@@ -53,7 +50,7 @@ impl ZeroState {
         } else {
             // In f32 the parameters are their own master copy: update this rank's part in place,
             // then gather every part.
-            let params = self.params.get_mut();
+            let params = &mut self.params;
             let mut p: Vec<&mut [f32]> = params
                 .tensors
                 .iter_mut()
@@ -86,15 +83,15 @@ impl ZeroState {
             }
         }
         drop(g);
-        *self.grad_pieces.get_mut() = pieces;
-        *self.grads.get_mut() = whole;
+        self.grad_pieces = pieces;
+        self.grads = whole;
         Ok(())
     }
 
     /// The range of each flattened tensor this rank owns: whole, or its ZeRO piece without the
     /// padding (what it updates, and so what it keeps in a checkpoint).
     pub fn owned_ranges(&self) -> Vec<Range<usize>> {
-        let p = self.params.borrow();
+        let p = &self.params;
         p.specs
             .iter()
             .map(|s| {
@@ -112,8 +109,7 @@ impl ZeroState {
     pub fn owned_state(&self) -> Vec<OwnedState> {
         let ranges = self.owned_ranges();
         let master: Vec<Vec<f32>> = if let Some(h) = &self.half {
-            with_half!(h, p => {
-                let parts = p.borrow();
+            with_half!(h, parts => {
                 ranges.iter().zip(&parts.master).map(|(r, m)| m[..r.len()].to_vec()).collect()
             })
         } else if self.stage == 3 && self.dp > 1 {
@@ -124,7 +120,7 @@ impl ZeroState {
                 .map(|(r, m)| m[..r.len()].to_vec())
                 .collect()
         } else {
-            let p = self.params.borrow();
+            let p = &self.params;
             ranges
                 .iter()
                 .zip(&p.tensors)

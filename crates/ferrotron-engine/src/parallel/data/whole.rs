@@ -15,9 +15,8 @@ impl ZeroState {
         master: bool,
     ) -> Result<ParamStore, CommError> {
         let h = self.half.as_ref().expect("mixed precision");
-        let specs = self.params.borrow().specs.clone();
-        let whole = with_half!(h, p => {
-            let parts = p.borrow();
+        let specs = self.params.specs.clone();
+        let whole = with_half!(h, parts => {
             let which = if master { &parts.master } else { &parts.main };
             parts.whole(c, &self.dp_group, which)
         })?;
@@ -25,7 +24,7 @@ impl ZeroState {
     }
 
     /// The device's whole parameters (ZeRO-3: gathered from the pieces; every dp rank must call it).
-    pub fn full_params<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
+    pub fn full_params<C: Comm>(&mut self, c: &mut C) -> Result<ParamStore, CommError> {
         let _other = memory::scope(Term::Other);
         if self.half.is_some() {
             return self.half_whole(c, true);
@@ -33,11 +32,11 @@ impl ZeroState {
         if self.stage == 3 && self.dp > 1 {
             let ids: Vec<usize> = (0..self.param_pieces.len()).collect();
             self.gather(c, &ids)?;
-            let out = self.params.borrow().clone();
+            let out = self.params.clone();
             self.release(&ids);
             return Ok(out);
         }
-        Ok(self.params.borrow().clone())
+        Ok(self.params.clone())
     }
 
     /// The device's whole reduced gradients (gathered from the pieces when sharded; every dp rank must
@@ -47,14 +46,14 @@ impl ZeroState {
         if self.half.is_some() {
             return self.half_whole(c, false);
         }
-        let specs = self.params.borrow().specs.clone();
+        let specs = self.params.specs.clone();
         if !self.sharded() {
-            return Ok(self.grads.borrow().clone());
+            return Ok(self.grads.clone());
         }
         let mine: Vec<f32> = if self.stage >= 2 {
-            self.grad_pieces.borrow().concat()
+            self.grad_pieces.concat()
         } else {
-            let g = self.grads.borrow();
+            let g = &self.grads;
             let ts: Vec<&[f32]> = g.tensors.iter().map(Vec::as_slice).collect();
             own_pieces(&ts, self.dp, self.dp_rank)
         };

@@ -15,7 +15,7 @@ impl MeshStep<'_> {
     pub fn gather_params<C: Comm>(
         &self,
         c: &mut C,
-        dev: &super::Device,
+        dev: &mut super::Device,
     ) -> Result<Option<ParamStore>> {
         let mine = dev.zero.full_params(c)?;
         self.gather_to_root(c, mine, 1 << 61)

@@ -297,7 +297,7 @@ impl<'a> MeshStep<'a> {
     /// reduces the gradients over the replicas and the partial sums over the tensor-parallel group
     /// and the tied embedding's two stages. Returns the loss this device counts and what its action
     /// list measured.
-    fn step_device<C: Comm>(&self, c: &mut C, dev: &Device) -> Result<StageOutcome> {
+    fn step_device<C: Comm>(&self, c: &mut C, dev: &mut Device) -> Result<StageOutcome> {
         let (t, d, s) = self.mesh.coords(dev.rank);
         let (p, tp) = (self.mesh.pp, self.mesh.tp);
         let device_of = |stage: usize| self.mesh.rank_of(t, d, stage);
@@ -326,7 +326,7 @@ impl<'a> MeshStep<'a> {
         let tpg = TpGroup::new(c, tp_group.clone(), dev.shard).with_wire(Wire(self.storage));
         let out = {
             let _activations = memory::scope(Term::Activations);
-            run.execute(&tpg, &dev.zero, &dev.chunks)?
+            run.execute(&tpg, &mut dev.zero, &dev.chunks)?
         };
         drop(tpg);
         dev.zero.reduce_grads(c)?;
@@ -349,7 +349,7 @@ impl<'a> MeshStep<'a> {
 
     /// The global gradient norm: each parameter element counted exactly once over all devices
     /// (replicated copies, shared KV heads and the tied embedding's second copy excluded).
-    fn grad_norm<C: Comm>(&self, c: &mut C, dev: &Device) -> Result<f64> {
+    fn grad_norm<C: Comm>(&self, c: &mut C, dev: &mut Device) -> Result<f64> {
         let (_, d, s) = self.mesh.coords(dev.rank);
         let specs = dev.zero.specs();
         let tied_copy = self.cfg.tie_word_embeddings && self.mesh.pp > 1 && s == self.mesh.pp - 1;
@@ -377,13 +377,13 @@ impl<'a> MeshStep<'a> {
     pub fn run_device<C: Comm>(&self, c: &mut C, warmup: usize) -> Result<DeviceResult> {
         let account = self.account(c.rank());
         memory::set_device(account);
-        let dev = self.device(c.rank(), AdamWConfig::default())?;
+        let mut dev = self.device(c.rank(), AdamWConfig::default())?;
         let mut measured_from = c.stats().clone();
         let mut last = None;
         for _ in 0..=warmup {
             measured_from = c.stats().clone();
             memory::reset_peaks(account);
-            let out = self.step_device(c, &dev)?;
+            let out = self.step_device(c, &mut dev)?;
             if let Some(e) = out.over_capacity {
                 return Err(e);
             }

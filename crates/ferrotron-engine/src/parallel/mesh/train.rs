@@ -71,7 +71,7 @@ impl MeshStep<'_> {
         &mut self,
         c: &mut C,
         t: &Training,
-        on_step: &mut dyn FnMut(&MeshStep, &mut C, &Device, &StepReport) -> Result<()>,
+        on_step: &mut dyn FnMut(&MeshStep, &mut C, &mut Device, &StepReport) -> Result<()>,
     ) -> Result<Device> {
         let account = self.account(c.rank());
         memory::set_device(account);
@@ -87,7 +87,7 @@ impl MeshStep<'_> {
         for step in first..t.steps {
             self.set_batch(&(t.batch_of)(step))?;
             let report = self.optimizer_step(c, &mut dev, step, t)?;
-            on_step(self, c, &dev, &report)?;
+            on_step(self, c, &mut dev, &report)?;
         }
         Ok(dev)
     }
@@ -178,7 +178,12 @@ impl MeshStep<'_> {
     /// fp16 loss scaling: an inf or NaN in any device's gradients skips the step for every device
     /// and halves the scale (returns true); otherwise the gradients are unscaled, and the scale
     /// doubles after `growth_interval` clean steps. Without loss scaling, nothing is skipped.
-    fn unscale_or_skip<C: Comm>(&mut self, c: &mut C, dev: &Device, step: usize) -> Result<bool> {
+    fn unscale_or_skip<C: Comm>(
+        &mut self,
+        c: &mut C,
+        dev: &mut Device,
+        step: usize,
+    ) -> Result<bool> {
         let Some(ls) = self.loss_scaling else {
             return Ok(false);
         };
