@@ -162,6 +162,52 @@ fn compute_between_start_and_wait_hides_the_transfer() {
     );
 }
 
+/// ZeRO-3's prefetch starts a unit's all-gather and computes the current unit without polling: the
+/// gather must finish during that compute for any group size, not only the first of its n − 1 ring
+/// steps (which is all a ring can do without being polled).
+#[test]
+fn a_started_all_gather_completes_during_compute_without_polling() {
+    let gbs = Link {
+        bandwidth_bytes_per_s: 1e9,
+        latency_s: 10e-6,
+    };
+    let world = ThreadWorld::new(4).link(LinkModel {
+        intra: gbs,
+        inter: gbs,
+        devices_per_node: 4,
+    });
+    let run = |overlap: bool| {
+        world
+            .run(|c| {
+                let g = Group::new("dp", vec![0, 1, 2, 3]);
+                // 32 MiB per rank: each sends 3 × 32 MiB, 101 ms on the link; a ring hides a third.
+                let mine = vec![c.rank() as f32; 8 << 20];
+                let t0 = c.device_time();
+                let all = if overlap {
+                    let p = c.start_all_gather(&g, &mine).unwrap();
+                    std::hint::black_box(busy(20_000_000));
+                    c.wait(p).unwrap()
+                } else {
+                    let mut all = vec![0f32; 32 << 20];
+                    c.all_gather(&g, &mine, &mut all).unwrap();
+                    std::hint::black_box(busy(20_000_000));
+                    all
+                };
+                assert!((0..4).all(|r| all[r * (8 << 20)] == r as f32));
+                c.device_time() - t0
+            })
+            .into_iter()
+            .map(|r| r.unwrap())
+            .fold(0.0, f64::max)
+    };
+    let (serial, overlapped) = (run(false), run(true));
+    println!("device time: blocking {serial:.4} s, started before compute {overlapped:.4} s");
+    assert!(
+        overlapped < serial - 0.07,
+        "the gather was not hidden: {overlapped} vs {serial}"
+    );
+}
+
 #[test]
 fn device_time_does_not_depend_on_oversubscription() {
     let free = clocks(false);

@@ -143,6 +143,9 @@ pub(crate) fn chunk(len: usize, n: usize, c: usize) -> Range<usize> {
 struct Step {
     send: Option<Range<usize>>,
     recv: Option<Range<usize>>,
+    /// Sends go to the member this many places on, receives come from as many places back (1: the
+    /// ring's neighbours).
+    peer: usize,
     /// The ring step this segment belongs to.
     ring: u64,
     tag: u64,
@@ -178,6 +181,7 @@ fn segmented<T>(
     (0..parts).map(move |k| Step {
         send: segment::<T>(&send, k),
         recv: segment::<T>(&recv, k),
+        peer: 1,
         ring,
         tag: ring * 4096 + k as u64,
         reduce,
@@ -214,6 +218,24 @@ fn all_gather_steps<T>(n: usize, i: usize, ranges: &[Range<usize>]) -> Vec<Step>
         .collect()
 }
 
+/// All-gather steps that need no forwarding: member `i` sends its own range straight to every
+/// other member (member `i + s` in step `s`) and receives each member's range from it, all posted
+/// at once. The bytes each member sends are the ring's ((n−1)/n of the result), but nothing waits
+/// on a neighbour's progress, so a started gather completes while its device computes, whatever n.
+fn direct_all_gather_steps<T>(n: usize, i: usize, ranges: &[Range<usize>]) -> Vec<Step> {
+    (1..n)
+        .flat_map(|s| {
+            segmented::<T>(
+                ranges[i].clone(),
+                ranges[(i + n - s) % n].clone(),
+                3000,
+                false,
+            )
+            .map(move |st| Step { peer: s, ..st })
+        })
+        .collect()
+}
+
 fn all_reduce_steps<T>(n: usize, i: usize, len: usize, op: ReduceOp) -> Vec<Step> {
     let mut steps = reduce_scatter_steps::<T>(n, i, len);
     let ranges: Vec<_> = (0..n).map(|c| chunk(len, n, c)).collect();
@@ -241,7 +263,7 @@ fn post_step<X: Transport, T: Element>(
     if let Some(send) = &st.send {
         x.post(
             t,
-            g.ranks[(i + 1) % n],
+            g.ranks[(i + st.peer) % n],
             &buf[send.clone()],
             st.tag,
             buf.len(),
@@ -263,7 +285,7 @@ fn recv_step<X: Transport, T: Element>(
         return Ok(true);
     };
     let (n, i) = (g.size(), g.index_of(x.my_rank())?);
-    let prev = g.ranks[(i + n - 1) % n];
+    let prev = g.ranks[(i + n - st.peer) % n];
     let len = buf.len();
     let (rank, op, group) = (x.my_rank(), t.op, g.name.clone());
     let dst = &mut buf[recv.clone()];
@@ -602,7 +624,7 @@ impl<X: Transport> Comm for X {
         let ranges = gather_ranges(g, i, input.len(), &counts, n * input.len())?;
         let mut buf = vec![T::default(); n * input.len()];
         buf[ranges[i].clone()].copy_from_slice(input);
-        let steps = all_gather_steps::<T>(n, i, &ranges);
+        let steps = direct_all_gather_steps::<T>(n, i, &ranges);
         let len = buf.len();
         start(self, g, "all_gather", buf, steps, 0..len, false)
     }
