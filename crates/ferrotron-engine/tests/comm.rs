@@ -154,7 +154,14 @@ fn compute_between_start_and_wait_hides_the_transfer() {
             .map(|r| r.unwrap())
             .fold(0.0, f64::max)
     };
-    let (serial, overlapped) = (run(false), run(true));
+    // The median of three runs of each: one run's compute time moves by a few percent on shared
+    // cores, which is the size of the margin.
+    let median = |overlap: bool| {
+        let mut t = [run(overlap), run(overlap), run(overlap)];
+        t.sort_by(f64::total_cmp);
+        t[1]
+    };
+    let (serial, overlapped) = (median(false), median(true));
     println!("device time: blocking {serial:.4} s, overlapped {overlapped:.4} s");
     assert!(
         overlapped < serial - 0.05,
@@ -210,8 +217,19 @@ fn a_started_all_gather_completes_during_compute_without_polling() {
 
 #[test]
 fn device_time_does_not_depend_on_oversubscription() {
-    let free = clocks(false);
-    let pinned = clocks(true);
+    // Per rank, the median of three runs of each: a single run's clock moves by a few percent.
+    let median = |pinned: bool| -> Vec<f64> {
+        let runs = [clocks(pinned), clocks(pinned), clocks(pinned)];
+        (0..runs[0].len())
+            .map(|r| {
+                let mut t = [runs[0][r], runs[1][r], runs[2][r]];
+                t.sort_by(f64::total_cmp);
+                t[1]
+            })
+            .collect()
+    };
+    let free = median(false);
+    let pinned = median(true);
     for (r, (a, b)) in free.iter().zip(&pinned).enumerate() {
         assert!(
             (a - b).abs() / a < 0.05,
