@@ -77,6 +77,14 @@ fn token_batches_that_cannot_be_a_step_are_refused_by_grads_and_verify() {
         }
     }
     let m = model.to_str().unwrap();
+    // More devices than one process runs as threads: refused before any thread starts.
+    let err = fails(&[
+        "verify", "--model", m, "--layout", "dp=300", "--batch", "300",
+    ]);
+    assert!(
+        err.contains("300 devices as threads of one process: at most 256"),
+        "{err}"
+    );
     for (flag, value, want) in [
         ("--batch", "0", "no sequences"),
         ("--tolerance", "nan", "must be a positive relative error"),
@@ -215,6 +223,17 @@ fn a_run_directory_holds_one_run() {
         !o.status.success() && stderr(&o).contains("would mix the two"),
         "{}",
         stderr(&o)
+    );
+    // --overwrite would delete the very checkpoint a --resume into the same directory needs.
+    let o = run(&a, "4", &["--overwrite", "--resume", ck.to_str().unwrap()]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--overwrite would delete"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        a.join("checkpoints/step-000003").exists(),
+        "nothing was deleted"
     );
     // --overwrite replaces it: one run's metrics, its checkpoints only.
     let o = run(&a, "2", &["--overwrite"]);

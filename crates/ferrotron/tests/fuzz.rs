@@ -287,14 +287,31 @@ fn env_number(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// How a target ends: `Ok` when the input was accepted and used to the end, otherwise the error
+/// message the user would read.
+type Outcome = Result<(), String>;
+
+fn said(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// The longest refusal that still reads as a clear error: a dozen lines (the planner's "no layout"
+/// lists up to 12 cuts). It may quote a value, not echo the input or grow with the sizes in it.
+const MAX_ERROR_CHARS: usize = 2500;
+
+/// An error a user cannot act on: empty, or so long that it must be echoing the input.
+fn unclear(msg: &str) -> bool {
+    msg.trim().is_empty() || msg.chars().count() > MAX_ERROR_CHARS
+}
+
 /// What went wrong with one input.
 struct Failure {
     input: Vec<u8>,
     what: String,
 }
 
-/// Feeds `iterations` mutations of `seeds` (and the seeds themselves) to `target`, which says
-/// whether the input was accepted (parsed and used to the end without an error), on a worker
+/// Feeds `iterations` mutations of `seeds` (and the seeds themselves) to `target`, which accepts
+/// the input (parsed and used to the end) or refuses it with a message, on a worker
 /// thread that counts its heap as device `account`; returns how many inputs were tried. Fails on
 /// a panic, on an input that takes longer than [`TIME_BOUND`] (a hang), or one whose heap peak is
 /// over [`MEMORY_BOUND`].
@@ -304,7 +321,7 @@ fn fuzz(
     form: Form,
     seeds: Vec<Vec<u8>>,
     iterations: usize,
-    target: impl Fn(&[u8]) -> bool + Send + Sync + 'static,
+    target: impl Fn(&[u8]) -> Outcome + Send + Sync + 'static,
 ) -> usize {
     let current: Arc<Mutex<Vec<u8>>> = Arc::default();
     let (done_tx, done_rx) = mpsc::channel::<Result<bool, Failure>>();
@@ -345,12 +362,13 @@ fn fuzz(
                 Ok(_) if grew > MEMORY_BOUND => {
                     Some(format!("grew the heap by {}", memory::format_bytes(grew)))
                 }
+                Ok(Err(msg)) if unclear(msg) => Some(format!("was refused unclearly: {msg:?}")),
                 Ok(_) => None,
             };
             let failed = failure.is_some();
             let report = match failure {
                 Some(what) => Err(Failure { input, what }),
-                None => Ok(outcome.unwrap_or(false)),
+                None => Ok(matches!(outcome, Ok(Ok(())))),
             };
             if done_tx.send(report).is_err() || failed {
                 break;
@@ -424,12 +442,13 @@ fn layout_strings() {
         ]),
         6000,
         |b| {
-            let Ok(spec) = LayoutSpec::parse(&text(b)) else {
-                return false;
-            };
+            let spec = LayoutSpec::parse(&text(b)).map_err(said)?;
             let cluster = Cluster::parse("this-machine,nodes=1,devices_per_node=8").unwrap();
             let input = input(small_model(), cluster);
-            spec.auto_keys.is_empty() && plan::evaluate(&input, &spec.layout).is_ok()
+            if spec.auto_keys.is_empty() {
+                plan::evaluate(&input, &spec.layout).map_err(said)?;
+            }
+            Ok(())
         },
     );
     assert!(n > 6000);
@@ -450,13 +469,14 @@ fn cluster_specs() {
         ]),
         5000,
         |b| {
-            let Ok(cluster) = Cluster::parse(&text(b)) else {
-                return false;
-            };
+            let cluster = Cluster::parse(&text(b)).map_err(said)?;
             let input = input(small_model(), cluster);
-            let one = plan::evaluate(&input, &LayoutSpec::parse("dp=1").unwrap().layout);
+            plan::evaluate(&input, &LayoutSpec::parse("dp=1").unwrap().layout).map_err(said)?;
             // A search of a huge cluster is slow by nature, not by the input's fault.
-            one.is_ok() && (input.cluster.world_size() > 4096 || plan::search(&input).is_ok())
+            if input.cluster.world_size() <= 4096 {
+                plan::search(&input).map_err(said)?;
+            }
+            Ok(())
         },
     );
     assert!(n > 5000);
@@ -477,15 +497,11 @@ fn model_specs() {
         ]),
         5000,
         |b| {
-            let Ok(model) = PlanModel::parse(&text(b)) else {
-                return false;
-            };
+            let model = PlanModel::parse(&text(b)).map_err(said)?;
             let cluster = Cluster::parse("dgx-a100-80g,nodes=8").unwrap();
-            plan::evaluate(
-                &input(model, cluster),
-                &LayoutSpec::parse("dp=8,tp=8").unwrap().layout,
-            )
-            .is_ok()
+            let layout = LayoutSpec::parse("dp=8,tp=8").unwrap().layout;
+            plan::evaluate(&input(model, cluster), &layout).map_err(said)?;
+            Ok(())
         },
     );
     assert!(n > 5000);
@@ -498,16 +514,12 @@ fn model_config_json() {
         .map(|m| std::fs::read(fixture(m).join("config.json")).unwrap())
         .collect();
     let n = fuzz("config.json", 43, Form::Json, configs, 5000, |b| {
-        let Ok(cfg) = ModelConfig::from_hf_json(&text(b), Path::new("config.json")) else {
-            return false;
-        };
+        let cfg = ModelConfig::from_hf_json(&text(b), Path::new("config.json")).map_err(said)?;
         let _ = cfg.num_params();
         let cluster = Cluster::parse("dgx-a100-80g").unwrap();
-        plan::evaluate(
-            &input(PlanModel::Shape(cfg), cluster),
-            &LayoutSpec::parse("tp=2,pp=1").unwrap().layout,
-        )
-        .is_ok()
+        let layout = LayoutSpec::parse("tp=2,pp=1").unwrap().layout;
+        plan::evaluate(&input(PlanModel::Shape(cfg), cluster), &layout).map_err(said)?;
+        Ok(())
     });
     assert!(n > 5000);
 }
@@ -525,21 +537,17 @@ fn train_toml() {
         ]),
         5000,
         |b| {
-            let Ok(table) = toml::from_str::<toml::Table>(&text(b)) else {
-                return false;
-            };
-            let Ok(serde_json::Value::Object(map)) = serde_json::to_value(table) else {
-                return false;
+            let table = toml::from_str::<toml::Table>(&text(b)).map_err(said)?;
+            let serde_json::Value::Object(map) = serde_json::to_value(table).map_err(said)? else {
+                unreachable!("a TOML table is a JSON object");
             };
             let defaults = TrainConfig::default();
-            match TrainConfig::layered(Some(map), &defaults, &|_| false, "run.toml") {
-                Ok(cfg) => {
-                    cfg.check().is_ok()
-                        && cfg.storage().is_ok()
-                        && LayoutSpec::parse(&cfg.layout).is_ok()
-                }
-                Err(_) => false,
-            }
+            let cfg =
+                TrainConfig::layered(Some(map), &defaults, &|_| false, "run.toml").map_err(said)?;
+            cfg.check().map_err(said)?;
+            cfg.storage().map_err(said)?;
+            LayoutSpec::parse(&cfg.layout).map_err(said)?;
+            Ok(())
         },
     );
     assert!(n > 5000);
@@ -565,10 +573,10 @@ fn checkpoint_manifests() {
         1500,
         move |b| {
             std::fs::write(target_dir.join("manifest.json"), b).unwrap();
-            match checkpoint::Checkpoint::open(&target_dir) {
-                Ok(ck) => ck.params().is_ok() && checkpoint::inspect(&target_dir).is_ok(),
-                Err(_) => false,
-            }
+            let ck = checkpoint::Checkpoint::open(&target_dir).map_err(said)?;
+            ck.params().map_err(said)?;
+            checkpoint::inspect(&target_dir).map_err(said)?;
+            Ok(())
         },
     );
     assert!(n > 1500);
@@ -595,7 +603,8 @@ fn safetensors_headers() {
             let mut file = h.to_vec();
             file.extend_from_slice(&body);
             std::fs::write(target_dir.join("model.safetensors"), &file).unwrap();
-            hf::load_model(&target_dir).is_ok()
+            hf::load_model(&target_dir).map_err(said)?;
+            Ok(())
         },
     );
     assert!(n > 3000);
@@ -629,10 +638,8 @@ fn token_files() {
         5000,
         move |b| {
             std::fs::write(&file, b).unwrap();
-            match data::read_token_file(&file) {
-                Ok(batch) => batch.check(&cfg).is_ok(),
-                Err(_) => false,
-            }
+            let batch = data::read_token_file(&file).map_err(said)?;
+            batch.check(&cfg)
         },
     );
     assert!(n > 5000);

@@ -88,9 +88,14 @@ pub fn why_no_layout(input: &PlanInput) -> Vec<String> {
         PlanModel::ParamsOnly(_) => None,
     };
     let mut out = Vec::new();
+    let mut unlisted = 0;
     for tp in divisors(world) {
         for pp in divisors(world / tp) {
             let dp = world / (tp * pp);
+            if out.len() == MAX_LISTED_CUTS {
+                unlisted += 1;
+                continue;
+            }
             let l = Layout {
                 dp,
                 tp,
@@ -115,8 +120,17 @@ pub fn why_no_layout(input: &PlanInput) -> Vec<String> {
             out.push(format!("  dp={dp},tp={tp},pp={pp}: {why}"));
         }
     }
+    if unlisted > 0 {
+        out.push(format!(
+            "  … and {unlisted} more ways to cut {world} devices into dp × tp × pp"
+        ));
+    }
     out
 }
+
+/// The cuts [`why_no_layout`] explains one by one; the rest are counted (an error stays readable
+/// however many devices the cluster has).
+const MAX_LISTED_CUTS: usize = 12;
 
 /// Closed-form memory and step time, for pruning before the exact simulation.
 fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {

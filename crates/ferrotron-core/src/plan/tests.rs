@@ -467,4 +467,11 @@ fn with_no_layout_to_run_the_search_says_what_each_cut_breaks() {
             .any(|l| l.contains("dp=2,tp=1,pp=1") && l.contains("keeps the rules; needs")),
         "{why:?}"
     );
+    // However many devices, the explanation stays a dozen lines: the rest of the cuts are counted.
+    let mut wide = small_input("arch=llama,layers=4,hidden=64,heads=4,vocab=256");
+    wide.cluster = Cluster::parse("dgx-a100-80g,nodes=2,devices_per_node=1000").unwrap();
+    wide.global_batch = 16;
+    let why = why_no_layout(&wide);
+    assert_eq!(why.len(), 13, "{why:?}");
+    assert!(why[12].contains("more ways to cut 2000 devices"), "{why:?}");
 }

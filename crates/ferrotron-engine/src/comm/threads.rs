@@ -163,8 +163,17 @@ impl ThreadWorld {
     }
 
     /// Runs `f` on every rank, each on its own thread, and returns the results in rank order. A rank
-    /// that panics is reported as an error naming it.
+    /// that panics is reported as an error naming it. A world over [`Self::MAX_DEVICES`] starts no
+    /// thread and returns one error.
     pub fn run<R: Send>(&self, f: impl Fn(&mut ThreadComm) -> R + Sync) -> Vec<CommResult<R>> {
+        if self.world > Self::MAX_DEVICES {
+            // Refused before any thread starts: one error stands for every rank.
+            return vec![Err(CommError::Usage(format!(
+                "{} devices as threads of one process: at most {} (run more under mpirun with --backend mpi)",
+                self.world,
+                Self::MAX_DEVICES
+            )))];
+        }
         let comms = self.build();
         std::thread::scope(|s| {
             let handles: Vec<_> = comms

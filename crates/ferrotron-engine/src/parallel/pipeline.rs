@@ -380,12 +380,9 @@ impl StageRun<'_> {
         pass: &mut Pass,
     ) -> Result<Vec<f32>> {
         let mut x = vec![0f32; self.boundary];
-        let t0 = tpg.comm().device_time();
-        self.wire.recv(*tpg.comm(), from, &mut x, tag)?;
-        let t1 = tpg.comm().device_time();
-        pass.out
-            .transfers
-            .push((format!("recv {what} from {from}"), t0, t1));
+        timed(tpg, pass, format!("recv {what} from {from}"), || {
+            self.wire.recv(*tpg.comm(), from, &mut x, tag)
+        })?;
         Ok(x)
     }
 
@@ -399,12 +396,9 @@ impl StageRun<'_> {
         what: String,
         pass: &mut Pass,
     ) -> Result<()> {
-        let t0 = tpg.comm().device_time();
-        self.wire.send(*tpg.comm(), to, data, tag)?;
-        let t1 = tpg.comm().device_time();
-        pass.out
-            .transfers
-            .push((format!("send {what} to {to}"), t0, t1));
+        timed(tpg, pass, format!("send {what} to {to}"), || {
+            self.wire.send(*tpg.comm(), to, data, tag)
+        })?;
         Ok(())
     }
 
@@ -420,6 +414,21 @@ impl StageRun<'_> {
             }
         }
     }
+}
+
+/// Runs a transfer between stages and records it, in device time, as `label`.
+fn timed<C: Comm, E>(
+    tpg: &TpGroup<'_, C>,
+    pass: &mut Pass,
+    label: String,
+    transfer: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let t0 = tpg.comm().device_time();
+    transfer()?;
+    pass.out
+        .transfers
+        .push((label, t0, tpg.comm().device_time()));
+    Ok(())
 }
 
 /// One forward and backward of `batch` through a pipeline of `partition.stages()` stages (each a
@@ -448,13 +457,6 @@ pub fn pipeline_steps(
     timeout: Duration,
     warmup: usize,
 ) -> Result<PipelineRun> {
-    if layout.world_size() > ThreadWorld::MAX_DEVICES {
-        return Err(EngineError::Invalid(format!(
-            "layout `{layout}` has {} devices; the threads backend runs at most {} in one process (run more under mpirun with --backend mpi)",
-            layout.world_size(),
-            ThreadWorld::MAX_DEVICES
-        )));
-    }
     let accounts = crate::memory::Accounts::claim(layout.world_size());
     let step =
         MeshStep::new(cfg, params, batch, layout, partition)?.with_account_base(accounts.base);

@@ -23,6 +23,15 @@ pub(super) fn claim(cfg: &TrainConfig) -> Result<()> {
         return Ok(());
     }
     if cfg.overwrite {
+        if let Some(from) = &cfg.resume {
+            let ck = Checkpoint::resolve(from)?;
+            if within(&ck, &checkpoints) {
+                return Err(EngineError::Invalid(format!(
+                    "--overwrite would delete {}, the checkpoint --resume continues from; resume without --overwrite, or resume into a new --out-dir",
+                    ck.display()
+                )));
+            }
+        }
         return clear(out, &checkpoints);
     }
     match &cfg.resume {
