@@ -43,6 +43,8 @@ struct Counters {
     peak: [AtomicI64; TERMS],
     live_total: AtomicI64,
     peak_total: AtomicI64,
+    /// The live bytes per term when the total last reached a new peak: what the peak was made of.
+    at_peak: [AtomicI64; TERMS],
     capacity: AtomicU64,
     /// Set when the device first went over its capacity, with the live bytes per term then.
     oom: AtomicI64,
@@ -57,6 +59,7 @@ const FRESH: Counters = Counters {
     peak: [ZERO; TERMS],
     live_total: ZERO,
     peak_total: ZERO,
+    at_peak: [ZERO; TERMS],
     capacity: AtomicU64::new(u64::MAX),
     oom: ZERO,
     oom_at: [ZERO; TERMS],
@@ -80,7 +83,11 @@ fn charge(device: u16, term: u8, bytes: i64) {
     let total = c.live_total.fetch_add(bytes, Relaxed) + bytes;
     if bytes > 0 {
         c.peak[t].fetch_max(now, Relaxed);
-        c.peak_total.fetch_max(total, Relaxed);
+        if c.peak_total.fetch_max(total, Relaxed) < total {
+            for (at, live) in c.at_peak.iter().zip(&c.live) {
+                at.store(live.load(Relaxed), Relaxed);
+            }
+        }
         if total as u64 > c.capacity.load(Relaxed) && c.oom.swap(1, Relaxed) == 0 {
             for (at, live) in c.oom_at.iter().zip(&c.live) {
                 at.store(live.load(Relaxed), Relaxed);
@@ -194,6 +201,9 @@ pub struct DeviceMemory {
     pub peak: [u64; TERMS],
     /// The highest total at any moment (not the sum of the terms' peaks).
     pub peak_total: u64,
+    /// What the device held by term at that moment (these add up to about `peak_total`: another
+    /// thread of the device may allocate while they are read).
+    pub at_peak: [u64; TERMS],
 }
 
 fn terms_of(v: &[u64; TERMS]) -> MemoryTerms {
@@ -210,6 +220,15 @@ fn terms_of(v: &[u64; TERMS]) -> MemoryTerms {
 }
 
 impl DeviceMemory {
+    /// What the peak total was made of, in the planner's terms (`total` is the highest total;
+    /// everything else the device held then is the remainder).
+    pub fn terms_at_peak(&self) -> MemoryTerms {
+        MemoryTerms {
+            total: self.peak_total,
+            ..terms_of(&self.at_peak)
+        }
+    }
+
     /// Peak per term, in the planner's terms (`total` is the highest total at any moment; `other`
     /// is reported separately).
     pub fn peak_terms(&self) -> MemoryTerms {
@@ -233,9 +252,35 @@ pub fn device_memory(device: usize) -> DeviceMemory {
     for t in 0..TERMS {
         m.live[t] = c.live[t].load(Relaxed).max(0) as u64;
         m.peak[t] = c.peak[t].load(Relaxed).max(0) as u64;
+        m.at_peak[t] = c.at_peak[t].load(Relaxed).max(0) as u64;
     }
     m.peak_total = c.peak_total.load(Relaxed).max(0) as u64;
     m
+}
+
+/// One reading of a device's memory during a step: when (device time), what it held, and the most
+/// it had held at any moment since its peaks were last reset (so the interval in which the peak
+/// fell is the one where `peak_bytes` last rose).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct MemorySample {
+    pub time_s: f64,
+    pub live_bytes: u64,
+    pub peak_bytes: u64,
+}
+
+/// What `device` holds now, every term together, stamped with `time_s`.
+pub fn sample(device: usize, time_s: f64) -> MemorySample {
+    let Some(c) = DEVICES.get(device) else {
+        return MemorySample {
+            time_s,
+            ..MemorySample::default()
+        };
+    };
+    MemorySample {
+        time_s,
+        live_bytes: c.live_total.load(Relaxed).max(0) as u64,
+        peak_bytes: c.peak_total.load(Relaxed).max(0) as u64,
+    }
 }
 
 /// Starts measuring peaks afresh on `device` (from what it holds now).
@@ -246,6 +291,7 @@ pub fn reset_peaks(device: usize) {
     let c = &DEVICES[device];
     for t in 0..TERMS {
         c.peak[t].store(c.live[t].load(Relaxed), Relaxed);
+        c.at_peak[t].store(c.live[t].load(Relaxed), Relaxed);
     }
     c.peak_total.store(c.live_total.load(Relaxed), Relaxed);
 }

@@ -29,6 +29,9 @@ enum Command {
     /// Run a few steps of a layout and put every measurement beside the planner's prediction, with
     /// verdicts; writes a Perfetto trace, SVG pictures and an HTML report.
     Profile(Box<cmd::profile::ProfileArgs>),
+    /// Write the HTML report of a training run from its directory's metrics.jsonl (what
+    /// `train --report` writes at the end of a run).
+    Report(cmd::report::ReportArgs),
     /// Print a pipeline schedule's per-stage action lists and its bubble.
     Schedule(cmd::schedule::ScheduleArgs),
     /// Sharded checkpoints: inspect, reshard to another layout, export to / import from Hugging Face.
@@ -68,8 +71,22 @@ fn error_chain(e: &anyhow::Error) -> String {
     text
 }
 
+/// `ferrotron plan | head` closes stdout early; like other Unix tools, end quietly then instead of
+/// panicking on the failed write. Not under a launcher: there the MPI library owns its sockets'
+/// signal handling, and a rank must report a lost peer rather than vanish.
+fn end_quietly_when_stdout_closes() {
+    #[cfg(unix)]
+    if ferrotron_engine::runtime::launcher_rank().is_none() {
+        // SAFETY: restores the default action of one signal before any other thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+}
+
 fn main() {
     ferrotron_engine::keep_freed_memory_in_process();
+    end_quietly_when_stdout_closes();
     // The matches are kept: `train` asks them which settings were given as flags.
     let matches = accept_negative_numbers(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
@@ -83,6 +100,7 @@ fn main() {
         Command::Grads(a) => cmd::grads::run(a),
         Command::Plan(a) => cmd::plan::run(*a),
         Command::Verify(a) => cmd::verify::run(a),
+        Command::Report(a) => cmd::report::run(a),
         Command::Schedule(a) => cmd::schedule::run(a),
         Command::Profile(a) => cmd::profile::run(*a),
         Command::Bench(b) => cmd::bench::run(b),

@@ -421,3 +421,25 @@ fn benchmarks_refuse_zero_counts_clearly() {
         );
     }
 }
+
+#[test]
+fn a_reader_that_stops_early_ends_the_output_without_a_panic() {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args([
+            "plan",
+            "--model",
+            "llama-small",
+            "--global-batch",
+            "8",
+            "--seq",
+            "128",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("runs");
+    drop(child.stdout.take()); // as `| head -0` does
+    let o = child.wait_with_output().expect("ends");
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+}

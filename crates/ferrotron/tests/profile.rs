@@ -51,12 +51,15 @@ fn a_balanced_3d_layout_is_within_the_prediction_and_the_pictures_show_every_act
     // 8 devices × 4 micro-batches × (forward + backward); the planner's 2 stages × 8 actions.
     assert_eq!(boxes(&out.join("timeline.svg"), "action"), 64);
     assert_eq!(boxes(&out.join("timeline_predicted.svg"), "action"), 16);
-    // One box per device (or stage) per term.
-    assert_eq!(boxes(&out.join("memory.svg"), "term"), 8 * 6);
-    assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 2 * 6);
+    // One box per device (or stage) per term: the planner's six and what else a device held.
+    assert_eq!(boxes(&out.join("memory.svg"), "term"), 8 * 7);
+    assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 2 * 7);
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
-    assert!(
-        html.contains("<svg") && html.matches("<svg").count() == 4,
+    // Both timelines on one axis, measured and predicted memory, memory over the step of each
+    // device, bytes on each of the three groups' links.
+    assert_eq!(
+        html.matches("<svg").count(),
+        1 + 2 + 8 + 3,
         "the report embeds the pictures"
     );
     assert!(html.contains("verdicts"));
@@ -190,7 +193,7 @@ fn plan_writes_the_predicted_pictures() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(boxes(&out.join("timeline_predicted.svg"), "action"), 4 * 16);
-    assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 4 * 6);
+    assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 4 * 7);
     assert!(std::fs::read_to_string(out.join("report.html"))
         .unwrap()
         .contains("<svg"));

@@ -56,6 +56,18 @@ impl MemoryTerms {
             ("comm_buffers", self.comm_buffers),
         ]
     }
+    /// Each term's larger value of the two (a peak over steps), and the larger total.
+    pub fn max_each(&self, o: &MemoryTerms) -> MemoryTerms {
+        MemoryTerms {
+            weights: self.weights.max(o.weights),
+            gradients: self.gradients.max(o.gradients),
+            master_weights: self.master_weights.max(o.master_weights),
+            optimizer_states: self.optimizer_states.max(o.optimizer_states),
+            activations: self.activations.max(o.activations),
+            comm_buffers: self.comm_buffers.max(o.comm_buffers),
+            total: self.total.max(o.total),
+        }
+    }
     pub fn largest(&self) -> (&'static str, u64) {
         self.terms()
             .into_iter()

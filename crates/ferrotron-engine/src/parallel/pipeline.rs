@@ -176,6 +176,8 @@ pub(crate) struct StageOutcome {
     /// Transfers between stages: (what, start, end) in device time (a receive's interval is its
     /// wait for the neighbour).
     pub transfers: Vec<(String, f64, f64)>,
+    /// The device's memory before the first action and after each one.
+    pub memory: Vec<crate::memory::MemorySample>,
     /// The device went over its memory capacity: where it was first seen. The step still runs to
     /// its end so that its peers are not left waiting; the caller ends the run.
     pub over_capacity: Option<EngineError>,
@@ -224,6 +226,10 @@ impl StageRun<'_> {
             threads: self.threads.max(1),
         };
         let mut pass = Pass::default();
+        let now = tpg.comm().device_time();
+        pass.out
+            .memory
+            .push(crate::memory::sample(self.account, now));
         for &action in &self.schedule.actions[self.stage] {
             self.check_capacity(&mut pass.out.over_capacity);
             match action {
@@ -364,9 +370,11 @@ impl StageRun<'_> {
         if self.extra_compute_s > 0.0 {
             crate::comm::burn_cpu(self.extra_compute_s);
         }
+        let ended = tpg.comm().device_time();
+        pass.out.timeline.push((action, started, ended));
         pass.out
-            .timeline
-            .push((action, started, tpg.comm().device_time()));
+            .memory
+            .push(crate::memory::sample(self.account, ended));
         Ok(())
     }
 

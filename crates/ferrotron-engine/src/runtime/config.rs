@@ -75,6 +75,10 @@ pub struct TrainConfig {
     /// model and checkpoints are deleted. Without this or `resume` such a directory is refused.
     #[arg(long, default_value_t = false)]
     pub overwrite: bool,
+    /// At the end of the run, write `report.html` into `out_dir`: loss, tokens/s, memory per device
+    /// by term, idle per device over the steps and straggler warnings, from `metrics.jsonl`.
+    #[arg(long, default_value_t = false)]
+    pub report: bool,
     /// Kernel threads of a device that has the process to itself (0: all cores). Several devices
     /// in one process compute on one thread each.
     #[arg(long, default_value_t = 0)]

@@ -82,7 +82,7 @@ pub(super) struct Figures {
     bytes_pp: u64,
 }
 
-const FIGURES: usize = 7 + 7 + 1 + 3 + 4;
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7;
 /// Tag of the figures message (above any pipeline or gathering tag).
 const FIGURES_TAG: u64 = 1 << 59;
 
@@ -115,6 +115,9 @@ impl Figures {
         out[19] = self.bytes_tp as f64;
         out[20] = self.bytes_dp as f64;
         out[21] = self.bytes_pp as f64;
+        for t in 0..7 {
+            out[22 + t] = self.memory.at_peak[t] as f64;
+        }
         out
     }
     fn unpack(v: &[f64; FIGURES]) -> Self {
@@ -124,6 +127,9 @@ impl Figures {
             f.memory.peak[t] = v[7 + t] as u64;
         }
         f.memory.peak_total = v[14] as u64;
+        for t in 0..7 {
+            f.memory.at_peak[t] = v[22 + t] as u64;
+        }
         (f.busy_s, f.span_s, f.wall_s) = (v[15], v[16], v[17]);
         (f.bytes_sent, f.bytes_tp, f.bytes_dp, f.bytes_pp) =
             (v[18] as u64, v[19] as u64, v[20] as u64, v[21] as u64);
@@ -341,16 +347,7 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
     } else {
         0.0
     };
-    let p = &mut sum.peak_memory_bytes;
-    *p = MemoryTerms {
-        weights: p.weights.max(peak.weights),
-        gradients: p.gradients.max(peak.gradients),
-        master_weights: p.master_weights.max(peak.master_weights),
-        optimizer_states: p.optimizer_states.max(peak.optimizer_states),
-        activations: p.activations.max(peak.activations),
-        comm_buffers: p.comm_buffers.max(peak.comm_buffers),
-        total: p.total.max(peak.total),
-    };
+    sum.peak_memory_bytes = sum.peak_memory_bytes.max_each(&peak);
     sum.idle_fraction += idle;
     sum.bytes_sent_per_step = f.bytes_sent;
     sum.step_time_s += f.span_s;
@@ -361,6 +358,7 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
         "dp_rank": sum.dp_rank,
         "tp_rank": sum.tp_rank,
         "peak_memory_bytes": peak,
+        "memory_at_peak_bytes": f.memory.terms_at_peak(),
         "predicted_memory_bytes": sum.predicted_memory_bytes,
         "other_memory_bytes": f.memory.peak_other(),
         "idle_fraction": idle,

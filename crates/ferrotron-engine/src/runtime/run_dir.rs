@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 /// What marks a directory as holding a run.
 const RUN_FILES: [&str; 2] = ["train_config.json", "metrics.jsonl"];
 /// What a run writes into its directory (all of it goes with `overwrite`).
-const RUN_OUTPUTS: [&str; 3] = ["train_config.json", "metrics.jsonl", "model"];
+const RUN_OUTPUTS: [&str; 4] = ["train_config.json", "metrics.jsonl", "model", "report.html"];
 
 /// Checks that `cfg` may write its run directory and checkpoint directory, and with `overwrite`
 /// empties them of the earlier run. The reporting process calls it before it writes anything.

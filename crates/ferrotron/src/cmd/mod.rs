@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod grads;
 pub mod plan;
 pub mod profile;
+pub mod report;
 pub mod schedule;
 pub mod train;
 pub mod verify;

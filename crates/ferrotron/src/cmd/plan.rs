@@ -164,26 +164,11 @@ fn print_plan(p: &Plan) {
     );
     let largest = p.memory_bytes_per_stage.iter().map(|m| m.total).max();
     let unit = unit_for(largest.unwrap_or(0));
-    let v = |b: u64| format!("{:.2}", b as f64 / unit.1);
     print!("{}", memory_bars(p, unit));
-    println!(
-        "| stage | weights | gradients | master | optimizer | activations | comm | total ({}) |\n|---|---|---|---|---|---|---|---|",
-        unit.0
-    );
     let (shown, left_out) = shown_stages(p);
-    for s in shown {
-        let m = &p.memory_bytes_per_stage[s];
-        println!(
-            "| {s} | {} | {} | {} | {} | {} | {} | {} |",
-            v(m.weights),
-            v(m.gradients),
-            v(m.master_weights),
-            v(m.optimizer_states),
-            v(m.activations),
-            v(m.comm_buffers),
-            v(m.total)
-        );
-    }
+    let mut table = crate::report::plan::stage_table(p, &shown);
+    table.caption.clear();
+    print!("{}", table.markdown());
     if left_out > 0 {
         println!("| … {left_out} more stages | | | | | | | |");
     }
@@ -272,7 +257,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 print_plan(&p);
             }
             if let Some(dir) = &a.out {
-                write_pictures(dir, &input, &p)?;
+                write_pictures(dir, &input, &p, std::slice::from_ref(&p))?;
             }
         }
         spec => {
@@ -301,29 +286,30 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 }
             }
             if let (Some(dir), Some(best)) = (&a.out, plans.first()) {
-                write_pictures(dir, &input, best)?;
+                write_pictures(dir, &input, best, &plans[..plans.len().min(a.top.max(1))])?;
             }
         }
     }
     Ok(())
 }
 
-/// The predicted pictures and a report page of `p`, into `dir`.
-fn write_pictures(dir: &std::path::Path, input: &plan::PlanInput, p: &plan::Plan) -> Result<()> {
-    let (timeline, memory) = crate::report::predicted_pictures(input, p)?;
+/// The predicted pictures and a report page of `chosen` (with the candidates compared), into `dir`.
+fn write_pictures(
+    dir: &std::path::Path,
+    input: &plan::PlanInput,
+    chosen: &plan::Plan,
+    candidates: &[plan::Plan],
+) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    let mut sections = vec![("plan", serde_json::to_string_pretty(&plan_json(p))?)];
-    if let Some(t) = &timeline {
-        std::fs::write(dir.join("timeline_predicted.svg"), t)?;
-        sections.push(("timeline: predicted", t.clone()));
+    let files = crate::report::plan::plan_files(input, chosen, candidates)?;
+    for (name, body) in &files {
+        std::fs::write(dir.join(name), body)?;
     }
-    std::fs::write(dir.join("memory_predicted.svg"), &memory)?;
-    sections.push(("memory: predicted", memory));
-    let html = crate::report::html_report(&format!("ferrotron plan: {}", p.layout), &sections);
-    std::fs::write(dir.join("report.html"), html)?;
+    let names: Vec<&str> = files.iter().map(|f| f.0).collect();
     println!(
-        "pictures written to {}: timeline_predicted.svg, memory_predicted.svg, report.html",
-        dir.display()
+        "pictures written to {}: {}",
+        dir.display(),
+        names.join(", ")
     );
     Ok(())
 }

@@ -2,10 +2,11 @@
 //! prediction for the same layout, with a verdict where they disagree; write the trace, the pictures
 //! and an HTML report.
 
-use crate::report::{html_report, memory_svg, timeline_svg, Box_};
+use crate::report::profile::ProfileFacts;
+use crate::report::Table;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferrotron_core::plan::{evaluate, simulated_timeline, MemoryTerms};
+use ferrotron_core::plan::{evaluate, simulated_timeline};
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::comm::{Comm, ThreadWorld};
 use ferrotron_engine::memory::{self, format_bytes};
@@ -13,7 +14,6 @@ use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
 use ferrotron_engine::parallel::{MeshStep, StepReport, Training};
 use ferrotron_engine::runtime::{plan_input, resolve_model, TrainConfig};
 use ferrotron_engine::transformer::TokenBatch;
-use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -181,127 +181,20 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         ferrotron_engine::comm::DeviceMesh::new(layout.tp, layout.dp, layout.pp, world, world)?;
     let coords: Vec<(usize, usize, usize)> = (0..world).map(|r| mesh.coords(r)).collect();
 
-    // The tables.
-    let mut text = String::new();
-    let _ = writeln!(
-        text,
+    let tables = Tables::of(&input, &layout, &plan, &devices, &coords, &predicted_idle);
+    let verdicts = verdicts(&a, &devices, &coords, &plan, &predicted_idle);
+    println!(
         "ferrotron profile: {} on {world} devices, layout {layout}, batch {} x {} tokens, step {} of {} \
-         (device time; the planner's prediction for the same layout beside each figure)",
+         (device time; the planner's prediction for the same layout beside each figure)\n",
         a.model, a.batch, a.seq, a.steps, a.steps
     );
-    let _ = writeln!(
-        text,
-        "\n| device | stage | dp | tp | computing s | blocked in tp / dp / world s | waiting on neighbours s | idle | predicted idle | sent tp / dp / pp | predicted tp / dp / pp | received |"
-    );
-    let _ = writeln!(text, "|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let blocked = |r: &StepReport, kind: &str| -> f64 {
-        r.stats
-            .by_op
-            .iter()
-            .filter(|(k, _)| k.split('/').next() == Some(kind))
-            .map(|(_, s)| s.time_blocked_s + s.time_transfer_s)
-            .sum()
-    };
-    let idle = |r: &StepReport| {
-        if r.span_s > 0.0 {
-            1.0 - r.busy_s / r.span_s
-        } else {
-            0.0
-        }
-    };
-    let traffic = &plan.comm_bytes_per_step;
-    let links = ferrotron_core::plan::links(&input.cluster, &layout);
-    let mut link_text = format!(
-        "\nbytes per group and what they take on the cluster's links ({} tp, {} dp, {} pp):\n\n\
-         | device | stage | dp | tp | sent tp / dp / pp | received tp / dp / pp | at link bandwidth s (tp / dp / pp) |\n|---|---|---|---|---|---|---|\n",
-        format_bytes(links.tp.bandwidth_bytes_per_s as u64) + "/s",
-        format_bytes(links.dp.bandwidth_bytes_per_s as u64) + "/s",
-        format_bytes(links.pp.bandwidth_bytes_per_s as u64) + "/s",
-    );
-    for (d, m) in devices.iter().enumerate() {
-        let r = &m.report;
-        let (t, dp, s) = coords[d];
-        let recv = |kinds: &[&str]| -> u64 {
-            r.stats
-                .by_op
-                .iter()
-                .filter(|(k, _)| kinds.contains(&k.split('/').next().unwrap_or("")))
-                .map(|(_, o)| o.bytes_received)
-                .sum()
-        };
-        let sent =
-            |kinds: &[&str]| -> u64 { kinds.iter().map(|k| r.stats.bytes_sent_by_group(k)).sum() };
-        // What the bytes would take on the cluster's links (the link each group uses).
-        let on_link = |bytes: u64, link: &ferrotron_core::topology::Link| {
-            bytes as f64 / link.bandwidth_bytes_per_s.max(1.0)
-        };
-        let _ = writeln!(
-            link_text,
-            "| {d} | {s} | {dp} | {t} | {} / {} / {} | {} / {} / {} | {:.4} / {:.4} / {:.4} |",
-            format_bytes(sent(&["tp"])),
-            format_bytes(sent(&["dp"])),
-            format_bytes(sent(&["p2p", "pp"])),
-            format_bytes(recv(&["tp"])),
-            format_bytes(recv(&["dp"])),
-            format_bytes(recv(&["p2p", "pp"])),
-            on_link(sent(&["tp"]), &links.tp),
-            on_link(sent(&["dp"]), &links.dp),
-            on_link(sent(&["p2p", "pp"]), &links.pp),
-        );
+    for t in [&tables.devices, &tables.links, &tables.memory] {
+        println!("{}", t.markdown());
     }
-    for (d, m) in devices.iter().enumerate() {
-        let r = &m.report;
-        let (t, dp, s) = coords[d];
-        let by = |g: &str| r.stats.bytes_sent_by_group(g);
-        let _ = writeln!(
-            text,
-            "| {d} | {s} | {dp} | {t} | {:.4} | {:.4} / {:.4} / {:.4} | {:.4} | {:.1}% | {:.1}% | {} / {} / {} | {} / {} / {} | {} |",
-            r.busy_s,
-            blocked(r, "tp"),
-            blocked(r, "dp"),
-            blocked(r, "world"),
-            blocked(r, "p2p"),
-            100.0 * idle(r),
-            100.0 * predicted_idle[s],
-            format_bytes(by("tp")),
-            format_bytes(by("dp")),
-            format_bytes(by("p2p") + by("pp")),
-            format_bytes(traffic.tp as u64),
-            format_bytes(traffic.dp as u64),
-            format_bytes(traffic.pp as u64),
-            format_bytes(r.stats.total().bytes_received),
-        );
-    }
-    text.push_str(&link_text);
-    let _ = writeln!(
-        text,
-        "\npeak memory per term, measured / predicted (MB):\n\n| device | weights | gradients | master | optimizer | activations | comm | total | ratio |\n|---|---|---|---|---|---|---|---|---|"
-    );
-    let mb = |v: u64| v as f64 / 1e6;
-    for (d, m) in devices.iter().enumerate() {
-        let (got, want) = (
-            m.report.memory.peak_terms(),
-            plan.memory_bytes_per_stage[coords[d].2],
-        );
-        let _ = writeln!(
-            text,
-            "| {d} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} |",
-            mb(got.weights), mb(want.weights),
-            mb(got.gradients), mb(want.gradients),
-            mb(got.master_weights), mb(want.master_weights),
-            mb(got.optimizer_states), mb(want.optimizer_states),
-            mb(got.activations), mb(want.activations),
-            mb(got.comm_buffers), mb(want.comm_buffers),
-            mb(got.total), mb(want.total),
-            got.total as f64 / want.total.max(1) as f64,
-        );
-    }
-    let verdicts = verdicts(&a, &devices, &coords, &plan, &predicted_idle);
-    let _ = writeln!(text, "\nverdicts:");
+    println!("verdicts:");
     for v in &verdicts {
-        let _ = writeln!(text, "- {v}");
+        println!("- {v}");
     }
-    print!("{text}");
 
     // The trace, the pictures and the report.
     std::fs::create_dir_all(&a.out)
@@ -311,66 +204,215 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         .enumerate()
         .map(|(d, (t, dp, s))| format!("dev {d} s{s} d{dp} t{t}"))
         .collect();
-    let measured_tracks: Vec<Vec<Box_>> = devices
-        .iter()
-        .map(|m| {
-            m.report
-                .timeline
-                .iter()
-                .map(|&(action, start, end)| Box_ { action, start, end })
-                .collect()
-        })
-        .collect();
-    let measured_svg = timeline_svg("measured timeline (device time)", &names, &measured_tracks);
-    let memory: Vec<MemoryTerms> = devices
-        .iter()
-        .map(|m| m.report.memory.peak_terms())
-        .collect();
-    let memory_measured = memory_svg(
-        "measured peak memory per device, by term",
-        &names,
-        &memory,
-        input.cluster.device_memory_bytes,
-    );
-    let mut files = vec![
-        ("timeline.svg", measured_svg.clone()),
-        ("memory.svg", memory_measured.clone()),
-    ];
-    let mut sections = vec![
-        ("tables and verdicts", text.clone()),
-        (
-            "timeline: measured",
-            format!("<div class=\"pair\">{measured_svg}</div>"),
-        ),
-    ];
-    let (timeline_predicted, memory_predicted) = crate::report::predicted_pictures(&input, &plan)?;
-    if let Some(predicted) = timeline_predicted {
-        files.push(("timeline_predicted.svg", predicted.clone()));
-        sections.push((
-            "timeline: predicted",
-            format!("<div class=\"pair\">{predicted}</div>"),
-        ));
-    }
-    files.push(("memory_predicted.svg", memory_predicted.clone()));
-    sections.push((
-        "memory: measured and predicted",
-        format!("<div class=\"pair\">{memory_measured}{memory_predicted}</div>"),
-    ));
+    let links = ferrotron_core::plan::links(&input.cluster, &layout);
+    let mut files = crate::report::profile::profile_files(ProfileFacts {
+        layout: layout.to_string(),
+        devices: names
+            .iter()
+            .cloned()
+            .zip(devices.iter().map(|m| &m.report))
+            .collect(),
+        plan: &plan,
+        predicted: crate::report::plan::predicted_panel(&input, &plan)?,
+        capacity: input.cluster.device_memory_bytes,
+        links: vec![
+            ("tp", links.tp.bandwidth_bytes_per_s, vec!["tp"]),
+            ("dp", links.dp.bandwidth_bytes_per_s, vec!["dp"]),
+            ("pp", links.pp.bandwidth_bytes_per_s, vec!["p2p", "pp"]),
+        ],
+        device_table: tables.devices,
+        link_table: tables.links,
+        memory_table: tables.memory,
+        verdicts,
+    });
     files.push((
         "trace.json",
         serde_json::to_string(&trace(&devices, &names))?,
     ));
-    let report = html_report(&format!("ferrotron profile: {layout}"), &sections);
-    files.push(("report.html", report));
-    for (name, body) in files {
+    let written: Vec<&str> = files.iter().map(|f| f.0).collect();
+    for (name, body) in &files {
         let path = a.out.join(name);
         std::fs::write(&path, body).with_context(|| format!("{}: cannot write", path.display()))?;
     }
     println!(
-        "\nwritten to {}: report.html, timeline.svg, timeline_predicted.svg, memory.svg, memory_predicted.svg, trace.json (Perfetto)",
-        a.out.display()
+        "\nwritten to {}: {} (trace.json opens in Perfetto)",
+        a.out.display(),
+        written.join(", ")
     );
     Ok(())
+}
+
+/// The profile's tables, printed as markdown and shown in the page.
+struct Tables {
+    devices: Table,
+    links: Table,
+    memory: Table,
+}
+
+impl Tables {
+    fn of(
+        input: &ferrotron_core::plan::PlanInput,
+        layout: &ferrotron_core::layout::Layout,
+        plan: &ferrotron_core::plan::Plan,
+        devices: &[Measured],
+        coords: &[(usize, usize, usize)],
+        predicted_idle: &[f64],
+    ) -> Tables {
+        let blocked = |r: &StepReport, kind: &str| -> f64 {
+            r.stats
+                .by_op
+                .iter()
+                .filter(|(k, _)| k.split('/').next() == Some(kind))
+                .map(|(_, s)| s.time_blocked_s + s.time_transfer_s)
+                .sum()
+        };
+        let sent = |r: &StepReport, kinds: &[&str]| -> u64 {
+            kinds.iter().map(|k| r.stats.bytes_sent_by_group(k)).sum()
+        };
+        let received = |r: &StepReport, kinds: &[&str]| -> u64 {
+            r.stats
+                .by_op
+                .iter()
+                .filter(|(k, _)| kinds.contains(&k.split('/').next().unwrap_or("")))
+                .map(|(_, o)| o.bytes_received)
+                .sum()
+        };
+        let ms = |s: f64| format!("{:.2}", s * 1e3);
+        let traffic = &plan.comm_bytes_per_step;
+        let mut table = Table::new(
+            "per device, the step measured (device time) and predicted",
+            &[
+                "device",
+                "stage",
+                "dp",
+                "tp",
+                "computing (ms)",
+                "blocked in tp (ms)",
+                "blocked in dp (ms)",
+                "blocked in world (ms)",
+                "waiting on neighbours (ms)",
+                "idle (%)",
+                "predicted idle (%)",
+                "sent tp / dp / pp",
+                "predicted tp / dp / pp",
+                "received",
+            ],
+        );
+        for (d, m) in devices.iter().enumerate() {
+            let r = &m.report;
+            let (t, dp, s) = coords[d];
+            let idle = if r.span_s > 0.0 {
+                1.0 - r.busy_s / r.span_s
+            } else {
+                0.0
+            };
+            table.row(vec![
+                d.to_string(),
+                s.to_string(),
+                dp.to_string(),
+                t.to_string(),
+                ms(r.busy_s),
+                ms(blocked(r, "tp")),
+                ms(blocked(r, "dp")),
+                ms(blocked(r, "world")),
+                ms(blocked(r, "p2p")),
+                format!("{:.1}", 100.0 * idle),
+                format!("{:.1}", 100.0 * predicted_idle[s]),
+                format!(
+                    "{} / {} / {}",
+                    format_bytes(sent(r, &["tp"])),
+                    format_bytes(sent(r, &["dp"])),
+                    format_bytes(sent(r, &["p2p", "pp"]))
+                ),
+                format!(
+                    "{} / {} / {}",
+                    format_bytes(traffic.tp as u64),
+                    format_bytes(traffic.dp as u64),
+                    format_bytes(traffic.pp as u64)
+                ),
+                format_bytes(r.stats.total().bytes_received),
+            ]);
+        }
+        let links = ferrotron_core::plan::links(&input.cluster, layout);
+        let bw = |l: &ferrotron_core::topology::Link| l.bandwidth_bytes_per_s.max(1.0);
+        let mut link_table = Table::new(
+            format!(
+                "bytes per group and what they take on the cluster's links ({}/s tp, {}/s dp, {}/s pp)",
+                format_bytes(links.tp.bandwidth_bytes_per_s as u64),
+                format_bytes(links.dp.bandwidth_bytes_per_s as u64),
+                format_bytes(links.pp.bandwidth_bytes_per_s as u64),
+            ),
+            &[
+                "device", "stage", "dp", "tp", "sent tp / dp / pp", "received tp / dp / pp",
+                "on the tp link (ms)", "on the dp link (ms)", "on the pp link (ms)",
+            ],
+        );
+        for (d, m) in devices.iter().enumerate() {
+            let r = &m.report;
+            let (t, dp, s) = coords[d];
+            let (tp_b, dp_b, pp_b) = (sent(r, &["tp"]), sent(r, &["dp"]), sent(r, &["p2p", "pp"]));
+            link_table.row(vec![
+                d.to_string(),
+                s.to_string(),
+                dp.to_string(),
+                t.to_string(),
+                format!(
+                    "{} / {} / {}",
+                    format_bytes(tp_b),
+                    format_bytes(dp_b),
+                    format_bytes(pp_b)
+                ),
+                format!(
+                    "{} / {} / {}",
+                    format_bytes(received(r, &["tp"])),
+                    format_bytes(received(r, &["dp"])),
+                    format_bytes(received(r, &["p2p", "pp"]))
+                ),
+                ms(tp_b as f64 / bw(&links.tp)),
+                ms(dp_b as f64 / bw(&links.dp)),
+                ms(pp_b as f64 / bw(&links.pp)),
+            ]);
+        }
+        let mut memory = Table::new(
+            "peak memory per term, measured / predicted (MB)",
+            &[
+                "device",
+                "weights (MB)",
+                "gradients (MB)",
+                "master (MB)",
+                "optimizer (MB)",
+                "activations (MB)",
+                "comm (MB)",
+                "total (MB)",
+                "measured / predicted",
+            ],
+        );
+        let mb = |a: u64, b: u64| format!("{:.2} / {:.2}", a as f64 / 1e6, b as f64 / 1e6);
+        for (d, m) in devices.iter().enumerate() {
+            let (got, want) = (
+                m.report.memory.peak_terms(),
+                plan.memory_bytes_per_stage[coords[d].2],
+            );
+            let mut row = vec![d.to_string()];
+            row.extend(
+                got.terms()
+                    .iter()
+                    .zip(want.terms())
+                    .map(|(g, w)| mb(g.1, w.1)),
+            );
+            row.push(mb(got.total, want.total));
+            row.push(format!(
+                "{:.2}",
+                got.total as f64 / want.total.max(1) as f64
+            ));
+            memory.row(row);
+        }
+        Tables {
+            devices: table,
+            links: link_table,
+            memory,
+        }
+    }
 }
 
 /// Chrome trace-event JSON: one track per device, one event per action (device time, µs), and the

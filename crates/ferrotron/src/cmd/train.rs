@@ -1,3 +1,4 @@
+use crate::report::run::{device_table, DeviceRow};
 use anyhow::{Context, Result};
 use clap::Args;
 use ferrotron_engine::runtime::{launcher_rank, train, TrainConfig};
@@ -122,36 +123,45 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
         summary.tokenizer.display()
     );
     if !summary.devices.is_empty() {
-        println!(
-            "layout {}: per device, measured peak memory / the planner's prediction (MB)",
+        let rows: Vec<DeviceRow> = summary
+            .devices
+            .iter()
+            .map(|d| DeviceRow {
+                device: d.device,
+                stage: d.stage,
+                dp_rank: d.dp_rank,
+                tp_rank: d.tp_rank,
+                measured: d.peak_memory_bytes,
+                predicted: d.predicted_memory_bytes,
+                idle_fraction: d.idle_fraction,
+                extra: vec![
+                    ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
+                    format!("{:.4}", d.step_time_s),
+                    format!("{:.4}", d.wall_step_time_s),
+                ],
+            })
+            .collect();
+        let caption = format!(
+            "layout {}: per device, measured peak memory / the planner's prediction",
             summary.layout
         );
-        println!("| device | stage | dp | tp | weights | gradients | master | optimizer | activations | comm | total | idle | sent/step | step (device s) | step (wall s) |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-        let mb = |a: u64, b: u64| format!("{:.2} / {:.2}", a as f64 / 1e6, b as f64 / 1e6);
-        for d in &summary.devices {
-            let (m, p) = (&d.peak_memory_bytes, &d.predicted_memory_bytes);
-            println!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1}% | {} | {:.4} | {:.4} |",
-                d.device,
-                d.stage,
-                d.dp_rank,
-                d.tp_rank,
-                mb(m.weights, p.weights),
-                mb(m.gradients, p.gradients),
-                mb(m.master_weights, p.master_weights),
-                mb(m.optimizer_states, p.optimizer_states),
-                mb(m.activations, p.activations),
-                mb(m.comm_buffers, p.comm_buffers),
-                mb(m.total, p.total),
-                100.0 * d.idle_fraction,
-                ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
-                d.step_time_s,
-                d.wall_step_time_s,
-            );
-        }
+        print!(
+            "{}",
+            device_table(
+                &caption,
+                &rows,
+                &["sent/step", "step (device s)", "step (wall s)"]
+            )
+            .markdown()
+        );
     }
     println!("metrics: {}", cfg.out_dir.join("metrics.jsonl").display());
+    if cfg.report {
+        let path = cfg.out_dir.join("report.html");
+        std::fs::write(&path, crate::report::run::run_page(&cfg.out_dir)?)
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        println!("report: {}", path.display());
+    }
     println!(
         "checkpoints: {} (`ferrotron checkpoint inspect` it; `--resume` it on any layout)",
         cfg.checkpoint_dir

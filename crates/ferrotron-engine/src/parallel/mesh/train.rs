@@ -46,6 +46,9 @@ pub struct StepReport {
     pub wall_s: f64,
     /// This device's memory during the step, measured by term.
     pub memory: memory::DeviceMemory,
+    /// Its memory over the step: at the start, after each action, after the reductions, after the
+    /// update and at the end.
+    pub memory_over_step: Vec<memory::MemorySample>,
     /// fp16: the loss scale this step used, and whether it was skipped (inf/NaN in the gradients).
     pub loss_scale: f64,
     pub skipped: bool,
@@ -103,6 +106,7 @@ impl MeshStep<'_> {
         let account = self.account(c.rank());
         memory::reset_peaks(account);
         let started = c.device_time();
+        let mut memory_over_step = vec![memory::sample(account, started)];
         let from = c.stats().clone();
         let wall = std::time::Instant::now();
         let StageOutcome {
@@ -111,8 +115,10 @@ impl MeshStep<'_> {
             timeline,
             transfers,
             over_capacity,
+            memory: samples,
             ..
         } = self.step_device(c, dev)?;
+        memory_over_step.extend(samples);
         let reduced = c.device_time();
         let scale_used = self.loss_scale;
         let skipped = self.unscale_or_skip(c, dev, step)?;
@@ -131,10 +137,12 @@ impl MeshStep<'_> {
         }
         let rate = t.lr.lr(step) as f32;
         let update_start = c.device_time();
+        memory_over_step.push(memory::sample(account, update_start));
         if !skipped {
             dev.zero.update(c, rate)?;
         }
         let update_end = c.device_time();
+        memory_over_step.push(memory::sample(account, update_end));
         // Every device learns the step's loss (summed from the devices that count it), and whether
         // any device went over its capacity: then every device ends the run here, together.
         let mut l = [loss, over_capacity.is_some() as u8 as f64];
@@ -150,6 +158,7 @@ impl MeshStep<'_> {
             )));
         }
         let ended = c.device_time();
+        memory_over_step.push(memory::sample(account, ended));
         let stats = c.stats().since(&from);
         Ok(StepReport {
             step,
@@ -170,6 +179,7 @@ impl MeshStep<'_> {
             transfers,
             wall_s: wall.elapsed().as_secs_f64(),
             memory: memory::device_memory(account),
+            memory_over_step,
             loss_scale: scale_used,
             skipped,
         })
