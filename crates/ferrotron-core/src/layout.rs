@@ -61,6 +61,105 @@ impl Recompute {
     }
 }
 
+/// The most pipeline stages a layout may name one by one (`stages=5+6+…`).
+pub const MAX_NAMED_STAGES: usize = 256;
+
+/// Layers per (virtual) pipeline stage as the user named them, `stages=5+6+6+…` in stage order. A
+/// fixed-size array keeps `Layout` a plain value; it serializes as the list of counts.
+#[derive(Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(into = "Vec<usize>", try_from = "Vec<usize>")]
+pub struct NamedStages {
+    len: usize,
+    counts: [u32; MAX_NAMED_STAGES],
+}
+
+impl NamedStages {
+    pub fn new(counts: &[usize]) -> Result<Self> {
+        let bad = |msg: String| ConfigError::Field {
+            file: "--layout".into(),
+            field: "stages".into(),
+            msg,
+        };
+        if counts.is_empty() || counts.len() > MAX_NAMED_STAGES {
+            return Err(bad(format!(
+                "name from 1 to {MAX_NAMED_STAGES} stages, not {}",
+                counts.len()
+            )));
+        }
+        let mut out = NamedStages {
+            len: counts.len(),
+            counts: [0; MAX_NAMED_STAGES],
+        };
+        for (slot, &c) in out.counts.iter_mut().zip(counts) {
+            if c == 0 || c > MAX_LAYOUT_SIZE {
+                return Err(bad(format!(
+                    "every stage needs from 1 to {MAX_LAYOUT_SIZE} layers, not {c}"
+                )));
+            }
+            *slot = c as u32;
+        }
+        Ok(out)
+    }
+
+    /// `5+6+6`.
+    pub fn parse(text: &str) -> Result<Self> {
+        let counts: Vec<usize> = text
+            .split('+')
+            .map(|c| {
+                c.trim().parse().map_err(|_| ConfigError::Field {
+                    file: "--layout".into(),
+                    field: "stages".into(),
+                    msg: format!("`{text}` is not layer counts joined by `+` (e.g. 5+6+6)"),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Self::new(&counts)
+    }
+
+    /// Layers of each stage, in stage order.
+    pub fn counts(&self) -> Vec<usize> {
+        self.counts[..self.len]
+            .iter()
+            .map(|&c| c as usize)
+            .collect()
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn total(&self) -> usize {
+        self.counts().iter().sum()
+    }
+}
+
+impl From<NamedStages> for Vec<usize> {
+    fn from(n: NamedStages) -> Self {
+        n.counts()
+    }
+}
+
+impl TryFrom<Vec<usize>> for NamedStages {
+    type Error = ConfigError;
+    fn try_from(v: Vec<usize>) -> Result<Self> {
+        Self::new(&v)
+    }
+}
+
+impl fmt::Debug for NamedStages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl fmt::Display for NamedStages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self.counts().iter().map(|c| c.to_string()).collect();
+        write!(f, "{}", parts.join("+"))
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Layout {
     pub dp: usize,
@@ -72,6 +171,10 @@ pub struct Layout {
     pub schedule: Schedule,
     pub sequence_parallel: bool,
     pub recompute: Recompute,
+    /// Layers per virtual stage when the user named them; otherwise the layers are split by compute
+    /// (`StagePartition::for_layout`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<NamedStages>,
 }
 
 impl Default for Layout {
@@ -86,6 +189,7 @@ impl Default for Layout {
             schedule: Schedule::OneFOneB,
             sequence_parallel: false,
             recompute: Recompute::None,
+            stages: None,
         }
     }
 }
@@ -113,10 +217,12 @@ pub const LAYOUT_KEYS: &[&str] = &[
     "schedule",
     "sp",
     "recompute",
+    "stages",
 ];
 
 impl LayoutSpec {
-    /// Parses `dp=2,tp=2,pp=2,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,recompute=none` (any subset) or `auto`.
+    /// Parses `dp=2,tp=2,pp=2,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,recompute=none` (any subset),
+    /// optionally `stages=5+6+…` (layers per virtual stage), or `auto`.
     pub fn parse(spec: &str) -> Result<Self> {
         let mut out = LayoutSpec {
             layout: Layout::default(),
@@ -125,7 +231,11 @@ impl LayoutSpec {
         };
         let spec = spec.trim();
         if spec == "auto" {
-            out.auto_keys = LAYOUT_KEYS.iter().map(|s| s.to_string()).collect();
+            out.auto_keys = LAYOUT_KEYS
+                .iter()
+                .filter(|&&k| k != "stages")
+                .map(|s| s.to_string())
+                .collect();
             return Ok(out);
         }
         let bad = |key: &str, msg: String| ConfigError::Field {
@@ -149,7 +259,10 @@ impl LayoutSpec {
             }
             out.given_keys.push(key.to_string());
             if value == "auto" {
-                out.auto_keys.push(key.to_string());
+                // Stages split by compute is the default, not a choice left to the planner.
+                if key != "stages" {
+                    out.auto_keys.push(key.to_string());
+                }
                 continue;
             }
             let positive = |v: &str| -> Result<usize> {
@@ -198,6 +311,7 @@ impl LayoutSpec {
                         bad(key, format!("`{value}` is not none, selective or full"))
                     })?
                 }
+                "stages" => l.stages = Some(NamedStages::parse(value)?),
                 _ => unreachable!("key list checked above"),
             }
         }
@@ -239,7 +353,11 @@ impl fmt::Display for Layout {
             self.schedule.name(),
             self.sequence_parallel,
             self.recompute.name()
-        )
+        )?;
+        match &self.stages {
+            Some(st) => write!(f, ",stages={st}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -257,8 +375,24 @@ mod tests {
         assert_eq!(LayoutSpec::parse("").unwrap().layout, Layout::default());
         assert_eq!(
             LayoutSpec::parse("auto").unwrap().auto_keys.len(),
-            LAYOUT_KEYS.len()
+            LAYOUT_KEYS.len() - 1
         );
+    }
+
+    #[test]
+    fn named_stages_round_trip_as_text_and_json() {
+        let s = LayoutSpec::parse("pp=3,stages=5+6+5").unwrap();
+        assert_eq!(s.layout.stages.unwrap().counts(), vec![5, 6, 5]);
+        assert!(s.layout.to_string().ends_with(",stages=5+6+5"));
+        assert_eq!(
+            LayoutSpec::parse(&s.layout.to_string()).unwrap().layout,
+            s.layout
+        );
+        let json = serde_json::to_string(&s.layout).unwrap();
+        assert!(json.contains("\"stages\":[5,6,5]"), "{json}");
+        assert_eq!(serde_json::from_str::<Layout>(&json).unwrap(), s.layout);
+        let plain = serde_json::to_string(&Layout::default()).unwrap();
+        assert!(!plain.contains("stages"), "{plain}");
     }
 
     #[test]
@@ -269,6 +403,8 @@ mod tests {
             ("foo=1", "foo"),
             ("schedule=x", "schedule"),
             ("dp=1,dp=2", "dp"),
+            ("pp=2,stages=3+x", "stages"),
+            ("pp=2,stages=3+0", "stages"),
         ] {
             let e = LayoutSpec::parse(spec).unwrap_err().to_string();
             assert!(e.contains(key), "{spec}: {e}");

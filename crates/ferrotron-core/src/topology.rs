@@ -24,7 +24,17 @@ pub struct Calibration {
     pub link_efficiency: f64,
     /// Fraction of the data-parallel gradient reduction hidden behind the backward pass.
     pub dp_overlap: f64,
+    /// Fraction of peak FLOP/s attention's QKᵀ and PV products reach.
+    #[serde(default = "default_attention_efficiency")]
+    pub attention_efficiency: f64,
 }
+
+fn default_attention_efficiency() -> f64 {
+    0.5
+}
+
+/// A cluster given without its memory bandwidth gets this many FLOPs per byte (an A100's ratio).
+pub const DEFAULT_FLOPS_PER_MEMORY_BYTE: f64 = 150.0;
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Cluster {
@@ -34,9 +44,63 @@ pub struct Cluster {
     pub device_memory_bytes: u64,
     /// Dense peak of one device in the compute precision (bf16 tensor cores on GPUs).
     pub peak_flops: f64,
+    /// What memory-bound operations (norms, activations, the optimizer step) stream, bytes/s.
+    #[serde(default)]
+    pub memory_bandwidth_bytes_per_s: f64,
     pub intra_node: Link,
     pub inter_node: Link,
     pub calibration: Calibration,
+}
+
+/// Where ferrotron caches what it computed once per machine: `$XDG_CACHE_HOME/ferrotron` or
+/// `~/.cache/ferrotron`.
+pub fn cache_dir() -> std::path::PathBuf {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("ferrotron")
+}
+
+/// This CPU's model name and core count: a calibration holds only on the CPU it measured.
+pub fn cpu_fingerprint() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!("{model}, {cores} cores")
+}
+
+/// Where `calibrate --this-machine` caches this CPU's cluster file.
+pub fn this_machine_cache() -> std::path::PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    cpu_fingerprint().hash(&mut h);
+    cache_dir().join(format!("this-machine-{:016x}.toml", h.finish()))
+}
+
+/// The cached calibration of this CPU, when one was made (a cache that cannot be read is ignored:
+/// the next `calibrate --this-machine` rewrites it).
+fn this_machine_calibrated() -> Option<Cluster> {
+    let path = this_machine_cache();
+    path.is_file()
+        .then(|| Cluster::read_file(&path).ok())
+        .flatten()
+        .map(|mut c| {
+            c.name = "this-machine".into();
+            c
+        })
+}
+
+/// True when a `--cluster` item names a cluster file rather than a preset.
+fn is_cluster_file(item: &str) -> bool {
+    item.ends_with(".toml") || std::path::Path::new(item).is_file()
 }
 
 pub const CLUSTER_PRESETS: &[&str] = &["dgx-a100-80g", "dgx-h100-80g", "this-machine"];
@@ -70,6 +134,8 @@ impl Cluster {
                 devices_per_node: 8,
                 device_memory_bytes: 80 * GIB,
                 peak_flops: 312e12,
+                // HBM2e of the 80 GB A100 SXM.
+                memory_bandwidth_bytes_per_s: 2039.0 * GB,
                 intra_node: Link {
                     bandwidth_bytes_per_s: 300.0 * GB,
                     latency_s: 5e-6,
@@ -83,6 +149,7 @@ impl Cluster {
                     gemm_half_width: 500.0,
                     link_efficiency: 0.8,
                     dp_overlap: 0.0,
+                    attention_efficiency: 0.5,
                 },
             },
             // DGX H100: 8 × H100 SXM (989 TFLOP/s dense bf16), NVLink 4 900 GB/s bidirectional =
@@ -94,6 +161,7 @@ impl Cluster {
                 devices_per_node: 8,
                 device_memory_bytes: 80 * GIB,
                 peak_flops: 989e12,
+                memory_bandwidth_bytes_per_s: 3350.0 * GB,
                 intra_node: Link {
                     bandwidth_bytes_per_s: 450.0 * GB,
                     latency_s: 5e-6,
@@ -107,30 +175,37 @@ impl Cluster {
                     gemm_half_width: 500.0,
                     link_efficiency: 0.8,
                     dp_overlap: 0.0,
+                    attention_efficiency: 0.5,
                 },
             },
-            // This 2-core machine running ferrotron's threads backend: 8 virtual devices sharing 24 GiB,
-            // each at one core's f32 GEMM speed (~100 GFLOP/s, measured by `ferrotron bench kernels`),
-            // linked through shared memory (~10 GB/s memcpy).
-            "this-machine" => Cluster {
-                name: name.into(),
-                nodes: 1,
-                devices_per_node: 8,
-                device_memory_bytes: 3 * GIB,
-                peak_flops: 100e9,
-                intra_node: Link {
-                    bandwidth_bytes_per_s: 10.0 * GB,
-                    latency_s: 2e-6,
-                },
-                inter_node: Link {
-                    bandwidth_bytes_per_s: 1.0 * GB,
-                    latency_s: 50e-6,
-                },
-                calibration: Calibration {
-                    gemm_efficiency_max: 0.9,
-                    gemm_half_width: 32.0,
-                    link_efficiency: 1.0,
-                    dp_overlap: 0.0,
+            // This machine running ferrotron's threads backend: 8 virtual devices, each a thread. What
+            // `ferrotron calibrate --this-machine` measured on this CPU when it has run (cached per
+            // CPU); before that, one 2-core VM's figures: one core's f32 GEMM speed (~100 GFLOP/s),
+            // shared memory as the link (~10 GB/s memcpy; the threads backend charges transfers by it).
+            "this-machine" => match this_machine_calibrated() {
+                Some(c) => c,
+                None => Cluster {
+                    name: name.into(),
+                    nodes: 1,
+                    devices_per_node: 8,
+                    device_memory_bytes: 3 * GIB,
+                    peak_flops: 100e9,
+                    memory_bandwidth_bytes_per_s: 10.0 * GB,
+                    intra_node: Link {
+                        bandwidth_bytes_per_s: 10.0 * GB,
+                        latency_s: 2e-6,
+                    },
+                    inter_node: Link {
+                        bandwidth_bytes_per_s: 1.0 * GB,
+                        latency_s: 50e-6,
+                    },
+                    calibration: Calibration {
+                        gemm_efficiency_max: 0.9,
+                        gemm_half_width: 32.0,
+                        link_efficiency: 1.0,
+                        dp_overlap: 0.0,
+                        attention_efficiency: 0.5,
+                    },
                 },
             },
             other => {
@@ -146,10 +221,94 @@ impl Cluster {
         })
     }
 
-    /// `dgx-a100-80g`, `dgx-a100-80g,nodes=192`, or inline
+    /// Every constant in range; each failure names its key.
+    fn check(&self) -> Result<()> {
+        let bad = |field: &str, msg: String| ConfigError::Field {
+            file: "--cluster".into(),
+            field: field.into(),
+            msg,
+        };
+        for (field, ok) in [
+            ("nodes", self.nodes > 0),
+            ("devices_per_node", self.devices_per_node > 0),
+            ("memory_gib", self.device_memory_bytes > 0),
+            ("peak_tflops", self.peak_flops > 0.0),
+            ("intra_gbs", self.intra_node.bandwidth_bytes_per_s > 0.0),
+            (
+                "inter_gbs",
+                self.inter_node.bandwidth_bytes_per_s > 0.0 || self.nodes == 1,
+            ),
+            (
+                "gemm_efficiency",
+                self.calibration.gemm_efficiency_max > 0.0
+                    && self.calibration.gemm_efficiency_max <= 1.0,
+            ),
+            (
+                "link_efficiency",
+                self.calibration.link_efficiency > 0.0 && self.calibration.link_efficiency <= 1.0,
+            ),
+            ("dp_overlap", self.calibration.dp_overlap <= 1.0),
+            ("gemm_half_width", self.calibration.gemm_half_width > 0.0),
+            (
+                "attention_efficiency",
+                self.calibration.attention_efficiency > 0.0
+                    && self.calibration.attention_efficiency <= 1.0,
+            ),
+        ] {
+            if !ok {
+                return Err(bad(field, "missing, zero or out of range".into()));
+            }
+        }
+        if self.nodes.saturating_mul(self.devices_per_node) > MAX_DEVICES {
+            return Err(bad(
+                "nodes",
+                format!(
+                    "{} nodes × {} devices is beyond the {MAX_DEVICES} devices the planner handles",
+                    self.nodes, self.devices_per_node
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A cluster file (TOML, as `ferrotron calibrate` writes it).
+    pub fn read_file(path: &std::path::Path) -> Result<Self> {
+        let bad = |msg: String| ConfigError::Field {
+            file: path.to_path_buf(),
+            field: "cluster".into(),
+            msg,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let mut c: Cluster = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        if c.memory_bandwidth_bytes_per_s <= 0.0 {
+            c.memory_bandwidth_bytes_per_s = c.peak_flops / DEFAULT_FLOPS_PER_MEMORY_BYTE;
+        }
+        // The same checks as an inline spec: every constant in range.
+        c.check().map_err(|e| bad(e.to_string()))?;
+        Ok(c)
+    }
+
+    /// The cluster as a file `read_file` takes back: every constant named with its unit.
+    pub fn to_toml(&self, header: &str) -> String {
+        let body = toml::to_string_pretty(self).expect("a cluster serializes");
+        let mut out = String::new();
+        for line in header.lines() {
+            out.push_str(&format!("# {line}\n"));
+        }
+        out.push_str(
+            "# Units: bytes, bytes per second, seconds, FLOP/s; efficiencies and dp_overlap are \
+             fractions;\n# gemm_half_width is the GEMM width √(n·k) at which GEMMs reach half of \
+             gemm_efficiency_max.\n",
+        );
+        out.push_str(&body);
+        out
+    }
+
+    /// `dgx-a100-80g`, `dgx-a100-80g,nodes=192`, `cluster.toml,nodes=4` (a cluster file), or inline
     /// `nodes=2,devices_per_node=8,memory_gib=80,peak_tflops=312,intra_gbs=300,inter_gbs=25`
-    /// (optional: `intra_latency_us`, `inter_latency_us`, `gemm_efficiency`, `gemm_half_width`,
-    /// `link_efficiency`, `dp_overlap`).
+    /// (optional: `intra_latency_us`, `inter_latency_us`, `memory_gbs` (default: peak / 150 FLOP per
+    /// byte), `gemm_efficiency`, `gemm_half_width`, `attention_efficiency`, `link_efficiency`,
+    /// `dp_overlap`).
     pub fn parse(spec: &str) -> Result<Self> {
         let bad = |field: &str, msg: String| ConfigError::Field {
             file: "--cluster".into(),
@@ -162,6 +321,11 @@ impl Cluster {
             .filter(|s| !s.is_empty())
             .peekable();
         let mut c = match items.peek() {
+            Some(first) if is_cluster_file(first) => {
+                let c = Cluster::read_file(std::path::Path::new(first))?;
+                items.next();
+                c
+            }
             Some(first) if !first.contains('=') => {
                 let c = Cluster::preset(first)?;
                 items.next();
@@ -173,6 +337,7 @@ impl Cluster {
                 devices_per_node: 0,
                 device_memory_bytes: 0,
                 peak_flops: 0.0,
+                memory_bandwidth_bytes_per_s: 0.0,
                 intra_node: Link {
                     bandwidth_bytes_per_s: 0.0,
                     latency_s: 5e-6,
@@ -186,6 +351,7 @@ impl Cluster {
                     gemm_half_width: 160.0,
                     link_efficiency: 0.8,
                     dp_overlap: 0.0,
+                    attention_efficiency: 0.5,
                 },
             },
         };
@@ -228,43 +394,15 @@ impl Cluster {
                 "gemm_half_width" => c.calibration.gemm_half_width = x,
                 "link_efficiency" => c.calibration.link_efficiency = x,
                 "dp_overlap" => c.calibration.dp_overlap = x,
+                "attention_efficiency" => c.calibration.attention_efficiency = x,
+                "memory_gbs" => c.memory_bandwidth_bytes_per_s = x * GB,
                 other => return Err(bad(other, "unknown cluster key".into())),
             }
         }
-        for (field, ok) in [
-            ("nodes", c.nodes > 0),
-            ("devices_per_node", c.devices_per_node > 0),
-            ("memory_gib", c.device_memory_bytes > 0),
-            ("peak_tflops", c.peak_flops > 0.0),
-            ("intra_gbs", c.intra_node.bandwidth_bytes_per_s > 0.0),
-            (
-                "inter_gbs",
-                c.inter_node.bandwidth_bytes_per_s > 0.0 || c.nodes == 1,
-            ),
-            (
-                "gemm_efficiency",
-                c.calibration.gemm_efficiency_max > 0.0 && c.calibration.gemm_efficiency_max <= 1.0,
-            ),
-            (
-                "link_efficiency",
-                c.calibration.link_efficiency > 0.0 && c.calibration.link_efficiency <= 1.0,
-            ),
-            ("dp_overlap", c.calibration.dp_overlap <= 1.0),
-            ("gemm_half_width", c.calibration.gemm_half_width > 0.0),
-        ] {
-            if !ok {
-                return Err(bad(field, "missing, zero or out of range".into()));
-            }
+        if c.memory_bandwidth_bytes_per_s == 0.0 {
+            c.memory_bandwidth_bytes_per_s = c.peak_flops / DEFAULT_FLOPS_PER_MEMORY_BYTE;
         }
-        if c.nodes.saturating_mul(c.devices_per_node) > MAX_DEVICES {
-            return Err(bad(
-                "nodes",
-                format!(
-                    "{} nodes × {} devices is beyond the {MAX_DEVICES} devices the planner handles",
-                    c.nodes, c.devices_per_node
-                ),
-            ));
-        }
+        c.check()?;
         Ok(c)
     }
 }

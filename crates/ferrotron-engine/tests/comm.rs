@@ -136,20 +136,22 @@ fn clocks(pin_to_one_core: bool) -> Vec<f64> {
 #[test]
 fn compute_between_start_and_wait_hides_the_transfer() {
     let _cores = alone();
-    let gbs = Link {
-        bandwidth_bytes_per_s: 1e9,
+    // A slow link, so that the transfer (335 ms) is several times the noise of the compute it hides
+    // behind (about 0.6 s, which moves by a few percent on shared cores).
+    let slow = Link {
+        bandwidth_bytes_per_s: 0.2e9,
         latency_s: 10e-6,
     };
     let world = ThreadWorld::new(2).link(LinkModel {
-        intra: gbs,
-        inter: gbs,
+        intra: slow,
+        inter: slow,
         devices_per_node: 2,
     });
     let run = |overlap: bool| {
         world
             .run(|c| {
                 let g = Group::new("dp", vec![0, 1]);
-                let grads = vec![1f32; 16 << 20]; // 64 MiB: 67 ms of transfer on the ring
+                let grads = vec![1f32; 16 << 20]; // 64 MiB: 335 ms of transfer on the ring
                 let t0 = c.device_time();
                 if overlap {
                     let mut p = c.start_all_reduce(&g, grads, ReduceOp::Sum).unwrap();
@@ -171,8 +173,7 @@ fn compute_between_start_and_wait_hides_the_transfer() {
             .map(|r| r.unwrap())
             .fold(0.0, f64::max)
     };
-    // The median of three runs of each: one run's compute time moves by a few percent on shared
-    // cores, which is the size of the margin.
+    // The median of three runs of each, against a margin of 0.2 s of the 0.335 s the overlap can save.
     let median = |overlap: bool| {
         let mut t = [run(overlap), run(overlap), run(overlap)];
         t.sort_by(f64::total_cmp);
@@ -181,7 +182,7 @@ fn compute_between_start_and_wait_hides_the_transfer() {
     let (serial, overlapped) = (median(false), median(true));
     println!("device time: blocking {serial:.4} s, overlapped {overlapped:.4} s");
     assert!(
-        overlapped < serial - 0.05,
+        overlapped < serial - 0.2,
         "overlap saved too little: {overlapped} vs {serial}"
     );
 }

@@ -105,18 +105,21 @@ fn measured_bubble_in_device_time_matches_the_schedule() {
         bubbles.sort_by(f64::total_cmp);
         worst.push(bubbles[bubbles.len() / 2]);
     }
-    // Zero-bubble: the deferred weight gradients fill the drain, so its bubble is below 1F1B's.
-    let zb = one_step(&cfg, &params, &part, Schedule::Zbh1);
-    let idle: Vec<f64> = (0..4).map(|s| zb.idle_fraction(s)).collect();
+    // Zero-bubble: the deferred weight gradients fill the drain, so its bubble is below 1F1B's
+    // (the median of three runs, as for 1F1B: one run's device clock moves with the other threads).
+    let mut zb: Vec<f64> = (0..3)
+        .map(|_| one_step(&cfg, &params, &part, Schedule::Zbh1).bubble_fraction())
+        .collect();
+    zb.sort_by(f64::total_cmp);
+    let zb_median = zb[1];
     println!(
-        "Zbh1: idle per stage {idle:.3?}, worst {:.3} vs 1f1b {:.3}",
-        zb.bubble_fraction(),
+        "Zbh1: worst-stage idle of three runs {zb:.3?} vs 1f1b {:.3}",
         worst[1]
     );
     assert!(
-        zb.bubble_fraction() < worst[1],
+        zb_median < worst[1],
         "zbh1 {:.3} is not below 1f1b {:.3}",
-        zb.bubble_fraction(),
+        zb_median,
         worst[1]
     );
 }

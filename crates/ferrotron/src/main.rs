@@ -26,6 +26,9 @@ enum Command {
     Verify(cmd::verify::VerifyArgs),
     /// Do the memory arithmetic first: evaluate a layout, or search for the best that fits.
     Plan(Box<cmd::plan::PlanArgs>),
+    /// Fit the cluster's time constants to measured runs (a TOML file of published runs, or
+    /// `profile` directories), or measure this machine; writes a cluster file for `--cluster`.
+    Calibrate(Box<cmd::calibrate::CalibrateArgs>),
     /// Run a few steps of a layout and put every measurement beside the planner's prediction, with
     /// verdicts; writes a Perfetto trace, SVG pictures and an HTML report.
     Profile(Box<cmd::profile::ProfileArgs>),
@@ -103,6 +106,7 @@ fn main() {
         Command::Report(a) => cmd::report::run(a),
         Command::Schedule(a) => cmd::schedule::run(a),
         Command::Profile(a) => cmd::profile::run(*a),
+        Command::Calibrate(a) => cmd::calibrate::run(*a),
         Command::Bench(b) => cmd::bench::run(b),
         Command::Checkpoint(c) => cmd::checkpoint::run(c),
     };

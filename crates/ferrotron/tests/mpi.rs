@@ -252,12 +252,23 @@ fn auto_plans_for_the_job_s_ranks() {
         .unwrap()
         .layout;
     assert_eq!(layout.world_size(), 2, "{layout}");
-    // Three ranks, a batch of 8, 4 layers and 4 heads: nothing divides; the error says so.
+    // Three ranks: 4 layers split unevenly over 3 stages (batch 8 and 4 heads divide nothing else).
     let a = args(&root.join("three"), "8");
     let (ok, text) = mpirun(3, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{text}");
+    let line = std::fs::read_to_string(root.join("three/metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    let layout = ferrotron_core::layout::LayoutSpec::parse(first["layout"].as_str().unwrap())
+        .unwrap()
+        .layout;
+    assert_eq!((layout.world_size(), layout.pp), (3, 3), "{layout}");
+    // Five ranks: 5 divides neither the batch nor the heads, and 4 layers cannot fill 5 stages; the
+    // error says so.
+    let a = args(&root.join("five"), "8");
+    let (ok, text) = mpirun(5, &a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(!ok, "{text}");
     assert!(
-        text.contains("no layout of 3 devices") && text.contains("dp=3,tp=1,pp=1"),
+        text.contains("no layout of 5 devices") && text.contains("dp=5,tp=1,pp=1"),
         "{text}"
     );
 }

@@ -88,6 +88,99 @@ pub struct Costs {
     /// One entry per virtual stage.
     pub actions: Vec<ActionCosts>,
     pub dp_time: f64,
+    /// The optimizer step after the reduction.
+    pub optimizer_time: f64,
+}
+
+/// Compute time of one transformer layer on one device for one micro-batch, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerTime {
+    pub forward: f64,
+    pub backward: f64,
+    /// What recomputation adds to the backward (the whole forward, or attention only).
+    pub recompute: f64,
+}
+
+/// One GEMM [m × k]·[k × n] at the calibrated efficiency of its shape: the curve rises with the
+/// geometric mean width √(n·k) (narrow GEMMs are launch- and memory-bound) towards its maximum.
+pub fn gemm_time(c: &Cluster, m: f64, n: f64, k: f64) -> f64 {
+    let cal = &c.calibration;
+    let w = (n * k).sqrt();
+    let eff = cal.gemm_efficiency_max * w / (w + cal.gemm_half_width);
+    2.0 * m * n * k / (c.peak_flops * eff)
+}
+
+/// The (n, k) of each GEMM of one layer on one device of a tensor-parallel group of `t`: column-
+/// parallel projections [h → out/t], row-parallel ones [in/t → h].
+pub fn layer_gemm_shapes(cfg: &ModelConfig, t: f64) -> Vec<(f64, f64)> {
+    let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
+    match cfg.arch {
+        Arch::Llama => {
+            let (q, kv) = (cfg.q_dim() as f64, cfg.kv_dim() as f64);
+            vec![
+                (q / t, h),
+                (kv / t, h),
+                (kv / t, h),
+                (h, q / t),
+                (f / t, h),
+                (f / t, h),
+                (h, f / t),
+            ]
+        }
+        Arch::Gpt2 => vec![(3.0 * h / t, h), (h, h / t), (f / t, h), (h, f / t)],
+    }
+}
+
+/// Bytes the memory-bound operations of one layer's forward read and write per token on one device:
+/// two norms, two residual adds, the rotary embedding or the biases, the MLP's activation (the
+/// attention kernel's softmax is fused). Sharded tensors count 1/t, the hidden state whole.
+pub fn layer_elementwise_bytes_per_token(cfg: &ModelConfig, t: f64, act_bytes: f64) -> f64 {
+    let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
+    let per_token = match cfg.arch {
+        Arch::Llama => 10.0 * h + 2.0 * (cfg.q_dim() + cfg.kv_dim()) as f64 / t + 3.0 * f / t,
+        Arch::Gpt2 => 10.0 * h + 2.0 * (3.0 * h + f) / t + 2.0 * f / t,
+    };
+    per_token * act_bytes
+}
+
+/// Compute time of one layer: its GEMMs at their shapes' efficiency, attention's QKᵀ and PV at the
+/// attention efficiency, the memory-bound operations at the device's memory bandwidth; backward twice
+/// the forward (input and weight gradients).
+pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime {
+    let c = &input.cluster;
+    let t = l.tp as f64;
+    let tokens = (l.micro_batch_size * input.seq) as f64;
+    let gemms: f64 = layer_gemm_shapes(cfg, t)
+        .into_iter()
+        .map(|(n, k)| gemm_time(c, tokens, n, k))
+        .sum();
+    let attention = 4.0 * tokens * input.seq as f64 * cfg.q_dim() as f64
+        / t
+        / (c.peak_flops * c.calibration.attention_efficiency);
+    let elementwise = tokens
+        * layer_elementwise_bytes_per_token(cfg, t, input.precision.weights.bytes())
+        / c.memory_bandwidth_bytes_per_s;
+    let forward = gemms + attention + elementwise;
+    let recompute = match l.recompute {
+        Recompute::Full => forward,
+        Recompute::Selective => attention,
+        Recompute::None => 0.0,
+    };
+    LayerTime {
+        forward,
+        backward: 2.0 * forward,
+        recompute,
+    }
+}
+
+/// Forward time of the output layer and the loss on one device: the vocab-parallel GEMM, and the
+/// cross-entropy's passes over the f32 logits (max, exp-sum, gradient).
+fn head_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
+    let c = &input.cluster;
+    let tokens = (l.micro_batch_size * input.seq) as f64;
+    let vocab = super::padded_vocab(cfg, l.tp) as f64 / l.tp as f64;
+    gemm_time(c, tokens, vocab, cfg.hidden_size as f64)
+        + 3.0 * tokens * vocab * 4.0 / c.memory_bandwidth_bytes_per_s
 }
 
 /// Bytes one device of pipeline stage `stage` sends to its tensor-parallel group in one step, counted
@@ -112,7 +205,7 @@ pub fn tp_bytes_per_device(input: &PlanInput, cfg: &ModelConfig, l: &Layout, sta
     let act = input.precision.weights.bytes();
     let hidden = ring * rows * cfg.hidden_size as f64 * act;
     let sp = l.sequence_parallel;
-    let layers = (cfg.num_layers / l.pp) as f64;
+    let layers = super::stage_layers(cfg, l, stage) as f64;
     let recompute = if l.recompute == Recompute::Full {
         4.0
     } else {
@@ -164,11 +257,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let act = input.precision.weights.bytes();
     let boundary = (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act;
     let t = l.tp as f64;
-    // Column-parallel GEMMs are [tokens, h] × [h, out/tp], row-parallel ones [tokens, h/tp] × [h/tp, h]:
-    // their typical width is the geometric mean of h and h/tp.
-    let width = (cfg.hidden_size as f64 * cfg.hidden_size as f64 / t).sqrt();
-    let eff = cal.gemm_efficiency_max * width / (width + cal.gemm_half_width);
-    let speed = c.peak_flops * eff;
+    let lt = layer_time(input, cfg, l);
 
     // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer, 2 more when the
     // forward is recomputed (sequence parallelism moves about the same; its exact bytes are counted
@@ -188,30 +277,22 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     } else {
         0.0
     };
-    let layers_per_chunk = (cfg.num_layers / (l.pp * l.vpp)) as f64;
-    let layer_fwd = layer_forward_flops(cfg, l.micro_batch_size, input.seq) / t;
-    let layer_recompute = match l.recompute {
-        Recompute::Full => layer_fwd,
-        Recompute::Selective => {
-            4.0 * (l.micro_batch_size * input.seq * input.seq) as f64 * cfg.q_dim() as f64 / t
-        }
-        Recompute::None => 0.0,
-    };
+    let chunk_layers = super::chunk_layers(cfg, l);
     let p2p = if l.pp > 1 {
         boundary / (links.pp.bandwidth_bytes_per_s * cal.link_efficiency) + links.pp.latency_s
     } else {
         0.0
     };
-    let head_fwd = head_forward_flops(cfg, l.micro_batch_size, input.seq) / t;
+    let head_fwd = head_time(input, cfg, l);
     let nv = l.pp * l.vpp;
     let actions = (0..nv)
         .map(|vs| {
-            let mut fwd = layers_per_chunk * (layer_fwd / speed + 2.0 * ar_time);
-            let mut bwd = layers_per_chunk
-                * ((2.0 * layer_fwd + layer_recompute) / speed + (2.0 + recompute_ar) * ar_time);
+            let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
+            let mut fwd = layers * (lt.forward + 2.0 * ar_time);
+            let mut bwd = layers * (lt.backward + lt.recompute + (2.0 + recompute_ar) * ar_time);
             if vs == nv - 1 {
-                fwd += head_fwd / speed;
-                bwd += 2.0 * head_fwd / speed;
+                fwd += head_fwd;
+                bwd += 2.0 * head_fwd;
             }
             // Zero-bubble schedules split the backward; its two GEMM halves cost about the same.
             ActionCosts {
@@ -288,7 +369,21 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     } else {
         0.0
     };
+    // AdamW reads each trainable parameter's gradient, master copy and two moments and writes all but
+    // the gradient back, plus the compute-precision copy: memory-bound, on this device's shard.
+    let pr = &input.precision;
+    let optimizer_bytes = pr.grads.bytes()
+        + 2.0 * pr.master_bytes()
+        + 2.0 * input.optimizer.state_bytes(pr)
+        + if pr.master_bytes() > 0.0 {
+            pr.weights.bytes()
+        } else {
+            0.0
+        };
+    let shard = if l.zero >= 1 { d } else { 1.0 };
+    let optimizer_time = trainable / shard * optimizer_bytes / c.memory_bandwidth_bytes_per_s;
     Costs {
+        optimizer_time,
         traffic: Traffic {
             tp: tp_bytes,
             pp: pp_bytes,

@@ -11,7 +11,7 @@ use crate::model::{Arch, ModelConfig};
 pub fn params_on_device(cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
     let h = cfg.hidden_size as f64;
     let layer = layer_params_on_device(cfg, l);
-    let layers_here = (cfg.num_layers / l.pp) as f64;
+    let layers_here = super::stage_layers(cfg, l, stage) as f64;
     let vocab = padded_vocab(cfg, l.tp) as f64;
     let t = l.tp as f64;
     let mut n = layer * layers_here;
@@ -173,7 +173,13 @@ pub fn stage_activation_stash(
     };
     let act_bytes = input.precision.weights.bytes();
     let per_layer = layer_activation_bytes(cfg, l, input.seq, input.activation_model, act_bytes);
-    let layers_per_chunk = (cfg.num_layers / (l.pp * l.vpp)) as f64;
+    // A chunk stash of this stage's largest chunk (all its chunks are equal unless the split is uneven).
+    let layers_per_chunk = super::chunk_layers(cfg, l)
+        .into_iter()
+        .skip(stage)
+        .step_by(l.pp.max(1))
+        .max()
+        .unwrap_or(0) as f64;
     let mut act = per_layer * layers_per_chunk * in_flight as f64;
     if l.recompute == Recompute::Full {
         act += recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes);
@@ -213,7 +219,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             let params = params_on_device(cfg, l, stage);
             let trainable = match input.lora_rank {
                 // LoRA on every projection: r·(in + out) per matrix, the base frozen.
-                Some(r) => lora_params_per_device(cfg, l, r),
+                Some(r) => lora_params_per_device(cfg, l, stage, r),
                 None => params,
             };
             let act_bytes = pr.weights.bytes();
@@ -256,7 +262,8 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                     0.0
                 };
                 let z3_buf = if l.zero == 3 && l.dp > 1 {
-                    2.0 * params / cfg.num_layers as f64 * l.pp as f64 * pr.weights.bytes()
+                    2.0 * params / super::stage_layers(cfg, l, stage).max(1) as f64
+                        * pr.weights.bytes()
                 } else {
                     0.0
                 };
@@ -283,7 +290,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     .with_total()
 }
 
-fn lora_params_per_device(cfg: &ModelConfig, l: &Layout, r: usize) -> f64 {
+fn lora_params_per_device(cfg: &ModelConfig, l: &Layout, stage: usize, r: usize) -> f64 {
     let (h, f, r) = (
         cfg.hidden_size as f64,
         cfg.intermediate_size as f64,
@@ -296,5 +303,5 @@ fn lora_params_per_device(cfg: &ModelConfig, l: &Layout, r: usize) -> f64 {
         Arch::Gpt2 => r * ((h + 3.0 * h) + 2.0 * h + 2.0 * (h + f)),
     };
     // A LoRA pair shards like its base matrix on one side only: count it unsharded (small).
-    per_layer * (cfg.num_layers / l.pp) as f64
+    per_layer * super::stage_layers(cfg, l, stage) as f64
 }

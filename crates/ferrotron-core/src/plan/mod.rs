@@ -3,13 +3,17 @@
 //! search over layouts, and an explanation in the order the source texts give: reduce, shard the
 //! optimizer, tensor-parallel inside a node, pipeline across nodes.
 
+pub mod calibrate;
 mod cost;
 mod explain;
 mod memory;
 mod search;
 mod spec;
 
-pub use cost::{layer_forward_flops, links, step_flops, tp_bytes_per_device, Links, Traffic};
+pub use cost::{
+    gemm_time, layer_forward_flops, layer_gemm_shapes, layer_time, links, step_flops,
+    tp_bytes_per_device, LayerTime, Links, Traffic,
+};
 pub use explain::search_notes;
 pub use memory::{
     largest_unit_params, layer_activation_bytes, padded_vocab, params_on_device,
@@ -20,7 +24,8 @@ pub use spec::{ActivationModel, Dtype, OptimizerKind, PlanModel, Precision, PLAN
 
 use crate::error::{ConfigError, Result};
 use crate::layout::{Layout, Schedule};
-use crate::schedule::{build, simulate};
+use crate::model::ModelConfig;
+use crate::schedule::{build, simulate, StagePartition};
 use crate::topology::Cluster;
 
 /// Bytes per device by term, as the design names them.
@@ -149,11 +154,19 @@ pub struct Plan {
     /// The device with the largest total.
     pub memory_bytes: MemoryTerms,
     pub memory_bytes_per_stage: Vec<MemoryTerms>,
+    /// Transformer layers on one device of each stage (its chunks together); uneven when pp·vpp does
+    /// not divide the layers or the layout names the split.
+    pub layers_per_stage: Vec<usize>,
+    /// Per stage: time computing in one step, and the fraction of the step it is idle.
+    pub compute_time_per_stage_s: Vec<f64>,
+    pub bubble_fraction_per_stage: Vec<f64>,
     pub capacity_bytes: u64,
     pub usable_bytes: u64,
     pub comm_bytes_per_step: Traffic,
     pub compute_time_s: f64,
     pub dp_comm_time_s: f64,
+    /// The optimizer step (memory-bound) after the gradient reduction.
+    pub optimizer_time_s: f64,
     pub bubble_fraction: f64,
     pub step_time_s: f64,
     pub tokens_per_s: f64,
@@ -246,16 +259,17 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
                 ),
             ));
         }
-        if !cfg.num_layers.is_multiple_of(l.pp * l.vpp) {
+        if l.pp * l.vpp > cfg.num_layers {
             return Err(rule(
                 "pp",
                 format!(
-                    "{} layers are not divisible by pp·vpp = {}",
+                    "{} layers cannot fill pp·vpp = {} stages (each needs at least one layer)",
                     cfg.num_layers,
                     l.pp * l.vpp
                 ),
             ));
         }
+        StagePartition::for_layout(cfg, l)?;
         if input.seq > cfg.max_position_embeddings && cfg.arch == crate::model::Arch::Gpt2 {
             return Err(rule(
                 "seq",
@@ -271,6 +285,50 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Layers of each virtual stage, as the engine splits them (`StagePartition::for_layout`: the
+/// layers the layout names, otherwise split by compute); empty for a split `check_layout` refuses.
+pub fn chunk_layers(cfg: &ModelConfig, l: &Layout) -> Vec<usize> {
+    // Every stage's memory and costs ask for the same split; the search prices thousands of layouts
+    // of deep models, so the last split is kept (per thread) rather than recomputed per stage.
+    type Key = (bool, [usize; 6], Option<crate::layout::NamedStages>);
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(Key, Vec<usize>)>> = const { std::cell::RefCell::new(None) };
+    }
+    let key: Key = (
+        cfg.arch == crate::model::Arch::Llama,
+        [
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            cfg.intermediate_size,
+            cfg.q_dim() * (1 << 20) + cfg.kv_dim(),
+            l.pp * l.vpp,
+        ],
+        l.stages,
+    );
+    LAST.with(|last| {
+        if let Some((k, v)) = &*last.borrow() {
+            if *k == key {
+                return v.clone();
+            }
+        }
+        let v = StagePartition::for_layout(cfg, l)
+            .map(|p| p.counts())
+            .unwrap_or_default();
+        *last.borrow_mut() = Some((key, v.clone()));
+        v
+    })
+}
+
+/// Layers on one device of pipeline stage `stage`: its chunks' layers.
+pub fn stage_layers(cfg: &ModelConfig, l: &Layout, stage: usize) -> usize {
+    chunk_layers(cfg, l)
+        .iter()
+        .skip(stage)
+        .step_by(l.pp.max(1))
+        .sum()
 }
 
 /// Peak chunk stashes of stage `s` in closed form (what the schedule simulation measures for these
@@ -333,11 +391,18 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         num_micro_batches: m,
         memory_bytes: worst,
         memory_bytes_per_stage: stages,
+        layers_per_stage: match &input.model {
+            PlanModel::Shape(cfg) => (0..l.pp).map(|s| stage_layers(cfg, l, s)).collect(),
+            PlanModel::ParamsOnly(_) => Vec::new(),
+        },
+        compute_time_per_stage_s: Vec::new(),
+        bubble_fraction_per_stage: Vec::new(),
         capacity_bytes: input.cluster.device_memory_bytes,
         usable_bytes: usable,
         comm_bytes_per_step: costs.as_ref().map_or(Traffic::default(), |c| c.traffic),
         compute_time_s: 0.0,
         dp_comm_time_s: 0.0,
+        optimizer_time_s: 0.0,
         bubble_fraction: 0.0,
         step_time_s: 0.0,
         tokens_per_s: 0.0,
@@ -348,11 +413,14 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
     };
     if let (Some(tl), Some(costs), PlanModel::Shape(cfg)) = (timeline, costs, &input.model) {
         let world = l.world_size() as f64;
-        let step = tl.makespan + costs.dp_time;
+        let step = tl.makespan + costs.dp_time + costs.optimizer_time;
         let (model_flops, hw_flops) = step_flops(cfg, l, input.seq, input.global_batch);
         plan.compute_time_s = tl.busy.iter().copied().fold(0.0, f64::max);
         plan.dp_comm_time_s = costs.dp_time;
+        plan.optimizer_time_s = costs.optimizer_time;
         plan.bubble_fraction = tl.bubble_fraction();
+        plan.compute_time_per_stage_s = tl.busy.clone();
+        plan.bubble_fraction_per_stage = (0..l.pp).map(|s| tl.idle_fraction(s)).collect();
         plan.step_time_s = step;
         plan.tokens_per_s = (input.global_batch * input.seq) as f64 / step;
         plan.tflops_per_device = hw_flops / (step * world) / 1e12;

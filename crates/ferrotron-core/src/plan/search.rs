@@ -26,15 +26,11 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
     };
     let mut out = Vec::new();
     for tp in divisors(world) {
-        for pp in divisors(world / tp)
-            .into_iter()
-            .filter(|pp| layers.is_multiple_of(*pp))
-        {
+        // Stages need not divide the layers: an uneven split is priced as the engine runs it.
+        for pp in divisors(world / tp).into_iter().filter(|&pp| pp <= layers) {
             let dp = world / (tp * pp);
             let chunk_options: Vec<usize> = if pp > 1 {
-                (1..=8)
-                    .filter(|v| (layers / pp).is_multiple_of(*v))
-                    .collect()
+                (1..=8).filter(|v| pp * v <= layers).collect()
             } else {
                 vec![1]
             };
@@ -64,6 +60,7 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                                         schedule,
                                         sequence_parallel: sp,
                                         recompute,
+                                        stages: None,
                                     };
                                     if check_layout(input, &l).is_ok() {
                                         out.push(l);
@@ -103,8 +100,8 @@ pub fn why_no_layout(input: &PlanInput) -> Vec<String> {
                 ..Layout::default()
             };
             let why = match layers {
-                Some(n) if !n.is_multiple_of(pp) => {
-                    format!("pp={pp} does not divide the model's {n} layers")
+                Some(n) if pp > n => {
+                    format!("pp={pp} stages cannot each hold one of the model's {n} layers")
                 }
                 _ => match check_layout(input, &l).and_then(|()| evaluate(input, &l)) {
                     Err(e) => e.to_string(),
@@ -155,7 +152,7 @@ fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {
     let fill = chunk.iter().sum::<f64>() / l.vpp as f64 * (l.pp - 1) as f64 / l.pp as f64;
     (
         fits,
-        m as f64 * per_stage_max + fill + c.dp_time,
+        m as f64 * per_stage_max + fill + c.dp_time + c.optimizer_time,
         worst.total,
     )
 }

@@ -15,6 +15,7 @@ pub enum PlanModel {
 
 pub const PLAN_MODEL_PRESETS: &[&str] = &[
     "gpt3-175b",
+    "bloom-176b",
     "llama2-7b",
     "llama2-13b",
     "llama2-70b",
@@ -62,6 +63,9 @@ impl PlanModel {
         }
         Ok(Self::Shape(match spec {
             "gpt3-175b" => ModelConfig::gpt2(51200, 12288, 49152, 96, 96, 2048),
+            // BLOOM-176B: GPT-shaped (LayerNorm, 4h GELU MLP, tied embedding) with ALiBi instead of
+            // learned positions; counted with 2048 learned positions, 0.02% of its parameters.
+            "bloom-176b" => ModelConfig::gpt2(250880, 14336, 57344, 70, 112, 2048),
             "llama2-7b" => ModelConfig::llama(32000, 4096, 11008, 32, 32, 32, 4096, 10000.0),
             "llama2-13b" => ModelConfig::llama(32000, 5120, 13824, 40, 40, 40, 4096, 10000.0),
             "llama2-70b" => ModelConfig::llama(32000, 8192, 28672, 80, 64, 8, 4096, 10000.0),
@@ -165,6 +169,14 @@ impl Dtype {
             Dtype::Fp8 => 1.0,
         }
     }
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Fp32 => "fp32",
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp8 => "fp8",
+        }
+    }
     fn parse(field: &str, s: &str) -> Result<Self> {
         Ok(match s {
             "fp32" | "f32" => Dtype::Fp32,
@@ -229,6 +241,16 @@ impl Precision {
             }
         }
         Ok(p)
+    }
+    /// The text `parse` takes back: `weights=bf16,grads=bf16,master=fp32,optimizer=fp32`.
+    pub fn spec(&self) -> String {
+        format!(
+            "weights={},grads={},master={},optimizer={}",
+            self.weights.name(),
+            self.grads.name(),
+            self.master.name(),
+            self.optimizer.name()
+        )
     }
     pub fn master_bytes(&self) -> f64 {
         if self.master == self.weights {

@@ -50,6 +50,7 @@ fn table_prediction(row: &Row) -> Plan {
                 continue;
             }
             let l = Layout {
+                stages: None,
                 dp: gpus / (tp * pp),
                 tp,
                 pp,
@@ -186,9 +187,10 @@ fn bad_input_names_the_field() {
     let e = err(Layout {
         dp: 1,
         pp: 3,
+        stages: Some(crate::layout::NamedStages::parse("10+10+10").unwrap()),
         ..Layout::default()
     });
-    assert!(e.contains("pp") && e.contains("32 layers"), "{e}");
+    assert!(e.contains("stages") && e.contains("30 layers"), "{e}");
     let e = PlanModel::parse("llama-9000").unwrap_err().to_string();
     assert!(e.contains("llama-9000") && e.contains("preset"), "{e}");
     let e = PlanModel::parse("arch=gpt,layers=4,hidden=-64,heads=4,vocab=100")
@@ -436,8 +438,9 @@ fn megatron_activations_follow_the_published_multipliers() {
 
 #[test]
 fn with_no_layout_to_run_the_search_says_what_each_cut_breaks() {
-    // 3 devices, 4 layers, 4 heads, a batch of 8: no cut of 3 divides anything.
-    let mut input = small_input("arch=llama,layers=4,hidden=64,heads=4,vocab=256");
+    // 3 devices, 2 layers, 4 heads, a batch of 8: no cut of 3 works (uneven stages are fine, but
+    // three stages need three layers).
+    let mut input = small_input("arch=llama,layers=2,hidden=64,heads=4,vocab=256");
     input.cluster = Cluster::parse("dgx-a100-80g,devices_per_node=3").unwrap();
     input.global_batch = 8;
     let e = search(&input).unwrap_err().to_string();
@@ -450,7 +453,7 @@ fn with_no_layout_to_run_the_search_says_what_each_cut_breaks() {
         ),
         (
             "dp=1,tp=1,pp=3",
-            "pp=3 does not divide the model's 4 layers",
+            "pp=3 stages cannot each hold one of the model's 2 layers",
         ),
     ] {
         assert!(
@@ -474,4 +477,84 @@ fn with_no_layout_to_run_the_search_says_what_each_cut_breaks() {
     let why = why_no_layout(&wide);
     assert_eq!(why.len(), 13, "{why:?}");
     assert!(why[12].contains("more ways to cut 2000 devices"), "{why:?}");
+}
+
+#[test]
+fn bloom_176b_plans_on_uneven_stages() {
+    // BLOOM-176B as trained: 70 layers on 12 stages of 384 A100s, 2048 sequences of 2048 tokens.
+    let input = PlanInput::new(
+        PlanModel::parse("bloom-176b").unwrap(),
+        Cluster::parse("dgx-a100-80g,nodes=48").unwrap(),
+        2048,
+        2048,
+    );
+    let l = crate::layout::LayoutSpec::parse("dp=8,tp=4,pp=12,mbs=2,zero=1,recompute=full")
+        .unwrap()
+        .layout;
+    let p = evaluate(&input, &l).unwrap();
+    assert_eq!(p.layers_per_stage.iter().sum::<usize>(), 70);
+    assert_eq!(p.layers_per_stage.len(), 12);
+    let (lo, hi) = (
+        *p.layers_per_stage.iter().min().unwrap(),
+        *p.layers_per_stage.iter().max().unwrap(),
+    );
+    assert!(
+        hi > lo,
+        "70 layers on 12 stages are uneven: {:?}",
+        p.layers_per_stage
+    );
+    // The last stage also runs the 250k-token output layer: it gets fewer layers.
+    assert_eq!(p.layers_per_stage[11], lo, "{:?}", p.layers_per_stage);
+    assert!(p.fits, "{:?}", p.memory_bytes);
+    assert_eq!(p.compute_time_per_stage_s.len(), 12);
+    assert_eq!(p.bubble_fraction_per_stage.len(), 12);
+    // Memory per stage follows its layers: a stage with more layers holds more weights.
+    let more = p.layers_per_stage.iter().position(|&n| n == hi).unwrap();
+    assert!(p.memory_bytes_per_stage[more].weights > p.memory_bytes_per_stage[11].weights / 2);
+    // A named split is priced as named, and one that does not cover the layers is refused.
+    let mut named = l;
+    named.stages = Some(crate::layout::NamedStages::parse("6+6+6+6+6+6+6+6+6+6+5+5").unwrap());
+    let q = evaluate(&input, &named).unwrap();
+    assert_eq!(q.layers_per_stage, vec![6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5, 5]);
+    named.stages = Some(crate::layout::NamedStages::parse("6+6").unwrap());
+    let e = evaluate(&input, &named).unwrap_err().to_string();
+    assert!(e.contains("stages") && e.contains("pp·vpp = 12"), "{e}");
+    // The search considers uneven splits too.
+    let plans = search(&input).unwrap();
+    assert!(!plans.is_empty());
+}
+
+#[test]
+fn calibration_recovers_constants_that_made_the_runs() {
+    use super::calibrate::{fit, FitParam, Measured, MeasuredRun};
+    // Runs "measured" on a cluster with known constants, fitted from a wrong start.
+    let mut truth = Cluster::parse("dgx-a100-80g").unwrap();
+    truth.calibration.gemm_efficiency_max = 0.55;
+    truth.calibration.gemm_half_width = 300.0;
+    let runs: Vec<MeasuredRun> = TABLE1[..6]
+        .iter()
+        .map(|row| {
+            let p = table_prediction(row);
+            let mut r = MeasuredRun {
+                name: format!("{}B", row.0),
+                model: table_input(row).model,
+                layout: p.layout,
+                seq: 2048,
+                global_batch: row.7,
+                nodes: row.6 / 8,
+                precision: Precision::default(),
+                measured: Measured::StepTime(1.0),
+            };
+            r.measured = Measured::StepTime(r.predict(&truth).unwrap());
+            r
+        })
+        .collect();
+    let start = Cluster::parse("dgx-a100-80g").unwrap();
+    let params = [FitParam::GemmEfficiency, FitParam::GemmHalfWidth];
+    let fitted = fit(&runs, &start, &params).unwrap();
+    for r in &runs {
+        let e = r.error(&fitted).unwrap();
+        assert!(e.abs() < 0.005, "{}: {e}", r.name);
+    }
+    assert!((fitted.calibration.gemm_efficiency_max / 0.55 - 1.0).abs() < 0.05);
 }

@@ -57,7 +57,7 @@ pub fn rank_holdings(cfg: &ModelConfig, layout: &Layout, rank: usize) -> Result<
     if !sharded && d > 0 {
         return Ok(Vec::new());
     }
-    let partition = StagePartition::for_model(cfg, pp * vpp)?;
+    let partition = StagePartition::for_layout(cfg, layout)?;
     let ranges: Vec<Range<usize>> = (0..vpp)
         .map(|k| partition.layers[k * pp + s].clone())
         .collect();

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 /// Checks that `layout` can hold `cfg` (heads, KV heads, MLP and layers divide as it needs).
 fn check_layout(cfg: &ModelConfig, layout: &Layout) -> Result<()> {
     TpShard::check(cfg, layout.tp.max(1))?;
-    StagePartition::for_model(cfg, layout.pp.max(1) * layout.vpp.max(1))?;
+    StagePartition::for_layout(cfg, layout)?;
     Ok(())
 }
 

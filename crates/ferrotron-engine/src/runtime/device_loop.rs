@@ -217,7 +217,7 @@ pub(super) fn layout_facts(
     run: &TrainingRun,
 ) -> Result<(StagePartition, Coords, Vec<MemoryTerms>)> {
     let layout = run.layout;
-    let partition = StagePartition::for_model(run.model_cfg, layout.pp * layout.vpp)?;
+    let partition = StagePartition::for_layout(run.model_cfg, &layout)?;
     let plan = evaluate(run.input, &layout)?;
     let grid = layout.rank_grid(run.input.cluster.devices_per_node);
     let coords = (0..layout.world_size()).map(|r| grid.coords(r)).collect();

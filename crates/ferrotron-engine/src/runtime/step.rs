@@ -64,8 +64,8 @@ pub fn layout_step(
 ) -> Result<(f64, ParamStore, Option<PipelineRun>)> {
     batch.check(cfg).map_err(EngineError::Invalid)?;
     if !layout.is_single_device() || layout.zero > 0 {
-        // Every device a thread, each stage's layers chosen by compute.
-        let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
+        // Every device a thread, each stage's layers as the layout names them or chosen by compute.
+        let partition = StagePartition::for_layout(cfg, layout)?;
         let mut run = pipeline_step(
             cfg,
             params,
@@ -99,7 +99,7 @@ pub fn layout_step_on<C: Comm>(
     batch: &TokenBatch,
     layout: &Layout,
 ) -> Result<Option<(f64, ParamStore, PipelineRun)>> {
-    let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
+    let partition = StagePartition::for_layout(cfg, layout)?;
     let step = MeshStep::new(cfg, params, batch, layout, &partition)?;
     Ok(step.run_collected(c)?.map(|mut run| {
         let grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));

@@ -163,11 +163,7 @@ impl TrainingData {
 }
 
 fn default_cache_dir() -> PathBuf {
-    std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("ferrotron")
+    ferrotron_core::topology::cache_dir()
 }
 
 /// The drill's slow device must be one of the devices of every layout that may run.

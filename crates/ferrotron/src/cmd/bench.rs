@@ -305,7 +305,7 @@ fn engine_step_times(
 }
 
 /// Median seconds of `reps` runs of `f`.
-fn time_it(reps: usize, mut f: impl FnMut()) -> f64 {
+pub(crate) fn time_it(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
     let mut t: Vec<f64> = (0..reps)
         .map(|_| {
@@ -449,7 +449,7 @@ fn kernels(b: KernelBench) -> Result<()> {
 /// The CPU's f32 multiply-add peak on `threads` threads, for reading every GFLOP/s above as a fraction
 /// of what the cores can do: twelve independent FMA chains per thread, 16 lanes wide with AVX-512 or
 /// 8 with AVX2.
-fn fma_peak_gflops(threads: usize) -> Option<(f64, &'static str)> {
+pub(crate) fn fma_peak_gflops(threads: usize) -> Option<(f64, &'static str)> {
     #[cfg(target_arch = "x86_64")]
     {
         const ITERS: usize = 40_000_000;

@@ -1,6 +1,8 @@
 pub mod backend;
 pub mod bench;
 mod bench_zero3;
+pub mod calibrate;
+mod calibrate_machine;
 pub mod checkpoint;
 pub mod grads;
 pub mod plan;

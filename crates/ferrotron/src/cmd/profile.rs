@@ -55,6 +55,10 @@ pub struct ProfileArgs {
     slow_device: Option<usize>,
     #[arg(long, default_value_t = 10.0)]
     slow_device_ms: f64,
+    /// Print one JSON object (layout, step time measured and predicted, its parts, the verdicts)
+    /// instead of the tables.
+    #[arg(long)]
+    json: bool,
 }
 
 /// What one device measured in the reported step.
@@ -112,7 +116,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
                 })
         })
         .collect();
-    let partition = StagePartition::for_model(&model, layout.pp * layout.vpp)?;
+    let partition = StagePartition::for_layout(&model, &layout)?;
     // Deterministic token batches over the model's vocabulary.
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let batches: Vec<TokenBatch> = (0..a.steps)
@@ -182,23 +186,60 @@ pub fn run(a: ProfileArgs) -> Result<()> {
     let coords: Vec<(usize, usize, usize)> = (0..world).map(|r| mesh.coords(r)).collect();
 
     let tables = Tables::of(&input, &layout, &plan, &devices, &coords, &predicted_idle);
-    let verdicts = verdicts(&a, &devices, &coords, &plan, &predicted_idle);
-    println!(
+    let times = StepTimes::of(&devices, &plan, predicted_timeline.as_ref(), layout.pp);
+    let mut verdicts = times.verdicts(a.threshold);
+    verdicts.extend(self::verdicts(
+        &a,
+        &devices,
+        &coords,
+        &plan,
+        &predicted_idle,
+    ));
+    let record = serde_json::json!({
+        "model": a.model,
+        "layout": layout.to_string(),
+        "seq": a.seq,
+        "global_batch": a.batch,
+        "cluster": a.cluster,
+        "precision": input.precision.spec(),
+        "step_time_s": times.step.json(),
+        "forward_s": times.forward.json(),
+        "backward_s": times.backward.json(),
+        "reduce_s": times.reduce.json(),
+        "optimizer_s": times.optimizer.json(),
+        "verdicts": verdicts,
+    });
+    std::fs::create_dir_all(&a.out)
+        .with_context(|| format!("{}: cannot create", a.out.display()))?;
+    let record_path = a.out.join("profile.json");
+    std::fs::write(&record_path, serde_json::to_string_pretty(&record)?)
+        .with_context(|| format!("{}: cannot write", record_path.display()))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&record)?);
+    }
+    let quiet = a.json;
+    macro_rules! say {
+        ($($t:tt)*) => { if !quiet { println!($($t)*) } };
+    }
+    say!(
         "ferrotron profile: {} on {world} devices, layout {layout}, batch {} x {} tokens, step {} of {} \
          (device time; the planner's prediction for the same layout beside each figure)\n",
         a.model, a.batch, a.seq, a.steps, a.steps
     );
-    for t in [&tables.devices, &tables.links, &tables.memory] {
-        println!("{}", t.markdown());
+    for t in [
+        &times.table(),
+        &tables.devices,
+        &tables.links,
+        &tables.memory,
+    ] {
+        say!("{}", t.markdown());
     }
-    println!("verdicts:");
+    say!("verdicts:");
     for v in &verdicts {
-        println!("- {v}");
+        say!("- {v}");
     }
 
     // The trace, the pictures and the report.
-    std::fs::create_dir_all(&a.out)
-        .with_context(|| format!("{}: cannot create", a.out.display()))?;
     let names: Vec<String> = coords
         .iter()
         .enumerate()
@@ -234,12 +275,165 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         let path = a.out.join(name);
         std::fs::write(&path, body).with_context(|| format!("{}: cannot write", path.display()))?;
     }
-    println!(
+    say!(
         "\nwritten to {}: {} (trace.json opens in Perfetto)",
         a.out.display(),
         written.join(", ")
     );
     Ok(())
+}
+
+/// A figure measured in the profiled step (device time) and the planner's prediction of it.
+#[derive(Clone, Copy)]
+struct Pair {
+    measured: f64,
+    predicted: f64,
+}
+
+impl Pair {
+    fn json(self) -> serde_json::Value {
+        serde_json::json!({"measured": self.measured, "predicted": self.predicted})
+    }
+    fn ratio(self) -> f64 {
+        self.measured / self.predicted.max(1e-12)
+    }
+}
+
+/// What the step's time is made of, measured and predicted: the step, the forward and backward
+/// actions (per device, summed over the step), the gradient reduction after them, the optimizer step.
+struct StepTimes {
+    step: Pair,
+    forward: Pair,
+    backward: Pair,
+    reduce: Pair,
+    optimizer: Pair,
+}
+
+impl StepTimes {
+    fn of(
+        devices: &[Measured],
+        plan: &ferrotron_core::plan::Plan,
+        predicted: Option<&ferrotron_core::schedule::Timeline>,
+        stages: usize,
+    ) -> StepTimes {
+        use ferrotron_core::schedule::Action;
+        let is_forward = |a: &Action| matches!(a, Action::Forward { .. });
+        let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let measured_kind = |forward: bool| {
+            mean(
+                devices
+                    .iter()
+                    .map(|m| {
+                        m.report
+                            .timeline
+                            .iter()
+                            .filter(|(a, _, _)| is_forward(a) == forward)
+                            .map(|(_, t0, t1)| t1 - t0)
+                            .sum()
+                    })
+                    .collect(),
+            )
+        };
+        let predicted_kind = |forward: bool| {
+            predicted.map_or(0.0, |tl| {
+                tl.events
+                    .iter()
+                    .filter(|e| is_forward(&e.action) == forward)
+                    .map(|e| e.end - e.start)
+                    .sum::<f64>()
+                    / stages.max(1) as f64
+            })
+        };
+        let longest = |f: &dyn Fn(&StepReport) -> f64| {
+            devices.iter().map(|m| f(&m.report)).fold(0.0, f64::max)
+        };
+        StepTimes {
+            step: Pair {
+                measured: longest(&|r| r.span_s),
+                predicted: plan.step_time_s,
+            },
+            forward: Pair {
+                measured: measured_kind(true),
+                predicted: predicted_kind(true),
+            },
+            backward: Pair {
+                measured: measured_kind(false),
+                predicted: predicted_kind(false),
+            },
+            reduce: Pair {
+                measured: longest(&|r| r.reduce_s.1 - r.reduce_s.0),
+                predicted: plan.dp_comm_time_s,
+            },
+            optimizer: Pair {
+                measured: longest(&|r| r.update_s.1 - r.update_s.0),
+                predicted: plan.optimizer_time_s,
+            },
+        }
+    }
+
+    fn parts(&self) -> [(&'static str, Pair); 5] {
+        [
+            ("step", self.step),
+            ("forward actions per device", self.forward),
+            ("backward actions per device", self.backward),
+            ("gradient reduction", self.reduce),
+            ("optimizer step", self.optimizer),
+        ]
+    }
+
+    fn table(&self) -> Table {
+        let mut t = Table::new(
+            "step time, measured (device time) and predicted",
+            &[
+                "part",
+                "measured (ms)",
+                "predicted (ms)",
+                "measured / predicted",
+            ],
+        );
+        for (name, p) in self.parts() {
+            t.row(vec![
+                name.to_string(),
+                format!("{:.2}", p.measured * 1e3),
+                format!("{:.2}", p.predicted * 1e3),
+                format!("{:.2}", p.ratio()),
+            ]);
+        }
+        t
+    }
+
+    /// The step time's verdict, and one for each part off by more than `threshold` (relative).
+    fn verdicts(&self, threshold: f64) -> Vec<String> {
+        let off = |p: Pair| (p.ratio() - 1.0).abs() > threshold;
+        let ms = |s: f64| format!("{:.1} ms", s * 1e3);
+        let mut out = Vec::new();
+        if off(self.step) {
+            out.push(format!(
+                "step time {} measured vs {} predicted ({:.2}×): the cluster's time constants do not                  describe these devices — `ferrotron calibrate --this-machine` measures this machine,                  `ferrotron calibrate --profile DIR…` fits them to profiles like this one",
+                ms(self.step.measured),
+                ms(self.step.predicted),
+                self.step.ratio()
+            ));
+            for (name, p) in self.parts().into_iter().skip(1) {
+                if off(p) && p.measured.max(p.predicted) > 0.05 * self.step.measured {
+                    out.push(format!(
+                        "{name}: {} measured vs {} predicted ({:.2}×)",
+                        ms(p.measured),
+                        ms(p.predicted),
+                        p.ratio()
+                    ));
+                }
+            }
+        } else {
+            out.push(format!(
+                "step time {} measured vs {} predicted: within {:.0}%",
+                ms(self.step.measured),
+                ms(self.step.predicted),
+                100.0 * threshold
+            ));
+        }
+        out
+    }
 }
 
 /// The profile's tables, printed as markdown and shown in the page.

@@ -58,12 +58,18 @@ pub fn stage_table(p: &Plan, stages: &[usize]) -> Table {
     let largest = p.memory_bytes_per_stage.iter().map(|m| m.total).max();
     let unit = super::svg::Unit::bytes(largest.unwrap_or(0) as f64);
     let head = |t: &str| format!("{t} ({})", unit.name);
-    let headers: Vec<String> = std::iter::once("stage".to_string())
-        .chain(super::TERM_COLUMNS.map(head))
-        .collect();
+    let timed = !p.compute_time_per_stage_s.is_empty();
+    let mut headers: Vec<String> = vec!["stage".to_string()];
+    if !p.layers_per_stage.is_empty() {
+        headers.push("layers".into());
+    }
+    headers.extend(super::TERM_COLUMNS.map(head));
+    if timed {
+        headers.extend(["compute (s)".to_string(), "idle (%)".to_string()]);
+    }
     let mut t = Table {
         caption: format!(
-            "memory per device of each stage (capacity {}, usable {})",
+            "per stage: layers, memory per device, compute and idle (capacity {}, usable {})",
             show_bytes(p.capacity_bytes),
             show_bytes(p.usable_bytes)
         ),
@@ -74,8 +80,15 @@ pub fn stage_table(p: &Plan, stages: &[usize]) -> Table {
     for &s in stages {
         let m = &p.memory_bytes_per_stage[s];
         let mut row = vec![s.to_string()];
+        if let Some(n) = p.layers_per_stage.get(s) {
+            row.push(n.to_string());
+        }
         row.extend(m.terms().iter().map(|t| v(t.1)));
         row.push(v(m.total));
+        if timed {
+            row.push(format!("{:.4}", p.compute_time_per_stage_s[s]));
+            row.push(format!("{:.1}", 100.0 * p.bubble_fraction_per_stage[s]));
+        }
         t.row(row);
     }
     t

@@ -1,0 +1,305 @@
+//! `ferrotron calibrate`: fit the cluster's time constants to measured runs (published ones in a
+//! TOML file, or ferrotron's own profiles), or measure this machine, and write a cluster file that
+//! `--cluster FILE` takes wherever a cluster is asked for.
+
+use super::calibrate_machine;
+use crate::report::Table;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrotron_core::layout::LayoutSpec;
+use ferrotron_core::plan::calibrate::{
+    fit_with_errors, FitParam, Measured, MeasuredRun, RunErrors, DEFAULT_FIT,
+};
+use ferrotron_core::plan::{PlanModel, Precision};
+use ferrotron_core::topology::Cluster;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct CalibrateArgs {
+    /// Measured runs: a TOML file with one `[[run]]` table per run (model, layout, seq,
+    /// global_batch, nodes, optional precision and name, and step_time_s or tflops_per_device).
+    #[arg(long)]
+    runs: Option<PathBuf>,
+    /// Directories written by `ferrotron profile --out` (their profile.json): runs measured here.
+    #[arg(long, num_args = 1..)]
+    profile: Vec<PathBuf>,
+    /// Measure this machine (GEMM shapes, attention, memory bandwidth, the FMA peak) and cache the
+    /// result as the `this-machine` cluster for this CPU.
+    #[arg(long)]
+    this_machine: bool,
+    /// The cluster whose constants are the starting point (default: dgx-a100-80g for --runs, the
+    /// profiles' own cluster for --profile, this-machine for --this-machine).
+    #[arg(long)]
+    cluster: Option<String>,
+    /// The constants to fit, comma-separated (default: gemm_efficiency_max, gemm_half_width,
+    /// link_efficiency).
+    #[arg(long, value_delimiter = ',')]
+    fit: Vec<String>,
+    /// Where the cluster file goes.
+    #[arg(long, default_value = "cluster.toml")]
+    out: PathBuf,
+    /// Also report each run predicted by constants fitted to the others (one fit per run).
+    #[arg(long)]
+    leave_one_out: bool,
+}
+
+/// One `[[run]]` of a runs file.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunEntry {
+    name: Option<String>,
+    model: String,
+    layout: String,
+    seq: usize,
+    global_batch: usize,
+    nodes: usize,
+    precision: Option<String>,
+    step_time_s: Option<f64>,
+    tflops_per_device: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunsFile {
+    run: Vec<RunEntry>,
+}
+
+/// What `profile --out` records for calibration (`profile.json`).
+#[derive(Deserialize)]
+struct ProfileRecord {
+    model: String,
+    layout: String,
+    seq: usize,
+    global_batch: usize,
+    cluster: String,
+    precision: String,
+    step_time_s: MeasuredPredicted,
+}
+
+#[derive(Deserialize)]
+struct MeasuredPredicted {
+    measured: f64,
+}
+
+fn run_entry(i: usize, e: RunEntry, file: &Path) -> Result<MeasuredRun> {
+    let name = e.name.clone().unwrap_or_else(|| format!("run {}", i + 1));
+    let at = || format!("{}: [[run]] `{name}`", file.display());
+    let layout = LayoutSpec::parse(&e.layout).with_context(at)?;
+    if !layout.auto_keys.is_empty() {
+        bail!("{}: the layout must give values, not auto", at());
+    }
+    let measured = match (e.step_time_s, e.tflops_per_device) {
+        (Some(t), None) if t.is_finite() && t > 0.0 => Measured::StepTime(t),
+        (None, Some(f)) if f.is_finite() && f > 0.0 => Measured::TflopsPerDevice(f),
+        _ => bail!(
+            "{}: give exactly one of step_time_s or tflops_per_device, a positive number",
+            at()
+        ),
+    };
+    if e.seq == 0 || e.global_batch == 0 || e.nodes == 0 {
+        bail!("{}: seq, global_batch and nodes must be positive", at());
+    }
+    Ok(MeasuredRun {
+        name: name.clone(),
+        model: PlanModel::parse(&e.model).with_context(at)?,
+        layout: layout.layout,
+        seq: e.seq,
+        global_batch: e.global_batch,
+        nodes: e.nodes,
+        precision: Precision::parse(e.precision.as_deref().unwrap_or("")).with_context(at)?,
+        measured,
+    })
+}
+
+fn read_runs(path: &Path) -> Result<Vec<MeasuredRun>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let file: RunsFile =
+        toml::from_str(&text).with_context(|| format!("{}: not a runs file", path.display()))?;
+    file.run
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| run_entry(i, e, path))
+        .collect()
+}
+
+/// A profile directory's run, and the cluster it was measured on.
+fn read_profile(dir: &Path) -> Result<(MeasuredRun, String)> {
+    let path = dir.join("profile.json");
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "{}: cannot read (write it with `ferrotron profile --out {}`)",
+            path.display(),
+            dir.display()
+        )
+    })?;
+    let r: ProfileRecord =
+        serde_json::from_str(&text).with_context(|| format!("{}: malformed", path.display()))?;
+    let cluster = Cluster::parse(&r.cluster)?;
+    Ok((
+        MeasuredRun {
+            name: dir.display().to_string(),
+            model: PlanModel::parse(&r.model)?,
+            layout: LayoutSpec::parse(&r.layout)?.layout,
+            seq: r.seq,
+            global_batch: r.global_batch,
+            nodes: cluster.nodes,
+            precision: Precision::parse(&r.precision)?,
+            measured: Measured::StepTime(r.step_time_s.measured),
+        },
+        r.cluster,
+    ))
+}
+
+pub fn run(a: CalibrateArgs) -> Result<()> {
+    let params: Vec<FitParam> = if a.fit.is_empty() {
+        DEFAULT_FIT.to_vec()
+    } else {
+        a.fit
+            .iter()
+            .map(|s| FitParam::parse(s.trim()))
+            .collect::<Result<_, _>>()?
+    };
+    if a.this_machine {
+        if a.runs.is_some() || !a.profile.is_empty() {
+            bail!(
+                "--this-machine measures this machine; give --runs or --profile in a second call"
+            );
+        }
+        let base = Cluster::parse(a.cluster.as_deref().unwrap_or("this-machine"))?;
+        return calibrate_machine::run(base, &a.out);
+    }
+    let mut runs = Vec::new();
+    let mut profile_clusters = Vec::new();
+    if let Some(path) = &a.runs {
+        runs.extend(read_runs(path)?);
+    }
+    for dir in &a.profile {
+        let (run, cluster) = read_profile(dir)?;
+        runs.push(run);
+        profile_clusters.push(cluster);
+    }
+    if runs.is_empty() {
+        bail!("nothing to fit: give --runs FILE.toml, --profile DIR… or --this-machine");
+    }
+    let base_spec = match (&a.cluster, a.runs.is_some(), profile_clusters.first()) {
+        (Some(c), _, _) => c.clone(),
+        (None, false, Some(first)) => {
+            if profile_clusters.iter().any(|c| c != first) {
+                bail!("the profiles were measured on different clusters ({}); name the one to fit with --cluster", profile_clusters.join(", "));
+            }
+            first.clone()
+        }
+        _ => "dgx-a100-80g".to_string(),
+    };
+    let start = Cluster::parse(&base_spec)?;
+    let (fitted, errors) = if a.leave_one_out {
+        fit_with_errors(&runs, &start, &params)?
+    } else {
+        let fitted = ferrotron_core::plan::calibrate::fit(&runs, &start, &params)?;
+        let errors = runs
+            .iter()
+            .map(|r| {
+                Ok(RunErrors {
+                    name: r.name.clone(),
+                    measured: r.value(),
+                    before: r.error(&start)?,
+                    after: r.error(&fitted)?,
+                    left_out: None,
+                })
+            })
+            .collect::<Result<Vec<_>, ferrotron_core::ConfigError>>()?;
+        (fitted, errors)
+    };
+    println!(
+        "ferrotron calibrate: {} runs, fitting {} from `{base_spec}`",
+        runs.len(),
+        params
+            .iter()
+            .map(|p| p.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    print!("{}", error_table(&runs, &errors).markdown());
+    let summary = |pick: &dyn Fn(&RunErrors) -> Option<f64>| {
+        let v: Vec<f64> = errors.iter().filter_map(pick).map(f64::abs).collect();
+        (
+            100.0 * v.iter().sum::<f64>() / v.len().max(1) as f64,
+            100.0 * v.iter().copied().fold(0.0, f64::max),
+        )
+    };
+    let (mb, xb) = summary(&|e| Some(e.before));
+    let (ma, xa) = summary(&|e| Some(e.after));
+    println!("mean |error| before {mb:.2}% (max {xb:.2}%), after {ma:.2}% (max {xa:.2}%)");
+    if a.leave_one_out {
+        let (ml, xl) = summary(&|e| e.left_out);
+        println!("leave-one-out: mean |error| {ml:.2}% (max {xl:.2}%)");
+    }
+    for p in &params {
+        println!(
+            "  {} {:.6e} -> {:.6e}",
+            p.name(),
+            p.get(&start),
+            p.get(&fitted)
+        );
+    }
+    let header = format!(
+        "ferrotron calibrate: {} fitted to {} measured runs (from `{base_spec}`)",
+        params
+            .iter()
+            .map(|p| p.name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        runs.len()
+    );
+    write_cluster(&a.out, &fitted, &header)
+}
+
+/// Writes a cluster file atomically (a temporary beside it, then renamed).
+pub fn write_cluster(path: &Path, c: &Cluster, header: &str) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("{}: cannot create", dir.display()))?;
+    }
+    let tmp = path.with_extension("toml.tmp");
+    std::fs::write(&tmp, c.to_toml(header))
+        .with_context(|| format!("{}: cannot write", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot write", path.display()))?;
+    println!(
+        "cluster file: {} (use it as --cluster {})",
+        path.display(),
+        path.display()
+    );
+    Ok(())
+}
+
+fn error_table(runs: &[MeasuredRun], errors: &[RunErrors]) -> Table {
+    let mut t = Table::new(
+        "each run: measured, and the prediction's error before and after the fit",
+        &[
+            "run",
+            "layout",
+            "measured",
+            "error before (%)",
+            "error after (%)",
+            "left out (%)",
+        ],
+    );
+    for (r, e) in runs.iter().zip(errors) {
+        let measured = match r.measured {
+            Measured::StepTime(s) => format!("{s:.4} s/step"),
+            Measured::TflopsPerDevice(f) => format!("{f:.1} TFLOP/s"),
+        };
+        t.row(vec![
+            e.name.clone(),
+            r.layout.to_string(),
+            measured,
+            format!("{:+.2}", 100.0 * e.before),
+            format!("{:+.2}", 100.0 * e.after),
+            e.left_out
+                .map_or("-".into(), |v| format!("{:+.2}", 100.0 * v)),
+        ]);
+    }
+    t
+}

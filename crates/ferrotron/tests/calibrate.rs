@@ -1,0 +1,195 @@
+//! `ferrotron calibrate`, cluster files, uneven stages and `profile --json`, run as a user runs them.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+
+fn repo(path: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path)
+}
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The number after `label` in `text` (`leave-one-out: mean |error| 3.90%`).
+fn percent_after(text: &str, label: &str) -> f64 {
+    let rest = &text[text
+        .find(label)
+        .unwrap_or_else(|| panic!("{label}: {text}"))
+        + label.len()..];
+    rest.trim_start()
+        .split('%')
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{label}: {text}"))
+}
+
+#[test]
+fn narayanan_table1_left_out_runs_are_predicted_within_5_percent() {
+    let dir = temp_dir("calibrate-narayanan");
+    let file = dir.join("a100.toml");
+    let runs = repo("data/calibration/narayanan2021-table1.toml");
+    let o = ferrotron(&[
+        "calibrate",
+        "--runs",
+        runs.to_str().unwrap(),
+        "--leave-one-out",
+        "--out",
+        file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    let loo = percent_after(&text, "leave-one-out: mean |error|");
+    assert!(loo <= 5.0, "leave-one-out mean |error| {loo}%:\n{text}");
+    // The cluster file is taken wherever a cluster is, with overrides after it.
+    let spec = format!("{},nodes=4", file.display());
+    let o = ferrotron(&[
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--cluster",
+        &spec,
+        "--seq",
+        "4096",
+        "--global-batch",
+        "64",
+        "--layout",
+        "dp=4,tp=8,mbs=1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert!(plan["step_time_s"].as_f64().unwrap() > 0.0, "{plan}");
+    // A malformed cluster file is an error naming the file.
+    std::fs::write(dir.join("bad.toml"), "nodes = \"two\"").unwrap();
+    let bad = dir.join("bad.toml");
+    let o = ferrotron(&[
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--global-batch",
+        "64",
+        "--cluster",
+        bad.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("bad.toml"), "{}", stderr(&o));
+}
+
+#[test]
+fn a_runs_file_with_a_bad_run_is_refused_naming_it() {
+    let dir = temp_dir("calibrate-bad-runs");
+    let path = dir.join("runs.toml");
+    std::fs::write(
+        &path,
+        "[[run]]\nname = \"r1\"\nmodel = \"llama2-7b\"\nlayout = \"dp=8\"\nseq = 4096\n\
+         global_batch = 64\nnodes = 1\nstep_time_s = 1.0\ntflops_per_device = 100.0\n",
+    )
+    .unwrap();
+    let o = ferrotron(&["calibrate", "--runs", path.to_str().unwrap()]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("r1") && e.contains("exactly one"), "{e}");
+}
+
+#[test]
+fn this_machine_is_measured_and_profiles_fit_and_judge_step_time() {
+    let dir = temp_dir("calibrate-machine");
+    let cache = dir.join("cache");
+    let file = dir.join("this.toml");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args([
+            "calibrate",
+            "--this-machine",
+            "--out",
+            file.to_str().unwrap(),
+        ])
+        .env("XDG_CACHE_HOME", &cache)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&file).unwrap();
+    for key in [
+        "peak_flops",
+        "memory_bandwidth_bytes_per_s",
+        "gemm_efficiency_max",
+        "attention_efficiency",
+    ] {
+        assert!(text.contains(key), "{key} missing:\n{text}");
+    }
+    assert!(
+        std::fs::read_dir(cache.join("ferrotron")).unwrap().count() == 1,
+        "the calibration is cached for this CPU"
+    );
+    // profile --json: one object with the step time measured and predicted, and profile.json.
+    let out = dir.join("profile");
+    let cluster = file.to_str().unwrap();
+    let o = ferrotron(&[
+        "profile",
+        "--layout",
+        "pp=2,stages=3+1,mbs=1",
+        "--model",
+        "llama-small",
+        "--seq",
+        "64",
+        "--steps",
+        "2",
+        "--cluster",
+        cluster,
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert!(v["layout"].as_str().unwrap().ends_with("stages=3+1"), "{v}");
+    for k in ["measured", "predicted"] {
+        assert!(v["step_time_s"][k].as_f64().unwrap() > 0.0, "{v}");
+    }
+    assert!(
+        v["verdicts"][0].as_str().unwrap().starts_with("step time"),
+        "{v}"
+    );
+    let o = ferrotron(&[
+        "calibrate",
+        "--profile",
+        out.to_str().unwrap(),
+        "--fit",
+        "gemm_efficiency_max,memory_bandwidth_bytes_per_s",
+        "--out",
+        dir.join("fitted.toml").to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        percent_after(&stdout(&o), "), after") < 1.0,
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn a_named_uneven_split_computes_the_unsplit_model() {
+    let o = ferrotron(&[
+        "verify",
+        "--model",
+        fixture("llama_tiny").to_str().unwrap(),
+        "--layout",
+        "pp=2,stages=3+1,mbs=1",
+    ]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let o = ferrotron(&[
+        "verify",
+        "--model",
+        fixture("llama_tiny").to_str().unwrap(),
+        "--layout",
+        "pp=2,stages=2+1,mbs=1",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("sums to 3 layers"), "{}", stderr(&o));
+}
