@@ -66,6 +66,26 @@ fn a_balanced_3d_layout_is_within_the_prediction_and_the_pictures_show_every_act
 }
 
 #[test]
+fn tensor_parallel_collectives_are_measured_inside_the_actions_beside_their_prediction() {
+    let out = temp_dir("tp-comm");
+    let (ok, text) = profile(&["--layout", "tp=2,mbs=2", "--batch", "4", "--json"], &out);
+    assert!(ok, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for kind in ["forward_comm_s", "backward_comm_s"] {
+        let (measured, predicted) = (
+            v[kind]["measured"].as_f64().unwrap(),
+            v[kind]["predicted"].as_f64().unwrap(),
+        );
+        // Two all-reduces per layer each way: some time, and less than the actions they sit in.
+        let whole = v[kind.replace("_comm", "").as_str()]["measured"]
+            .as_f64()
+            .unwrap();
+        assert!(measured > 0.0 && measured < whole, "{kind}: {v}");
+        assert!(predicted > 0.0, "{kind}: {v}");
+    }
+}
+
+#[test]
 fn the_trace_has_every_forward_and_backward_of_a_4_stage_8_micro_batch_1f1b_step_in_order() {
     let out = temp_dir("trace");
     let (ok, text) = profile(

@@ -87,6 +87,9 @@ pub struct Costs {
     pub traffic: Traffic,
     /// One entry per virtual stage.
     pub actions: Vec<ActionCosts>,
+    /// The part of each virtual stage's forward and backward (both halves) that is communication
+    /// inside the action: tensor-parallel collectives and ZeRO-3 gathers.
+    pub action_comm: Vec<(f64, f64)>,
     pub dp_time: f64,
     /// The optimizer step after the reduction.
     pub optimizer_time: f64,
@@ -285,11 +288,48 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     };
     let head_fwd = head_time(input, cfg, l);
     let nv = l.pp * l.vpp;
+    let d = l.dp as f64;
+    let (grad_b, w_b) = (
+        input.precision.grads.bytes(),
+        input.precision.weights.bytes(),
+    );
+    // ZeRO-3 gathers a unit's parameters for every micro-batch's forward and again for its
+    // backward, and reduce-scatters the unit's gradients as the backward finishes them. The next
+    // unit is prefetched, so the transfer hides behind compute as far as `dp_overlap` says;
+    // assembling the whole unit in memory (and summing the gradients) is work on the device.
+    let stage_layers = super::stage_layers(cfg, l, 0).max(1) as f64;
+    // Per virtual stage and micro-batch: (forward, backward) as (exposed transfer, memory work).
+    let zero3 = |layers: f64| -> [(f64, f64); 2] {
+        if l.zero < 3 || l.dp <= 1 {
+            return [(0.0, 0.0); 2];
+        }
+        let p = params_per_device * layers / stage_layers;
+        let ring = (d - 1.0) / d;
+        let hidden = 1.0 - cal.dp_overlap;
+        let link = |bytes: f64| ring_time(ring * bytes, l.dp - 1, &links.dp, cal.link_efficiency);
+        let bw = c.memory_bandwidth_bytes_per_s;
+        let gather = (link(p * w_b) * hidden, 2.0 * p * w_b / bw);
+        let scatter = (link(p * grad_b) * hidden, 3.0 * p * grad_b / bw);
+        [gather, (gather.0 + scatter.0, gather.1 + scatter.1)]
+    };
+    let action_comm: Vec<(f64, f64)> = (0..nv)
+        .map(|vs| {
+            let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
+            let [fwd, bwd] = zero3(layers);
+            (
+                layers * 2.0 * ar_time + fwd.0,
+                layers * (2.0 + recompute_ar) * ar_time + bwd.0,
+            )
+        })
+        .collect();
     let actions = (0..nv)
         .map(|vs| {
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
-            let mut fwd = layers * (lt.forward + 2.0 * ar_time);
-            let mut bwd = layers * (lt.backward + lt.recompute + (2.0 + recompute_ar) * ar_time);
+            let [gather_fwd, gather_bwd] = zero3(layers);
+            let mut fwd = layers * (lt.forward + 2.0 * ar_time) + gather_fwd.0 + gather_fwd.1;
+            let mut bwd = layers * (lt.backward + lt.recompute + (2.0 + recompute_ar) * ar_time)
+                + gather_bwd.0
+                + gather_bwd.1;
             if vs == nv - 1 {
                 fwd += head_fwd;
                 bwd += 2.0 * head_fwd;
@@ -337,11 +377,6 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     } else {
         0.0
     };
-    let d = l.dp as f64;
-    let (grad_b, w_b) = (
-        input.precision.grads.bytes(),
-        input.precision.weights.bytes(),
-    );
     let trainable = match input.lora_rank {
         Some(_) => params_per_device * 0.01,
         None => params_per_device,
@@ -364,7 +399,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     } else {
         0.0
     };
-    let dp_time = if l.dp > 1 {
+    // ZeRO-3's collectives are priced inside the actions above.
+    let dp_time = if l.dp > 1 && l.zero < 3 {
         ring_time(dp_bytes, 2 * (l.dp - 1), &links.dp, cal.link_efficiency) * (1.0 - cal.dp_overlap)
     } else {
         0.0
@@ -390,6 +426,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             dp: dp_bytes,
         },
         actions,
+        action_comm,
         dp_time,
     }
 }

@@ -165,6 +165,9 @@ pub struct Plan {
     pub comm_bytes_per_step: Traffic,
     pub compute_time_s: f64,
     pub dp_comm_time_s: f64,
+    /// Communication inside the forward and the backward actions in one step (tensor-parallel
+    /// collectives, ZeRO-3 gathers), per device, the mean over stages.
+    pub action_comm_time_s: (f64, f64),
     /// The optimizer step (memory-bound) after the gradient reduction.
     pub optimizer_time_s: f64,
     pub bubble_fraction: f64,
@@ -402,6 +405,7 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         comm_bytes_per_step: costs.as_ref().map_or(Traffic::default(), |c| c.traffic),
         compute_time_s: 0.0,
         dp_comm_time_s: 0.0,
+        action_comm_time_s: (0.0, 0.0),
         optimizer_time_s: 0.0,
         bubble_fraction: 0.0,
         step_time_s: 0.0,
@@ -417,6 +421,10 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         let (model_flops, hw_flops) = step_flops(cfg, l, input.seq, input.global_batch);
         plan.compute_time_s = tl.busy.iter().copied().fold(0.0, f64::max);
         plan.dp_comm_time_s = costs.dp_time;
+        let per_device = |f: fn(&(f64, f64)) -> f64| {
+            m as f64 * costs.action_comm.iter().map(f).sum::<f64>() / l.pp as f64
+        };
+        plan.action_comm_time_s = (per_device(|c| c.0), per_device(|c| c.1));
         plan.optimizer_time_s = costs.optimizer_time;
         plan.bubble_fraction = tl.bubble_fraction();
         plan.compute_time_per_stage_s = tl.busy.clone();

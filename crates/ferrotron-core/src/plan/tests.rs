@@ -558,3 +558,36 @@ fn calibration_recovers_constants_that_made_the_runs() {
     }
     assert!((fitted.calibration.gemm_efficiency_max / 0.55 - 1.0).abs() < 0.05);
 }
+
+/// ZeRO-3's gathers and reduce-scatters happen inside each unit's forward and backward (one unit
+/// ahead), so they are priced inside the actions, not after the step; their transfer is reported as
+/// the actions' communication, and it grows as the link slows.
+#[test]
+fn zero3_collectives_are_priced_inside_the_actions() {
+    let plan_on = |link: &str, layout: &str| {
+        let input = PlanInput::new(
+            PlanModel::Shape(crate::model::preset("llama-small").unwrap()),
+            Cluster::parse(&format!(
+                "nodes=1,devices_per_node=2,memory_gib=24,peak_tflops=1,inter_gbs=1,{link}"
+            ))
+            .unwrap(),
+            128,
+            8,
+        );
+        let l = crate::layout::LayoutSpec::parse(layout).unwrap().layout;
+        evaluate(&input, &l).unwrap()
+    };
+    let fast = plan_on("intra_gbs=10", "dp=2,zero=3,mbs=2");
+    let slow = plan_on("intra_gbs=1", "dp=2,zero=3,mbs=2");
+    let zero1 = plan_on("intra_gbs=1", "dp=2,zero=1,mbs=2");
+    assert_eq!(slow.dp_comm_time_s, 0.0);
+    assert!(zero1.dp_comm_time_s > 0.0 && zero1.action_comm_time_s == (0.0, 0.0));
+    let (f, b) = slow.action_comm_time_s;
+    // Backward gathers again and reduce-scatters: twice the forward's bytes.
+    assert!((b / f - 2.0).abs() < 0.01, "{f} {b}");
+    assert!(f > 5.0 * fast.action_comm_time_s.0);
+    // On one stage, the exposed transfer adds to the step one for one.
+    let added = (f + b) - (fast.action_comm_time_s.0 + fast.action_comm_time_s.1);
+    let grew = slow.step_time_s - fast.step_time_s;
+    assert!((grew / added - 1.0).abs() < 1e-6, "{grew} {added}");
+}

@@ -131,6 +131,13 @@ pub struct DeviceResult {
     pub memory: crate::memory::DeviceMemory,
 }
 
+/// The device's clock and its compute time so far (what an action's compute is measured from).
+fn clocks<C: Comm>(tpg: &TpGroup<'_, C>) -> (f64, f64) {
+    let mut c = tpg.comm();
+    let now = c.device_time();
+    (now, c.stats().compute_time_s)
+}
+
 const FORWARD: u64 = 0;
 const BACKWARD: u64 = 1;
 
@@ -173,6 +180,8 @@ pub(crate) struct StageOutcome {
     pub peak: usize,
     pub peak_bytes: usize,
     pub timeline: Vec<(Action, f64, f64)>,
+    /// Each timeline action's compute time (its span less the collectives it waited in).
+    pub action_compute_s: Vec<f64>,
     /// Transfers between stages: (what, start, end) in device time (a receive's interval is its
     /// wait for the neighbour).
     pub transfers: Vec<(String, f64, f64)>,
@@ -250,7 +259,7 @@ impl StageRun<'_> {
                             self.stage
                         ))
                     })?;
-                    let started = tpg.comm().device_time();
+                    let started = clocks(tpg);
                     let touched = w.tensors();
                     tpg.with_comm(|c| zero.apply_deferred(c, &touched, |g| w.apply(&be, g)));
                     self.computed(tpg, action, started, &mut pass)?;
@@ -281,7 +290,7 @@ impl StageRun<'_> {
             let (batch, seq) = (self.micro[0].batch, self.micro[0].seq);
             StageInput::Hidden { x, batch, seq }
         };
-        let started = tpg.comm().device_time();
+        let started = clocks(tpg);
         let mut state = model.forward_stage_in(be, tpg, res, input);
         self.computed(tpg, Action::Forward { mb, chunk }, started, pass)?;
         if vs + 1 < p * self.chunks_per_device {
@@ -327,7 +336,7 @@ impl StageRun<'_> {
         } else {
             None
         };
-        let started = tpg.comm().device_time();
+        let started = clocks(tpg);
         let targets = self.micro[mb].targets();
         let (loss, dx, w) =
             model.backward_stage_in(be, tpg, res, state, dout, &targets, self.scale, split);
@@ -363,15 +372,16 @@ impl StageRun<'_> {
         &self,
         tpg: &TpGroup<'_, C>,
         action: Action,
-        started: f64,
+        started: (f64, f64),
         pass: &mut Pass,
     ) -> Result<()> {
         tpg.result()?;
         if self.extra_compute_s > 0.0 {
             crate::comm::burn_cpu(self.extra_compute_s);
         }
-        let ended = tpg.comm().device_time();
-        pass.out.timeline.push((action, started, ended));
+        let (ended, computed) = clocks(tpg);
+        pass.out.timeline.push((action, started.0, ended));
+        pass.out.action_compute_s.push(computed - started.1);
         pass.out
             .memory
             .push(crate::memory::sample(self.account, ended));

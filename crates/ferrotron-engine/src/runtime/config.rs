@@ -148,6 +148,12 @@ pub struct TrainConfig {
     /// to it, the data loader, LR schedule and loss scaler continue where they were.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// When this run continues one (`resume`, or fine-tuning a run's `model/`) with a different
+    /// number of tokens per optimizer step: how the LR follows — `none` (keep `lr` and `min_lr`),
+    /// `linear` or `sqrt` (the earlier run's, times the ratio or its square root). Without it such a
+    /// run is refused.
+    #[arg(long)]
+    pub lr_scaling: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -292,6 +298,9 @@ impl TrainConfig {
         }
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0) {
             return bad("min_lr", "must be a non-negative number");
+        }
+        if let Some(rule) = &self.lr_scaling {
+            super::effective_batch::LrScaling::parse(rule)?;
         }
         if !(self.loss_scale.is_finite() && self.loss_scale >= 1.0) {
             return bad("loss_scale", "must be a finite number of at least 1");

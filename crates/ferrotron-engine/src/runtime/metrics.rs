@@ -311,6 +311,11 @@ impl<'a> MetricsWriter<'a> {
         };
         let mut extra = serde_json::Map::new();
         extra.insert("layout".into(), self.run.layout.to_string().into());
+        let cfg = self.run.cfg;
+        extra.insert(
+            "tokens_per_step".into(),
+            (cfg.batch_size * cfg.seq_len).into(),
+        );
         if self.run.cfg.storage().ok().flatten().is_some() {
             extra.insert("precision".into(), self.run.cfg.precision.clone().into());
             extra.insert("loss_scale".into(), f.loss_scale.into());

@@ -5,6 +5,7 @@
 mod checkpointing;
 mod config;
 mod device_loop;
+mod effective_batch;
 mod metrics;
 mod resolve;
 mod run_dir;

@@ -4,6 +4,7 @@
 use super::checkpointing::CheckpointPlan;
 use super::config::TrainConfig;
 use super::device_loop::{validation_loss, RunOutcome, TrainingRun};
+use super::effective_batch;
 use super::metrics::{DeviceSummary, StepReport};
 use super::resolve::{plan_input, resolve_layout};
 use super::run_dir;
@@ -189,10 +190,19 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let save_dtype = StorageDtype::parse(&cfg.save_dtype)?;
     let layout_spec = LayoutSpec::parse(&cfg.layout)?;
     let mut world = World::open(cfg)?;
+    let sp = StartingPoint::resolve(cfg)?;
+    // The LR follows the effective batch only as the user says (before the run directory is
+    // claimed: a refused run leaves nothing behind).
+    let earlier = effective_batch::EarlierRun::of(sp.resume.as_ref(), &sp.source);
+    let (guarded, note) = effective_batch::guard(cfg, earlier.as_ref())?;
+    let cfg = &guarded;
     if world.reporter() {
         run_dir::claim(cfg)?;
+        eprintln!("{}", effective_batch::describe(cfg));
+        if let Some(note) = note {
+            eprintln!("{note}");
+        }
     }
-    let sp = StartingPoint::resolve(cfg)?;
     let input = plan_input(cfg, &sp.model, world.fixed_devices())?;
     let candidates = resolve_layout(&layout_spec, &input)?;
     check_slow_device(cfg, &candidates)?;

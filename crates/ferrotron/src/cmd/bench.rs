@@ -30,6 +30,28 @@ pub enum BenchCommand {
     Pipeline(PipelineBench),
     /// ZeRO-3 on a simulated link: the gathers' exposed time per step, without and with prefetch.
     Zero3(Zero3Bench),
+    /// The time model against this machine: calibrate, then measured and predicted step time of
+    /// layouts covering dp, tp, pp (1F1B, ZB-H1), ZeRO-3, recompute and sp.
+    Predict(PredictBench),
+}
+
+#[derive(Args)]
+pub struct PredictBench {
+    /// A preset or a Hugging Face model directory.
+    #[arg(long, default_value = "llama-small")]
+    model: String,
+    /// Layouts to profile (`;`-separated; default: eight covering every dimension).
+    #[arg(long, value_delimiter = ';')]
+    layouts: Vec<String>,
+    /// Steps each profile runs (the median step after the first is compared).
+    #[arg(long, value_parser = positive(), default_value_t = 6)]
+    steps: usize,
+    /// Relative difference counted as agreement.
+    #[arg(long, default_value_t = 0.15)]
+    tolerance: f64,
+    /// Where the cluster file and the profiles go.
+    #[arg(long, default_value = "runs/bench-predict")]
+    out: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -123,6 +145,14 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Pipeline(b) => pipeline(b),
         BenchCommand::Zero3(b) => {
             super::bench_zero3::run(&b.model, &b.dp, b.link_gb_s, b.batch, b.seq)
+        }
+        BenchCommand::Predict(b) => {
+            let layouts = if b.layouts.is_empty() {
+                super::bench_predict::LAYOUTS.map(String::from).to_vec()
+            } else {
+                b.layouts
+            };
+            super::bench_predict::run(&b.model, &layouts, b.steps, b.tolerance, &b.out)
         }
     }
 }

@@ -37,6 +37,8 @@ pub struct StepReport {
     pub span_s: f64,
     /// Every action of the step with its start and end in device time.
     pub timeline: Vec<(ferrotron_core::schedule::Action, f64, f64)>,
+    /// Each action's compute time: its span less the collectives it waited in.
+    pub action_compute_s: Vec<f64>,
     /// Sends and receives between stages, (what, start, end) in device time.
     pub transfers: Vec<(String, f64, f64)>,
     /// Device-time intervals of the reductions after the last action (with the global norm), and
@@ -113,6 +115,7 @@ impl MeshStep<'_> {
             loss,
             peak_bytes,
             timeline,
+            action_compute_s,
             transfers,
             over_capacity,
             memory: samples,
@@ -176,6 +179,7 @@ impl MeshStep<'_> {
             reduce_s: (timeline.last().map_or(reduced, |a| a.2), update_start),
             update_s: (update_start, update_end),
             timeline,
+            action_compute_s,
             transfers,
             wall_s: wall.elapsed().as_secs_f64(),
             memory: memory::device_memory(account),

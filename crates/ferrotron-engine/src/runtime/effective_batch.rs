@@ -1,0 +1,210 @@
+//! The effective-batch guard. A learning rate belongs to the batch it was tuned for: a run that
+//! continues another (`resume`, or fine-tuning the model a run wrote) with a different number of
+//! tokens per optimizer step must say how the LR follows (`lr_scaling`), or it is refused. The
+//! layout never enters: it splits the same tokens per step over the devices.
+
+use super::config::TrainConfig;
+use super::source::ModelSource;
+use crate::checkpoint::Checkpoint;
+use crate::error::{EngineError, Result};
+
+/// How the learning rate follows a change of the effective batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LrScaling {
+    /// Keep this run's configured `lr` and `min_lr`.
+    None,
+    /// Multiply the earlier run's by the ratio of tokens per step (Goyal et al. 2017).
+    Linear,
+    /// Multiply by its square root (the rule for adaptive optimizers, Malladi et al. 2022).
+    Sqrt,
+}
+
+impl LrScaling {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Self::None),
+            "linear" => Ok(Self::Linear),
+            "sqrt" => Ok(Self::Sqrt),
+            _ => Err(EngineError::Invalid(format!(
+                "train config `lr_scaling`: `{s}` is none of none, linear, sqrt"
+            ))),
+        }
+    }
+
+    fn factor(self, ratio: f64) -> Option<f64> {
+        match self {
+            Self::None => None,
+            Self::Linear => Some(ratio),
+            Self::Sqrt => Some(ratio.sqrt()),
+        }
+    }
+}
+
+/// What the run this one continues trained with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EarlierRun {
+    /// Where its settings were read (a checkpoint, or a run's `train_config.json`).
+    pub origin: String,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub lr: f64,
+    pub min_lr: f64,
+}
+
+impl EarlierRun {
+    fn tokens_per_step(&self) -> usize {
+        self.batch_size * self.seq_len
+    }
+
+    fn from_settings(origin: String, v: &serde_json::Value) -> Option<Self> {
+        Some(Self {
+            origin,
+            batch_size: v.get("batch_size")?.as_u64()? as usize,
+            seq_len: v.get("seq_len")?.as_u64()? as usize,
+            lr: v.get("lr")?.as_f64()?,
+            min_lr: v.get("min_lr")?.as_f64()?,
+        })
+    }
+
+    /// The run a resumed checkpoint was written by, or the run that wrote the model directory being
+    /// fine-tuned (`<run>/model`, beside `<run>/train_config.json`). None when neither is known.
+    pub fn of(resume: Option<&Checkpoint>, source: &ModelSource) -> Option<Self> {
+        if let Some(ck) = resume {
+            let origin = format!("checkpoint {}", ck.dir.display());
+            return Self::from_settings(origin, ck.manifest.run.as_ref()?);
+        }
+        let ModelSource::HfDir(dir) = source else {
+            return None;
+        };
+        let settings = dir.canonicalize().ok()?.parent()?.join("train_config.json");
+        let text = std::fs::read_to_string(&settings).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        Self::from_settings(settings.display().to_string(), &v)
+    }
+}
+
+/// One line for the start of every run: tokens per optimizer step and the LR schedule they go with.
+pub fn describe(cfg: &TrainConfig) -> String {
+    format!(
+        "effective batch: {} sequences × {} tokens = {} tokens per optimizer step (whatever the \
+         layout); LR: linear warm-up over {} steps to {:e}, cosine decay to {:e} at step {}",
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.batch_size * cfg.seq_len,
+        cfg.warmup_steps,
+        cfg.lr,
+        cfg.min_lr,
+        cfg.steps
+    )
+}
+
+/// This run's settings with the guard applied: unchanged when the tokens per step are the same (or
+/// nothing earlier is known); refused when they differ and `lr_scaling` is not given; otherwise
+/// with the LR the rule gives. The second value says what was done, for the user.
+pub fn guard(
+    cfg: &TrainConfig,
+    earlier: Option<&EarlierRun>,
+) -> Result<(TrainConfig, Option<String>)> {
+    let mut out = cfg.clone();
+    let Some(e) = earlier else {
+        return Ok((out, None));
+    };
+    let (before, now) = (e.tokens_per_step(), cfg.batch_size * cfg.seq_len);
+    if before == now {
+        return Ok((out, None));
+    }
+    let ratio = now as f64 / before as f64;
+    let sizes = format!(
+        "{} sequences × {} tokens = {before} tokens per optimizer step at lr {:e} in {}, {} × {} = \
+         {now} in this run",
+        e.batch_size, e.seq_len, e.lr, e.origin, cfg.batch_size, cfg.seq_len
+    );
+    let Some(rule) = cfg.lr_scaling.as_deref() else {
+        return Err(EngineError::Invalid(format!(
+            "the effective batch changes: {sizes}. The learning rate that worked belongs to the \
+             old batch; say how it follows with --lr-scaling none (keep --lr {:e}), linear \
+             (lr {:e}) or sqrt (lr {:e})",
+            cfg.lr,
+            e.lr * ratio,
+            e.lr * ratio.sqrt()
+        )));
+    };
+    let rule_name = rule.to_string();
+    let note = match LrScaling::parse(rule)?.factor(ratio) {
+        None => format!(
+            "effective batch: {sizes}; --lr-scaling none keeps lr {:e} (min_lr {:e})",
+            cfg.lr, cfg.min_lr
+        ),
+        Some(f) => {
+            out.lr = e.lr * f;
+            out.min_lr = e.min_lr * f;
+            format!(
+                "effective batch: {sizes}; --lr-scaling {rule_name} (× {f:.4}): lr {:e} -> {:e}, \
+                 min_lr {:e} -> {:e}",
+                e.lr, out.lr, e.min_lr, out.min_lr
+            )
+        }
+    };
+    Ok((out, Some(note)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn earlier(batch_size: usize, seq_len: usize) -> EarlierRun {
+        EarlierRun {
+            origin: "run a".into(),
+            batch_size,
+            seq_len,
+            lr: 4e-3,
+            min_lr: 4e-4,
+        }
+    }
+
+    fn run(batch_size: usize, seq_len: usize, lr_scaling: Option<&str>) -> TrainConfig {
+        TrainConfig {
+            batch_size,
+            seq_len,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            lr_scaling: lr_scaling.map(String::from),
+            ..TrainConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_same_tokens_per_step_pass_unchanged_whatever_the_layout() {
+        let mut cfg = run(16, 128, None);
+        for layout in ["", "dp=2", "tp=2,pp=2", "dp=2,zero=3,mbs=4"] {
+            cfg.layout = layout.into();
+            let (out, note) = guard(&cfg, Some(&earlier(16, 128))).unwrap();
+            assert_eq!((out.lr, note), (1e-3, None));
+        }
+        // Nothing earlier known: nothing to guard.
+        assert!(guard(&run(8, 64, None), None).unwrap().1.is_none());
+    }
+
+    #[test]
+    fn a_changed_batch_is_refused_without_a_rule_and_scaled_with_one() {
+        let e = earlier(16, 128);
+        let err = guard(&run(8, 128, None), Some(&e)).unwrap_err().to_string();
+        assert!(
+            err.contains("2048 tokens per optimizer step")
+                && err.contains("1024 in this run")
+                && err.contains("--lr-scaling"),
+            "{err}"
+        );
+        let (out, note) = guard(&run(8, 128, Some("linear")), Some(&e)).unwrap();
+        assert_eq!((out.lr, out.min_lr), (2e-3, 2e-4));
+        assert!(note.unwrap().contains("lr 4e-3 -> 2e-3"));
+        let (out, _) = guard(&run(64, 128, Some("sqrt")), Some(&e)).unwrap();
+        assert!((out.lr - 8e-3).abs() < 1e-15);
+        let (out, note) = guard(&run(8, 128, Some("none")), Some(&e)).unwrap();
+        assert_eq!(out.lr, 1e-3);
+        assert!(note.unwrap().contains("keeps lr 1e-3"));
+        // Tokens per step count, not sequences: a longer sequence is a bigger batch.
+        assert!(guard(&run(16, 256, None), Some(&e)).is_err());
+        assert!(guard(&run(8, 128, Some("cubic")), Some(&e)).is_err());
+    }
+}
