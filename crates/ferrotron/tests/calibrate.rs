@@ -105,6 +105,19 @@ fn a_runs_file_with_a_bad_run_is_refused_naming_it() {
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(e.contains("r1") && e.contains("exactly one"), "{e}");
+    // `bench predict` refuses a tolerance that is not a fraction before measuring anything.
+    for t in ["-0.1", "NaN"] {
+        let o = ferrotron(&[
+            "bench",
+            "predict",
+            "--tolerance",
+            t,
+            "--out",
+            dir.join("bp").to_str().unwrap(),
+        ]);
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains("--tolerance"), "{}", stderr(&o));
+    }
 }
 
 #[test]

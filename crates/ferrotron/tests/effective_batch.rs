@@ -137,4 +137,9 @@ fn fine_tuning_a_run_s_model_with_another_batch_needs_a_rule() {
     // The same batch fine-tunes without a rule.
     let o = train(&dir.join("c"), "8", &["--steps", "1", "--model", model]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // Settings that are there but cannot be read are an error, not a guard that does nothing.
+    std::fs::write(a.join("train_config.json"), "{ not json").unwrap();
+    let o = train(&dir.join("d"), "8", &["--steps", "1", "--model", model]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannot be read"), "{}", stderr(&o));
 }

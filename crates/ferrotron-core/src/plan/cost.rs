@@ -303,6 +303,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         if l.zero < 3 || l.dp <= 1 {
             return [(0.0, 0.0); 2];
         }
+        // The first stage's parameters shared out by layers: its embedding rides along with them.
         let p = params_per_device * layers / stage_layers;
         let ring = (d - 1.0) / d;
         let hidden = 1.0 - cal.dp_overlap;

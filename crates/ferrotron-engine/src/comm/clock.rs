@@ -5,8 +5,8 @@ use super::ring::Tally;
 use super::stats::CommStats;
 use std::time::Instant;
 
-/// This thread's CPU time in seconds.
-pub(crate) fn thread_cpu_time() -> f64 {
+/// This thread's CPU time in seconds (what device time counts while a device computes).
+pub fn thread_cpu_time() -> f64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -14,7 +14,7 @@ mod threads;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
-pub use clock::{burn_cpu, ClockSource};
+pub use clock::{burn_cpu, thread_cpu_time, ClockSource};
 pub use mesh::{DeviceMesh, Dim, Group};
 pub use ring::Pending;
 pub use stats::{CommStats, OpStats};

@@ -7,6 +7,7 @@ use super::config::TrainConfig;
 use super::source::ModelSource;
 use crate::checkpoint::Checkpoint;
 use crate::error::{EngineError, Result};
+use std::path::Path;
 
 /// How the learning rate follows a change of the effective batch.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -67,19 +68,46 @@ impl EarlierRun {
     }
 
     /// The run a resumed checkpoint was written by, or the run that wrote the model directory being
-    /// fine-tuned (`<run>/model`, beside `<run>/train_config.json`). None when neither is known.
-    pub fn of(resume: Option<&Checkpoint>, source: &ModelSource) -> Option<Self> {
+    /// fine-tuned (`<run>/model`, beside `<run>/train_config.json`). None when neither is known (a
+    /// Hugging Face download, an imported checkpoint); an error when the run's settings are there
+    /// but cannot be read, rather than a guard that silently does nothing.
+    pub fn of(resume: Option<&Checkpoint>, source: &ModelSource) -> Result<Option<Self>> {
         if let Some(ck) = resume {
             let origin = format!("checkpoint {}", ck.dir.display());
-            return Self::from_settings(origin, ck.manifest.run.as_ref()?);
+            return Ok(ck
+                .manifest
+                .run
+                .as_ref()
+                .and_then(|v| Self::from_settings(origin, v)));
         }
         let ModelSource::HfDir(dir) = source else {
-            return None;
+            return Ok(None);
         };
-        let settings = dir.canonicalize().ok()?.parent()?.join("train_config.json");
-        let text = std::fs::read_to_string(&settings).ok()?;
-        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        let Some(run) = dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.parent().map(Path::to_path_buf))
+        else {
+            return Ok(None);
+        };
+        let settings = run.join("train_config.json");
+        if !settings.exists() {
+            return Ok(None);
+        }
+        let unreadable = |why: String| {
+            EngineError::Invalid(format!(
+                "{}: the settings of the run that wrote {} cannot be read ({why}); this run's batch \
+                 and learning rate are checked against them",
+                settings.display(),
+                dir.display()
+            ))
+        };
+        let text = std::fs::read_to_string(&settings).map_err(|e| unreadable(e.to_string()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
         Self::from_settings(settings.display().to_string(), &v)
+            .map(Some)
+            .ok_or_else(|| unreadable("no batch_size, seq_len, lr or min_lr".into()))
     }
 }
 

@@ -193,7 +193,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let sp = StartingPoint::resolve(cfg)?;
     // The LR follows the effective batch only as the user says (before the run directory is
     // claimed: a refused run leaves nothing behind).
-    let earlier = effective_batch::EarlierRun::of(sp.resume.as_ref(), &sp.source);
+    let earlier = effective_batch::EarlierRun::of(sp.resume.as_ref(), &sp.source)?;
     let (guarded, note) = effective_batch::guard(cfg, earlier.as_ref())?;
     let cfg = &guarded;
     if world.reporter() {

@@ -335,13 +335,37 @@ fn engine_step_times(
 }
 
 /// Median seconds of `reps` runs of `f`.
-pub(crate) fn time_it(reps: usize, mut f: impl FnMut()) -> f64 {
+pub(crate) fn time_it(reps: usize, f: impl FnMut()) -> f64 {
+    time_on(Clock::Wall, reps, f)
+}
+
+/// What a measurement is timed by: elapsed time, or the calling thread's CPU time (the clock device
+/// time runs on, which a virtual machine's stolen time does not move).
+#[derive(Clone, Copy)]
+pub(crate) enum Clock {
+    Wall,
+    ThreadCpu,
+}
+
+impl Clock {
+    /// Seconds since some fixed point of this clock (on this thread).
+    fn now(self, epoch: Instant) -> f64 {
+        match self {
+            Clock::Wall => epoch.elapsed().as_secs_f64(),
+            Clock::ThreadCpu => ferrotron_engine::comm::thread_cpu_time(),
+        }
+    }
+}
+
+/// The median of `reps` runs of `f` (after one to warm up) on `clock`.
+pub(crate) fn time_on(clock: Clock, reps: usize, mut f: impl FnMut()) -> f64 {
     f();
+    let epoch = Instant::now();
     let mut t: Vec<f64> = (0..reps)
         .map(|_| {
-            let t0 = Instant::now();
+            let t0 = clock.now(epoch);
             f();
-            t0.elapsed().as_secs_f64()
+            clock.now(epoch) - t0
         })
         .collect();
     t.sort_by(|a, b| a.total_cmp(b));
@@ -480,6 +504,11 @@ fn kernels(b: KernelBench) -> Result<()> {
 /// of what the cores can do: twelve independent FMA chains per thread, 16 lanes wide with AVX-512 or
 /// 8 with AVX2.
 pub(crate) fn fma_peak_gflops(threads: usize) -> Option<(f64, &'static str)> {
+    fma_peak_gflops_on(Clock::Wall, threads)
+}
+
+/// [`fma_peak_gflops`], each thread timed on `clock`: the sum of the threads' rates.
+pub(crate) fn fma_peak_gflops_on(clock: Clock, threads: usize) -> Option<(f64, &'static str)> {
     #[cfg(target_arch = "x86_64")]
     {
         const ITERS: usize = 40_000_000;
@@ -492,16 +521,24 @@ pub(crate) fn fma_peak_gflops(threads: usize) -> Option<(f64, &'static str)> {
         } else {
             return None;
         };
-        let t0 = Instant::now();
-        let flop: f64 = std::thread::scope(|s| {
-            let runs: Vec<_> = (0..threads).map(|_| s.spawn(move || run(ITERS))).collect();
+        let rate: f64 = std::thread::scope(|s| {
+            let runs: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(move || {
+                        let epoch = Instant::now();
+                        let t0 = clock.now(epoch);
+                        let flop = run(ITERS);
+                        flop / (clock.now(epoch) - t0)
+                    })
+                })
+                .collect();
             runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
         });
-        Some((flop / t0.elapsed().as_secs_f64() / 1e9, isa))
+        Some((rate / 1e9, isa))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = threads;
+        let _ = (clock, threads);
         None
     }
 }

@@ -41,6 +41,12 @@ pub fn run(
     tolerance: f64,
     dir: &Path,
 ) -> Result<()> {
+    if !(tolerance.is_finite() && tolerance >= 0.0) {
+        bail!("--tolerance {tolerance}: must be a non-negative fraction (0.15 is 15%)");
+    }
+    if layouts.iter().any(|l| l.trim().is_empty()) {
+        bail!("--layouts: an empty layout (separate layouts with `;`)");
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     let cluster = dir.join("this-machine.toml");
     let cluster_arg = cluster.to_string_lossy().into_owned();

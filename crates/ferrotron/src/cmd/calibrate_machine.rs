@@ -2,7 +2,7 @@
 //! does on this CPU — the f32 FMA peak, GEMMs over a range of shapes, attention, the memory-bound
 //! kernels, and collectives in device time — and write the `this-machine` cluster from it.
 
-use super::bench::{fma_peak_gflops, time_it};
+use super::bench::{fma_peak_gflops_on, time_on, Clock};
 use super::calibrate::write_cluster;
 use crate::report::Table;
 use anyhow::{bail, Result};
@@ -56,9 +56,13 @@ fn gemm_seconds(be: &CpuBackend, rows: usize, n: usize, k: usize) -> f64 {
         vec![0f32; rows * k],
         vec![0f32; n * k],
     );
-    time_it(5, || be.linear_forward(s, &x, &w, None, &mut y))
-        + time_it(5, || be.linear_backward_input(s, &dy, &w, &mut dx, false))
-        + time_it(5, || be.linear_backward_weight(s, &dy, &x, &mut dw, None))
+    time_on(Clock::ThreadCpu, 5, || {
+        be.linear_forward(s, &x, &w, None, &mut y)
+    }) + time_on(Clock::ThreadCpu, 5, || {
+        be.linear_backward_input(s, &dy, &w, &mut dx, false)
+    }) + time_on(Clock::ThreadCpu, 5, || {
+        be.linear_backward_weight(s, &dy, &x, &mut dw, None)
+    })
 }
 
 /// Fits efficiency = max · w / (w + half) to (width, efficiency) points: 1/eff is linear in 1/w.
@@ -97,6 +101,36 @@ fn all_reduce_device_time(n: usize, elems: usize, link: LinkModel) -> Result<f64
     Ok(worst)
 }
 
+/// Device time of one point-to-point message of `elems` f32 from thread 0 to thread 1 with `link`
+/// charged: the receiver's, from a common start, median of a few.
+fn p2p_device_time(elems: usize, link: LinkModel) -> Result<f64> {
+    let times = ThreadWorld::new(2).link(link).run(|c| {
+        let g = Group::new("world", vec![0, 1]);
+        let mut buf = vec![1f32; elems];
+        let mut t = Vec::new();
+        for tag in 0..6 {
+            c.barrier(&g)?;
+            let t0 = c.device_time();
+            if c.rank() == 0 {
+                c.send(1, &buf, tag)?;
+            } else {
+                c.recv(0, &mut buf, tag)?;
+            }
+            t.push(c.device_time() - t0);
+        }
+        t.sort_by(f64::total_cmp);
+        Ok::<f64, ferrotron_engine::comm::CommError>(t[t.len() / 2])
+    });
+    let mut receiver = 0.0;
+    for (rank, r) in times.into_iter().enumerate() {
+        let t = r??;
+        if rank == 1 {
+            receiver = t;
+        }
+    }
+    Ok(receiver)
+}
+
 /// Runs `f` on every core at once (devices compute side by side, sharing caches, memory and the
 /// power budget) and returns the median of what each reports.
 fn on_every_core(f: impl Fn() -> f64 + Sync) -> f64 {
@@ -119,7 +153,7 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
         "ferrotron calibrate --this-machine: {cpu}; one device = one thread, measured with every \
          core busy ({cores} threads at once, as the devices run)"
     );
-    let Some((all_gflops, isa)) = fma_peak_gflops(cores) else {
+    let Some((all_gflops, isa)) = fma_peak_gflops_on(Clock::ThreadCpu, cores) else {
         bail!("cannot measure this CPU's FMA peak (needs x86-64 with AVX2 or AVX-512)");
     };
     let peak = all_gflops / cores as f64 * 1e9;
@@ -179,9 +213,9 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
     let t_attn = on_every_core(|| {
         let (mut o, mut probs) = (o.clone(), probs.clone());
         let (mut dq, mut dk, mut dv) = (dq.clone(), dk.clone(), dv.clone());
-        time_it(5, || {
+        time_on(Clock::ThreadCpu, 5, || {
             be.attention_forward(a, &q, &k, &v, &mut o, &mut probs)
-        }) + time_it(5, || {
+        }) + time_on(Clock::ThreadCpu, 5, || {
             be.attention_backward(a, &dout, &q, &k, &v, &probs, &mut dq, &mut dk, &mut dv)
         })
     });
@@ -206,13 +240,15 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
     let t_mem = on_every_core(|| {
         let (mut y, mut rstd, mut dx, mut dw) = (y.clone(), rstd.clone(), dx.clone(), dw.clone());
         let (mut so, mut dg, mut du) = (so.clone(), dg.clone(), du.clone());
-        time_it(9, || be.rmsnorm_forward(&x, &w, 1e-5, &mut y, &mut rstd))
-            + time_it(9, || {
-                be.rmsnorm_backward_input(&y, &x, &w, &rstd, &mut dx, false);
-                be.rmsnorm_backward_weight(&y, &x, &rstd, &mut dw)
+        time_on(Clock::ThreadCpu, 9, || {
+            be.rmsnorm_forward(&x, &w, 1e-5, &mut y, &mut rstd)
+        }) + time_on(Clock::ThreadCpu, 9, || {
+            be.rmsnorm_backward_input(&y, &x, &w, &rstd, &mut dx, false);
+            be.rmsnorm_backward_weight(&y, &x, &rstd, &mut dw)
+        }) + time_on(Clock::ThreadCpu, 9, || be.swiglu_forward(&g, &u, &mut so))
+            + time_on(Clock::ThreadCpu, 9, || {
+                be.swiglu_backward(&so, &g, &u, &mut dg, &mut du)
             })
-            + time_it(9, || be.swiglu_forward(&g, &u, &mut so))
-            + time_it(9, || be.swiglu_backward(&so, &g, &u, &mut dg, &mut du))
     });
     // rmsnorm: forward reads 1 writes 1, backward reads 2 writes 1 (and x again for the weight);
     // swiglu: forward reads 2 writes 1, backward reads 3 writes 2.
@@ -239,8 +275,18 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
         let rest = (measured - steps * base.intra_node.latency_s).max(1e-12);
         effs.push((wire / rest).min(1.0));
     }
+    // Point-to-point (pipeline boundaries): a large message's time against the link's wire time
+    // counts towards the efficiency; a small one's (its wire time taken off) is the latency.
+    let intra = base.intra_node;
+    let wire = |elems: usize| (elems * 4) as f64 / intra.bandwidth_bytes_per_s;
+    let large = 1usize << 20;
+    let measured = p2p_device_time(large, link)?;
+    effs.push((wire(large) / (measured - intra.latency_s).max(1e-12)).min(1.0));
     effs.sort_by(f64::total_cmp);
     let link_efficiency = effs[effs.len() / 2];
+    let small = 256usize;
+    let latency =
+        (p2p_device_time(small, link)? - wire(small) / link_efficiency).max(intra.latency_s);
 
     let mut c = base;
     c.name = "this-machine".into();
@@ -250,14 +296,17 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
     c.calibration.gemm_half_width = gemm_half.max(1e-3);
     c.calibration.attention_efficiency = attention_efficiency;
     c.calibration.link_efficiency = link_efficiency;
+    c.intra_node.latency_s = latency;
     println!(
         "GEMM curve: max {:.1}% of peak, half at width {:.0}; attention {:.1}% of peak; memory-bound \
-         kernels {:.1} GB/s; threads all-reduce {:.0}% of the modelled link (the rest: its adds and copies)",
+         kernels {:.1} GB/s; threads all-reduce and point-to-point {:.0}% of the modelled link (the rest: \
+         their adds and copies); latency per message {:.1} µs",
         100.0 * c.calibration.gemm_efficiency_max,
         c.calibration.gemm_half_width,
         100.0 * attention_efficiency,
         bandwidth / 1e9,
-        100.0 * link_efficiency
+        100.0 * link_efficiency,
+        latency * 1e6
     );
     let header = format!(
         "ferrotron calibrate --this-machine on {cpu}: one device = one thread; links are the threads \
