@@ -105,6 +105,28 @@ fn a_runs_file_with_a_bad_run_is_refused_naming_it() {
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(e.contains("r1") && e.contains("exactly one"), "{e}");
+    // One run cannot be left out: said, not a mean of nothing.
+    std::fs::write(
+        &path,
+        "[[run]]\nname = \"r1\"\nmodel = \"llama2-7b\"\nlayout = \"dp=8\"\nseq = 4096\n\
+         global_batch = 64\nnodes = 1\nstep_time_s = 10.0\n",
+    )
+    .unwrap();
+    let out = dir.join("one.toml");
+    let o = ferrotron(&[
+        "calibrate",
+        "--runs",
+        path.to_str().unwrap(),
+        "--leave-one-out",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("needs two runs or more"),
+        "{}",
+        stdout(&o)
+    );
     // `bench predict` refuses a tolerance that is not a fraction before measuring anything.
     for t in ["-0.1", "NaN"] {
         let o = ferrotron(&[

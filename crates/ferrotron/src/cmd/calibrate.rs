@@ -233,8 +233,12 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     let (ma, xa) = summary(&|e| Some(e.after));
     println!("mean |error| before {mb:.2}% (max {xb:.2}%), after {ma:.2}% (max {xa:.2}%)");
     if a.leave_one_out {
-        let (ml, xl) = summary(&|e| e.left_out);
-        println!("leave-one-out: mean |error| {ml:.2}% (max {xl:.2}%)");
+        if runs.len() < 2 {
+            println!("leave-one-out: needs two runs or more (one run cannot be left out)");
+        } else {
+            let (ml, xl) = summary(&|e| e.left_out);
+            println!("leave-one-out: mean |error| {ml:.2}% (max {xl:.2}%)");
+        }
     }
     for p in &params {
         println!(
