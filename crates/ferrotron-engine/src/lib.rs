@@ -4,6 +4,7 @@
 pub mod error;
 pub mod hf;
 pub mod kernels;
+pub mod lora;
 pub mod memory;
 pub mod transformer;
 

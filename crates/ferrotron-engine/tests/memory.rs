@@ -139,3 +139,89 @@ fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
         }
     }
 }
+
+/// LoRA: measured peaks per term against `plan --lora-rank` on the same mid-sized Llama, on one
+/// device and over dp2·tp2·pp2 (ZeRO 0 and 3): the frozen base is all of `weights`, the adapters
+/// alone have gradients and optimizer state.
+#[test]
+fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
+    use ferrotron_core::model::{LoraConfig, ModelConfig};
+    use ferrotron_core::plan::evaluate;
+    use ferrotron_engine::lora::Adapters;
+    use ferrotron_engine::parallel::pipeline_steps_of;
+    use ferrotron_engine::transformer::{ParamStore, Trained};
+    let cfg = ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
+    let base = ParamStore::init_random(&cfg, 1);
+    let lora = LoraConfig::new(&cfg, 8, 16.0, &[]).unwrap();
+    let adapters = Adapters::init(&cfg, lora.clone(), 2);
+    let (seq, b) = (128, 8);
+    let batch = TokenBatch {
+        ids: (0..b * seq).map(|i| (i * 7 % 2048) as u32).collect(),
+        batch: b,
+        seq,
+    };
+    let input = ferrotron_core::plan::PlanInput {
+        lora: Some(lora.clone()),
+        ..f32_plan_input(&cfg, seq, b)
+    };
+    for spec in [
+        "mbs=1",
+        "dp=2,tp=2,pp=2,mbs=1",
+        "dp=2,tp=2,pp=2,mbs=1,zero=3",
+    ] {
+        let l = LayoutSpec::parse(spec).unwrap().layout;
+        let part = StagePartition::for_model(&cfg, l.pp).unwrap();
+        let trained = Trained::lora(&base, &lora, &adapters.params);
+        let run = pipeline_steps_of(
+            &cfg,
+            trained,
+            &batch,
+            &l,
+            &part,
+            Duration::from_secs(120),
+            0,
+        )
+        .unwrap();
+        let plan = evaluate(&input, &l).unwrap();
+        for (d, m) in run.memory.iter().enumerate() {
+            let (got, want) = (
+                m.peak_terms(),
+                plan.memory_bytes_per_stage[d / (l.tp * l.dp)],
+            );
+            println!(
+                "LoRA {spec} device {d}: measured / predicted MB: weights {:.3}/{:.3} gradients \
+                 {:.3}/{:.3} optimizer {:.3}/{:.3} activations {:.2}/{:.2} comm {:.3}/{:.3} \
+                 total {:.2}/{:.2}",
+                got.weights as f64 / 1e6,
+                want.weights as f64 / 1e6,
+                got.gradients as f64 / 1e6,
+                want.gradients as f64 / 1e6,
+                got.optimizer_states as f64 / 1e6,
+                want.optimizer_states as f64 / 1e6,
+                got.activations as f64 / 1e6,
+                want.activations as f64 / 1e6,
+                got.comm_buffers as f64 / 1e6,
+                want.comm_buffers as f64 / 1e6,
+                got.total as f64 / 1e6,
+                want.total as f64 / 1e6,
+            );
+            for (term, a, b) in [
+                ("weights", got.weights, want.weights),
+                ("gradients", got.gradients, want.gradients),
+                (
+                    "optimizer_states",
+                    got.optimizer_states,
+                    want.optimizer_states,
+                ),
+                ("activations", got.activations, want.activations),
+                ("total", got.total, want.total),
+            ] {
+                let e = (a as f64 / b as f64 - 1.0).abs();
+                assert!(
+                    e <= 0.10,
+                    "LoRA {spec} device {d}: {term} measured {a} vs predicted {b}"
+                );
+            }
+        }
+    }
+}

@@ -199,3 +199,118 @@ fn measured_data_parallel_bytes_match_the_planners_figure() {
         }
     }
 }
+
+#[test]
+fn lora_bytes_equal_the_planners_figures() {
+    use ferrotron_core::layout::LayoutSpec;
+    use ferrotron_engine::lora::Adapters;
+    use ferrotron_engine::transformer::Trained;
+    // LoRA adds no collective inside the layers; after the step each replicated adapter half (a
+    // column-parallel base's A, a row-parallel base's B) is summed over the tensor-parallel group,
+    // and only the adapters cross the data-parallel group.
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let (cfg, base) = hf::load_model(&fixture(model)).unwrap();
+        let adapters = Adapters::load_peft(&fixture("lora").join(model), &cfg).unwrap();
+        let (b, seq) = (4, 16);
+        let batch = TokenBatch {
+            ids: (0..b * seq).map(|i| (i * 13 % 512) as u32).collect(),
+            batch: b,
+            seq,
+        };
+        let input = ferrotron_core::plan::PlanInput {
+            lora: Some(adapters.config.clone()),
+            ..f32_plan_input(&cfg, seq, b)
+        };
+        for spec in ["tp=2,mbs=2", "tp=4,sp=true,mbs=1", "tp=2,pp=2,mbs=1"] {
+            let l = LayoutSpec::parse(spec).unwrap().layout;
+            let part = ferrotron_core::schedule::StagePartition::for_model(&cfg, l.pp).unwrap();
+            let trained = Trained::lora(&base, &adapters.config, &adapters.params);
+            let run = ferrotron_engine::parallel::pipeline_steps_of(
+                &cfg,
+                trained,
+                &batch,
+                &l,
+                &part,
+                std::time::Duration::from_secs(60),
+                0,
+            )
+            .unwrap();
+            for (d, stats) in run.stats.iter().enumerate() {
+                let stage = d / l.tp;
+                let predicted = ferrotron_core::plan::tp_bytes_per_device(&input, &cfg, &l, stage);
+                let measured = stats.bytes_sent_by_group("tp") as f64;
+                assert_eq!(measured, predicted, "LoRA {model} {spec}: device {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn lora_data_parallel_bytes_match_the_planners_figure() {
+    use ferrotron_core::layout::LayoutSpec;
+    use ferrotron_engine::lora::Adapters;
+    // Only the adapters are reduced and (ZeRO 1–3) gathered; within 1% (pieces are padded).
+    let (cfg, base) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let adapters = Adapters::load_peft(&fixture("lora").join("llama_tiny"), &cfg).unwrap();
+    let (b, seq) = (8, 16);
+    let batch = TokenBatch {
+        ids: (0..b * seq).map(|i| (i * 11 % 512) as u32).collect(),
+        batch: b,
+        seq,
+    };
+    let input = ferrotron_core::plan::PlanInput {
+        lora: Some(adapters.config.clone()),
+        ..f32_plan_input(&cfg, seq, b)
+    };
+    for spec in [
+        "dp=2",
+        "dp=2,zero=1",
+        "dp=4,zero=2,mbs=2",
+        "dp=2,tp=2,zero=3",
+    ] {
+        let l = LayoutSpec::parse(spec).unwrap().layout;
+        let part = ferrotron_core::schedule::StagePartition::for_model(&cfg, 1).unwrap();
+        let plan = ferrotron_core::plan::evaluate(&input, &l).unwrap();
+        let sent = ferrotron_engine::comm::ThreadWorld::new(l.world_size()).run(|c| {
+            let mut step = ferrotron_engine::parallel::MeshStep::new(
+                &cfg,
+                &adapters.params,
+                &batch,
+                &l,
+                &part,
+            )?
+            .with_lora(&base, &adapters.config);
+            let lr = ferrotron_engine::optim::LrSchedule {
+                peak_lr: 1e-3,
+                min_lr: 1e-3,
+                warmup_steps: 0,
+                total_steps: 1,
+            };
+            let mut dp_bytes = 0;
+            step.train_device(
+                c,
+                &Training {
+                    steps: 1,
+                    batch_of: &|_| batch.clone(),
+                    adam: Default::default(),
+                    lr: &lr,
+                    clip: 0.0,
+                },
+                &mut |_, _, _, r| {
+                    dp_bytes = r.stats.bytes_sent_by_group("dp");
+                    Ok(())
+                },
+            )?;
+            Ok::<_, ferrotron_engine::EngineError>(dp_bytes)
+        });
+        for (d, r) in sent.into_iter().enumerate() {
+            let measured = r.unwrap().unwrap() as f64;
+            let e = measured / plan.comm_bytes_per_step.dp - 1.0;
+            assert!(
+                e.abs() <= 0.01,
+                "LoRA {spec} device {d}: measured {measured} vs planned {}",
+                plan.comm_bytes_per_step.dp
+            );
+        }
+    }
+}

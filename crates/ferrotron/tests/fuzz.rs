@@ -525,6 +525,50 @@ fn model_config_json() {
 }
 
 #[test]
+fn peft_adapter_configs() {
+    // A PEFT adapter directory whose config is mutated: loaded for its model, and the adapters
+    // then priced by the planner.
+    let dir = temp_dir("fuzz-peft");
+    let src = fixture("lora").join("llama_tiny");
+    std::fs::copy(
+        src.join("adapter_model.safetensors"),
+        dir.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let model = ModelConfig::from_hf_file(&fixture("llama_tiny").join("config.json")).unwrap();
+    let seeds = vec![
+        std::fs::read(src.join("adapter_config.json")).unwrap(),
+        std::fs::read(
+            fixture("lora")
+                .join("gpt2_tiny")
+                .join("adapter_config.json"),
+        )
+        .unwrap(),
+    ];
+    let n = fuzz(
+        "adapter_config.json",
+        48,
+        Form::Json,
+        seeds,
+        2000,
+        move |b| {
+            std::fs::write(dir.join("adapter_config.json"), b).map_err(said)?;
+            let adapters =
+                ferrotron_engine::lora::Adapters::load_peft(&dir, &model).map_err(said)?;
+            let cluster = Cluster::parse("dgx-a100-80g").unwrap();
+            let layout = LayoutSpec::parse("tp=2").unwrap().layout;
+            let input = PlanInput {
+                lora: Some(adapters.config),
+                ..input(PlanModel::Shape(model.clone()), cluster)
+            };
+            plan::evaluate(&input, &layout).map_err(said)?;
+            Ok(())
+        },
+    );
+    assert!(n > 2000);
+}
+
+#[test]
 fn train_toml() {
     let example = "model = \"tests/fixtures/llama_tiny\"\ndata = \"data/gnu-manuals.txt\"\nsteps = 240\nbatch_size = 16\nseq_len = 128\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 20\nweight_decay = 0.1\nbeta1 = 0.9\nbeta2 = 0.95\nadam_eps = 1e-8\ngrad_clip = 1.0\nseed = 0\neval_every = 40\neval_batches = 8\nval_fraction = 0.05\nout_dir = \"runs/default\"\nthreads = 0\nlayout = \"mbs=4\"\nsave_dtype = \"f32\"\ncluster = \"this-machine\"\ndevice_memory = \"40MB\"\nbackend = \"threads\"\nprecision = \"fp16\"\nloss_scale = 65536.0\nloss_scale_window = 1000\ncheckpoint_every = 0\nkeep_checkpoints = 0\n";
     let n = fuzz(

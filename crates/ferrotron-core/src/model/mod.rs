@@ -2,11 +2,16 @@
 //! shapes, and how much work and memory a layer costs. No parallelism and no arithmetic on tensors.
 
 mod config;
+mod lora;
 mod params;
 mod presets;
 
 pub use config::{
     Activation, Arch, ModelConfig, NormKind, PositionKind, MAX_DIMENSION, MAX_PARAMS,
+};
+pub use lora::{
+    adapter_parts, projection_split, AdapterHalf, LoraConfig, LoraTarget, TargetSplit, MAX_RANK,
+    PEFT_PREFIX,
 };
 pub use params::{LayerParamNames, ParamSpec, WeightLayout};
 pub use presets::{preset, PRESET_NAMES};

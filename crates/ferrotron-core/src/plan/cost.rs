@@ -169,9 +169,16 @@ pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime
         Recompute::Selective => attention,
         Recompute::None => 0.0,
     };
+    // A frozen base (LoRA) computes no weight gradients: its backward is the input gradients'
+    // GEMMs and the rest twice (the adapters' own products are r/out of the base's: left out).
+    let backward = if input.lora.is_some() {
+        2.0 * forward - gemms
+    } else {
+        2.0 * forward
+    };
     LayerTime {
         forward,
-        backward: 2.0 * forward,
+        backward,
         recompute,
     }
 }
@@ -232,6 +239,31 @@ pub fn tp_bytes_per_device(input: &PlanInput, cfg: &ModelConfig, l: &Layout, sta
     let mut after = 0.0;
     let grad = input.precision.grads.bytes();
     let h = cfg.hidden_size as f64;
+    if let Some(lora) = &input.lora {
+        // Only the adapters have gradients. The replicated half of each (a column-parallel base's
+        // `A`, a row-parallel base's `B`) is a partial sum on every device, summed over the group;
+        // a shared KV head's `B` over the devices sharing it.
+        let r = lora.rank as f64;
+        let mut whole = 0.0;
+        let mut kv_b = 0.0;
+        for m in lora.layer_modules(cfg, 0) {
+            match m.split {
+                crate::model::TargetSplit::Column => {
+                    whole += r * m.in_dim as f64;
+                    if matches!(m.short, "k_proj" | "v_proj") {
+                        kv_b += r * cfg.head_dim as f64;
+                    }
+                }
+                crate::model::TargetSplit::Row => whole += r * m.out_dim as f64,
+            }
+        }
+        after += 2.0 * ring * layers * whole * grad;
+        if cfg.num_kv_heads < l.tp {
+            let g = (l.tp / cfg.num_kv_heads) as f64;
+            after += 2.0 * (g - 1.0) / g * layers * kv_b * grad;
+        }
+        return m * (units * hidden + per_micro_batch) + after;
+    }
     if sp {
         let norms_per_layer = if cfg.arch == Arch::Gpt2 { 4.0 } else { 2.0 };
         let mut partial = layers * norms_per_layer * h;
@@ -289,6 +321,12 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let head_fwd = head_time(input, cfg, l);
     let nv = l.pp * l.vpp;
     let d = l.dp as f64;
+    // What the optimizer updates, and so what data parallelism reduces and gathers: every
+    // parameter, or with LoRA the adapters (the frozen base never moves).
+    let trainable = match &input.lora {
+        Some(lora) => super::memory::lora_params_on_device(cfg, lora, l, 0),
+        None => params_per_device,
+    };
     let (grad_b, w_b) = (
         input.precision.grads.bytes(),
         input.precision.weights.bytes(),
@@ -304,7 +342,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             return [(0.0, 0.0); 2];
         }
         // The first stage's parameters shared out by layers: its embedding rides along with them.
-        let p = params_per_device * layers / stage_layers;
+        let p = trainable * layers / stage_layers;
         let ring = (d - 1.0) / d;
         let hidden = 1.0 - cal.dp_overlap;
         let link = |bytes: f64| ring_time(ring * bytes, l.dp - 1, &links.dp, cal.link_efficiency);
@@ -359,7 +397,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         } else {
             1.0
         };
-        let tied = if cfg.tie_word_embeddings {
+        let tied = if cfg.tie_word_embeddings && input.lora.is_none() {
             2.0 * 0.5 * super::memory::padded_vocab(cfg, l.tp) as f64 * cfg.hidden_size as f64 / t
                 * input.precision.grads.bytes()
         } else {
@@ -378,10 +416,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     } else {
         0.0
     };
-    let trainable = match input.lora_rank {
-        Some(_) => params_per_device * 0.01,
-        None => params_per_device,
-    };
+
     let dp_bytes = if l.dp > 1 {
         let ring = (d - 1.0) / d;
         let m = m as f64;
@@ -389,13 +424,13 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             // All-reduce of the gradients.
             0 => 2.0 * ring * trainable * grad_b,
             // Reduce-scatter the gradients, all-gather the updated parameters.
-            1 => ring * trainable * grad_b + ring * params_per_device * w_b,
+            1 => ring * trainable * grad_b + ring * trainable * w_b,
             // Gradients are not kept whole, so each micro-batch's are reduce-scattered as its
             // backward finishes them (accumulation happens in the shards).
-            2 => m * ring * trainable * grad_b + ring * params_per_device * w_b,
+            2 => m * ring * trainable * grad_b + ring * trainable * w_b,
             // ...and every unit's parameters are gathered for each micro-batch's forward and again
             // for its backward.
-            _ => m * ring * trainable * grad_b + 2.0 * m * ring * params_per_device * w_b,
+            _ => m * ring * trainable * grad_b + 2.0 * m * ring * trainable * w_b,
         }
     } else {
         0.0

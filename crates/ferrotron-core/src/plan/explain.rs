@@ -134,8 +134,8 @@ pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
         gb(n.activations as f64),
         gb(r.activations as f64)
     ));
-    if let Some(rank) = input.lora_rank {
-        out.push(format!("2. reduce: LoRA rank {rank} leaves gradients and optimizer state only for the adapters ({})", gb((n.gradients + n.optimizer_states + n.master_weights) as f64)));
+    if let Some(lora) = &input.lora {
+        out.push(format!("2. reduce: LoRA rank {} on {} leaves gradients and optimizer state only for the adapters ({}); the frozen base keeps its weights", lora.rank, lora.targets.join(", "), gb((n.gradients + n.optimizer_states + n.master_weights) as f64)));
     }
     if world > 1 {
         let shard = |z| mem(&Layout { zero: z, ..full });

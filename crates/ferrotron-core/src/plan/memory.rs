@@ -3,7 +3,7 @@
 use super::spec::{ActivationModel, PlanModel};
 use super::{MemoryTerms, PlanInput};
 use crate::layout::{Layout, Recompute};
-use crate::model::{Arch, ModelConfig};
+use crate::model::{Arch, LoraConfig, ModelConfig, TargetSplit};
 
 /// Parameters one device of stage `stage` holds before any ZeRO sharding: its layers' share under
 /// tensor parallelism (sharded matrices / tp, replicated norms and row-parallel biases whole), plus the
@@ -159,6 +159,30 @@ fn recompute_working_set(
     layer_activation_bytes(cfg, &none, seq, model, act_bytes)
 }
 
+/// The gradient buffers one block's backward holds at once on one device (f32, the executor's
+/// compute precision), the larger of its two halves: the MLP's (the activation's gradient, the
+/// input projections' output gradients, the norm output's gradient, whole rows before their
+/// reduction) and attention's (the output's gradient, q, k and v's, the norm output's; under
+/// selective recompute the recomputed probabilities).
+fn backward_working_set(cfg: &ModelConfig, l: &Layout, seq: usize) -> f64 {
+    let t = l.tp as f64;
+    let tok = (l.micro_batch_size * seq) as f64;
+    let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64 / t);
+    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
+    let qd = cfg.q_dim() as f64 / t;
+    let mlp = match cfg.arch {
+        Arch::Llama => tok * (3.0 * f + h),
+        Arch::Gpt2 => tok * (2.0 * f + h),
+    };
+    let probs = if l.recompute == Recompute::Selective {
+        l.micro_batch_size as f64 * (cfg.num_heads as f64 / t) * (seq * seq) as f64
+    } else {
+        0.0
+    };
+    let attention = tok * (2.0 * qd + 2.0 * kvd + h) + probs;
+    4.0 * mlp.max(attention)
+}
+
 /// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
 /// chunk stashes: its layers' stashes, a fully recomputed layer's working set, and on the last stage
 /// the final norm's tensors and the f32 logits of the micro-batch in flight for the loss.
@@ -217,20 +241,19 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
         ),
         PlanModel::Shape(cfg) => {
             let params = params_on_device(cfg, l, stage);
-            let trainable = match input.lora_rank {
-                // LoRA on every projection: r·(in + out) per matrix, the base frozen.
-                Some(r) => lora_params_per_device(cfg, l, stage, r),
+            let trainable = match &input.lora {
+                // LoRA: the adapters train, the base is frozen.
+                Some(lora) => lora_params_on_device(cfg, lora, l, stage),
                 None => params,
             };
             let act_bytes = pr.weights.bytes();
             let stash = stage_activation_stash(input, l, stage, in_flight);
             let ferrotron = input.activation_model == ActivationModel::Ferrotron;
             let boundary = (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act_bytes;
-            // The engine's working set on top of the stash: a block's backward holds gradients of
-            // about its activations' size, and the boundary tensors coming and going.
+            // The engine's working set on top of the stash: a block's backward gradients, and the
+            // boundary tensors coming and going.
             let working = if ferrotron {
-                recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes)
-                    + 2.0 * boundary
+                backward_working_set(cfg, l, input.seq) + 2.0 * boundary
             } else {
                 0.0
             };
@@ -239,7 +262,12 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 // unit's gradients (the buffer in flight and the ring's working copy; under ZeRO-2/3
                 // also the unit's whole gradient and its interleaved copy), and ZeRO-3 gathers one
                 // unit at a time (its pieces and the gathered whole).
-                let unit = largest_unit_params(cfg, l, stage);
+                // What one unit's reductions and gathers move: its trainable parameters (with LoRA
+                // one layer's adapters; the frozen base never moves).
+                let unit = match &input.lora {
+                    Some(lora) => lora_layer_params_on_device(cfg, lora, l.tp),
+                    None => largest_unit_params(cfg, l, stage),
+                };
                 let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
                 let dp_buf = match (l.dp > 1, l.zero) {
                     (false, _) => 0.0,
@@ -274,7 +302,13 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     };
     let z = l.zero;
     let shard = |stage_min: u8| if z >= stage_min { dp } else { 1.0 };
-    let weights = params * pr.weights.bytes() / shard(3);
+    let weights = if input.lora.is_some() {
+        // The frozen base stays whole on every replica (ZeRO shards only what trains); the
+        // adapters' compute copy is sharded like any trained parameter.
+        (params + trainable / shard(3)) * pr.weights.bytes()
+    } else {
+        params * pr.weights.bytes() / shard(3)
+    };
     let gradients = trainable * pr.grads.bytes() / shard(2);
     let master_weights = trainable * pr.master_bytes() / shard(1);
     let optimizer_states = trainable * input.optimizer.state_bytes(pr) / shard(1);
@@ -290,18 +324,31 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     .with_total()
 }
 
-fn lora_params_per_device(cfg: &ModelConfig, l: &Layout, stage: usize, r: usize) -> f64 {
-    let (h, f, r) = (
-        cfg.hidden_size as f64,
-        cfg.intermediate_size as f64,
-        r as f64,
-    );
-    let per_layer = match cfg.arch {
-        Arch::Llama => {
-            r * ((h + cfg.q_dim() as f64) * 2.0 + (h + cfg.kv_dim() as f64) * 2.0 + 3.0 * (h + f))
-        }
-        Arch::Gpt2 => r * ((h + 3.0 * h) + 2.0 * h + 2.0 * (h + f)),
-    };
-    // A LoRA pair shards like its base matrix on one side only: count it unsharded (small).
-    per_layer * super::stage_layers(cfg, l, stage) as f64
+/// One block's adapter parameters on one device of a tensor-parallel group of `t`: each target's
+/// sharded half (a column-parallel base's `B`, a row-parallel base's `A`) divided by `t` (a shared KV
+/// head's `B` is one head's), the other half whole.
+pub fn lora_layer_params_on_device(cfg: &ModelConfig, lora: &LoraConfig, t: usize) -> f64 {
+    let (r, t) = (lora.rank as f64, t as f64);
+    let kv_out = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
+    lora.layer_modules(cfg, 0)
+        .iter()
+        .map(|m| {
+            let (i, o) = (m.in_dim as f64, m.out_dim as f64);
+            match m.split {
+                TargetSplit::Column if matches!(m.short, "k_proj" | "v_proj") => r * (i + kv_out),
+                TargetSplit::Column => r * (i + o / t),
+                TargetSplit::Row => r * (i / t + o),
+            }
+        })
+        .sum()
+}
+
+/// The adapter parameters one device of `stage` holds (its layers' adapters).
+pub fn lora_params_on_device(
+    cfg: &ModelConfig,
+    lora: &LoraConfig,
+    l: &Layout,
+    stage: usize,
+) -> f64 {
+    lora_layer_params_on_device(cfg, lora, l.tp) * super::stage_layers(cfg, l, stage) as f64
 }

@@ -91,7 +91,8 @@ pub struct PlanInput {
     pub precision: Precision,
     pub optimizer: OptimizerKind,
     pub activation_model: ActivationModel,
-    pub lora_rank: Option<usize>,
+    /// LoRA on a frozen base: gradients, master weights and optimizer state for the adapters only.
+    pub lora: Option<crate::model::LoraConfig>,
     /// Fraction of device memory kept free (allocator fragmentation, framework, kernels' workspace).
     pub memory_reserve: f64,
     /// Allow a tensor-parallel group to span nodes (priced on the slow link).
@@ -111,7 +112,7 @@ impl PlanInput {
             precision: Precision::default(),
             optimizer: OptimizerKind::Adam,
             activation_model: ActivationModel::Ferrotron,
-            lora_rank: None,
+            lora: None,
             memory_reserve: 0.1,
             force_cross_node_tp: false,
         }
@@ -139,8 +140,19 @@ impl PlanInput {
                 format!("{} is not a fraction in [0, 1)", self.memory_reserve),
             ));
         }
-        if self.lora_rank == Some(0) {
-            return Err(flag("--lora-rank", "a LoRA rank must be at least 1".into()));
+        if let Some(lora) = &self.lora {
+            match &self.model {
+                PlanModel::Shape(cfg) => lora
+                    .validate(cfg)
+                    .map_err(|e| flag("--lora-rank", e.to_string()))?,
+                PlanModel::ParamsOnly(_) => {
+                    return Err(flag(
+                        "--lora-rank",
+                        "LoRA adapters are sized by the model's projections: give a model shape,                          not params=N"
+                            .into(),
+                    ))
+                }
+            }
         }
         Ok(())
     }

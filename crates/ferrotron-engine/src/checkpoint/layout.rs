@@ -8,7 +8,7 @@ use crate::parallel::data::owned;
 use crate::parallel::tensor::Slice;
 use crate::parallel::TpShard;
 use ferrotron_core::layout::Layout;
-use ferrotron_core::model::ModelConfig;
+use ferrotron_core::model::{LoraConfig, ModelConfig};
 use ferrotron_core::schedule::StagePartition;
 use std::ops::Range;
 
@@ -39,7 +39,14 @@ impl Holding {
 /// The tensors rank `rank` of `layout` keeps, in its store's order: every tensor of its stages'
 /// shard, whole or (ZeRO ≥ 1 over more than one replica) its owned piece. Without ZeRO sharding the
 /// replicas hold identical copies and only data-parallel rank 0 keeps them (others keep nothing).
-pub fn rank_holdings(cfg: &ModelConfig, layout: &Layout, rank: usize) -> Result<Vec<Holding>> {
+///
+/// With `lora` the tensors are the LoRA adapters (the frozen base is not trained, so not saved).
+pub fn rank_holdings(
+    cfg: &ModelConfig,
+    lora: Option<&LoraConfig>,
+    layout: &Layout,
+    rank: usize,
+) -> Result<Vec<Holding>> {
     let (tp, dp, pp, vpp) = (
         layout.tp.max(1),
         layout.dp.max(1),
@@ -62,11 +69,12 @@ pub fn rank_holdings(cfg: &ModelConfig, layout: &Layout, rank: usize) -> Result<
         .map(|k| partition.layers[k * pp + s].clone())
         .collect();
     let shard = TpShard::new(cfg, tp, t, false)?;
-    let global = cfg.param_specs();
-    shard
-        .local_config(cfg)
-        .param_specs()
-        .into_iter()
+    let local = shard.local_config(cfg);
+    let (global, mine) = match lora {
+        Some(l) => (l.adapter_specs(cfg), l.adapter_specs(&local)),
+        None => (cfg.param_specs(), local.param_specs()),
+    };
+    mine.into_iter()
         .filter(|spec| ranges.iter().any(|r| cfg.stage_owns(&spec.name, r)))
         .map(|spec| {
             let shape = global
@@ -90,11 +98,15 @@ pub fn rank_holdings(cfg: &ModelConfig, layout: &Layout, rank: usize) -> Result<
 /// holds (`kinds`: the parameters, and the moments once the optimizer has stepped).
 pub fn manifest_tensors(
     cfg: &ModelConfig,
+    lora: Option<&LoraConfig>,
     layout: &Layout,
     kinds: &[Kind],
 ) -> Result<Vec<TensorEntry>> {
-    let mut tensors: Vec<TensorEntry> = cfg
-        .param_specs()
+    let specs = match lora {
+        Some(l) => l.adapter_specs(cfg),
+        None => cfg.param_specs(),
+    };
+    let mut tensors: Vec<TensorEntry> = specs
         .into_iter()
         .map(|s| TensorEntry {
             name: s.name,
@@ -105,7 +117,7 @@ pub fn manifest_tensors(
         .collect();
     for rank in 0..layout.world_size() {
         let file = super::rank_file_name(rank);
-        for h in rank_holdings(cfg, layout, rank)? {
+        for h in rank_holdings(cfg, lora, layout, rank)? {
             let entry = tensors
                 .iter_mut()
                 .find(|t| t.name == h.name)

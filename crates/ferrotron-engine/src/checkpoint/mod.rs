@@ -20,7 +20,9 @@ mod write;
 pub use layout::{manifest_tensors, rank_holdings, Holding};
 pub use read::Checkpoint;
 pub use slice::overlap_spans;
-pub use tools::{export_hf, import_hf, inspect, load_params, reshard};
+pub use tools::{
+    export_adapter, export_hf, export_merged, import_hf, inspect, load_params, reshard,
+};
 pub use write::{
     commit, prepare_staging, prune, save_distributed, write_rank_file, RankArrays, RankFile,
     CRASH_ENV,
@@ -28,7 +30,7 @@ pub use write::{
 
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::tensor::Slice;
-use ferrotron_core::model::ModelConfig;
+use ferrotron_core::model::{LoraConfig, ModelConfig, ParamSpec};
 
 /// The manifest's `format` field.
 pub const FORMAT: &str = "ferrotron-checkpoint";
@@ -68,6 +70,25 @@ pub struct Manifest {
     /// Where [`write::commit`] copies the tokenizer from (not written: `tokenizer` records it).
     #[serde(skip)]
     pub tokenizer_source: Option<std::path::PathBuf>,
+    /// LoRA: the adapters' configuration. The checkpoint's tensors are then the adapters (named as
+    /// PEFT names them, less its `base_model.model.` prefix) and their optimizer state; the frozen
+    /// base is not in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraConfig>,
+    /// LoRA: the base model the adapters were trained on (a Hugging Face directory or a preset),
+    /// which `export --merge` and a resume read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_model: Option<String>,
+}
+
+impl Manifest {
+    /// The tensors the checkpoint holds: the model's parameters, or with LoRA its adapters.
+    pub fn trained_specs(&self) -> Vec<ParamSpec> {
+        match &self.lora {
+            Some(l) => l.adapter_specs(&self.model),
+            None => self.model.param_specs(),
+        }
+    }
 }
 
 /// A file of a checkpoint that is not a rank's: its name in the checkpoint, size and SHA-256.

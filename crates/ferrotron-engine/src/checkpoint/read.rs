@@ -103,8 +103,12 @@ fn read_manifest(mpath: &Path) -> Result<Manifest> {
             ),
         ));
     }
-    // The tensor list is the manifest's own model's, shape for shape.
-    for spec in manifest.model.param_specs() {
+    if let Some(lora) = &manifest.lora {
+        lora.validate(&manifest.model)
+            .map_err(|e| EngineError::format(mpath, format!("field `lora`: {e}")))?;
+    }
+    // The tensor list is the manifest's own model's (or its adapters'), shape for shape.
+    for spec in manifest.trained_specs() {
         match manifest.tensors.iter().find(|t| t.name == spec.name) {
             Some(t) if t.shape == spec.shape => {}
             Some(t) => {
@@ -334,9 +338,9 @@ impl Checkpoint {
         self.read(name, kind, &whole(&shape), 0..shape.iter().product())
     }
 
-    /// The model's parameters, whole, read one tensor at a time.
+    /// The model's parameters (with LoRA its adapters), whole, read one tensor at a time.
     pub fn params(&self) -> Result<ParamStore> {
-        let specs = self.manifest.model.param_specs();
+        let specs = self.manifest.trained_specs();
         let tensors = specs
             .iter()
             .map(|s| self.read_whole(&s.name, Kind::Param))

@@ -40,7 +40,7 @@ fn write_layout(
     let staging = prepare_staging(root, step)?;
     let mut files: Vec<RankFile> = Vec::new();
     for rank in 0..layout.world_size() {
-        let arrays = rank_holdings(&manifest.model, layout, rank)?
+        let arrays = rank_holdings(&manifest.model, manifest.lora.as_ref(), layout, rank)?
             .iter()
             .map(arrays_of)
             .collect::<Result<Vec<_>>>()?;
@@ -105,6 +105,8 @@ pub fn import_hf(hf_dir: &Path, layout: &Layout, out_root: &Path) -> Result<Path
         tensors: Vec::new(),
         tokenizer: None,
         tokenizer_source: Some(hf_dir.join(TOKENIZER)).filter(|p| p.exists()),
+        lora: None,
+        base_model: None,
     };
     let specs = cfg.param_specs();
     // The cut is the slice's alone: any shard object makes it.
@@ -168,6 +170,15 @@ impl View for &ExportView<'_> {
 /// `model.safetensors` in `dtype`), one tensor in memory at a time.
 pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype) -> Result<()> {
     let ck = Checkpoint::open(src)?;
+    if ck.manifest.lora.is_some() {
+        return Err(EngineError::Invalid(format!(
+            "{} holds LoRA adapters, not a model: export them with `--adapter DIR` (a PEFT \
+             adapter), or merge them into their base with `--merge` (`--base DIR` to name the \
+             base model; default the one it was trained on, {})",
+            ck.dir.display(),
+            ck.manifest.base_model.as_deref().unwrap_or("not recorded")
+        )));
+    }
     let cfg = &ck.manifest.model;
     std::fs::create_dir_all(out).map_err(|e| EngineError::io(out, e))?;
     let error = std::cell::RefCell::new(None);
@@ -205,6 +216,64 @@ pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype) -> Result<()> {
         std::fs::copy(&src, &dst).map_err(|e| EngineError::io(&dst, e))?;
     }
     hf::write_config(out, cfg, dtype)
+}
+
+/// The LoRA checkpoint at `src` and its adapters, whole.
+fn open_adapters(src: &Path) -> Result<(Checkpoint, crate::lora::Adapters)> {
+    let ck = Checkpoint::open(src)?;
+    let Some(config) = ck.manifest.lora.clone() else {
+        return Err(EngineError::Invalid(format!(
+            "{} holds a whole model, not LoRA adapters: export it with `--hf DIR`",
+            ck.dir.display()
+        )));
+    };
+    let params = ck.params()?;
+    Ok((ck, crate::lora::Adapters { config, params }))
+}
+
+/// Writes the LoRA adapters of the checkpoint at `src` as a PEFT adapter directory `out` (what
+/// `peft.PeftModel.from_pretrained` loads onto the base model).
+pub fn export_adapter(src: &Path, out: &Path) -> Result<()> {
+    let (ck, adapters) = open_adapters(src)?;
+    adapters.save_peft(out, &ck.manifest.model, ck.manifest.base_model.as_deref())
+}
+
+/// Writes the LoRA checkpoint at `src` merged into its base (`base`, or the base model the
+/// manifest records) as a Hugging Face model directory `out`: every target's weight becomes
+/// `W + (alpha/r)·B·A`.
+pub fn export_merged(
+    src: &Path,
+    base: Option<&Path>,
+    out: &Path,
+    dtype: StorageDtype,
+) -> Result<()> {
+    let (ck, adapters) = open_adapters(src)?;
+    let m = &ck.manifest;
+    let base_spec = match (base, &m.base_model) {
+        (Some(b), _) => b.display().to_string(),
+        (None, Some(b)) => b.clone(),
+        (None, None) => {
+            return Err(EngineError::Invalid(format!(
+                "{}: the base model is not recorded; name it with `--base DIR`",
+                ck.dir.display()
+            )))
+        }
+    };
+    let (cfg, base_params, source) = crate::runtime::resolve_model(&base_spec, 0)?;
+    if matches!(source, crate::runtime::ModelSource::Preset(_)) {
+        return Err(EngineError::Invalid(format!(
+            "the adapters' base is the preset `{base_spec}`, whose weights were drawn from a \
+             seed, not saved: name the base model directory with `--base DIR`"
+        )));
+    }
+    ck.check_model(&cfg)?;
+    let merged = adapters.merge(&cfg, &base_params)?;
+    hf::save_model(out, &cfg, &merged, dtype)?;
+    if let Some(src) = ck.tokenizer() {
+        let dst = out.join(TOKENIZER);
+        std::fs::copy(&src, &dst).map_err(|e| EngineError::io(&dst, e))?;
+    }
+    Ok(())
 }
 
 /// A person's summary of the checkpoint at `path`, after verifying every file's checksum.
@@ -252,6 +321,17 @@ pub fn inspect(path: &Path) -> Result<String> {
     }
     if let Some(s) = &m.source {
         let _ = writeln!(out, "imported from {s}");
+    }
+    if let Some(l) = &m.lora {
+        let _ = writeln!(
+            out,
+            "LoRA adapters: rank {}, alpha {}, on {}; {} trained parameters; base model {}",
+            l.rank,
+            l.alpha,
+            l.targets.join(", "),
+            l.num_params(&m.model),
+            m.base_model.as_deref().unwrap_or("not recorded")
+        );
     }
     let _ = writeln!(
         out,

@@ -235,7 +235,7 @@ pub fn commit(
     } else {
         &[Kind::Param]
     };
-    manifest.tensors = manifest_tensors(&manifest.model, &layout, kinds)?;
+    manifest.tensors = manifest_tensors(&manifest.model, manifest.lora.as_ref(), &layout, kinds)?;
     manifest.files = files
         .into_iter()
         .map(|f| FileEntry {

@@ -51,7 +51,9 @@ pub(crate) fn gemm_strided<T: Real>(
         }
         return;
     }
-    let par = if threaded {
+    // A product with a side narrower than a register tile (LoRA's rank-r halves) is too thin to
+    // split over threads: the fork/join costs more than its work.
+    let par = if threaded && m.min(n).min(k) >= 16 {
         be.parallelism(2 * m * n * k)
     } else {
         gemm::Parallelism::None

@@ -8,5 +8,7 @@ mod pipeline;
 pub mod tensor;
 
 pub use mesh::{Device, LossScaling, MeshStep, Resume, StepReport, Training};
-pub use pipeline::{action_event, pipeline_step, pipeline_steps, DeviceResult, PipelineRun};
+pub use pipeline::{
+    action_event, pipeline_step, pipeline_steps, pipeline_steps_of, DeviceResult, PipelineRun,
+};
 pub use tensor::{TpGroup, TpShard};

@@ -11,7 +11,7 @@ use crate::comm::{Comm, CommStats, ThreadWorld};
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
 use crate::transformer::{
-    ForwardState, ParamStore, StageInput, TokenBatch, Transformer, WeightGrads,
+    ForwardState, ParamStore, StageInput, TokenBatch, Trained, Transformer, WeightGrads,
 };
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
@@ -475,9 +475,29 @@ pub fn pipeline_steps(
     timeout: Duration,
     warmup: usize,
 ) -> Result<PipelineRun> {
+    let trained = Trained::full(params);
+    pipeline_steps_of(cfg, trained, batch, layout, partition, timeout, warmup)
+}
+
+/// [`pipeline_steps`] of what `trained` says trains (the whole model, or LoRA adapters on its
+/// frozen base).
+#[allow(clippy::too_many_arguments)]
+pub fn pipeline_steps_of(
+    cfg: &ModelConfig,
+    trained: Trained,
+    batch: &TokenBatch,
+    layout: &Layout,
+    partition: &StagePartition,
+    timeout: Duration,
+    warmup: usize,
+) -> Result<PipelineRun> {
     let accounts = crate::memory::Accounts::claim(layout.world_size());
-    let step =
-        MeshStep::new(cfg, params, batch, layout, partition)?.with_account_base(accounts.base);
+    let step = MeshStep::new(cfg, trained.params, batch, layout, partition)?
+        .with_account_base(accounts.base);
+    let step = match trained.lora {
+        Some((base, lora)) => step.with_lora(base, lora),
+        None => step,
+    };
     let wall = std::time::Instant::now();
     let results = ThreadWorld::new(step.world())
         .timeout(timeout)

@@ -18,7 +18,10 @@ use super::half::Wire;
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
-use ferrotron_core::model::{Arch, ModelConfig, ParamSpec};
+use ferrotron_core::model::{
+    adapter_parts, projection_split, AdapterHalf, Arch, ModelConfig, ParamSpec, TargetSplit,
+    WeightLayout,
+};
 use std::cell::RefCell;
 use std::ops::Range;
 
@@ -156,6 +159,9 @@ impl TpShard {
     /// Which part of parameter `name` (of the full model `cfg`) this device holds. A name without a
     /// tensor-parallel rule is an error, never replication.
     pub fn slice(&self, cfg: &ModelConfig, name: &str) -> Result<Slice> {
+        if let Some((module, half)) = adapter_parts(name) {
+            return self.adapter_slice(cfg, module, half);
+        }
         let spec = cfg
             .param_specs()
             .into_iter()
@@ -221,6 +227,39 @@ impl TpShard {
         })
     }
 
+    /// A LoRA adapter half follows its base weight's split on one side only: a column-parallel base
+    /// (cut along its outputs) cuts `B` (`[out, r]`) by the same output rows and keeps `A` whole; a
+    /// row-parallel base (cut along its inputs) cuts `A` (`[r, in]`) by the same input columns and
+    /// keeps `B` whole. The whole half is a replica whose gradient is a partial sum on each device
+    /// ([`TpShard::partial_over_group`]).
+    fn adapter_slice(&self, cfg: &ModelConfig, module: &str, half: AdapterHalf) -> Result<Slice> {
+        let (split, spec) = adapter_base(cfg, module)?;
+        let base = self.slice(cfg, &spec.name)?;
+        // The base's output and input dimensions (`nn.Linear` [out, in]; GPT-2's Conv1D [in, out]).
+        let (out_len, in_len) = match spec.layout {
+            WeightLayout::InOut => (spec.shape[1], spec.shape[0]),
+            _ => (spec.shape[0], spec.shape[1]),
+        };
+        let whole = |dim: usize, len: usize| Slice {
+            dim,
+            ranges: one(0..len),
+            pad: 0,
+        };
+        Ok(match (half, split) {
+            (AdapterHalf::B, TargetSplit::Column) => Slice { dim: 0, ..base },
+            (AdapterHalf::A, TargetSplit::Row) => Slice { dim: 1, ..base },
+            (AdapterHalf::A, TargetSplit::Column) => whole(1, in_len),
+            (AdapterHalf::B, TargetSplit::Row) => whole(0, out_len),
+        })
+    }
+
+    /// The shape of this device's shard of a tensor of global shape `shape` cut as `slice`.
+    pub fn shard_shape(shape: &[usize], slice: &Slice) -> Vec<usize> {
+        let mut out = shape.to_vec();
+        out[slice.dim] = slice.ranges.iter().map(Range::len).sum::<usize>() + slice.pad;
+        out
+    }
+
     /// This device's shard of a full tensor.
     pub fn cut(&self, spec: &ParamSpec, slice: &Slice, full: &[f32]) -> Vec<f32> {
         let (outer, len, inner) = dims(&spec.shape, slice.dim);
@@ -237,34 +276,28 @@ impl TpShard {
         out
     }
 
-    /// This device's shard of every parameter of `full` (the whole model), by Hugging Face name.
+    /// This device's shard of every tensor of `full` (parameters of the whole model, or its LoRA
+    /// adapters), by Hugging Face name, in `full`'s order.
     pub fn shard_store(&self, cfg: &ModelConfig, full: &ParamStore) -> Result<ParamStore> {
-        let local = self.local_config(cfg);
-        let mut store = ParamStore::zeros(
-            local
-                .param_specs()
-                .into_iter()
-                .filter(|s| full.id(&s.name).is_some())
-                .collect(),
-        );
-        for (i, spec) in store.specs.clone().iter().enumerate() {
-            let id = full.id(&spec.name).expect("filtered above");
+        let mut specs = Vec::with_capacity(full.specs.len());
+        let mut tensors = Vec::with_capacity(full.specs.len());
+        for (spec, t) in full.specs.iter().zip(&full.tensors) {
             let slice = self.slice(cfg, &spec.name)?;
-            let t = self.cut(&full.specs[id], &slice, &full.tensors[id]);
-            assert_eq!(
-                t.len(),
-                spec.numel(),
-                "shard of {} has the shard's shape",
-                spec.name
-            );
-            store.tensors[i] = t;
+            specs.push(ParamSpec {
+                shape: Self::shard_shape(&spec.shape, &slice),
+                ..spec.clone()
+            });
+            tensors.push(self.cut(spec, &slice, t));
         }
-        Ok(store)
+        Ok(ParamStore::from_tensors(specs, tensors))
     }
 
     /// Whether parameter `name` is replicated whole on every device of the group (norms, row-parallel
     /// biases, GPT-2's position embedding).
     pub fn is_replicated(&self, cfg: &ModelConfig, name: &str) -> bool {
+        if adapter_parts(name).is_some() {
+            return self.is_whole_adapter(cfg, name);
+        }
         let is = |suffix: &str| name.ends_with(suffix);
         match cfg.arch {
             Arch::Llama => is("norm.weight"),
@@ -283,13 +316,52 @@ impl TpShard {
         self.is_replicated(cfg, name) && !name.ends_with("c_proj.bias")
     }
 
+    /// Whether parameter `name`'s gradient is a partial sum on each device of the group, so that
+    /// the group must sum it after the step: replicated parameters under sequence parallelism, and
+    /// always the replicated half of a LoRA adapter (its product with the sharded half is a partial
+    /// sum on each device, with or without sequence parallelism).
+    pub fn partial_over_group(&self, cfg: &ModelConfig, name: &str) -> bool {
+        if self.size == 1 {
+            return false;
+        }
+        if adapter_parts(name).is_some() {
+            return self.is_whole_adapter(cfg, name);
+        }
+        self.sequence_parallel && self.sums_over_group(cfg, name)
+    }
+
+    /// Whether adapter half `name` is kept whole on every device (the half its base's split does
+    /// not cut).
+    fn is_whole_adapter(&self, cfg: &ModelConfig, name: &str) -> bool {
+        let Some((module, half)) = adapter_parts(name) else {
+            return false;
+        };
+        matches!(
+            (half, adapter_base(cfg, module).map(|b| b.0)),
+            (AdapterHalf::A, Ok(TargetSplit::Column)) | (AdapterHalf::B, Ok(TargetSplit::Row))
+        )
+    }
+
+    /// Whether `name` is a tensor of a KV head (the base k/v projection or its adapter's `B`), which
+    /// tp greater than the KV heads replicates over several devices.
+    fn is_kv_head_tensor(name: &str) -> bool {
+        [
+            "k_proj.weight",
+            "v_proj.weight",
+            "k_proj.lora_B.weight",
+            "v_proj.lora_B.weight",
+        ]
+        .iter()
+        .any(|s| name.ends_with(s))
+    }
+
     /// Whether this device counts parameter `name` in the global gradient norm: every sharded
     /// tensor; a replicated one on tensor-parallel rank 0 only; a shared KV head on its first holder.
     pub fn counts_in_norm(&self, cfg: &ModelConfig, name: &str) -> bool {
         if self.is_replicated(cfg, name) {
             return self.rank == 0;
         }
-        if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+        if Self::is_kv_head_tensor(name) {
             return self.kv_replicas(cfg)[0] == self.rank;
         }
         true
@@ -306,6 +378,24 @@ impl TpShard {
         let j = self.rank / k;
         (j * k..(j + 1) * k).collect()
     }
+}
+
+/// The split and the parameter of the base projection `module` (`model.layers.0.self_attn.q_proj`)
+/// that a LoRA adapter sits beside.
+fn adapter_base(cfg: &ModelConfig, module: &str) -> Result<(TargetSplit, ParamSpec)> {
+    let no = || {
+        EngineError::Invalid(format!(
+            "LoRA adapter of `{module}`: the model has no such projection"
+        ))
+    };
+    let split = projection_split(cfg, module).ok_or_else(no)?;
+    let name = format!("{module}.weight");
+    let spec = cfg
+        .param_specs()
+        .into_iter()
+        .find(|s| s.name == name)
+        .ok_or_else(no)?;
+    Ok((split, spec))
 }
 
 /// A shape seen as `[outer, len, inner]` around `dim`.
@@ -368,7 +458,7 @@ pub fn finish_grads<C: Comm>(
 ) -> Result<()> {
     let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
     for (i, name) in names.iter().enumerate() {
-        if tp.sequence_parallel && tp.sums_over_group(cfg, name) {
+        if tp.partial_over_group(cfg, name) {
             c.all_reduce(group, grads[i], ReduceOp::Sum)?;
         }
     }
@@ -376,7 +466,7 @@ pub fn finish_grads<C: Comm>(
     if replicas.len() > 1 {
         let sub = Group::new("tp", replicas.iter().map(|&r| group.ranks[r]).collect());
         for (i, name) in names.iter().enumerate() {
-            if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+            if TpShard::is_kv_head_tensor(name) {
                 c.all_reduce(&sub, grads[i], ReduceOp::Sum)?;
             }
         }

@@ -10,7 +10,7 @@ use crate::error::{EngineError, Result};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::Device;
 use ferrotron_core::layout::Layout;
-use ferrotron_core::model::ModelConfig;
+use ferrotron_core::model::{LoraConfig, ModelConfig};
 use std::path::PathBuf;
 
 /// When and where a run saves, and the manifest fields every save shares.
@@ -57,8 +57,19 @@ impl CheckpointPlan {
                 tensors: Vec::new(),
                 tokenizer: None,
                 tokenizer_source: Some(tokenizer.to_path_buf()),
+                lora: None,
+                base_model: None,
             },
         }
+    }
+
+    /// LoRA: the checkpoints hold the adapters of `lora`, trained on `base_model`.
+    pub fn with_lora(mut self, lora: Option<&LoraConfig>, base_model: String) -> Self {
+        if let Some(l) = lora {
+            self.template.lora = Some(l.clone());
+            self.template.base_model = Some(base_model);
+        }
+        self
     }
 
     /// Whether to save after `steps_done` steps: every `every` steps, and at the end.
@@ -87,8 +98,13 @@ impl CheckpointPlan {
 
 /// What device `dev` (rank `rank` of `layout`) saves: its holdings, each with its master values
 /// and moments.
-pub fn device_arrays(cfg: &ModelConfig, layout: &Layout, dev: &Device) -> Result<Vec<RankArrays>> {
-    let holdings = rank_holdings(cfg, layout, dev.rank)?;
+pub fn device_arrays(
+    cfg: &ModelConfig,
+    lora: Option<&LoraConfig>,
+    layout: &Layout,
+    dev: &Device,
+) -> Result<Vec<RankArrays>> {
+    let holdings = rank_holdings(cfg, lora, layout, dev.rank)?;
     if holdings.is_empty() {
         return Ok(Vec::new());
     }

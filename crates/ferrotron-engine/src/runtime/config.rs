@@ -154,6 +154,21 @@ pub struct TrainConfig {
     /// run is refused.
     #[arg(long)]
     pub lr_scaling: Option<String>,
+    /// Fine-tune LoRA adapters of this rank on the frozen model: the base gets no gradients,
+    /// optimizer state or master copy (without it, every parameter trains).
+    #[arg(long)]
+    pub lora_rank: Option<usize>,
+    /// LoRA's alpha: the adapters' product is scaled by alpha / rank (default: twice the rank).
+    #[arg(long)]
+    pub lora_alpha: Option<f64>,
+    /// The projections the adapters target, comma-separated (default: every projection —
+    /// q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; GPT-2 c_attn,c_proj,c_fc).
+    #[arg(long, default_value = "")]
+    pub lora_targets: String,
+    /// Start LoRA from this PEFT adapter directory (adapter_config.json +
+    /// adapter_model.safetensors): its rank, alpha and targets.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -238,6 +253,16 @@ impl TrainConfig {
         }
     }
 
+    /// `lora_targets` as a list (empty: every projection).
+    pub fn lora_targets(&self) -> Vec<String> {
+        self.lora_targets
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+
     /// Kernel threads of a device that has its process to itself.
     pub fn kernel_threads(&self) -> usize {
         if self.threads == 0 {
@@ -301,6 +326,30 @@ impl TrainConfig {
         }
         if let Some(rule) = &self.lr_scaling {
             super::effective_batch::LrScaling::parse(rule)?;
+        }
+        if let Some(r) = self.lora_rank {
+            if r == 0 || r > ferrotron_core::model::MAX_RANK {
+                return bad(
+                    "lora_rank",
+                    &format!("must be between 1 and {}", ferrotron_core::model::MAX_RANK),
+                );
+            }
+        }
+        if let Some(a) = self.lora_alpha {
+            if !(a.is_finite() && a > 0.0) {
+                return bad("lora_alpha", "must be a positive number");
+            }
+        }
+        let no_lora = self.lora_rank.is_none() && self.adapter.is_none();
+        if no_lora && (self.lora_alpha.is_some() || !self.lora_targets().is_empty()) {
+            return bad(
+                if self.lora_alpha.is_some() {
+                    "lora_alpha"
+                } else {
+                    "lora_targets"
+                },
+                "applies to LoRA: give `lora_rank` (or `adapter`) too",
+            );
         }
         if !(self.loss_scale.is_finite() && self.loss_scale >= 1.0) {
             return bad("loss_scale", "must be a finite number of at least 1");

@@ -14,7 +14,7 @@ use crate::kernels::CpuBackend;
 use crate::memory::{self, format_terms, MemoryTerms};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::{LossScaling, MeshStep, Resume, Training};
-use crate::transformer::{Half, ParamStore, TokenBatch, Transformer};
+use crate::transformer::{Half, ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::plan::{evaluate, PlanInput};
@@ -24,7 +24,8 @@ use ferrotron_core::schedule::StagePartition;
 pub(super) struct TrainingRun<'a> {
     pub cfg: &'a TrainConfig,
     pub model_cfg: &'a ModelConfig,
-    pub params: &'a ParamStore,
+    /// What trains: every parameter, or LoRA adapters on the frozen base.
+    pub trained: Trained<'a>,
     pub layout: Layout,
     pub input: &'a PlanInput,
     /// Every step's global batch from `start` on (the same for every device).
@@ -63,28 +64,33 @@ impl TrainingRun<'_> {
     ) -> Result<MeshStep<'s>> {
         let cfg = self.cfg;
         let storage = cfg.storage()?;
-        Ok(MeshStep::new(
+        let step = MeshStep::new(
             self.model_cfg,
-            self.params,
+            self.trained.params,
             self.batch(self.start),
             &self.layout,
             partition,
-        )?
-        .with_resume(self.resume.map(|ck| Resume {
-            step: self.start,
-            loss_scaler: ck.manifest.loss_scaler.map(|s| (s.scale, s.clean_steps)),
-            restore,
-        }))
-        .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)))
-        .with_kernel_threads(self.kernel_threads)
-        .with_precision(
-            storage,
-            (storage == Some(Half::F16)).then_some(LossScaling {
-                initial: cfg.loss_scale,
-                growth_interval: cfg.loss_scale_window,
-                inject_nonfinite_at: cfg.inject_nonfinite_step,
-            }),
-        ))
+        )?;
+        let step = match self.trained.lora {
+            Some((base, lora)) => step.with_lora(base, lora),
+            None => step,
+        };
+        Ok(step
+            .with_resume(self.resume.map(|ck| Resume {
+                step: self.start,
+                loss_scaler: ck.manifest.loss_scaler.map(|s| (s.scale, s.clean_steps)),
+                restore,
+            }))
+            .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)))
+            .with_kernel_threads(self.kernel_threads)
+            .with_precision(
+                storage,
+                (storage == Some(Half::F16)).then_some(LossScaling {
+                    initial: cfg.loss_scale,
+                    growth_interval: cfg.loss_scale_window,
+                    inject_nonfinite_at: cfg.inject_nonfinite_step,
+                }),
+            ))
     }
 }
 
@@ -101,18 +107,18 @@ pub(super) struct RunOutcome {
 /// off the device's memory account.
 pub(super) fn validation_loss(
     model: &ModelConfig,
-    params: &ParamStore,
+    trained: Trained,
     batches: &[TokenBatch],
     threads: usize,
 ) -> Option<f64> {
     if batches.is_empty() {
         return None; // nothing held out: no figure, rather than a loss of 0 over nothing
     }
-    let tf = Transformer::new(model, params);
+    let tf = trained.unsplit(model);
     let be = CpuBackend { threads };
     let (mut sum, mut n) = (0.0, 0usize);
     for b in batches {
-        sum += tf.loss(&be, params, b) * b.predicted_tokens() as f64;
+        sum += tf.loss(&be, trained.params, b) * b.predicted_tokens() as f64;
         n += b.predicted_tokens();
     }
     Some(sum / n.max(1) as f64)
@@ -151,7 +157,11 @@ pub(super) fn run_device<C: Comm>(
         let val_loss = if run.is_eval(report.step) {
             mesh.gather_params(c, dev)?.and_then(|p| {
                 memory::clear_device();
-                let v = validation_loss(run.model_cfg, &p, run.val_batches, run.kernel_threads);
+                let now = Trained {
+                    params: &p,
+                    ..run.trained
+                };
+                let v = validation_loss(run.model_cfg, now, run.val_batches, run.kernel_threads);
                 memory::set_device(account);
                 v
             })
@@ -196,7 +206,7 @@ fn save_checkpoint<C: Comm>(
     dev: &crate::parallel::Device,
     done: usize,
 ) -> Result<()> {
-    let arrays = device_arrays(run.model_cfg, &run.layout, dev)?;
+    let arrays = device_arrays(run.model_cfg, mesh.lora(), &run.layout, dev)?;
     let manifest = (c.rank() == 0).then(|| {
         run.checkpoints.manifest(
             done,

@@ -1,8 +1,8 @@
 use crate::comm::Comm;
 use crate::error::{EngineError, Result};
 use crate::kernels::Backend;
-use crate::parallel::{pipeline_step, MeshStep, PipelineRun};
-use crate::transformer::{ParamStore, TokenBatch, Transformer};
+use crate::parallel::{pipeline_steps_of, MeshStep, PipelineRun};
+use crate::transformer::{ParamStore, TokenBatch, Trained, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::schedule::StagePartition;
@@ -62,27 +62,40 @@ pub fn layout_step(
     layout: &Layout,
     be: &dyn Backend,
 ) -> Result<(f64, ParamStore, Option<PipelineRun>)> {
+    layout_step_of(cfg, Trained::full(params), batch, layout, be)
+}
+
+/// [`layout_step`] of what `trained` says trains (the whole model, or LoRA adapters on its frozen
+/// base); the gradients are of `trained.params`.
+pub fn layout_step_of(
+    cfg: &ModelConfig,
+    trained: Trained,
+    batch: &TokenBatch,
+    layout: &Layout,
+    be: &dyn Backend,
+) -> Result<(f64, ParamStore, Option<PipelineRun>)> {
     batch.check(cfg).map_err(EngineError::Invalid)?;
     if !layout.is_single_device() || layout.zero > 0 {
         // Every device a thread, each stage's layers as the layout names them or chosen by compute.
         let partition = StagePartition::for_layout(cfg, layout)?;
-        let mut run = pipeline_step(
+        let mut run = pipeline_steps_of(
             cfg,
-            params,
+            trained,
             batch,
             layout,
             &partition,
             Duration::from_secs(600),
+            0,
         )?;
         let grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
         return Ok((run.loss, grads, Some(run)));
     }
-    let tf = Transformer::new(cfg, params).with_recompute(layout.recompute);
-    let mut grads = params.zeros_like();
+    let tf = trained.unsplit(cfg).with_recompute(layout.recompute);
+    let mut grads = trained.params.zeros_like();
     let out = run_step(
         &tf,
         be,
-        params,
+        trained.params,
         &mut grads,
         batch,
         layout.micro_batch_size.min(batch.batch),
@@ -90,17 +103,21 @@ pub fn layout_step(
     Ok((out.loss, grads, None))
 }
 
-/// [`layout_step`] with one device per process (MPI): this process runs device `c.rank()` of the
+/// [`layout_step_of`] with one device per process (MPI): this process runs device `c.rank()` of the
 /// mesh; rank 0 returns the loss and gathered gradients, every other rank `None`.
 pub fn layout_step_on<C: Comm>(
     c: &mut C,
     cfg: &ModelConfig,
-    params: &ParamStore,
+    trained: Trained,
     batch: &TokenBatch,
     layout: &Layout,
 ) -> Result<Option<(f64, ParamStore, PipelineRun)>> {
     let partition = StagePartition::for_layout(cfg, layout)?;
-    let step = MeshStep::new(cfg, params, batch, layout, &partition)?;
+    let step = MeshStep::new(cfg, trained.params, batch, layout, &partition)?;
+    let step = match trained.lora {
+        Some((base, lora)) => step.with_lora(base, lora),
+        None => step,
+    };
     Ok(step.run_collected(c)?.map(|mut run| {
         let grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
         (run.loss, grads, run)

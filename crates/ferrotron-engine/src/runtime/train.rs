@@ -5,6 +5,7 @@ use super::checkpointing::CheckpointPlan;
 use super::config::TrainConfig;
 use super::device_loop::{validation_loss, RunOutcome, TrainingRun};
 use super::effective_batch;
+use super::lora_run;
 use super::metrics::{DeviceSummary, StepReport};
 use super::resolve::{plan_input, resolve_layout};
 use super::run_dir;
@@ -14,7 +15,8 @@ use crate::checkpoint::Checkpoint;
 use crate::data::{self, SequenceSampler, TokenSplit};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
-use crate::transformer::{ParamStore, TokenBatch};
+use crate::lora::Adapters;
+use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;
 use std::path::{Path, PathBuf};
@@ -27,6 +29,8 @@ pub struct TrainSummary {
     pub final_train_loss: f64,
     pub tokens_per_s: f64,
     pub num_params: usize,
+    /// The parameters that trained: all of them, or with LoRA the adapters'.
+    pub trained_params: usize,
     pub model_dir: PathBuf,
     pub train_tokens: usize,
     pub val_tokens: usize,
@@ -47,9 +51,12 @@ const AUTO_ATTEMPTS: usize = 4;
 /// The model to train: its shape and starting parameters (from a checkpoint when resuming).
 struct StartingPoint {
     model: ModelConfig,
+    /// The model's parameters: what trains, or with LoRA the frozen base.
     params: ParamStore,
     source: ModelSource,
     resume: Option<Checkpoint>,
+    /// LoRA: the adapters that train, where they start.
+    adapters: Option<Adapters>,
     /// The first step to run.
     start: usize,
 }
@@ -70,9 +77,14 @@ impl StartingPoint {
                     cfg.steps
                 )));
             }
-            params = ck.params()?;
+            if ck.manifest.lora.is_none() {
+                params = ck.params()?;
+            } else {
+                check_base(ck, &cfg.model)?;
+            }
             start = ck.manifest.step;
         }
+        let adapters = lora_run::resolve(cfg, &model, resume.as_ref())?;
         if cfg.seq_len > model.max_position_embeddings {
             return Err(EngineError::Invalid(format!(
                 "seq_len {} exceeds the model's max_position_embeddings {} ({})",
@@ -89,8 +101,39 @@ impl StartingPoint {
             params,
             source,
             resume,
+            adapters,
             start,
         })
+    }
+
+    /// What trains: every parameter, or the adapters on the frozen base.
+    fn trained(&self) -> Trained<'_> {
+        match &self.adapters {
+            Some(a) => Trained::lora(&self.params, &a.config, &a.params),
+            None => Trained::full(&self.params),
+        }
+    }
+}
+
+/// How a run names its base model in a LoRA checkpoint: a model directory by its absolute path, a
+/// preset by name.
+fn base_model_name(spec: &str) -> String {
+    let path = Path::new(spec);
+    match path.canonicalize() {
+        Ok(p) if path.is_dir() => p.display().to_string(),
+        _ => spec.to_string(),
+    }
+}
+
+/// A LoRA checkpoint's adapters continue only on the base they were trained on.
+fn check_base(ck: &Checkpoint, model: &str) -> Result<()> {
+    match &ck.manifest.base_model {
+        Some(base) if *base != base_model_name(model) => Err(EngineError::Invalid(format!(
+            "resume: the adapters in {} were trained on the base model {base}; this run's \
+             --model is {model} (give that base)",
+            ck.dir.display()
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -203,7 +246,18 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             eprintln!("{note}");
         }
     }
-    let input = plan_input(cfg, &sp.model, world.fixed_devices())?;
+    let mut input = plan_input(cfg, &sp.model, world.fixed_devices())?;
+    input.lora = sp.adapters.as_ref().map(|a| a.config.clone());
+    if let (true, Some(a)) = (world.reporter(), &sp.adapters) {
+        eprintln!(
+            "LoRA: rank {}, alpha {} on {}: {} trained parameters beside {} frozen",
+            a.config.rank,
+            a.config.alpha,
+            a.config.targets.join(", "),
+            a.params.numel(),
+            sp.params.numel()
+        );
+    }
     let candidates = resolve_layout(&layout_spec, &input)?;
     check_slow_device(cfg, &candidates)?;
     let data = TrainingData::prepare(cfg, &sp, world.reporter())?;
@@ -215,7 +269,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let initial_val_loss = if world.reporter() {
         validation_loss(
             &sp.model,
-            &sp.params,
+            sp.trained(),
             &data.val_batches,
             cfg.kernel_threads(),
         )
@@ -233,11 +287,15 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             adam,
             schedule,
             &data.tokenizer_path,
+        )
+        .with_lora(
+            sp.adapters.as_ref().map(|a| &a.config),
+            base_model_name(&cfg.model),
         );
         let run = TrainingRun {
             cfg,
             model_cfg: &sp.model,
-            params: &sp.params,
+            trained: sp.trained(),
             layout,
             input: &input,
             batches: &data.batches,
@@ -275,7 +333,24 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             });
             if reporter {
                 let dir = cfg.out_dir.join("model");
-                hf::save_model(&dir, &sp.model, &out.params, save_dtype)?;
+                match &sp.adapters {
+                    // LoRA: the adapters as PEFT writes them, and the model with them merged.
+                    Some(a) => {
+                        let trained = Adapters {
+                            config: a.config.clone(),
+                            params: out.params.clone(),
+                        };
+                        let adapter_dir = cfg.out_dir.join("adapter");
+                        trained.save_peft(
+                            &adapter_dir,
+                            &sp.model,
+                            Some(&base_model_name(&cfg.model)),
+                        )?;
+                        let merged = trained.merge(&sp.model, &sp.params)?;
+                        hf::save_model(&dir, &sp.model, &merged, save_dtype)?;
+                    }
+                    None => hf::save_model(&dir, &sp.model, &out.params, save_dtype)?,
+                }
                 copy_file(&data.tokenizer_path, &dir.join("tokenizer.json"))?;
             }
             Ok(TrainSummary {
@@ -284,6 +359,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
                 final_train_loss: out.last_loss,
                 tokens_per_s: out.tokens_per_s,
                 num_params: sp.params.numel(),
+                trained_params: sp.trained().params.numel(),
                 model_dir: cfg.out_dir.join("model"),
                 train_tokens: data.train_tokens,
                 val_tokens: data.val_tokens,

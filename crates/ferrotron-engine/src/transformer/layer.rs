@@ -7,6 +7,31 @@ use super::{ParamStore, Transformer};
 use crate::kernels::{AttnShape, Backend, LinearShape};
 use ferrotron_core::model::{Arch, ModelConfig, NormKind, WeightLayout};
 
+/// The tensors a unit's work reads: the base model's parameters and, with LoRA, the adapters. With
+/// adapters the base is frozen: it gets no gradients, and the gradient store is the adapters'.
+#[derive(Clone, Copy)]
+pub(crate) struct Weights<'a> {
+    pub base: &'a ParamStore,
+    pub adapters: Option<&'a ParamStore>,
+}
+
+impl Weights<'_> {
+    pub fn frozen(&self) -> bool {
+        self.adapters.is_some()
+    }
+}
+
+/// A LoRA adapter beside a projection: `A` (`[r, in]`) and `B` (`[out, r]`), both `nn.Linear`
+/// weights, by index into the adapter store, and the scale `alpha / r`. The projection becomes
+/// `y = x·Wᵀ + scale · (x·Aᵀ)·Bᵀ`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Adapter {
+    pub a: usize,
+    pub b: usize,
+    pub rank: usize,
+    pub scale: f32,
+}
+
 /// A linear layer's parameters, by index into the store.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Lin {
@@ -15,9 +40,28 @@ pub(crate) struct Lin {
     pub in_dim: usize,
     pub out_dim: usize,
     pub layout: WeightLayout,
+    /// A LoRA adapter beside it (its tensors index the adapter store).
+    pub adapter: Option<Adapter>,
+}
+
+/// `x *= s`, element-wise.
+fn scale_in_place(x: &mut [f32], s: f32) {
+    x.iter_mut().for_each(|v| *v *= s);
 }
 
 impl Lin {
+    /// A plain `[in → out]` map of weight `w` (no bias, no adapter): an adapter's halves.
+    fn plain(w: usize, in_dim: usize, out_dim: usize) -> Self {
+        Self {
+            w,
+            b: None,
+            in_dim,
+            out_dim,
+            layout: WeightLayout::OutIn,
+            adapter: None,
+        }
+    }
+
     pub fn shape(&self, rows: usize) -> LinearShape {
         LinearShape {
             rows,
@@ -27,20 +71,46 @@ impl Lin {
         }
     }
 
-    fn forward(&self, be: &dyn Backend, p: &ParamStore, x: &[f32], rows: usize) -> Vec<f32> {
+    /// `x·Wᵀ (+ b)` with this layer's tensors in `store`.
+    fn product(
+        &self,
+        be: &dyn Backend,
+        store: &ParamStore,
+        x: &[f32],
+        rows: usize,
+        bias: bool,
+    ) -> Vec<f32> {
         let mut y = be.zeros(rows * self.out_dim);
-        let bias = self.b.map(|b| p.tensors[b].as_slice());
-        be.linear_forward(self.shape(rows), x, &p.tensors[self.w], bias, &mut y);
+        let b = self.b.filter(|_| bias).map(|b| store.tensors[b].as_slice());
+        be.linear_forward(self.shape(rows), x, &store.tensors[self.w], b, &mut y);
         y
     }
 
+    fn forward(&self, be: &dyn Backend, w: Weights, x: &[f32], rows: usize) -> Vec<f32> {
+        let mut y = self.product(be, w.base, x, rows, true);
+        self.add_adapter(be, w, x, rows, &mut y);
+        y
+    }
+
+    /// `y += scale · (x·Aᵀ)·Bᵀ` when an adapter sits beside this layer.
+    fn add_adapter(&self, be: &dyn Backend, w: Weights, x: &[f32], rows: usize, y: &mut [f32]) {
+        let Some(ad) = self.adapter else { return };
+        let store = w
+            .adapters
+            .expect("an adapter's tensors are in the adapter store");
+        let mut z = Lin::plain(ad.a, self.in_dim, ad.rank).product(be, store, x, rows, false);
+        scale_in_place(&mut z, ad.scale);
+        let up = Lin::plain(ad.b, ad.rank, self.out_dim).product(be, store, &z, rows, false);
+        be.add_assign(y, &up);
+    }
+
     /// Input gradient into `dx` (overwrite or accumulate); the weight (and bias) gradient goes to `g`,
-    /// now or later.
+    /// now or later — with an adapter, its two gradients, and the frozen base's none.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         be: &dyn Backend,
-        p: &ParamStore,
+        w: Weights,
         g: &mut WeightSink,
         dy: &[f32],
         x: &[f32],
@@ -48,7 +118,33 @@ impl Lin {
         acc: bool,
     ) {
         let s = self.shape(dy.len() / self.out_dim);
-        be.linear_backward_input(s, dy, &p.tensors[self.w], dx, acc);
+        be.linear_backward_input(s, dy, &w.base.tensors[self.w], dx, acc);
+        if !w.frozen() {
+            self.weight_grad(be, g, dy, x);
+        }
+        let Some(ad) = self.adapter else { return };
+        let store = w
+            .adapters
+            .expect("an adapter's tensors are in the adapter store");
+        let rows = s.rows;
+        let (down, up) = (
+            Lin::plain(ad.a, self.in_dim, ad.rank),
+            Lin::plain(ad.b, ad.rank, self.out_dim),
+        );
+        // z = scale · x·Aᵀ is recomputed rather than stashed: r/out of the layer's own product.
+        let mut z = down.product(be, store, x, rows, false);
+        scale_in_place(&mut z, ad.scale);
+        // dz = dy·B, and du = scale · dz is the gradient at x·Aᵀ.
+        let mut du = be.zeros(rows * ad.rank);
+        be.linear_backward_input(up.shape(rows), dy, &store.tensors[ad.b], &mut du, false);
+        scale_in_place(&mut du, ad.scale);
+        be.linear_backward_input(down.shape(rows), &du, &store.tensors[ad.a], dx, true);
+        up.weight_grad(be, g, dy, &z);
+        down.weight_grad(be, g, &du, x);
+    }
+
+    /// The weight (and bias) gradient of `dy` at input `x`, into `g` now or later.
+    fn weight_grad(&self, be: &dyn Backend, g: &mut WeightSink, dy: &[f32], x: &[f32]) {
         match g {
             WeightSink::Now(store) => self.backward_weight(be, store, dy, x),
             WeightSink::Later(jobs) => jobs.push(WeightJob::Linear {
@@ -121,11 +217,12 @@ impl NormIds {
         s
     }
 
+    /// Input gradient into `dx`; the weight (and bias) gradient to `g`, unless the base is frozen.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
         be: &dyn Backend,
-        p: &ParamStore,
+        p: Weights,
         g: &mut WeightSink,
         dy: &[f32],
         x: &[f32],
@@ -133,10 +230,13 @@ impl NormIds {
         dx: &mut [f32],
         acc: bool,
     ) {
-        let w = &p.tensors[self.w];
+        let w = &p.base.tensors[self.w];
         match self.kind {
             NormKind::RmsNorm => be.rmsnorm_backward_input(dy, x, w, &s.rstd, dx, acc),
             NormKind::LayerNorm => be.layernorm_backward_input(dy, x, w, &s.mean, &s.rstd, dx, acc),
+        }
+        if p.frozen() {
+            return;
         }
         match g {
             WeightSink::Now(store) => self.backward_weight(be, store, dy, x, s),
@@ -187,6 +287,15 @@ pub(crate) struct LayerIds {
 }
 
 impl LayerIds {
+    /// The block's projections (what LoRA may target).
+    pub fn lins_mut(&mut self) -> impl Iterator<Item = &mut Lin> {
+        self.qkv
+            .iter_mut()
+            .chain(std::iter::once(&mut self.attn_out))
+            .chain(self.mlp_in.iter_mut())
+            .chain(std::iter::once(&mut self.mlp_out))
+    }
+
     pub fn resolve(cfg: &ModelConfig, i: usize, id: &dyn Fn(&str) -> usize) -> Self {
         let n = cfg.layer_names(i);
         let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
@@ -200,6 +309,7 @@ impl LayerIds {
             in_dim,
             out_dim,
             layout,
+            adapter: None,
         };
         let norm = |w: &String, b: &Option<String>| NormIds {
             kind: cfg.norm(),
@@ -297,22 +407,25 @@ pub(crate) fn drop_probs(acts: &mut LayerActs) {
 
 /// A row-parallel layer: each device's partial product, summed over the group, then the bias (added
 /// once, after the sum). Unsplit, the bias is fused into the product.
+///
+/// A LoRA adapter of a row-parallel layer is partial too (its `A` holds this device's input
+/// columns, its `B` is whole), so its product joins the partial sum before the reduction.
 fn row_parallel_forward(
     lin: &Lin,
     be: &dyn Backend,
     tp: &dyn ShardCollectives,
-    p: &ParamStore,
+    p: Weights,
     x: &[f32],
     rows: usize,
 ) -> Vec<f32> {
     if tp.size() == 1 {
         return lin.forward(be, p, x, rows);
     }
-    let mut y = be.zeros(rows * lin.out_dim);
-    be.linear_forward(lin.shape(rows), x, &p.tensors[lin.w], None, &mut y);
+    let mut y = lin.product(be, p.base, x, rows, false);
+    lin.add_adapter(be, p, x, rows, &mut y);
     let mut y = tp.reduce(y);
     if let Some(b) = lin.b {
-        let bias = &p.tensors[b];
+        let bias = &p.base.tensors[b];
         y.chunks_exact_mut(lin.out_dim)
             .for_each(|r| be.add_assign(r, bias));
     }
@@ -324,7 +437,7 @@ pub(crate) fn forward(
     m: &Transformer,
     be: &dyn Backend,
     tp: &dyn ShardCollectives,
-    p: &ParamStore,
+    p: Weights,
     ids: &LayerIds,
     x: Vec<f32>,
     (batch, seq): (usize, usize),
@@ -334,7 +447,7 @@ pub(crate) fn forward(
     let rows = batch * seq;
     let eps = cfg.norm_eps as f32;
     // Norms and residuals run on this device's rows; the split regions on every row.
-    let n1 = ids.norm1.forward(be, p, &x, eps);
+    let n1 = ids.norm1.forward(be, p.base, &x, eps);
     let n1_all = tp.gather_rows(&n1.out);
     let n1_in = n1_all.as_deref().unwrap_or(&n1.out);
     let (mut q, mut k, v) = match cfg.arch {
@@ -356,7 +469,7 @@ pub(crate) fn forward(
     be.attention_forward(shape, &q, &k, &v, &mut attn, &mut probs);
     let mut x_mid = row_parallel_forward(&ids.attn_out, be, tp, p, &attn, rows);
     be.add_assign(&mut x_mid, &x);
-    let n2 = ids.norm2.forward(be, p, &x_mid, eps);
+    let n2 = ids.norm2.forward(be, p.base, &x_mid, eps);
     let n2_all = tp.gather_rows(&n2.out);
     let n2_in = n2_all.as_deref().unwrap_or(&n2.out);
     let mlp_pre: Vec<Vec<f32>> = ids
@@ -400,7 +513,7 @@ pub(crate) fn backward(
     m: &Transformer,
     be: &dyn Backend,
     tp: &dyn ShardCollectives,
-    p: &ParamStore,
+    p: Weights,
     g: &mut WeightSink,
     ids: &LayerIds,
     mut a: LayerActs,

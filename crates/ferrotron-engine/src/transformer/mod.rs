@@ -3,6 +3,7 @@
 //! communication; the parallel runtime decides what runs where.
 
 mod collectives;
+mod frozen;
 mod kept;
 mod layer;
 mod params;
@@ -10,17 +11,18 @@ mod residency;
 mod weights;
 
 pub use collectives::{ShardCollectives, Unsplit};
+pub use frozen::FrozenBase;
 pub use kept::Half;
 use kept::Kept;
 pub use params::ParamStore;
-pub use residency::{Residency, Resident, Unit};
+pub use residency::{units_of, Residency, Resident, Unit};
 pub use weights::WeightGrads;
 use weights::{WeightJob, WeightSink};
 
 use crate::kernels::{Backend, RopeTable, MASKED_ID};
 use ferrotron_core::layout::Recompute;
-use ferrotron_core::model::{Arch, ModelConfig, WeightLayout};
-use layer::{LayerActs, LayerIds, Lin, NormIds, NormStash};
+use ferrotron_core::model::{Arch, LoraConfig, ModelConfig, WeightLayout};
+use layer::{Adapter, LayerActs, LayerIds, Lin, NormIds, NormStash, Weights};
 use std::ops::Range;
 
 /// A batch of `batch` sequences of `seq` token ids, row-major.
@@ -128,6 +130,42 @@ impl ForwardState {
     }
 }
 
+/// What a step trains: every parameter of the model, or LoRA adapters on its frozen base. The
+/// step's gradients are `params`' (the adapters' with LoRA).
+#[derive(Clone, Copy)]
+pub struct Trained<'a> {
+    pub params: &'a ParamStore,
+    /// LoRA: the frozen base and the adapters' configuration (`params` are then the adapters).
+    pub lora: Option<(&'a ParamStore, &'a LoraConfig)>,
+}
+
+impl<'a> Trained<'a> {
+    /// Every parameter of the model.
+    pub fn full(params: &'a ParamStore) -> Self {
+        Self { params, lora: None }
+    }
+
+    /// LoRA `adapters` of `config` on the frozen `base`.
+    pub fn lora(base: &'a ParamStore, config: &'a LoraConfig, adapters: &'a ParamStore) -> Self {
+        Self {
+            params: adapters,
+            lora: Some((base, config)),
+        }
+    }
+
+    /// The unsplit model that computes this step (the whole model on one device; with LoRA over
+    /// a copy of the base, frozen).
+    pub fn unsplit(&self, cfg: &ModelConfig) -> Transformer {
+        match self.lora {
+            None => Transformer::new(cfg, self.params),
+            Some((base, lora)) => {
+                let frozen = FrozenBase::new(cfg, base.clone(), None);
+                Transformer::new(cfg, frozen.names()).with_lora(lora, self.params, frozen)
+            }
+        }
+    }
+}
+
 /// A contiguous range of the model's layers, resolved once to indices into a [`ParamStore`]: the
 /// embedding when the range starts at layer 0, the final norm and output layer when it ends at the
 /// last. The unsplit model is the range of all layers.
@@ -144,6 +182,9 @@ pub struct Transformer {
     vocab: VocabSlice,
     /// How the activations kept for backward are stored: f32, or 16-bit under mixed precision.
     activation_storage: Option<Half>,
+    /// LoRA: the frozen base this chunk reads; then the parameters a residency hands the executor
+    /// are the adapters, and only they get gradients.
+    frozen: Option<FrozenBase>,
 }
 
 /// Accumulates an embedding table's gradient (now or deferred).
@@ -243,6 +284,7 @@ impl Transformer {
                 in_dim: cfg.hidden_size,
                 out_dim: cfg.vocab_size,
                 layout: WeightLayout::OutIn,
+                adapter: None,
             }),
             rope: (cfg.arch == Arch::Llama)
                 .then(|| RopeTable::new(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)),
@@ -251,6 +293,53 @@ impl Transformer {
             cfg: cfg.clone(),
             recompute: Recompute::None,
             activation_storage: None,
+            frozen: None,
+        }
+    }
+
+    /// LoRA: this chunk's base parameters become `base` (frozen; the chunk must have been built
+    /// over `base.names()`), and every projection `lora` targets gets its adapter from `adapters`
+    /// (the store a residency will hand the executor, by name).
+    pub fn with_lora(mut self, lora: &LoraConfig, adapters: &ParamStore, base: FrozenBase) -> Self {
+        let names = base.names();
+        let id = |n: &str| {
+            adapters
+                .id(n)
+                .unwrap_or_else(|| panic!("adapter store lacks {n}"))
+        };
+        for (k, i) in self.layer_range.clone().enumerate() {
+            let targets = lora.layer_modules(&self.cfg, i);
+            let ids = &mut self.layers[k];
+            for lin in ids.lins_mut() {
+                let name = &names.specs[lin.w].name;
+                if let Some(t) = targets.iter().find(|t| t.weight_name() == *name) {
+                    lin.adapter = Some(Adapter {
+                        a: id(&t.adapter_name(ferrotron_core::model::AdapterHalf::A)),
+                        b: id(&t.adapter_name(ferrotron_core::model::AdapterHalf::B)),
+                        rank: lora.rank,
+                        scale: lora.scale(),
+                    });
+                }
+            }
+        }
+        self.frozen = Some(base);
+        self
+    }
+
+    /// Runs `f` with the tensors `unit`'s work reads: `p` alone, or with LoRA the frozen base's
+    /// unit and `p` as the adapters.
+    fn weights(&self, unit: Unit, p: &ParamStore, f: &mut dyn FnMut(Weights)) {
+        match &self.frozen {
+            None => f(Weights {
+                base: p,
+                adapters: None,
+            }),
+            Some(base) => base.with_unit(unit, &mut |b| {
+                f(Weights {
+                    base: b,
+                    adapters: Some(p),
+                })
+            }),
         }
     }
 
@@ -343,14 +432,16 @@ impl Transformer {
                 let local = self.vocab.local_ids(&b.ids);
                 let mut x = Vec::new();
                 res.params(Unit::Embedding, &mut |p| {
-                    let mut e = be.zeros(rows * h);
-                    be.embedding_forward(&local, &p.tensors[embed], h, &mut e, false);
-                    // Each device looked up the ids its vocabulary slice holds: the rows sum over
-                    // the group.
-                    x = tp.reduce(e);
-                    if let Some(wpe) = self.pos_embed {
-                        be.embedding_forward(mine, &p.tensors[wpe], h, &mut x, true);
-                    }
+                    self.weights(Unit::Embedding, p, &mut |w| {
+                        let mut e = be.zeros(rows * h);
+                        be.embedding_forward(&local, &w.base.tensors[embed], h, &mut e, false);
+                        // Each device looked up the ids its vocabulary slice holds: the rows sum
+                        // over the group.
+                        x = tp.reduce(e);
+                        if let Some(wpe) = self.pos_embed {
+                            be.embedding_forward(mine, &w.base.tensors[wpe], h, &mut x, true);
+                        }
+                    })
                 });
                 (x, local)
             }
@@ -362,18 +453,21 @@ impl Transformer {
             let input = (self.recompute == Recompute::Full).then(|| x.clone());
             let mut layer_in = Some(x);
             let mut result = None;
-            res.params(Unit::Layer(self.layer_range.start + i), &mut |p| {
-                let x = layer_in.take().expect("a layer runs once");
-                result = Some(layer::forward(
-                    self,
-                    be,
-                    tp,
-                    p,
-                    ids,
-                    x,
-                    (batch, seq),
-                    &positions,
-                ));
+            let unit = Unit::Layer(self.layer_range.start + i);
+            res.params(unit, &mut |p| {
+                self.weights(unit, p, &mut |w| {
+                    let x = layer_in.take().expect("a layer runs once");
+                    result = Some(layer::forward(
+                        self,
+                        be,
+                        tp,
+                        w,
+                        ids,
+                        x,
+                        (batch, seq),
+                        &positions,
+                    ));
+                })
             });
             let (out, mut acts) = result.expect("the layer ran");
             match (input, self.recompute) {
@@ -403,21 +497,23 @@ impl Transformer {
         match (&self.final_norm, &self.head) {
             (Some(norm), Some(head)) => {
                 res.params(Unit::Head, &mut |p| {
-                    let normed = norm.forward(be, p, &x, self.cfg.norm_eps as f32);
-                    let mut logits = be.zeros(rows * self.cfg.vocab_size);
-                    let normed_all = tp.gather_rows(&normed.out);
-                    be.linear_forward(
-                        head.shape(rows),
-                        normed_all.as_deref().unwrap_or(&normed.out),
-                        &p.tensors[head.w],
-                        None,
-                        &mut logits,
-                    );
-                    let mut normed = normed;
-                    state.final_out =
-                        Kept::keep(std::mem::take(&mut normed.out), self.activation_storage);
-                    state.final_norm = Some(normed);
-                    state.logits = logits;
+                    self.weights(Unit::Head, p, &mut |w| {
+                        let normed = norm.forward(be, w.base, &x, self.cfg.norm_eps as f32);
+                        let mut logits = be.zeros(rows * self.cfg.vocab_size);
+                        let normed_all = tp.gather_rows(&normed.out);
+                        be.linear_forward(
+                            head.shape(rows),
+                            normed_all.as_deref().unwrap_or(&normed.out),
+                            &w.base.tensors[head.w],
+                            None,
+                            &mut logits,
+                        );
+                        let mut normed = normed;
+                        state.final_out =
+                            Kept::keep(std::mem::take(&mut normed.out), self.activation_storage);
+                        state.final_norm = Some(normed);
+                        state.logits = logits;
+                    })
                 });
                 state.final_in = Kept::keep(x, self.activation_storage);
             }
@@ -509,11 +605,15 @@ impl Transformer {
         let mut jobs = Vec::new();
         // Runs one unit's backward with its parameters present and its weight gradients going
         // where they should.
-        let mut in_unit = |unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut WeightSink)| {
+        let mut in_unit = |unit: Unit, f: &mut dyn FnMut(Weights, &mut WeightSink)| {
             if defer_weights {
-                res.params(unit, &mut |p| f(p, &mut WeightSink::Later(&mut jobs)))
+                res.params(unit, &mut |p| {
+                    self.weights(unit, p, &mut |w| f(w, &mut WeightSink::Later(&mut jobs)))
+                })
             } else {
-                res.params_and_grads(unit, &mut |p, g| f(p, &mut WeightSink::Now(g)))
+                res.params_and_grads(unit, &mut |p, g| {
+                    self.weights(unit, p, &mut |w| f(w, &mut WeightSink::Now(g)))
+                })
             }
         };
         let mut loss_sum = 0.0;
@@ -586,7 +686,10 @@ impl Transformer {
                 // The embedding's rows are every row's: gather them back from the sequence shards.
                 let dx_all = tp.gather_rows(&dx);
                 let dx_all = dx_all.as_deref().unwrap_or(&dx);
-                in_unit(Unit::Embedding, &mut |_, sink| {
+                in_unit(Unit::Embedding, &mut |w, sink| {
+                    if w.frozen() {
+                        return;
+                    }
                     if let Some(wpe) = self.pos_embed {
                         embedding_grad(be, sink, wpe, mine, &dx, h);
                     }

@@ -5,6 +5,7 @@
 //! knows nothing else of it.
 
 use super::ParamStore;
+use ferrotron_core::model::ModelConfig;
 
 /// The groups of parameters the executor uses together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -15,6 +16,28 @@ pub enum Unit {
     Layer(usize),
     /// The final norm and the output layer (the tied embedding when tied), on the last stage.
     Head,
+}
+
+/// The unit(s) parameter `name` belongs to: its block, the embedding, the head (the tied embedding is
+/// in both the embedding and the head).
+pub fn units_of(cfg: &ModelConfig, name: &str) -> Vec<Unit> {
+    let (fw, fb) = cfg.final_norm_names();
+    let mut units = Vec::new();
+    if name == cfg.embedding_name() || Some(name) == cfg.position_embedding_name() {
+        units.push(Unit::Embedding);
+    }
+    if name == fw || Some(name) == fb || name == cfg.lm_head_name() {
+        units.push(Unit::Head);
+    }
+    if units.is_empty() {
+        let rest = name
+            .strip_prefix("model.layers.")
+            .or_else(|| name.strip_prefix("transformer.h."));
+        if let Some(i) = rest.and_then(|r| r.split('.').next()?.parse().ok()) {
+            units.push(Unit::Layer(i));
+        }
+    }
+    units
 }
 
 pub trait Residency {

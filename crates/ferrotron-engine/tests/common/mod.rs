@@ -15,11 +15,24 @@ pub fn fixture(name: &str) -> PathBuf {
 pub struct Reference {
     pub tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
     pub batch: TokenBatch,
+    path: PathBuf,
 }
 
 impl Reference {
     pub fn load(model: &str) -> Self {
-        let path = fixture(model).join("reference_grads.safetensors");
+        Self::from_file(fixture(model).join("reference_grads.safetensors"))
+    }
+
+    /// The LoRA reference of `model` (`tests/fixtures/lora/<model>/lora_reference.safetensors`).
+    pub fn lora(model: &str) -> Self {
+        Self::from_file(
+            fixture("lora")
+                .join(model)
+                .join("lora_reference.safetensors"),
+        )
+    }
+
+    pub fn from_file(path: PathBuf) -> Self {
         let bytes = std::fs::read(&path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let ids_view = st.tensor("input_ids").unwrap();
@@ -57,6 +70,7 @@ impl Reference {
                 batch: shape[0],
                 seq: shape[1],
             },
+            path,
         }
     }
 
@@ -69,9 +83,8 @@ impl Reference {
     }
 
     /// The f64 reference values, read at full precision.
-    pub fn get_f64(&self, model: &str, name: &str) -> Vec<f64> {
-        let path = fixture(model).join("reference_grads.safetensors");
-        let bytes = std::fs::read(&path).unwrap();
+    pub fn get_f64(&self, _model: &str, name: &str) -> Vec<f64> {
+        let bytes = std::fs::read(&self.path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let v = st.tensor(name).unwrap();
         v.data()

@@ -1,10 +1,11 @@
-//! Where a command's devices run: threads in this process, or one MPI rank per device.
+//! Where a command's devices run: threads in this process, or one MPI rank per device; and what a
+//! one-step command (`grads`, `verify`) trains: the model, or LoRA adapters on it (`--adapter`).
 
 use anyhow::{bail, Result};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_engine::parallel::PipelineRun;
-use ferrotron_engine::transformer::{ParamStore, TokenBatch};
+use ferrotron_engine::transformer::{ParamStore, TokenBatch, Trained};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -31,13 +32,13 @@ impl Backend {
 #[cfg(feature = "mpi")]
 pub fn mpi_layout_step(
     cfg: &ModelConfig,
-    params: &ParamStore,
+    trained: Trained,
     batch: &TokenBatch,
     layout: &Layout,
 ) -> Result<Option<(f64, ParamStore, PipelineRun)>> {
     use ferrotron_engine::comm::{Comm, MpiComm};
     let mut c = MpiComm::init(None)?;
-    match ferrotron_engine::runtime::layout_step_on(&mut c, cfg, params, batch, layout) {
+    match ferrotron_engine::runtime::layout_step_on(&mut c, cfg, trained, batch, layout) {
         Ok(r) => Ok(r),
         Err(e) => c.abort(&format!("{e} (job of {} ranks)", c.world_size()), 1),
     }
@@ -46,9 +47,47 @@ pub fn mpi_layout_step(
 #[cfg(not(feature = "mpi"))]
 pub fn mpi_layout_step(
     _cfg: &ModelConfig,
-    _params: &ParamStore,
+    _trained: Trained,
     _batch: &TokenBatch,
     _layout: &Layout,
 ) -> Result<Option<(f64, ParamStore, PipelineRun)>> {
     Backend::parse("mpi").map(|_| None)
+}
+
+/// A model directory and, with `--adapter`, PEFT adapters on it: what `grads` and `verify` step.
+pub struct StepModel {
+    pub cfg: ModelConfig,
+    pub params: ParamStore,
+    pub adapters: Option<ferrotron_engine::lora::Adapters>,
+}
+
+impl StepModel {
+    pub fn load(model: &std::path::Path, adapter: Option<&std::path::Path>) -> Result<Self> {
+        let (cfg, params) = ferrotron_engine::hf::load_model(model)?;
+        let adapters = adapter
+            .map(|dir| ferrotron_engine::lora::Adapters::load_peft(dir, &cfg))
+            .transpose()?;
+        Ok(Self {
+            cfg,
+            params,
+            adapters,
+        })
+    }
+
+    /// What the step trains (its gradients are of these parameters).
+    pub fn trained(&self) -> Trained<'_> {
+        match &self.adapters {
+            Some(a) => Trained::lora(&self.params, &a.config, &a.params),
+            None => Trained::full(&self.params),
+        }
+    }
+
+    /// The name a gradient is written under: the Hugging Face parameter name, or an adapter's
+    /// name in `adapter_model.safetensors`.
+    pub fn grad_name(&self, name: &str) -> String {
+        match &self.adapters {
+            Some(_) => format!("grad.{}{name}", ferrotron_core::model::PEFT_PREFIX),
+            None => format!("grad.{name}"),
+        }
+    }
 }

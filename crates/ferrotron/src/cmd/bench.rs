@@ -33,6 +33,34 @@ pub enum BenchCommand {
     /// The time model against this machine: calibrate, then measured and predicted step time of
     /// layouts covering dp, tp, pp (1F1B, ZB-H1), ZeRO-3, recompute and sp.
     Predict(PredictBench),
+    /// LoRA against full fine-tuning of the same model and batches: tokens/s, forward/backward,
+    /// and memory per term measured beside the planner's prediction.
+    Lora(LoraBench),
+}
+
+#[derive(Args)]
+pub struct LoraBench {
+    /// A preset or a Hugging Face model directory (e.g. the default run's `runs/default/model`).
+    #[arg(long, default_value = "llama-small")]
+    model: String,
+    /// The adapters' rank (alpha is twice it; every projection targeted).
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
+    rank: usize,
+    /// Sequences per step.
+    #[arg(long, value_parser = positive(), default_value_t = 16)]
+    batch: usize,
+    /// Sequences per micro-batch (`train`'s default layout runs one at a time).
+    #[arg(long, value_parser = positive(), default_value_t = 1)]
+    mbs: usize,
+    /// Tokens per sequence.
+    #[arg(long, value_parser = positive(), default_value_t = 128)]
+    seq: usize,
+    /// Steps timed (after two untimed ones).
+    #[arg(long, value_parser = positive(), default_value_t = 10)]
+    steps: usize,
+    /// Kernel threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
 }
 
 #[derive(Args)]
@@ -146,6 +174,15 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Zero3(b) => {
             super::bench_zero3::run(&b.model, &b.dp, b.link_gb_s, b.batch, b.seq)
         }
+        BenchCommand::Lora(b) => super::bench_lora::run(super::bench_lora::LoraBenchArgs {
+            model: &b.model,
+            rank: b.rank,
+            batch: b.batch,
+            mbs: b.mbs,
+            seq: b.seq,
+            steps: b.steps,
+            threads: b.threads,
+        }),
         BenchCommand::Predict(b) => {
             let layouts = if b.layouts.is_empty() {
                 super::bench_predict::LAYOUTS.map(String::from).to_vec()

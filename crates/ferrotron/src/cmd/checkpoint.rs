@@ -24,17 +24,29 @@ pub enum CheckpointCommand {
         out: PathBuf,
     },
     /// Write a checkpoint's weights as a Hugging Face model directory (config.json +
-    /// model.safetensors + tokenizer.json) that transformers loads.
+    /// model.safetensors + tokenizer.json) that transformers loads; a LoRA checkpoint's adapters
+    /// as a PEFT adapter directory (`--adapter`) or merged into their base (`--merge`).
     Export {
         /// The checkpoint to read: a step-NNNNNN directory, or a checkpoint directory with `latest`.
         dir: PathBuf,
         /// The Hugging Face model directory to write (config.json, model.safetensors and the
         /// run's tokenizer.json).
         #[arg(long)]
-        hf: PathBuf,
+        hf: Option<PathBuf>,
         /// f32, bf16 or f16.
         #[arg(long, default_value = "f32")]
         dtype: String,
+        /// LoRA: write the adapters as a PEFT adapter directory (adapter_config.json +
+        /// adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads.
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        /// LoRA: with `--hf`, write the base with the adapters merged in (W + (alpha/r)·B·A).
+        #[arg(long)]
+        merge: bool,
+        /// LoRA with `--merge`: the base model directory (default: the one the adapters were
+        /// trained on, as the checkpoint records it).
+        #[arg(long)]
+        base: Option<PathBuf>,
     },
     /// Import a Hugging Face model directory as a step-0 checkpoint (fresh optimizer), to train
     /// from with `ferrotron train --resume`.
@@ -58,9 +70,37 @@ pub fn run(cmd: CheckpointCommand) -> Result<()> {
             let written = checkpoint::reshard(&dir, &layout, &out)?;
             println!("resharded to `{layout}`: {}", written.display());
         }
-        CheckpointCommand::Export { dir, hf, dtype } => {
-            checkpoint::export_hf(&dir, &hf, StorageDtype::parse(&dtype)?)?;
-            println!("exported to {}", hf.display());
+        CheckpointCommand::Export {
+            dir,
+            hf,
+            dtype,
+            adapter,
+            merge,
+            base,
+        } => {
+            let dtype = StorageDtype::parse(&dtype)?;
+            if base.is_some() && !merge {
+                anyhow::bail!("--base names the base model of `--merge`");
+            }
+            if let Some(out) = &adapter {
+                checkpoint::export_adapter(&dir, out)?;
+                println!("adapters exported to {} (PEFT)", out.display());
+            }
+            match (&hf, merge) {
+                (Some(out), true) => {
+                    checkpoint::export_merged(&dir, base.as_deref(), out, dtype)?;
+                    println!("merged model exported to {}", out.display());
+                }
+                (Some(out), false) => {
+                    checkpoint::export_hf(&dir, out, dtype)?;
+                    println!("exported to {}", out.display());
+                }
+                (None, true) => anyhow::bail!("--merge writes a model: give `--hf DIR`"),
+                (None, false) if adapter.is_none() => {
+                    anyhow::bail!("give `--hf DIR` (a model) or `--adapter DIR` (LoRA adapters)")
+                }
+                (None, false) => {}
+            }
         }
         CheckpointCommand::Import {
             hf_dir,

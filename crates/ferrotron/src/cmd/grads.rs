@@ -2,7 +2,7 @@ use anyhow::Result;
 use clap::Args;
 use ferrotron_engine::hf::{self, StorageDtype};
 use ferrotron_engine::kernels::CpuBackend;
-use ferrotron_engine::runtime::layout_step;
+use ferrotron_engine::runtime::layout_step_of;
 use std::path::PathBuf;
 
 #[derive(Args)]
@@ -16,7 +16,8 @@ pub struct GradsArgs {
     /// Layout spec (see the README).
     #[arg(long, default_value = "")]
     layout: String,
-    /// Output safetensors: `loss` and `grad.<name>` for every parameter, full Hugging Face shapes.
+    /// Output safetensors: `loss` and `grad.<name>` for every parameter, full Hugging Face shapes
+    /// (with `--adapter`, for every adapter tensor).
     #[arg(long)]
     out: PathBuf,
     /// Kernel threads (0: all cores).
@@ -26,14 +27,19 @@ pub struct GradsArgs {
     /// needs a build with `--features mpi`).
     #[arg(long, default_value = "threads")]
     backend: String,
+    /// A PEFT LoRA adapter directory on the model: the base is frozen, and the output holds the
+    /// gradient of every adapter tensor, named as in its `adapter_model.safetensors`.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
 }
 
 pub fn run(a: GradsArgs) -> Result<()> {
     let layout = super::concrete_layout(&a.layout)?;
-    let (cfg, params) = hf::load_model(&a.model)?;
+    let model = super::backend::StepModel::load(&a.model, a.adapter.as_deref())?;
+    let cfg = &model.cfg;
     let batch = ferrotron_engine::data::read_token_file(&a.tokens)?;
     batch
-        .check(&cfg)
+        .check(cfg)
         .map_err(|e| anyhow::anyhow!("{}: {e}", a.tokens.display()))?;
     let be = if a.threads == 0 {
         CpuBackend::default()
@@ -42,12 +48,12 @@ pub fn run(a: GradsArgs) -> Result<()> {
     };
     let (mean_loss, grads) = match super::backend::Backend::parse(&a.backend)? {
         super::backend::Backend::Threads => {
-            let (loss, grads, _) = layout_step(&cfg, &params, &batch, &layout, &be)?;
+            let (loss, grads, _) = layout_step_of(cfg, model.trained(), &batch, &layout, &be)?;
             (loss, grads)
         }
         // Every rank computes its device; rank 0 writes the gathered result.
         super::backend::Backend::Mpi => {
-            match super::backend::mpi_layout_step(&cfg, &params, &batch, &layout)? {
+            match super::backend::mpi_layout_step(cfg, model.trained(), &batch, &layout)? {
                 Some((loss, grads, _)) => (loss, grads),
                 None => return Ok(()),
             }
@@ -56,7 +62,7 @@ pub fn run(a: GradsArgs) -> Result<()> {
     let loss = [mean_loss as f32];
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> = vec![("loss".into(), vec![], &loss[..])];
     for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
-        tensors.push((format!("grad.{}", spec.name), spec.shape.clone(), g));
+        tensors.push((model.grad_name(&spec.name), spec.shape.clone(), g));
     }
     hf::write_tensors(&a.out, &tensors, StorageDtype::F32)?;
     println!(

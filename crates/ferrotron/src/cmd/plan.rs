@@ -39,6 +39,11 @@ pub struct PlanArgs {
     /// LoRA rank: frozen base weights, trainable state for the adapters only.
     #[arg(long)]
     lora_rank: Option<usize>,
+    /// With --lora-rank: the projections the adapters target, comma-separated (default: every
+    /// projection: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or GPT-2's
+    /// c_attn,c_proj,c_fc).
+    #[arg(long, default_value = "")]
+    lora_targets: String,
     /// Fraction of device memory kept free.
     #[arg(long, default_value_t = 0.1)]
     reserve: f64,
@@ -231,6 +236,36 @@ pub fn input_from(
     })
 }
 
+/// The LoRA configuration `--lora-rank` and `--lora-targets` describe (the alpha does not change
+/// memory or time: the rank is used for it).
+fn lora_for(
+    model: &PlanModel,
+    rank: Option<usize>,
+    targets: &str,
+) -> Result<Option<ferrotron_core::model::LoraConfig>> {
+    let Some(rank) = rank else {
+        if !targets.is_empty() {
+            anyhow::bail!("--lora-targets needs --lora-rank");
+        }
+        return Ok(None);
+    };
+    let PlanModel::Shape(cfg) = model else {
+        anyhow::bail!(
+            "--lora-rank: LoRA adapters are sized by the model's projections: give a model \
+             shape, not params=N"
+        );
+    };
+    let targets: Vec<String> = targets
+        .split(',')
+        .filter(|t| !t.trim().is_empty())
+        .map(|t| t.trim().to_string())
+        .collect();
+    Ok(Some(
+        ferrotron_core::model::LoraConfig::new(cfg, rank, rank as f64, &targets)
+            .map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?,
+    ))
+}
+
 pub fn run(a: PlanArgs) -> Result<()> {
     if !(0.0..1.0).contains(&a.reserve) {
         anyhow::bail!("--reserve: {} is not a fraction in [0, 1)", a.reserve);
@@ -244,7 +279,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         &a.optimizer,
         &a.activation_model,
     )?;
-    input.lora_rank = a.lora_rank;
+    input.lora = lora_for(&input.model, a.lora_rank, &a.lora_targets)?;
     input.memory_reserve = a.reserve;
     input.force_cross_node_tp = a.force_cross_node_tp;
     let spec = a.layout.as_deref().map(LayoutSpec::parse).transpose()?;

@@ -105,8 +105,18 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
     if !summary.reporter {
         return Ok(()); // an MPI rank other than 0: rank 0 reports
     }
+    let trained = if summary.trained_params == summary.num_params {
+        String::new()
+    } else {
+        format!(
+            " ({:.3}M of them trained: LoRA adapters, written to {} as PEFT writes them; the \
+             model below has them merged)",
+            summary.trained_params as f64 / 1e6,
+            cfg.out_dir.join("adapter").display()
+        )
+    };
     println!(
-        "done: {:.2}M parameters, {} train / {} validation tokens, {:.0} tokens/s",
+        "done: {:.2}M parameters{trained}, {} train / {} validation tokens, {:.0} tokens/s",
         summary.num_params as f64 / 1e6,
         summary.train_tokens,
         summary.val_tokens,

@@ -1,11 +1,10 @@
 use anyhow::{bail, Result};
 use clap::Args;
 use ferrotron_core::schedule::StagePartition;
-use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::parallel::TpShard;
-use ferrotron_engine::runtime::{layout_step, run_step};
-use ferrotron_engine::transformer::{TokenBatch, Transformer};
+use ferrotron_engine::runtime::{layout_step_of, run_step};
+use ferrotron_engine::transformer::TokenBatch;
 use std::path::PathBuf;
 
 #[derive(Args)]
@@ -35,6 +34,10 @@ pub struct VerifyArgs {
     /// under mpirun; needs a build with `--features mpi`). Rank 0 runs the unsplit model and reports.
     #[arg(long, default_value = "threads")]
     backend: String,
+    /// A PEFT LoRA adapter directory on the model: the base is frozen and the adapters' loss and
+    /// gradients are compared.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
 }
 
 /// Runs the unsplit model and the split one on the same batch and compares loss and every gradient.
@@ -46,7 +49,8 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         );
     }
     let layout = super::concrete_layout(&a.layout)?;
-    let (cfg, params) = hf::load_model(&a.model)?;
+    let model = super::backend::StepModel::load(&a.model, a.adapter.as_deref())?;
+    let (cfg, trained) = (&model.cfg, model.trained());
     let batch = match &a.tokens {
         Some(path) => ferrotron_engine::data::read_token_file(path)?,
         None => {
@@ -66,23 +70,23 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             }
         }
     };
-    batch.check(&cfg).map_err(|e| match &a.tokens {
+    batch.check(cfg).map_err(|e| match &a.tokens {
         Some(path) => anyhow::anyhow!("{}: {e}", path.display()),
         None => anyhow::anyhow!("--batch {} --seq {}: {e}", a.batch, a.seq),
     })?;
     let be = CpuBackend::default();
     let backend = super::backend::Backend::parse(&a.backend)?;
     let (loss, grads, run) = match backend {
-        super::backend::Backend::Threads => layout_step(&cfg, &params, &batch, &layout, &be)?,
+        super::backend::Backend::Threads => layout_step_of(cfg, trained, &batch, &layout, &be)?,
         super::backend::Backend::Mpi => {
-            match super::backend::mpi_layout_step(&cfg, &params, &batch, &layout)? {
+            match super::backend::mpi_layout_step(cfg, trained, &batch, &layout)? {
                 Some((loss, grads, run)) => (loss, grads, Some(run)),
                 None => return Ok(()), // rank 0 reports
             }
         }
     };
     if layout.pp > 1 {
-        let partition = StagePartition::for_model(&cfg, layout.pp * layout.vpp)?;
+        let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
         let stages: Vec<String> = partition
             .layers
             .iter()
@@ -92,7 +96,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         println!("pipeline chunks, split by compute: {}", stages.join(", "));
     }
     if layout.tp > 1 {
-        println!("tensor parallel: {}", describe_tp_split(&cfg, layout.tp)?);
+        println!("tensor parallel: {}", describe_tp_split(cfg, layout.tp)?);
     }
     if backend == super::backend::Backend::Mpi {
         println!(
@@ -100,11 +104,20 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             layout.world_size()
         );
     }
-    let mut reference = params.zeros_like();
+    if let Some(ad) = &model.adapters {
+        println!(
+            "LoRA adapters: rank {}, alpha {} on {} ({} tensors, the base frozen)",
+            ad.config.rank,
+            ad.config.alpha,
+            ad.config.targets.join(", "),
+            ad.params.specs.len()
+        );
+    }
+    let mut reference = trained.params.zeros_like();
     let want = run_step(
-        &Transformer::new(&cfg, &params),
+        &trained.unsplit(cfg),
         &be,
-        &params,
+        trained.params,
         &mut reference,
         &batch,
         batch.batch,

@@ -24,27 +24,7 @@ use ferrotron_core::model::ModelConfig;
 use std::collections::HashMap;
 use std::ops::Range;
 
-/// The unit(s) parameter `name` belongs to: its block, the embedding, the head (the tied embedding is
-/// in both the embedding and the head).
-pub fn units_of(cfg: &ModelConfig, name: &str) -> Vec<Unit> {
-    let (fw, fb) = cfg.final_norm_names();
-    let mut units = Vec::new();
-    if name == cfg.embedding_name() || Some(name) == cfg.position_embedding_name() {
-        units.push(Unit::Embedding);
-    }
-    if name == fw || Some(name) == fb || name == cfg.lm_head_name() {
-        units.push(Unit::Head);
-    }
-    if units.is_empty() {
-        let rest = name
-            .strip_prefix("model.layers.")
-            .or_else(|| name.strip_prefix("transformer.h."));
-        if let Some(i) = rest.and_then(|r| r.split('.').next()?.parse().ok()) {
-            units.push(Unit::Layer(i));
-        }
-    }
-    units
-}
+pub use crate::transformer::units_of;
 
 /// This rank's piece of a tensor of `len` elements padded to a multiple of `dp`.
 pub(crate) fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {

@@ -19,9 +19,9 @@ use crate::comm::{Comm, DeviceMesh, Dim, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::memory::{self, Term};
 use crate::optim::AdamWConfig;
-use crate::transformer::{Half, ParamStore, TokenBatch, Transformer};
+use crate::transformer::{FrozenBase, Half, ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
-use ferrotron_core::model::{ModelConfig, ParamSpec};
+use ferrotron_core::model::{LoraConfig, ModelConfig, ParamSpec};
 use ferrotron_core::schedule::{build, PipelineSchedule, StagePartition};
 
 /// Everything every device of a step shares: the model, the layout, its schedule, and the batch cut
@@ -54,6 +54,9 @@ pub struct MeshStep<'a> {
     kernel_threads: usize,
     /// ZeRO-3: prefetch the next unit's gather (on by default).
     zero3_prefetch: bool,
+    /// LoRA: the frozen base (the whole model's parameters) and the adapters' configuration; then
+    /// `params` are the adapters, the only tensors that train.
+    frozen: Option<(&'a ParamStore, &'a LoraConfig)>,
 }
 
 /// Where a resumed run starts: the first step to run, the loss scaler's state then, and how a
@@ -140,7 +143,21 @@ impl<'a> MeshStep<'a> {
             resume: None,
             kernel_threads: 1,
             zero3_prefetch: true,
+            frozen: None,
         })
+    }
+
+    /// LoRA: `params` (given to [`MeshStep::new`]) are the adapters of `lora` on the frozen `base`.
+    /// Each device holds its shard of the base (16-bit under mixed precision) beside its adapters;
+    /// only the adapters have gradients, optimizer state and (ZeRO) shards.
+    pub fn with_lora(mut self, base: &'a ParamStore, lora: &'a LoraConfig) -> Self {
+        self.frozen = Some((base, lora));
+        self
+    }
+
+    /// The LoRA configuration, when the step trains adapters on a frozen base.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.frozen.map(|f| f.1)
     }
 
     /// ZeRO-3 prefetch on or off (benchmarks compare the two).
@@ -233,8 +250,11 @@ impl<'a> MeshStep<'a> {
         let (t, _, _) = self.mesh.coords(rank);
         let local = TpShard::new(self.cfg, self.mesh.tp, t, false)?.local_config(self.cfg);
         let ranges = self.ranges(rank);
-        Ok(local
-            .param_specs()
+        let specs = match self.frozen {
+            Some((_, lora)) => lora.adapter_specs(&local),
+            None => local.param_specs(),
+        };
+        Ok(specs
             .into_iter()
             .filter(|spec| ranges.iter().any(|r| self.cfg.stage_owns(&spec.name, r)))
             .collect())
@@ -263,15 +283,37 @@ impl<'a> MeshStep<'a> {
                     .subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r))),
             )?
         };
+        let base_shard = match self.frozen {
+            Some((base, _)) => {
+                let _weights = memory::scope(Term::Weights);
+                Some(shard.shard_store(
+                    cfg,
+                    &base.subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r))),
+                )?)
+            }
+            None => None,
+        };
         let chunks = ranges
             .iter()
             .map(|r| {
-                Transformer::stage(&local, &store, r.clone())
-                    .with_recompute(layout.recompute)
-                    .with_vocab_slice(shard.vocab_slice(cfg))
-                    .with_activation_storage(self.storage)
+                let chunk = |p: &ParamStore| {
+                    Transformer::stage(&local, p, r.clone())
+                        .with_recompute(layout.recompute)
+                        .with_vocab_slice(shard.vocab_slice(cfg))
+                        .with_activation_storage(self.storage)
+                };
+                match (&base_shard, self.frozen) {
+                    (Some(b), Some((_, lora))) => {
+                        let _weights = memory::scope(Term::Weights);
+                        let mine = b.subset(|n| cfg.stage_owns(n, r));
+                        let base = FrozenBase::new(&local, mine, self.storage);
+                        chunk(base.names()).with_lora(lora, &store, base)
+                    }
+                    _ => chunk(&store),
+                }
             })
             .collect();
+        drop(base_shard);
         let dp_group = self.mesh.group_of(rank, Dim::Dp);
         let mut zero = ZeroState::new(
             cfg,
@@ -334,7 +376,8 @@ impl<'a> MeshStep<'a> {
         dev.zero.with_grad_view(|grads| -> Result<()> {
             // A tied output layer is the first stage's embedding copied to the last: their gradients
             // sum (the same piece of it on both under ZeRO).
-            if self.cfg.tie_word_embeddings && p > 1 && (s == 0 || s == p - 1) {
+            let trains_embedding = self.frozen.is_none();
+            if self.cfg.tie_word_embeddings && trains_embedding && p > 1 && (s == 0 || s == p - 1) {
                 let g = Group::new("pp", vec![device_of(0), device_of(p - 1)]);
                 let id = specs
                     .iter()

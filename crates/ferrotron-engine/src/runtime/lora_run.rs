@@ -1,0 +1,129 @@
+//! What a LoRA run trains and where its adapters start: a resumed checkpoint's adapters, a PEFT
+//! adapter directory (`--adapter`), or fresh ones (`--lora-rank`). The flags must agree with the
+//! adapters they continue; a checkpoint of full training never resumes as LoRA, nor the reverse.
+
+use super::config::TrainConfig;
+use crate::checkpoint::Checkpoint;
+use crate::error::{EngineError, Result};
+use crate::lora::Adapters;
+use ferrotron_core::model::{LoraConfig, ModelConfig};
+
+/// The LoRA configuration the flags describe on their own (`None` without `--lora-rank`).
+fn from_flags(cfg: &TrainConfig, model: &ModelConfig) -> Result<Option<LoraConfig>> {
+    let Some(rank) = cfg.lora_rank else {
+        return Ok(None);
+    };
+    let alpha = cfg.lora_alpha.unwrap_or(2.0 * rank as f64);
+    Ok(Some(LoraConfig::new(
+        model,
+        rank,
+        alpha,
+        &cfg.lora_targets(),
+    )?))
+}
+
+/// Refuses flags that contradict the adapters `found` (from `what`): each given flag must match.
+fn agree(cfg: &TrainConfig, found: &LoraConfig, what: &str) -> Result<()> {
+    let mismatch = |flag: &str, given: String, has: String| {
+        Err(EngineError::Invalid(format!(
+            "--{flag} {given}: {what} has {has} (leave the flag out to continue them as they are)"
+        )))
+    };
+    if let Some(r) = cfg.lora_rank.filter(|&r| r != found.rank) {
+        return mismatch("lora-rank", r.to_string(), format!("rank {}", found.rank));
+    }
+    if let Some(a) = cfg.lora_alpha.filter(|&a| a != found.alpha) {
+        return mismatch(
+            "lora-alpha",
+            a.to_string(),
+            format!("alpha {}", found.alpha),
+        );
+    }
+    let targets = cfg.lora_targets();
+    if !targets.is_empty() && targets != found.targets {
+        return mismatch(
+            "lora-targets",
+            targets.join(","),
+            format!("targets {}", found.targets.join(",")),
+        );
+    }
+    Ok(())
+}
+
+/// The adapters a run trains, if it trains LoRA: from the checkpoint it resumes, from `--adapter`,
+/// or fresh (seeded by `seed`).
+pub(super) fn resolve(
+    cfg: &TrainConfig,
+    model: &ModelConfig,
+    resume: Option<&Checkpoint>,
+) -> Result<Option<Adapters>> {
+    let asks = cfg.lora_rank.is_some() || cfg.adapter.is_some();
+    if let Some(ck) = resume {
+        return match (&ck.manifest.lora, asks) {
+            (Some(config), _) => {
+                if cfg.adapter.is_some() {
+                    return Err(EngineError::Invalid(format!(
+                        "--adapter and --resume: {} continues its own adapters (with their \
+                         optimizer state); give one of the two",
+                        ck.dir.display()
+                    )));
+                }
+                agree(cfg, config, &format!("the checkpoint {}", ck.dir.display()))?;
+                Ok(Some(Adapters {
+                    config: config.clone(),
+                    params: ck.params()?,
+                }))
+            }
+            (None, true) => Err(EngineError::Invalid(format!(
+                "{} is a checkpoint of full training; it cannot resume as LoRA. Export it \
+                 (`ferrotron checkpoint export --hf DIR`) and fine-tune that model with \
+                 --lora-rank",
+                ck.dir.display()
+            ))),
+            (None, false) => Ok(None),
+        };
+    }
+    if let Some(dir) = &cfg.adapter {
+        let adapters = Adapters::load_peft(dir, model)?;
+        agree(
+            cfg,
+            &adapters.config,
+            &format!("the adapter {}", dir.display()),
+        )?;
+        return Ok(Some(adapters));
+    }
+    Ok(from_flags(cfg, model)?.map(|config| Adapters::init(model, config, cfg.seed)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotron_core::model::preset;
+
+    #[test]
+    fn flags_make_fresh_adapters_and_must_agree_with_loaded_ones() {
+        let model = preset("llama-tiny").unwrap();
+        let none = TrainConfig::default();
+        assert!(resolve(&none, &model, None).unwrap().is_none());
+        let cfg = TrainConfig {
+            lora_rank: Some(4),
+            lora_targets: "q_proj,v_proj".into(),
+            ..TrainConfig::default()
+        };
+        let ad = resolve(&cfg, &model, None).unwrap().unwrap();
+        assert_eq!((ad.config.rank, ad.config.alpha), (4, 8.0));
+        assert_eq!(ad.params.specs.len(), 4 * 2 * 2);
+        let e = agree(
+            &TrainConfig {
+                lora_rank: Some(8),
+                ..cfg.clone()
+            },
+            &ad.config,
+            "the adapter x",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--lora-rank 8") && e.contains("rank 4"), "{e}");
+        assert!(agree(&cfg, &ad.config, "x").is_ok());
+    }
+}

@@ -1,0 +1,247 @@
+//! `bench lora`: LoRA against full fine-tuning of the same model on the same batches, side by side
+//! in one run, through the training loop (the 1×1×1 mesh, as `ferrotron train` runs one device):
+//! tokens/s, the forward and backward split, and memory per term measured by the tracking
+//! allocator beside the planner's prediction.
+
+use anyhow::Result;
+use ferrotron_core::layout::Layout;
+use ferrotron_core::model::{LoraConfig, ModelConfig};
+use ferrotron_core::plan::{evaluate, PlanInput, PlanModel, Precision};
+use ferrotron_core::schedule::StagePartition;
+use ferrotron_core::topology::Cluster;
+use ferrotron_engine::comm::{ClockSource, ThreadWorld};
+use ferrotron_engine::lora::Adapters;
+use ferrotron_engine::memory::{format_bytes, MemoryTerms};
+use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
+use ferrotron_engine::parallel::{MeshStep, Training};
+use ferrotron_engine::transformer::{TokenBatch, Trained};
+use rand::{Rng, SeedableRng};
+
+/// What one way of training measured.
+struct Measured {
+    /// Median wall seconds per step, and the median forward and backward actions' seconds.
+    step_s: f64,
+    forward_s: f64,
+    backward_s: f64,
+    memory: MemoryTerms,
+    predicted: MemoryTerms,
+    trained_params: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    cfg: &ModelConfig,
+    trained: Trained,
+    batches: &[TokenBatch],
+    warmup: usize,
+    threads: usize,
+    mbs: usize,
+    lora: Option<&LoraConfig>,
+) -> Result<Measured> {
+    let b = &batches[0];
+    let layout = Layout {
+        micro_batch_size: mbs,
+        ..Layout::default()
+    };
+    let partition = StagePartition::for_model(cfg, 1)?;
+    let lr = LrSchedule {
+        peak_lr: 3e-4,
+        min_lr: 3e-4,
+        warmup_steps: 0,
+        total_steps: batches.len(),
+    };
+    let mut results = ThreadWorld::new(1).clock(ClockSource::Wall).run(|c| {
+        let step = MeshStep::new(cfg, trained.params, b, &layout, &partition)?
+            .with_kernel_threads(threads);
+        let mut step = match trained.lora {
+            Some((base, l)) => step.with_lora(base, l),
+            None => step,
+        };
+        let (mut steps, mut fwd, mut bwd, mut memory) = (vec![], vec![], vec![], None);
+        step.train_device(
+            c,
+            &Training {
+                steps: batches.len(),
+                batch_of: &|k| batches[k].clone(),
+                adam: AdamWConfig::default(),
+                lr: &lr,
+                clip: 1.0,
+            },
+            &mut |_, _, _, r| {
+                if r.step >= warmup {
+                    steps.push(r.wall_s);
+                    let span = |a: &(ferrotron_core::schedule::Action, f64, f64)| a.2 - a.1;
+                    fwd.push(
+                        r.timeline
+                            .iter()
+                            .filter(|a| a.0.kind() == "forward")
+                            .map(span)
+                            .sum(),
+                    );
+                    bwd.push(
+                        r.timeline
+                            .iter()
+                            .filter(|a| a.0.kind() != "forward")
+                            .map(span)
+                            .sum(),
+                    );
+                    memory = Some(r.memory.peak_terms());
+                }
+                Ok(())
+            },
+        )?;
+        Ok::<_, ferrotron_engine::EngineError>((steps, fwd, bwd, memory))
+    });
+    let (steps, fwd, bwd, memory) = results.remove(0)??;
+    let input = PlanInput {
+        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
+        lora: lora.cloned(),
+        memory_reserve: 0.0,
+        ..PlanInput::new(
+            PlanModel::Shape(cfg.clone()),
+            Cluster::parse("this-machine")?,
+            b.seq,
+            b.batch,
+        )
+    };
+    let predicted = evaluate(&input, &layout)?.memory_bytes;
+    Ok(Measured {
+        step_s: median(steps),
+        forward_s: median(fwd),
+        backward_s: median(bwd),
+        memory: memory.expect("measured steps"),
+        predicted,
+        trained_params: trained.params.numel(),
+    })
+}
+
+/// What `bench lora` compares: the model, the adapters' rank, the batch and its micro-batches.
+pub struct LoraBenchArgs<'a> {
+    pub model: &'a str,
+    pub rank: usize,
+    pub batch: usize,
+    pub mbs: usize,
+    pub seq: usize,
+    pub steps: usize,
+    pub threads: usize,
+}
+
+pub fn run(a: LoraBenchArgs) -> Result<()> {
+    let LoraBenchArgs {
+        model,
+        rank,
+        batch,
+        mbs,
+        seq,
+        steps,
+        threads,
+    } = a;
+    if batch % mbs != 0 {
+        anyhow::bail!("--batch {batch} is not a multiple of --mbs {mbs}");
+    }
+    let (cfg, base, _) = ferrotron_engine::runtime::resolve_model(model, 0)?;
+    let lora = LoraConfig::new(&cfg, rank, 2.0 * rank as f64, &[])?;
+    let adapters = Adapters::init(&cfg, lora.clone(), 1);
+    let threads = if threads == 0 {
+        ferrotron_engine::kernels::CpuBackend::default().threads
+    } else {
+        threads
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let warmup = 2;
+    let batches: Vec<TokenBatch> = (0..warmup + steps)
+        .map(|_| TokenBatch {
+            ids: (0..batch * seq)
+                .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
+                .collect(),
+            batch,
+            seq,
+        })
+        .collect();
+    let full = measure(
+        &cfg,
+        Trained::full(&base),
+        &batches,
+        warmup,
+        threads,
+        mbs,
+        None,
+    )?;
+    let trained = Trained::lora(&base, &lora, &adapters.params);
+    let adapted = measure(&cfg, trained, &batches, warmup, threads, mbs, Some(&lora))?;
+    let tokens = (batch * seq) as f64;
+    println!(
+        "ferrotron bench lora: {model} ({:.2}M parameters), batch {batch} x seq {seq} in \
+         micro-batches of {mbs}, f32, AdamW, \
+         {threads} threads, one device through the training loop; LoRA rank {rank}, alpha {} on {}",
+        cfg.num_params() as f64 / 1e6,
+        lora.alpha,
+        lora.targets.join(", ")
+    );
+    println!("\n| | full fine-tuning | LoRA | LoRA / full |\n|---|---|---|---|");
+    let row = |what: &str, a: f64, b: f64, unit: &dyn Fn(f64) -> String| {
+        println!("| {what} | {} | {} | {:.3} |", unit(a), unit(b), b / a);
+    };
+    let secs = |x: f64| format!("{x:.4}");
+    let count = |x: f64| format!("{:.0}", x);
+    row(
+        "trained parameters",
+        full.trained_params as f64,
+        adapted.trained_params as f64,
+        &count,
+    );
+    row(
+        "tokens/s",
+        tokens / full.step_s,
+        tokens / adapted.step_s,
+        &|x| format!("{x:.1}"),
+    );
+    row("step (s, median)", full.step_s, adapted.step_s, &secs);
+    row("forward (s)", full.forward_s, adapted.forward_s, &secs);
+    row("backward (s)", full.backward_s, adapted.backward_s, &secs);
+    println!(
+        "\nmemory per term, measured / predicted by the planner (`plan --lora-rank {rank}`):\n"
+    );
+    println!("| term | full fine-tuning | LoRA |\n|---|---|---|");
+    let terms = |m: &MemoryTerms| {
+        [
+            m.weights,
+            m.gradients,
+            m.master_weights,
+            m.optimizer_states,
+            m.activations,
+            m.comm_buffers,
+            m.total,
+        ]
+    };
+    let names = [
+        "weights",
+        "gradients",
+        "master_weights",
+        "optimizer_states",
+        "activations",
+        "comm_buffers",
+        "total",
+    ];
+    let (fm, fp, lm, lp) = (
+        terms(&full.memory),
+        terms(&full.predicted),
+        terms(&adapted.memory),
+        terms(&adapted.predicted),
+    );
+    for (i, name) in names.iter().enumerate() {
+        println!(
+            "| {name} | {} / {} | {} / {} |",
+            format_bytes(fm[i]),
+            format_bytes(fp[i]),
+            format_bytes(lm[i]),
+            format_bytes(lp[i])
+        );
+    }
+    Ok(())
+}
