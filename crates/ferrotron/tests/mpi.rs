@@ -309,3 +309,38 @@ fn readme_mpirun_commands_run() {
     }
     assert!(ran >= 2, "only {ran} mpirun commands found");
 }
+
+#[test]
+fn lora_adapter_gradients_under_mpi_match_peft() {
+    let dir = std::env::temp_dir().join(format!("ferrotron-mpi-lora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("grads.safetensors");
+    let adapter = fixture("lora").join("gpt2_tiny");
+    let refs = adapter.join("lora_reference.safetensors");
+    let (ok, text) = mpirun(
+        4,
+        &[
+            "grads",
+            "--model",
+            fixture("gpt2_tiny").to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--tokens",
+            refs.to_str().unwrap(),
+            "--layout",
+            "tp=2,pp=2,mbs=1",
+            "--backend",
+            "mpi",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    let (got, want) = (read_f32(&out), read_f32(&refs));
+    let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
+    assert_eq!(got.len() - 1, names.len());
+    for name in names {
+        let g = &got[&name.replace("grad_f32.", "grad.")];
+        assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{name}");
+    }
+}

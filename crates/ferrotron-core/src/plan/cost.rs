@@ -28,11 +28,19 @@ pub fn head_forward_flops(cfg: &ModelConfig, mbs: usize, seq: usize) -> f64 {
 }
 
 /// FLOPs of one optimizer step: model FLOPs (forward + backward, the MFU numerator) and hardware FLOPs
-/// (adding the recomputed forward where recompute is on).
-pub fn step_flops(cfg: &ModelConfig, l: &Layout, seq: usize, global_batch: usize) -> (f64, f64) {
+/// (adding the recomputed forward where recompute is on). A frozen base (LoRA) computes no weight
+/// gradients: its backward is the input gradients alone, as much as the forward.
+pub fn step_flops(
+    cfg: &ModelConfig,
+    l: &Layout,
+    seq: usize,
+    global_batch: usize,
+    frozen_base: bool,
+) -> (f64, f64) {
     let layers = layer_forward_flops(cfg, 1, seq) * cfg.num_layers as f64 * global_batch as f64;
     let head = head_forward_flops(cfg, 1, seq) * global_batch as f64;
-    let model = 3.0 * (layers + head);
+    let passes = if frozen_base { 2.0 } else { 3.0 };
+    let model = passes * (layers + head);
     let extra = match l.recompute {
         Recompute::Full => layers,
         Recompute::Selective => {

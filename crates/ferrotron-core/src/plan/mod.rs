@@ -430,7 +430,8 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
     if let (Some(tl), Some(costs), PlanModel::Shape(cfg)) = (timeline, costs, &input.model) {
         let world = l.world_size() as f64;
         let step = tl.makespan + costs.dp_time + costs.optimizer_time;
-        let (model_flops, hw_flops) = step_flops(cfg, l, input.seq, input.global_batch);
+        let frozen = input.lora.is_some();
+        let (model_flops, hw_flops) = step_flops(cfg, l, input.seq, input.global_batch, frozen);
         plan.compute_time_s = tl.busy.iter().copied().fold(0.0, f64::max);
         plan.dp_comm_time_s = costs.dp_time;
         let per_device = |f: fn(&(f64, f64)) -> f64| {

@@ -730,6 +730,8 @@ fn verdicts(
     let mut out = Vec::new();
     let busy: Vec<f64> = devices.iter().map(|m| m.report.busy_s).collect();
     // A device computing well above the others of its stage (which do the same work): a straggler.
+    // The worst of them (by its ratio to the median) is the one the others wait on.
+    let mut worst_straggler: Option<(f64, String)> = None;
     for (d, &b) in busy.iter().enumerate() {
         let (t, dp, s) = coords[d];
         let mut peers: Vec<f64> = (0..devices.len())
@@ -742,6 +744,13 @@ fn verdicts(
         peers.sort_by(f64::total_cmp);
         let median = peers[peers.len() / 2];
         if median > 0.0 && b > median * (1.0 + a.straggler_threshold) {
+            let ratio = b / median;
+            if worst_straggler.as_ref().is_none_or(|w| ratio > w.0) {
+                worst_straggler = Some((
+                    ratio,
+                    format!("device {d} (stage {s}, dp rank {dp}, tp rank {t})"),
+                ));
+            }
             out.push(format!(
                 "device {d} (stage {s}, dp rank {dp}, tp rank {t}) computes {:.2}× its stage's median \
                  ({b:.4} s vs {median:.4} s): a straggler",
@@ -783,11 +792,8 @@ fn verdicts(
             .sum::<f64>()
             / ids.len().max(1) as f64;
         if (idle - want).abs() > th {
-            let why = if let Some(straggler) = out.iter().find(|v| v.contains("straggler")) {
-                format!(
-                    "waiting on the straggler, {}",
-                    straggler.split(" computes").next().unwrap_or("above")
-                )
+            let why = if let Some((_, straggler)) = &worst_straggler {
+                format!("waiting on the straggler, {straggler}")
             } else if stage_busy[cheap] > 0.0 && stage_busy[dear] / stage_busy[cheap] > 1.0 + th {
                 format!(
                     "stages unbalanced — stage {dear} costs {:.2}× stage {cheap}",

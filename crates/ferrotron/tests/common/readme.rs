@@ -120,6 +120,10 @@ pub fn shortened(words: &[String]) -> Vec<String> {
         for (f, v) in [("--model", "llama-tiny"), ("--batch", "8"), ("--seq", "32")] {
             set_flag(&mut w, f, v);
         }
+    } else if which == "bench lora" {
+        for (f, v) in [("--model", "llama-tiny"), ("--steps", "1"), ("--seq", "32")] {
+            set_flag(&mut w, f, v);
+        }
     } else if which == "bench predict" {
         for (f, v) in [("--model", "llama-tiny"), ("--steps", "2")] {
             set_flag(&mut w, f, v);
