@@ -12,16 +12,27 @@ pub enum Schedule {
     OneFOneB,
     Interleaved,
     Zbh1,
+    /// PipeDream (Narayanan et al., SOSP 2019): 1F1B without flushes, each stage updating after
+    /// every backward, weight stashing. Asynchronous: it changes the optimizer's semantics.
+    #[serde(rename = "pipedream")]
+    PipeDream,
+    /// PipeDream-2BW (Narayanan et al., ICML 2021): 1F1B without flushes, one update per m
+    /// micro-batches, two weight versions, `W(t+1) = W(t) − ν·∇f(W(t−1))`. Asynchronous.
+    #[serde(rename = "2bw")]
+    TwoBw,
 }
 
 impl Schedule {
-    pub const NAMES: &'static [&'static str] = &["gpipe", "1f1b", "interleaved", "zbh1"];
+    pub const NAMES: &'static [&'static str] =
+        &["gpipe", "1f1b", "interleaved", "zbh1", "pipedream", "2bw"];
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "gpipe" => Self::Gpipe,
             "1f1b" => Self::OneFOneB,
             "interleaved" => Self::Interleaved,
             "zbh1" => Self::Zbh1,
+            "pipedream" => Self::PipeDream,
+            "2bw" => Self::TwoBw,
             _ => return None,
         })
     }
@@ -31,7 +42,14 @@ impl Schedule {
             Self::OneFOneB => "1f1b",
             Self::Interleaved => "interleaved",
             Self::Zbh1 => "zbh1",
+            Self::PipeDream => "pipedream",
+            Self::TwoBw => "2bw",
         }
+    }
+    /// Whether the schedule runs without flushes across optimizer steps, so that micro-batches see
+    /// weights some updates old (a change of the optimizer's semantics, not only of timing).
+    pub fn is_async(self) -> bool {
+        matches!(self, Self::PipeDream | Self::TwoBw)
     }
 }
 

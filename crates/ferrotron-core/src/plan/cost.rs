@@ -387,6 +387,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
                 backward_input: bwd / 2.0,
                 backward_weight: bwd / 2.0,
                 p2p,
+                update: 0.0,
             }
         })
         .collect();

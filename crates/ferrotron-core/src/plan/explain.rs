@@ -70,13 +70,29 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
             out.push("WARNING: the tensor-parallel group spans nodes: every layer's exchange crosses the slow link".into());
         }
     }
+    if l.schedule.is_async() {
+        out.push(format!(
+            "asynchronous: schedule={} runs without a flush, so the pipeline fills and drains once \
+             per run (and at each checkpoint or evaluation), not every step; micro-batches train on \
+             weights {} — a change of the optimizer's semantics, which `ferrotron verify --steps K` \
+             checks against the delayed-update reference; the weights term holds the stashed \
+             versions",
+            l.schedule.name(),
+            if l.schedule == crate::layout::Schedule::TwoBw {
+                "one update old (W(t+1) = W(t) − ν·∇f(W(t−1)))"
+            } else {
+                "as many updates old as micro-batches are in flight behind them"
+            }
+        ));
+    }
     if l.pp > 1 {
         out.push(format!(
-            "pipeline pp={} ({}{}), {} micro-batches: bubble {:.1}% of the step; {} per step per device on the {} link",
+            "pipeline pp={} ({}{}), {} micro-batches: {} {:.1}% of the step; {} per step per device on the {} link",
             l.pp,
             l.schedule.name(),
             if l.vpp > 1 { format!(", {} chunks per stage", l.vpp) } else { String::new() },
             p.num_micro_batches,
+            if l.schedule.is_async() { "steady-state idle" } else { "bubble" },
             p.bubble_fraction * 100.0,
             gb(p.comm_bytes_per_step.pp),
             link_name(lk.pp.bandwidth_bytes_per_s)

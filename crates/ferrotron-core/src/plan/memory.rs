@@ -302,14 +302,23 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     };
     let z = l.zero;
     let shard = |stage_min: u8| if z >= stage_min { dp } else { 1.0 };
-    let weights = if input.lora.is_some() {
-        // The frozen base stays whole on every replica (ZeRO shards only what trains); the
-        // adapters' compute copy is sharded like any trained parameter.
-        (params + trainable / shard(3)) * pr.weights.bytes()
-    } else {
-        params * pr.weights.bytes() / shard(3)
+    // Asynchronous schedules stash weight versions for their in-flight micro-batches (PipeDream:
+    // one per micro-batch in flight but the newest; 2BW: the previous one, but on the last stage)
+    // and 2BW holds a step's gradients until its update while the next step's accumulate.
+    let last = stage + 1 == l.pp;
+    let (versions, grad_buffers) = match l.schedule {
+        crate::layout::Schedule::PipeDream => ((l.pp - stage) as f64, 1.0),
+        crate::layout::Schedule::TwoBw => (if last { 1.0 } else { 2.0 }, 2.0),
+        _ => (1.0, 1.0),
     };
-    let gradients = trainable * pr.grads.bytes() / shard(2);
+    let weights = if input.lora.is_some() {
+        // The frozen base stays whole on every replica (ZeRO shards only what trains) and is never
+        // versioned; the adapters' compute copy is sharded like any trained parameter.
+        (params + versions * trainable / shard(3)) * pr.weights.bytes()
+    } else {
+        versions * params * pr.weights.bytes() / shard(3)
+    };
+    let gradients = grad_buffers * trainable * pr.grads.bytes() / shard(2);
     let master_weights = trainable * pr.master_bytes() / shard(1);
     let optimizer_states = trainable * input.optimizer.state_bytes(pr) / shard(1);
     MemoryTerms {

@@ -97,6 +97,9 @@ pub struct PlanInput {
     pub memory_reserve: f64,
     /// Allow a tensor-parallel group to span nodes (priced on the slow link).
     pub force_cross_node_tp: bool,
+    /// Let the search consider the asynchronous schedules (PipeDream, PipeDream-2BW), which change
+    /// the optimizer's semantics; a layout that names one is priced either way.
+    pub allow_async: bool,
 }
 
 impl PlanInput {
@@ -115,6 +118,7 @@ impl PlanInput {
             lora: None,
             memory_reserve: 0.1,
             force_cross_node_tp: false,
+            allow_async: false,
         }
     }
 
@@ -249,6 +253,39 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
     {
         return Err(rule("tp", format!("tp={} does not divide the {} devices of a node, so some groups would span two nodes", l.tp, c.devices_per_node)));
     }
+    if l.schedule.is_async() {
+        if l.vpp > 1 {
+            return Err(rule(
+                "vpp",
+                format!(
+                    "schedule={} runs one chunk per stage (vpp=1)",
+                    l.schedule.name()
+                ),
+            ));
+        }
+        if l.zero > 1 {
+            return Err(rule(
+                "zero",
+                format!(
+                    "schedule={} keeps whole weight versions and per-update gradients on each \
+                     replica; ZeRO-{} would shard them (use zero=0 or 1)",
+                    l.schedule.name(),
+                    l.zero
+                ),
+            ));
+        }
+        let m = input.global_batch / (l.dp * l.micro_batch_size).max(1);
+        if l.schedule == Schedule::TwoBw && m < l.pp {
+            return Err(rule(
+                "schedule",
+                format!(
+                    "schedule=2bw coalesces a step's {m} micro-batches into one update and needs \
+                     at least pp={} of them",
+                    l.pp
+                ),
+            ));
+        }
+    }
     if l.vpp > 1 && l.schedule != Schedule::Interleaved {
         return Err(rule(
             "vpp",
@@ -355,25 +392,72 @@ pub fn in_flight(l: &Layout, m: usize, s: usize) -> usize {
         Schedule::OneFOneB => m.min(p - s),
         Schedule::Interleaved => (((p - s - 1) * 2 + (l.vpp - 1) * p) + 1).min(m * l.vpp),
         Schedule::Zbh1 => m.min(p - s) + m.min(p - s - 1),
+        // No flush: 1F1B's steady state across steps.
+        Schedule::PipeDream | Schedule::TwoBw => p - s,
     }
+}
+
+/// Steps an asynchronous schedule is simulated over to find its steady state.
+const ASYNC_STEPS: usize = 4;
+
+/// What simulating a layout's schedule gives the plan: the timeline (of one step, or of
+/// [`ASYNC_STEPS`] steps without a flush), and per step the pipeline's time and each stage's busy
+/// time (asynchronous: the steady state, the difference between runs of more and fewer steps, with
+/// the updates inside).
+struct Simulated {
+    timeline: crate::schedule::Timeline,
+    costs: cost::Costs,
+    step_s: f64,
+    busy: Vec<f64>,
 }
 
 /// The layout's pipeline schedule simulated with the planner's per-action costs, and the costs
 /// (none for a model given only as a parameter count).
-fn simulated(
-    input: &PlanInput,
-    l: &Layout,
-) -> Result<(Option<crate::schedule::Timeline>, Option<cost::Costs>)> {
+fn simulated(input: &PlanInput, l: &Layout) -> Result<Option<Simulated>> {
     let m = input.global_batch / (l.dp * l.micro_batch_size);
-    Ok(match &input.model {
-        PlanModel::Shape(cfg) => {
-            let sched = build(l.schedule, l.pp, m, l.vpp)?;
-            let costs = cost::costs(input, cfg, l, params_on_device(cfg, l, 0));
-            let tl = simulate(&sched, &costs.actions)?;
-            (Some(tl), Some(costs))
-        }
-        PlanModel::ParamsOnly(_) => (None, None),
-    })
+    let PlanModel::Shape(cfg) = &input.model else {
+        return Ok(None);
+    };
+    let costs = cost::costs(input, cfg, l, params_on_device(cfg, l, 0));
+    if !l.schedule.is_async() {
+        let tl = simulate(&build(l.schedule, l.pp, m, l.vpp)?, &costs.actions)?;
+        return Ok(Some(Simulated {
+            step_s: tl.makespan,
+            busy: tl.busy.clone(),
+            timeline: tl,
+            costs,
+        }));
+    }
+    // Each update reduces its gradients over the replicas and steps the optimizer (PipeDream: per
+    // micro-batch); both are inside the lists. Updates wait for every stage (global-norm clipping).
+    let with_updates: Vec<crate::schedule::ActionCosts> = costs
+        .actions
+        .iter()
+        .map(|a| crate::schedule::ActionCosts {
+            update: costs.dp_time + costs.optimizer_time,
+            ..*a
+        })
+        .collect();
+    let run = |steps: usize| -> Result<crate::schedule::Timeline> {
+        simulate(
+            &crate::schedule::build_async(l.schedule, l.pp, m, steps, true)?,
+            &with_updates,
+        )
+    };
+    let (long, short) = (run(ASYNC_STEPS)?, run(ASYNC_STEPS - 2)?);
+    let step_s = (long.makespan - short.makespan) / 2.0;
+    let busy = long
+        .busy
+        .iter()
+        .zip(&short.busy)
+        .map(|(a, b)| (a - b) / 2.0)
+        .collect();
+    Ok(Some(Simulated {
+        timeline: long,
+        costs,
+        step_s,
+        busy,
+    }))
 }
 
 /// The timeline the planner predicts for one step of `l` (stages × time, every action).
@@ -382,17 +466,17 @@ pub fn simulated_timeline(
     l: &Layout,
 ) -> Result<Option<crate::schedule::Timeline>> {
     check_layout(input, l)?;
-    Ok(simulated(input, l)?.0)
+    Ok(simulated(input, l)?.map(|s| s.timeline))
 }
 
 /// Evaluates one layout completely, simulating its pipeline schedule.
 pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
     check_layout(input, l)?;
     let m = input.global_batch / (l.dp * l.micro_batch_size);
-    let (timeline, costs) = simulated(input, l)?;
+    let sim = simulated(input, l)?;
     let stages: Vec<MemoryTerms> = (0..l.pp)
         .map(|s| {
-            let flight = timeline.as_ref().map_or(0, |t| t.peak_in_flight[s]);
+            let flight = sim.as_ref().map_or(0, |t| t.timeline.peak_in_flight[s]);
             stage_memory(input, l, s, flight)
         })
         .collect();
@@ -414,7 +498,7 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         bubble_fraction_per_stage: Vec::new(),
         capacity_bytes: input.cluster.device_memory_bytes,
         usable_bytes: usable,
-        comm_bytes_per_step: costs.as_ref().map_or(Traffic::default(), |c| c.traffic),
+        comm_bytes_per_step: sim.as_ref().map_or(Traffic::default(), |c| c.costs.traffic),
         compute_time_s: 0.0,
         dp_comm_time_s: 0.0,
         action_comm_time_s: (0.0, 0.0),
@@ -427,21 +511,32 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         fits: worst.total <= usable,
         explain: Vec::new(),
     };
-    if let (Some(tl), Some(costs), PlanModel::Shape(cfg)) = (timeline, costs, &input.model) {
+    if let (Some(sim), PlanModel::Shape(cfg)) = (sim, &input.model) {
+        let (costs, busy) = (&sim.costs, &sim.busy);
         let world = l.world_size() as f64;
-        let step = tl.makespan + costs.dp_time + costs.optimizer_time;
+        // Asynchronous schedules hold their reductions and updates inside the lists.
+        let step = if l.schedule.is_async() {
+            sim.step_s
+        } else {
+            sim.step_s + costs.dp_time + costs.optimizer_time
+        };
         let frozen = input.lora.is_some();
         let (model_flops, hw_flops) = step_flops(cfg, l, input.seq, input.global_batch, frozen);
-        plan.compute_time_s = tl.busy.iter().copied().fold(0.0, f64::max);
+        plan.compute_time_s = busy.iter().copied().fold(0.0, f64::max);
         plan.dp_comm_time_s = costs.dp_time;
         let per_device = |f: fn(&(f64, f64)) -> f64| {
             m as f64 * costs.action_comm.iter().map(f).sum::<f64>() / l.pp as f64
         };
         plan.action_comm_time_s = (per_device(|c| c.0), per_device(|c| c.1));
         plan.optimizer_time_s = costs.optimizer_time;
-        plan.bubble_fraction = tl.bubble_fraction();
-        plan.compute_time_per_stage_s = tl.busy.clone();
-        plan.bubble_fraction_per_stage = (0..l.pp).map(|s| tl.idle_fraction(s)).collect();
+        let idle = |s: usize| (1.0 - busy[s] / sim.step_s.max(f64::MIN_POSITIVE)).max(0.0);
+        plan.bubble_fraction_per_stage = (0..l.pp).map(idle).collect();
+        plan.bubble_fraction = plan
+            .bubble_fraction_per_stage
+            .iter()
+            .copied()
+            .fold(0.0, f64::max);
+        plan.compute_time_per_stage_s = busy.clone();
         plan.step_time_s = step;
         plan.tokens_per_s = (input.global_batch * input.seq) as f64 / step;
         plan.tflops_per_device = hw_flops / (step * world) / 1e12;

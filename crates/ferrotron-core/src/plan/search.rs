@@ -35,9 +35,17 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                 vec![1]
             };
             for vpp in chunk_options {
-                let schedules: &[Schedule] = match (pp, vpp) {
-                    (1, _) => &[Schedule::OneFOneB],
-                    (_, 1) => &[Schedule::OneFOneB, Schedule::Gpipe, Schedule::Zbh1],
+                // The asynchronous schedules change the optimizer's semantics: only when asked.
+                let schedules: &[Schedule] = match (pp, vpp, input.allow_async) {
+                    (1, _, _) => &[Schedule::OneFOneB],
+                    (_, 1, false) => &[Schedule::OneFOneB, Schedule::Gpipe, Schedule::Zbh1],
+                    (_, 1, true) => &[
+                        Schedule::OneFOneB,
+                        Schedule::Gpipe,
+                        Schedule::Zbh1,
+                        Schedule::TwoBw,
+                        Schedule::PipeDream,
+                    ],
                     _ => &[Schedule::Interleaved],
                 };
                 for &schedule in schedules {
@@ -149,7 +157,12 @@ fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {
     let per_stage_max = (0..l.pp)
         .map(|s| (0..l.vpp).map(|v| chunk[v * l.pp + s]).sum::<f64>())
         .fold(0.0, f64::max);
-    let fill = chunk.iter().sum::<f64>() / l.vpp as f64 * (l.pp - 1) as f64 / l.pp as f64;
+    // An asynchronous schedule fills its pipeline once per run, not per step.
+    let fill = if l.schedule.is_async() {
+        0.0
+    } else {
+        chunk.iter().sum::<f64>() / l.vpp as f64 * (l.pp - 1) as f64 / l.pp as f64
+    };
     (
         fits,
         m as f64 * per_stage_max + fill + c.dp_time + c.optimizer_time,

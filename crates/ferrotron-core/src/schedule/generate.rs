@@ -45,12 +45,21 @@ pub fn build(
             (0..p).map(|s| interleaved(p, s, m, v)).collect()
         }
         Schedule::Zbh1 => zb_h1_all(p, m),
+        Schedule::PipeDream | Schedule::TwoBw => {
+            return Err(ConfigError::Invalid(format!(
+                "schedule={} is asynchronous: it spans optimizer steps (`build_async`)",
+                kind.name()
+            )))
+        }
     };
     Ok(PipelineSchedule {
         stages: p,
         micro_batches: m,
         chunks: v,
         actions,
+        versions: Vec::new(),
+        micro_batches_per_update: m,
+        sync_updates: true,
     })
 }
 
@@ -63,7 +72,7 @@ fn gpipe(m: usize) -> Vec<Action> {
 
 /// 1F1B (PipeDream-Flush): p − s − 1 warm-up forwards, then one forward / one backward, then drain.
 /// Stage s never holds more than min(m, p − s) micro-batches' activations.
-fn one_f_one_b(p: usize, s: usize, m: usize) -> Vec<Action> {
+pub(super) fn one_f_one_b(p: usize, s: usize, m: usize) -> Vec<Action> {
     let warmup = (p - s - 1).min(m);
     let mut out: Vec<Action> = (0..warmup)
         .map(|mb| Action::Forward { mb, chunk: 0 })

@@ -10,6 +10,8 @@ pub struct ActionCosts {
     pub backward_weight: f64,
     /// Time for a boundary activation (or its gradient) to reach the neighbouring stage.
     pub p2p: f64,
+    /// An asynchronous schedule's update (the optimizer step of the stage's shard).
+    pub update: f64,
 }
 
 impl ActionCosts {
@@ -19,6 +21,7 @@ impl ActionCosts {
             backward_input: backward / 2.0,
             backward_weight: backward / 2.0,
             p2p: 0.0,
+            update: 0.0,
         }
     }
     fn of(&self, a: &Action) -> f64 {
@@ -27,6 +30,7 @@ impl ActionCosts {
             Action::Backward { .. } => self.backward_input + self.backward_weight,
             Action::BackwardInput { .. } => self.backward_input,
             Action::BackwardWeight { .. } => self.backward_weight,
+            Action::Update { .. } => self.update,
         }
     }
 }
@@ -134,10 +138,29 @@ fn run(
             s.actions.len()
         )));
     }
-    // Completeness: each stage runs every (micro-batch, chunk) forward once and its backward once.
+    let updates = if s.is_async() {
+        m.div_ceil(s.micro_batches_per_update.max(1))
+    } else {
+        0
+    };
+    if s.is_async() {
+        check_versions(s, updates)?;
+    }
+    // Completeness: each stage runs every (micro-batch, chunk) forward once and its backward once
+    // (and, asynchronous, every update once).
     for (stage, list) in s.actions.iter().enumerate() {
         let mut seen = vec![[false; 4]; m * v];
+        let mut updated = vec![false; updates];
         for a in list {
+            if let Action::Update { step } = *a {
+                if step >= updates {
+                    return Err(bad(stage, a, "an update this schedule does not have"));
+                }
+                if std::mem::replace(&mut updated[step], true) {
+                    return Err(bad(stage, a, "appears twice"));
+                }
+                continue;
+            }
             if a.mb() >= m || a.chunk() >= v {
                 return Err(bad(stage, a, "micro-batch or chunk out of range"));
             }
@@ -146,6 +169,9 @@ fn run(
                 return Err(bad(stage, a, "appears twice"));
             }
             *slot = true;
+        }
+        if let Some(u) = updated.iter().position(|&d| !d) {
+            return Err(bad(stage, &Action::Update { step: u }, "missing"));
         }
         for (i, k) in seen.iter().enumerate() {
             let full = k[1];
@@ -194,6 +220,20 @@ fn run(
                         }
                     }
                     Action::BackwardWeight { .. } => at(&g_done, vs),
+                    // An update needs its micro-batches' gradients: this stage's, or (a global
+                    // norm, a tied embedding) every stage's.
+                    Action::Update { step } => {
+                        let n = s.micro_batches_per_update.max(1);
+                        let stages: Vec<usize> = if s.sync_updates {
+                            (0..nv).collect()
+                        } else {
+                            vec![vs]
+                        };
+                        let g = &g_done;
+                        (step * n..((step + 1) * n).min(m))
+                            .flat_map(|mb| stages.iter().map(move |&w| g[mb * nv + w]))
+                            .fold(0.0, f64::max)
+                    }
                 };
                 if ready == NOT_YET {
                     break;
@@ -202,7 +242,10 @@ fn run(
                 let end = start + duration(vs, a);
                 free_at[stage] = end;
                 busy[stage] += end - start;
-                let idx = a.mb() * nv + vs;
+                let idx = match a {
+                    Action::Update { .. } => 0,
+                    _ => a.mb() * nv + vs,
+                };
                 match a {
                     Action::Forward { .. } => {
                         f_done[idx] = end;
@@ -216,6 +259,7 @@ fn run(
                     Action::BackwardInput { .. } => g_done[idx] = end,
                     // The stash is freed once the weight gradient, its last user, is done.
                     Action::BackwardWeight { .. } => stash[stage] -= 1,
+                    Action::Update { .. } => {}
                 }
                 events.push(Event {
                     stage,
@@ -250,10 +294,62 @@ fn run(
 fn kind_index(a: &Action) -> usize {
     match a {
         Action::Forward { .. } => 0,
-        Action::Backward { .. } => 1,
+        Action::Backward { .. } | Action::Update { .. } => 1,
         Action::BackwardInput { .. } => 2,
         Action::BackwardWeight { .. } => 3,
     }
+}
+
+/// An asynchronous schedule's versions are what its lists imply: one per action; a forward reads
+/// the latest weights (the updates before it), its backward the same version, an update makes the
+/// next; every update comes after the stage's backwards of its micro-batches; a synchronous list
+/// holds no update.
+fn check_versions(s: &PipelineSchedule, updates: usize) -> Result<()> {
+    let n = s.micro_batches_per_update.max(1);
+    for (stage, (list, versions)) in s.actions.iter().zip(&s.versions).enumerate() {
+        let bad = |a: &Action, why: String| {
+            ConfigError::Invalid(format!("schedule: stage {stage}, action {a}: {why}"))
+        };
+        if versions.len() != list.len() {
+            return Err(ConfigError::Invalid(format!(
+                "schedule: stage {stage} has {} actions and {} versions",
+                list.len(),
+                versions.len()
+            )));
+        }
+        let (mut done, mut forward) = (0usize, std::collections::HashMap::new());
+        let mut backwards_done = vec![0usize; updates];
+        for (a, &v) in list.iter().zip(versions) {
+            match *a {
+                Action::Forward { mb, .. } => {
+                    if v != done {
+                        return Err(bad(a, format!("reads version {v}, the latest is {done}")));
+                    }
+                    forward.insert(mb, v);
+                }
+                Action::Backward { mb, .. } => {
+                    if forward.get(&mb) != Some(&v) {
+                        return Err(bad(a, format!("reads version {v}, not its forward's")));
+                    }
+                    if let Some(b) = backwards_done.get_mut(mb / n) {
+                        *b += 1;
+                    }
+                }
+                Action::Update { step } => {
+                    let owed = (n * (step + 1)).min(s.micro_batches) - n * step;
+                    if backwards_done.get(step) != Some(&owed) {
+                        return Err(bad(a, "before the backwards of its micro-batches".into()));
+                    }
+                    done += 1;
+                    if v != done {
+                        return Err(bad(a, format!("makes version {v}, the next is {done}")));
+                    }
+                }
+                _ => return Err(bad(a, "an asynchronous list holds F, B and U only".into())),
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -311,6 +407,7 @@ mod tests {
                 backward_input: 1.0,
                 backward_weight: 1.0,
                 p2p: 0.0,
+                update: 0.0,
             };
             let zb = bubble(Schedule::Zbh1, p, m, 1, costs).bubble_fraction();
             let ofob = bubble(Schedule::OneFOneB, p, m, 1, costs).bubble_fraction();

@@ -23,10 +23,10 @@ fn code(s: &str) -> u64 {
     })
 }
 
-/// True for a point-to-point message with another tag than a point-to-point receive wants: it waits
-/// in `held` for its own receive.
+/// True for a point-to-point message that this receive does not want (another tag, or the receive is
+/// a collective's): it waits in `held` for its own receive.
 fn is_other_p2p(t: &Tally, buf: &[u64], tag: u64) -> bool {
-    t.op == "send" && buf.len() >= HEADER_WORDS && buf[2] == code("send") && buf[1] != tag
+    buf.len() >= HEADER_WORDS && buf[2] == code("send") && !(t.op == "send" && buf[1] == tag)
 }
 
 /// This process's endpoint of MPI_COMM_WORLD.
@@ -343,13 +343,16 @@ impl Transport for MpiComm {
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<bool> {
         self.progress_sends(false, t.op, &t.group)?;
-        match self.probe(from) {
-            Some(status) => {
-                let buf = self.receive_raw(from, status);
-                self.accept(t, from, buf, tag, total_len, consume)
-                    .map(|_| true)
+        while let Some(status) = self.probe(from) {
+            let buf = self.receive_raw(from, status);
+            if is_other_p2p(t, &buf, tag) {
+                self.held[from].push(buf);
+                continue;
             }
-            None => Ok(false),
+            return self
+                .accept(t, from, buf, tag, total_len, consume)
+                .map(|_| true);
         }
+        Ok(false)
     }
 }

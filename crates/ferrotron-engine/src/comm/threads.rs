@@ -314,7 +314,8 @@ impl Transport for ThreadComm {
         if let Some(msg) = self.early[from].take() {
             return self.accept(t, from, msg, tag, total_len, consume);
         }
-        // Point-to-point receives match by tag: a message for a later receive waits in `held`.
+        // Point-to-point receives match by tag: a point-to-point message for another receive (a
+        // later one, or one after the collective this receive is part of) waits in `held`.
         let p2p = t.op == "send";
         if p2p {
             if let Some(i) = self.held[from]
@@ -329,7 +330,7 @@ impl Transport for ThreadComm {
         let msg = loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.from[from].recv_timeout(left) {
-                Ok(m) if p2p && m.op == "send" && m.tag != tag => self.held[from].push(m),
+                Ok(m) if m.op == "send" && !(p2p && m.tag == tag) => self.held[from].push(m),
                 other => break other,
             }
         };
@@ -365,7 +366,13 @@ impl Transport for ThreadComm {
     ) -> CommResult<bool> {
         let msg = match self.early[from].take() {
             Some(m) => Ok(m),
-            None => self.from[from].try_recv(),
+            None => loop {
+                // A point-to-point message is not this collective's: it waits for its receive.
+                match self.from[from].try_recv() {
+                    Ok(m) if m.op == "send" && t.op != "send" => self.held[from].push(m),
+                    other => break other,
+                }
+            },
         };
         match msg {
             // Received, but in device time still on the wire: not yet.

@@ -4,6 +4,7 @@
 pub mod data;
 mod half;
 mod mesh;
+mod pipedream;
 mod pipeline;
 pub mod tensor;
 

@@ -132,7 +132,7 @@ pub struct DeviceResult {
 }
 
 /// The device's clock and its compute time so far (what an action's compute is measured from).
-fn clocks<C: Comm>(tpg: &TpGroup<'_, C>) -> (f64, f64) {
+pub(super) fn clocks<C: Comm>(tpg: &TpGroup<'_, C>) -> (f64, f64) {
     let mut c = tpg.comm();
     let now = c.device_time();
     (now, c.stats().compute_time_s)
@@ -196,10 +196,10 @@ pub(crate) struct StageOutcome {
 /// backward, the weight gradients waiting for their W action (zero-bubble schedules), and what it
 /// measured so far.
 #[derive(Default)]
-struct Pass {
-    stash: HashMap<(usize, usize), ForwardState>,
-    deferred: HashMap<(usize, usize), WeightGrads>,
-    out: StageOutcome,
+pub(super) struct Pass {
+    pub stash: HashMap<(usize, usize), ForwardState>,
+    pub deferred: HashMap<(usize, usize), WeightGrads>,
+    pub out: StageOutcome,
 }
 
 impl Pass {
@@ -252,6 +252,12 @@ impl StageRun<'_> {
                     let mut res = zero.residency(tpg);
                     self.backward(tpg, &mut res, &be, &chunks[chunk], &mut pass, at, split)?
                 }
+                Action::Update { .. } => {
+                    return Err(EngineError::Invalid(format!(
+                        "stage {}: an update in a synchronous action list",
+                        self.stage
+                    )))
+                }
                 Action::BackwardWeight { mb, chunk } => {
                     let w = pass.deferred.remove(&(mb, chunk)).ok_or_else(|| {
                         EngineError::Invalid(format!(
@@ -272,7 +278,7 @@ impl StageRun<'_> {
 
     /// The forward of micro-batch `mb` through `chunk`: its input from the previous stage (or the
     /// tokens), its output to the next.
-    fn forward<C: Comm>(
+    pub(super) fn forward<C: Comm>(
         &self,
         tpg: &TpGroup<'_, C>,
         res: &mut dyn crate::transformer::Residency,
@@ -313,7 +319,7 @@ impl StageRun<'_> {
     /// The backward of micro-batch `mb` through `chunk` (only its input gradient when `split`):
     /// the output gradient from the next stage, the input gradient to the previous one.
     #[allow(clippy::too_many_arguments)]
-    fn backward<C: Comm>(
+    pub(super) fn backward<C: Comm>(
         &self,
         tpg: &TpGroup<'_, C>,
         res: &mut dyn crate::transformer::Residency,
@@ -368,7 +374,7 @@ impl StageRun<'_> {
     }
 
     /// Ends an action's compute: its collectives' errors, a drill's extra time, its timeline entry.
-    fn computed<C: Comm>(
+    pub(super) fn computed<C: Comm>(
         &self,
         tpg: &TpGroup<'_, C>,
         action: Action,
@@ -421,7 +427,7 @@ impl StageRun<'_> {
     }
 
     /// Notes the first moment this device is over its memory capacity.
-    fn check_capacity(&self, over: &mut Option<EngineError>) {
+    pub(super) fn check_capacity(&self, over: &mut Option<EngineError>) {
         if over.is_none() {
             if let Some(at) = crate::memory::over_capacity(self.account) {
                 *over = Some(EngineError::OutOfMemory {

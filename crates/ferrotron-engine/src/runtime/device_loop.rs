@@ -140,9 +140,12 @@ pub(super) fn run_device<C: Comm>(
         Some(ck) => restore_device(ck, run.model_cfg, dev),
         None => Ok(()),
     };
+    // Asynchronous schedules drain before each evaluation and checkpoint.
+    let drain = |k: usize| run.is_eval(k) || run.checkpoints.due(k + 1);
     let mut step = run
         .mesh_step(partition, &restore)?
-        .with_account_base(account_base);
+        .with_account_base(account_base)
+        .with_drain_after(&drain);
     let world = step.world();
     let training = Training {
         steps: cfg.steps,

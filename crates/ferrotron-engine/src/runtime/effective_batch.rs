@@ -1,7 +1,9 @@
 //! The effective-batch guard. A learning rate belongs to the batch it was tuned for: a run that
 //! continues another (`resume`, or fine-tuning the model a run wrote) with a different number of
 //! tokens per optimizer step must say how the LR follows (`lr_scaling`), or it is refused. The
-//! layout never enters: it splits the same tokens per step over the devices.
+//! layout never enters: it splits the same tokens per step over the devices — but for
+//! `schedule=pipedream`, which updates after every micro-batch, so that its effective batch is
+//! dp × mbs sequences.
 
 use super::config::TrainConfig;
 use super::source::ModelSource;
@@ -50,11 +52,24 @@ pub struct EarlierRun {
     pub seq_len: usize,
     pub lr: f64,
     pub min_lr: f64,
+    /// Its `--layout` (its schedule may update more often than once a step).
+    pub layout: String,
+}
+
+/// Sequences per optimizer update: the batch, or under `schedule=pipedream` (an update after every
+/// micro-batch) dp × mbs.
+fn sequences_per_update(batch_size: usize, layout: &str) -> usize {
+    match ferrotron_core::layout::LayoutSpec::parse(layout) {
+        Ok(l) if l.layout.schedule == ferrotron_core::layout::Schedule::PipeDream => {
+            l.layout.dp.max(1) * l.layout.micro_batch_size.max(1)
+        }
+        _ => batch_size,
+    }
 }
 
 impl EarlierRun {
-    fn tokens_per_step(&self) -> usize {
-        self.batch_size * self.seq_len
+    fn tokens_per_update(&self) -> usize {
+        sequences_per_update(self.batch_size, &self.layout) * self.seq_len
     }
 
     fn from_settings(origin: String, v: &serde_json::Value) -> Option<Self> {
@@ -64,6 +79,11 @@ impl EarlierRun {
             seq_len: v.get("seq_len")?.as_u64()? as usize,
             lr: v.get("lr")?.as_f64()?,
             min_lr: v.get("min_lr")?.as_f64()?,
+            layout: v
+                .get("layout")
+                .and_then(|l| l.as_str())
+                .unwrap_or("")
+                .to_string(),
         })
     }
 
@@ -113,16 +133,29 @@ impl EarlierRun {
 
 /// One line for the start of every run: tokens per optimizer step and the LR schedule they go with.
 pub fn describe(cfg: &TrainConfig) -> String {
+    let per_update = sequences_per_update(cfg.batch_size, &cfg.layout);
+    let batch = if per_update == cfg.batch_size {
+        format!(
+            "{} sequences × {} tokens = {} tokens per optimizer step (whatever the layout)",
+            cfg.batch_size,
+            cfg.seq_len,
+            cfg.batch_size * cfg.seq_len
+        )
+    } else {
+        format!(
+            "schedule=pipedream updates after every micro-batch: dp × mbs = {per_update} \
+             sequences × {} tokens = {} tokens per optimizer update, {} updates per step of {} \
+             sequences",
+            cfg.seq_len,
+            per_update * cfg.seq_len,
+            cfg.batch_size / per_update.max(1),
+            cfg.batch_size
+        )
+    };
     format!(
-        "effective batch: {} sequences × {} tokens = {} tokens per optimizer step (whatever the \
-         layout); LR: linear warm-up over {} steps to {:e}, cosine decay to {:e} at step {}",
-        cfg.batch_size,
-        cfg.seq_len,
-        cfg.batch_size * cfg.seq_len,
-        cfg.warmup_steps,
-        cfg.lr,
-        cfg.min_lr,
-        cfg.steps
+        "effective batch: {batch}; LR: linear warm-up over {} steps to {:e}, cosine decay to {:e} \
+         at step {}",
+        cfg.warmup_steps, cfg.lr, cfg.min_lr, cfg.steps
     )
 }
 
@@ -137,7 +170,10 @@ pub fn guard(
     let Some(e) = earlier else {
         return Ok((out, None));
     };
-    let (before, now) = (e.tokens_per_step(), cfg.batch_size * cfg.seq_len);
+    let (before, now) = (
+        e.tokens_per_update(),
+        sequences_per_update(cfg.batch_size, &cfg.layout) * cfg.seq_len,
+    );
     if before == now {
         return Ok((out, None));
     }
@@ -145,7 +181,12 @@ pub fn guard(
     let sizes = format!(
         "{} sequences × {} tokens = {before} tokens per optimizer step at lr {:e} in {}, {} × {} = \
          {now} in this run",
-        e.batch_size, e.seq_len, e.lr, e.origin, cfg.batch_size, cfg.seq_len
+        sequences_per_update(e.batch_size, &e.layout),
+        e.seq_len,
+        e.lr,
+        e.origin,
+        sequences_per_update(cfg.batch_size, &cfg.layout),
+        cfg.seq_len
     );
     let Some(rule) = cfg.lr_scaling.as_deref() else {
         return Err(EngineError::Invalid(format!(
@@ -187,6 +228,7 @@ mod tests {
             seq_len,
             lr: 4e-3,
             min_lr: 4e-4,
+            layout: String::new(),
         }
     }
 
@@ -234,5 +276,18 @@ mod tests {
         // Tokens per step count, not sequences: a longer sequence is a bigger batch.
         assert!(guard(&run(16, 256, None), Some(&e)).is_err());
         assert!(guard(&run(8, 128, Some("cubic")), Some(&e)).is_err());
+    }
+
+    #[test]
+    fn pipedream_updates_per_micro_batch_so_its_layout_is_its_batch() {
+        let e = earlier(16, 128);
+        let mut cfg = run(16, 128, None);
+        cfg.layout = "pp=4,mbs=2,schedule=pipedream".into();
+        let err = guard(&cfg, Some(&e)).unwrap_err().to_string();
+        assert!(err.contains("256 in this run"), "{err}");
+        assert!(describe(&cfg).contains("dp × mbs = 2 sequences"));
+        // 2BW updates once per step: the batch is the step's.
+        cfg.layout = "pp=4,mbs=2,schedule=2bw".into();
+        assert!(guard(&cfg, Some(&e)).unwrap().1.is_none());
     }
 }

@@ -267,8 +267,16 @@ impl<'a> MetricsWriter<'a> {
         f: StepFigures,
         on_step: &mut dyn FnMut(&StepReport),
     ) -> Result<()> {
-        let dt = (self.last_wall.elapsed().as_secs_f64() - f.eval_s).max(1e-9);
+        let elapsed = (self.last_wall.elapsed().as_secs_f64() - f.eval_s).max(1e-9);
         self.last_wall = Instant::now();
+        // An asynchronous schedule's steps are reported together when their segment ends: each
+        // takes its share of the segment's wall time (what device 0 measured), not the moments
+        // between reports.
+        let dt = if self.run.layout.schedule.is_async() {
+            f.devices[0].wall_s.max(1e-9)
+        } else {
+            elapsed
+        };
         let batch = self.run.batch(f.step);
         let batch_tokens = batch.batch * batch.seq;
         self.tokens += batch_tokens;

@@ -4,6 +4,7 @@
 
 mod checkpointing;
 mod config;
+mod delayed;
 mod device_loop;
 mod effective_batch;
 mod lora_run;
@@ -17,9 +18,10 @@ mod world;
 
 pub use crate::memory::MemoryTerms;
 pub use config::{parse_bytes, TrainConfig};
+pub use delayed::DelayedReference;
 pub use metrics::{DeviceSummary, StepReport};
 pub use resolve::{cluster_for_job, plan_input, resolve_layout};
 pub use source::{resolve_model, ModelSource};
-pub use step::{layout_step, layout_step_of, layout_step_on, run_step, StepOutput};
+pub use step::{layout_step, layout_step_of, layout_step_on, run_step, train_steps, StepOutput};
 pub use train::{train, TrainSummary};
 pub use world::{launcher_rank, World};

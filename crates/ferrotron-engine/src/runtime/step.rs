@@ -1,7 +1,9 @@
 use crate::comm::Comm;
+use crate::comm::ThreadWorld;
 use crate::error::{EngineError, Result};
 use crate::kernels::Backend;
-use crate::parallel::{pipeline_steps_of, MeshStep, PipelineRun};
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::parallel::{pipeline_steps_of, MeshStep, PipelineRun, Training};
 use crate::transformer::{ParamStore, TokenBatch, Trained, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
@@ -122,4 +124,52 @@ pub fn layout_step_on<C: Comm>(
         let grads = std::mem::replace(&mut run.grads, ParamStore::zeros(Vec::new()));
         (run.loss, grads, run)
     }))
+}
+
+/// The parameters after `batches.len()` optimizer steps of `params` under `layout` on the threads
+/// backend (one batch per step; the pipeline drained after each step `drain_after` names, for an
+/// asynchronous schedule), gathered whole.
+#[allow(clippy::too_many_arguments)]
+pub fn train_steps(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    layout: &Layout,
+    batches: &[TokenBatch],
+    adam: AdamWConfig,
+    lr: &LrSchedule,
+    clip: f64,
+    drain_after: &(dyn Fn(usize) -> bool + Sync),
+) -> Result<ParamStore> {
+    let partition = StagePartition::for_layout(cfg, layout)?;
+    let first = batches
+        .first()
+        .ok_or_else(|| EngineError::Invalid("no steps to train".into()))?;
+    let accounts = crate::memory::Accounts::claim(layout.world_size());
+    let results = ThreadWorld::new(layout.world_size())
+        .timeout(Duration::from_secs(600))
+        .run(|c| {
+            let mut step = MeshStep::new(cfg, params, first, layout, &partition)?
+                .with_account_base(accounts.base)
+                .with_drain_after(drain_after);
+            let mut dev = step.train_device(
+                c,
+                &Training {
+                    steps: batches.len(),
+                    batch_of: &|k| batches[k].clone(),
+                    adam,
+                    lr,
+                    clip,
+                },
+                &mut |_, _, _, _| Ok(()),
+            )?;
+            step.gather_params(c, &mut dev)
+        });
+    let mut whole = None;
+    for (r, res) in results.into_iter().enumerate() {
+        let out = res
+            .map_err(|e| EngineError::Invalid(format!("device {r}: {e}")))?
+            .map_err(|e| EngineError::Invalid(format!("device {r}: {e}")))?;
+        whole = whole.or(out);
+    }
+    whole.ok_or_else(|| EngineError::Invalid("device 0 gathered no parameters".into()))
 }

@@ -780,5 +780,5 @@ fn pipeline(b: PipelineBench) -> Result<()> {
             );
         }
     }
-    Ok(())
+    super::bench_async::run(&cfg, &params, p, b.seq)
 }

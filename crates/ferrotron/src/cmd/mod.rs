@@ -1,5 +1,6 @@
 pub mod backend;
 pub mod bench;
+mod bench_async;
 mod bench_lora;
 mod bench_predict;
 mod bench_zero3;

@@ -50,6 +50,10 @@ pub struct PlanArgs {
     /// Allow tensor-parallel groups across nodes (priced on the slow link).
     #[arg(long)]
     force_cross_node_tp: bool,
+    /// Let the search consider the asynchronous schedules (PipeDream, PipeDream-2BW), which train
+    /// on delayed weights: a change of the optimizer's semantics, so never chosen unasked.
+    #[arg(long)]
+    allow_async: bool,
     /// How many candidates a search prints.
     #[arg(long, default_value_t = 5)]
     top: usize,
@@ -282,6 +286,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     input.lora = lora_for(&input.model, a.lora_rank, &a.lora_targets)?;
     input.memory_reserve = a.reserve;
     input.force_cross_node_tp = a.force_cross_node_tp;
+    input.allow_async = a.allow_async;
     let spec = a.layout.as_deref().map(LayoutSpec::parse).transpose()?;
     match spec {
         Some(spec) if spec.auto_keys.is_empty() => {

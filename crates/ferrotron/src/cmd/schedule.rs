@@ -1,22 +1,29 @@
 use anyhow::Result;
 use clap::Args;
 use ferrotron_core::layout::Schedule;
-use ferrotron_core::schedule::{build, simulate, ActionCosts};
+use ferrotron_core::schedule::{build, build_async, simulate, ActionCosts};
 
 #[derive(Args)]
 pub struct ScheduleArgs {
-    /// gpipe, 1f1b, interleaved, zbh1
+    /// gpipe, 1f1b, interleaved, zbh1, or the asynchronous pipedream, 2bw
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// Pipeline stages.
     #[arg(long, default_value_t = 4)]
     pp: usize,
-    /// Micro-batches.
+    /// Micro-batches (per optimizer step).
     #[arg(long, default_value_t = 8)]
     micro_batches: usize,
     /// Chunks per stage (interleaved).
     #[arg(long, default_value_t = 1)]
     vpp: usize,
+    /// Asynchronous schedules: the optimizer steps the lists span (no flush between them).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Asynchronous schedules: each update waits for every stage's gradients of its micro-batches,
+    /// as global-norm clipping (or a tied embedding) needs; otherwise only for its own stage's.
+    #[arg(long)]
+    global_norm: bool,
 }
 
 const MAX_DRAWN_STAGES: usize = 64;
@@ -32,15 +39,28 @@ pub fn run(a: ScheduleArgs) -> Result<()> {
             Schedule::NAMES.join(", ")
         )
     })?;
-    let s = build(kind, a.pp, a.micro_batches, a.vpp)?;
+    let s = if kind.is_async() {
+        build_async(kind, a.pp, a.micro_batches, a.steps, a.global_norm)?
+    } else {
+        build(kind, a.pp, a.micro_batches, a.vpp)?
+    };
     // Unit costs per chunk action keep every event on whole slots; the bubble fraction does not
     // depend on the scale.
     let t = simulate(&s, &[ActionCosts::uniform(1.0, 2.0)])?;
     let slots = t.makespan.round() as usize;
     if a.pp <= MAX_DRAWN_STAGES && slots <= MAX_DRAWN_SLOTS {
-        println!("action lists (in order):");
+        if s.is_async() {
+            println!(
+                "action lists (in order; `F9@1`: forward of micro-batch 9 on weight version 1, its \
+                 backward on the same; `U1→2`: update 1 makes version 2), {} steps of {} \
+                 micro-batches without a flush:",
+                a.steps, a.micro_batches
+            );
+        } else {
+            println!("action lists (in order):");
+        }
         print!("{}", s.chart());
-        println!("\ntime slots (F = 1, B = 2, I = W = 1; `.` idle):");
+        println!("\ntime slots (F = 1, B = 2, I = W = 1, U = 0; `.` idle):");
         print!("{}", t.slot_chart(a.pp, 1.0));
     } else {
         println!(
@@ -58,5 +78,18 @@ pub fn run(a: ScheduleArgs) -> Result<()> {
         "bubble (idle / step, worst stage) {:.3}; peak stashed activations {stashes}",
         t.bubble_fraction()
     );
+    if s.is_async() {
+        let v = s.peak_stashed_versions();
+        let shown = if a.pp <= MAX_DRAWN_STAGES {
+            format!("{v:?}")
+        } else {
+            format!("at most {}", v.iter().max().copied().unwrap_or(0))
+        };
+        println!(
+            "weight versions stashed besides the current one, per stage: {shown}; the bubble is \
+             the one warm-up and drain of all {} steps",
+            a.steps
+        );
+    }
     Ok(())
 }

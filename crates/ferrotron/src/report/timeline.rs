@@ -30,7 +30,7 @@ impl SpanKind {
             SpanKind::Action(Action::BackwardInput { .. }) => "#e8a34c",
             SpanKind::Action(Action::BackwardWeight { .. }) => "#9b6fd1",
             SpanKind::Reduce => "#7f8c8d",
-            SpanKind::Update => "#27ae60",
+            SpanKind::Update | SpanKind::Action(Action::Update { .. }) => "#27ae60",
         }
     }
     fn kind_name(&self) -> &'static str {
@@ -40,7 +40,7 @@ impl SpanKind {
             SpanKind::Action(Action::BackwardInput { .. }) => "backward (input)",
             SpanKind::Action(Action::BackwardWeight { .. }) => "backward (weights)",
             SpanKind::Reduce => "reductions + norm",
-            SpanKind::Update => "optimizer step",
+            SpanKind::Update | SpanKind::Action(Action::Update { .. }) => "optimizer step",
         }
     }
     fn describe(&self) -> String {

@@ -160,6 +160,11 @@ fn moments(
     let mut opt = AdamW::new(adam, &shapes);
     drop(shapes);
     opt.shrink();
+    // Fault the moments in now, not in the first update (an asynchronous schedule's is an action).
+    opt.m
+        .iter_mut()
+        .chain(opt.v.iter_mut())
+        .for_each(|t| t.fill(0.0));
     opt
 }
 
@@ -355,5 +360,22 @@ impl ZeroState {
     /// Whether the gradient view holds pieces (a share of each tensor) rather than whole tensors.
     pub fn grads_sharded(&self) -> bool {
         self.sharded()
+    }
+
+    /// Asynchronous schedules (ZeRO 0–1, f32): the whole parameters, which a forward of the newest
+    /// version reads and a stashed version copies.
+    pub fn current_params(&self) -> &ParamStore {
+        assert!(
+            self.half.is_none() && !(self.stage == 3 && self.dp > 1),
+            "whole f32 parameters exist under ZeRO 0–2 in f32 only"
+        );
+        &self.params
+    }
+
+    /// Asynchronous schedules: exchanges the whole-gradient store with `other`, so that an
+    /// update's gradients, accumulated outside, are reduced and applied by this state.
+    pub fn swap_grads(&mut self, other: &mut ParamStore) {
+        assert!(self.stage < 2 && self.half.is_none(), "whole f32 gradients");
+        std::mem::swap(&mut self.grads, other);
     }
 }

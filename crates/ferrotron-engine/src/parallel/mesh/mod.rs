@@ -7,6 +7,7 @@
 //! `train.rs` runs a device through optimizer steps; `gather.rs` brings whole tensors to rank 0.
 
 mod gather;
+mod segments;
 mod train;
 
 pub use train::{LossScaling, StepReport, Training};
@@ -22,7 +23,7 @@ use crate::optim::AdamWConfig;
 use crate::transformer::{FrozenBase, Half, ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{LoraConfig, ModelConfig, ParamSpec};
-use ferrotron_core::schedule::{build, PipelineSchedule, StagePartition};
+use ferrotron_core::schedule::{build, build_async, PipelineSchedule, StagePartition};
 
 /// Everything every device of a step shares: the model, the layout, its schedule, and the batch cut
 /// into micro-batches (replica d takes the d-th contiguous share).
@@ -57,6 +58,9 @@ pub struct MeshStep<'a> {
     /// LoRA: the frozen base (the whole model's parameters) and the adapters' configuration; then
     /// `params` are the adapters, the only tensors that train.
     frozen: Option<(&'a ParamStore, &'a LoraConfig)>,
+    /// Asynchronous schedules: whether the pipeline drains after (0-based) step k (an evaluation
+    /// or a checkpoint follows); it always does at the end.
+    drain_after: Option<&'a (dyn Fn(usize) -> bool + Sync)>,
 }
 
 /// Where a resumed run starts: the first step to run, the loss scaler's state then, and how a
@@ -72,7 +76,7 @@ pub struct Resume<'a> {
 pub struct Device {
     pub rank: usize,
     pub shard: TpShard,
-    chunks: Vec<Transformer>,
+    pub(crate) chunks: Vec<Transformer>,
     pub zero: ZeroState,
 }
 
@@ -120,7 +124,13 @@ impl<'a> MeshStep<'a> {
             )));
         }
         let m = batch.batch / (mbs * dp);
-        let schedule = build(layout.schedule, p, m, v)?;
+        // An asynchronous schedule spans the steps of a segment (`train.rs` builds each); one
+        // step's list is kept to check the shape here.
+        let schedule = if layout.schedule.is_async() {
+            build_async(layout.schedule, p, m, 1, true)?
+        } else {
+            build(layout.schedule, p, m, v)?
+        };
         let world = tp * dp * p;
         let mesh = DeviceMesh::new(tp, dp, p, world, world)?;
         Ok(Self {
@@ -144,7 +154,15 @@ impl<'a> MeshStep<'a> {
             kernel_threads: 1,
             zero3_prefetch: true,
             frozen: None,
+            drain_after: None,
         })
+    }
+
+    /// Asynchronous schedules: drain the pipeline after each step `drain` names (an evaluation or
+    /// a checkpoint follows it), besides the end.
+    pub fn with_drain_after(mut self, drain: &'a (dyn Fn(usize) -> bool + Sync)) -> Self {
+        self.drain_after = Some(drain);
+        self
     }
 
     /// LoRA: `params` (given to [`MeshStep::new`]) are the adapters of `lora` on the frozen `base`.
@@ -340,6 +358,14 @@ impl<'a> MeshStep<'a> {
     /// and the tied embedding's two stages. Returns the loss this device counts and what its action
     /// list measured.
     fn step_device<C: Comm>(&self, c: &mut C, dev: &mut Device) -> Result<StageOutcome> {
+        if self.layout.schedule.is_async() {
+            return Err(EngineError::Invalid(format!(
+                "schedule={} is asynchronous: it changes the optimizer's semantics across steps, \
+                 so it has no one-step gradients; train with it, or compare it with its \
+                 delayed-update reference (`ferrotron verify --steps K`)",
+                self.layout.schedule.name()
+            )));
+        }
         let (t, d, s) = self.mesh.coords(dev.rank);
         let (p, tp) = (self.mesh.pp, self.mesh.tp);
         let device_of = |stage: usize| self.mesh.rank_of(t, d, stage);
@@ -393,26 +419,30 @@ impl<'a> MeshStep<'a> {
     /// The global gradient norm: each parameter element counted exactly once over all devices
     /// (replicated copies, shared KV heads and the tied embedding's second copy excluded).
     fn grad_norm<C: Comm>(&self, c: &mut C, dev: &mut Device) -> Result<f64> {
+        let mut sq = [self.grad_sq_partial(dev)];
+        c.all_reduce(&self.mesh.world(), &mut sq, ReduceOp::Sum)?;
+        Ok(sq[0].sqrt())
+    }
+
+    /// Device `dev`'s share of the squared global gradient norm (of its reduced gradients).
+    pub(crate) fn grad_sq_partial(&self, dev: &mut Device) -> f64 {
         let (_, d, s) = self.mesh.coords(dev.rank);
         let specs = dev.zero.specs();
         let tied_copy = self.cfg.tie_word_embeddings && self.mesh.pp > 1 && s == self.mesh.pp - 1;
-        let counts_dp = dev.zero.grads_sharded() || d == 0;
-        let mut sq = [0f64];
-        if counts_dp {
-            sq[0] = dev.zero.with_grad_view(|grads| {
-                specs
-                    .iter()
-                    .zip(grads.iter())
-                    .filter(|(sp, _)| {
-                        dev.shard.counts_in_norm(self.cfg, &sp.name)
-                            && !(tied_copy && sp.name == self.cfg.embedding_name())
-                    })
-                    .map(|(_, g)| sum_of_squares(g, self.kernel_threads))
-                    .sum()
-            });
+        if !(dev.zero.grads_sharded() || d == 0) {
+            return 0.0; // an identical replica: dp rank 0 counts it
         }
-        c.all_reduce(&self.mesh.world(), &mut sq, ReduceOp::Sum)?;
-        Ok(sq[0].sqrt())
+        dev.zero.with_grad_view(|grads| {
+            specs
+                .iter()
+                .zip(grads.iter())
+                .filter(|(sp, _)| {
+                    dev.shard.counts_in_norm(self.cfg, &sp.name)
+                        && !(tied_copy && sp.name == self.cfg.embedding_name())
+                })
+                .map(|(_, g)| sum_of_squares(g, self.kernel_threads))
+                .sum()
+        })
     }
 
     /// Runs device `c.rank()`'s part of the step `1 + warmup` times (only the last counts) and returns
@@ -463,7 +493,7 @@ impl<'a> MeshStep<'a> {
 
 /// Σx² in f64, over the device's kernel threads when it has several (chunked, so the order of the
 /// partial sums depends only on the length).
-fn sum_of_squares(g: &[f32], threads: usize) -> f64 {
+pub(crate) fn sum_of_squares(g: &[f32], threads: usize) -> f64 {
     let sq = |c: &[f32]| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
     if threads > 1 && g.len() >= 1 << 17 {
         use rayon::prelude::*;
@@ -474,7 +504,7 @@ fn sum_of_squares(g: &[f32], threads: usize) -> f64 {
     }
 }
 
-fn micro_batches(batch: &TokenBatch, mbs: usize) -> Vec<TokenBatch> {
+pub(super) fn micro_batches(batch: &TokenBatch, mbs: usize) -> Vec<TokenBatch> {
     batch
         .ids
         .chunks(mbs * batch.seq)

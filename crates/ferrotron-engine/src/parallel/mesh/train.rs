@@ -89,6 +89,10 @@ impl MeshStep<'_> {
                 (self.loss_scale, self.clean_steps) = (scale, clean);
             }
         }
+        if self.layout.schedule.is_async() {
+            self.train_segments(c, t, first, &mut dev, on_step)?;
+            return Ok(dev);
+        }
         for step in first..t.steps {
             self.set_batch(&(t.batch_of)(step))?;
             let report = self.optimizer_step(c, &mut dev, step, t)?;

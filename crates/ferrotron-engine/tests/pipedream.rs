@@ -1,0 +1,367 @@
+//! The asynchronous schedules against their delayed-update reference: PipeDream and PipeDream-2BW
+//! pipelines, with tensor and data parallelism, give the parameters of a separate single-device
+//! trainer that applies the same delays (AdamW, global-norm clipping of the delayed gradients).
+
+mod common;
+
+use common::*;
+use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::model::ModelConfig;
+use ferrotron_engine::hf;
+use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
+use ferrotron_engine::runtime::{train_steps, DelayedReference};
+use ferrotron_engine::transformer::{ParamStore, TokenBatch};
+
+/// f32 relative tolerance per parameter tensor after six AdamW steps (reduction orders differ).
+const TOL: f64 = 1e-5;
+const STEPS: usize = 6;
+
+fn adam() -> AdamWConfig {
+    // eps 1e-6 as in data_parallel.rs: Adam's g/(|g| + eps) is steep where |g| ≈ eps.
+    AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-6,
+        weight_decay: 0.1,
+    }
+}
+
+fn lr() -> LrSchedule {
+    LrSchedule {
+        peak_lr: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 2,
+        total_steps: STEPS,
+    }
+}
+
+/// The parameters after `STEPS` steps of `layout` on the threads backend (gathered on rank 0).
+fn pipeline(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    layout: &Layout,
+    batches: &[TokenBatch],
+    clip: f64,
+    drain_after: &(dyn Fn(usize) -> bool + Sync),
+) -> ParamStore {
+    train_steps(
+        cfg,
+        params,
+        layout,
+        batches,
+        adam(),
+        &lr(),
+        clip,
+        drain_after,
+    )
+    .unwrap()
+}
+
+fn check(model: &str, spec: &str, clip: f64, drain_after: &(dyn Fn(usize) -> bool + Sync)) {
+    let (cfg, params) = hf::load_model(&fixture(model)).unwrap();
+    let layout = LayoutSpec::parse(spec).unwrap().layout;
+    let batch = layout.dp * layout.micro_batch_size * 4;
+    let batches: Vec<TokenBatch> = (0..STEPS)
+        .map(|k| random_batch(cfg.vocab_size, batch, 16, 40 + k as u64))
+        .collect();
+    let got = pipeline(&cfg, &params, &layout, &batches, clip, drain_after);
+    let lr = lr();
+    let reference = DelayedReference {
+        cfg: &cfg,
+        layout: &layout,
+        adam: adam(),
+        lr: &lr,
+        clip,
+    };
+    let want = reference
+        .train(&params, STEPS, &|k| batches[k].clone(), drain_after)
+        .unwrap();
+    let mut worst = (String::new(), 0f64);
+    for (s, (a, b)) in want.specs.iter().zip(got.tensors.iter().zip(&want.tensors)) {
+        let e = rel_err(a, b);
+        if e > worst.1 {
+            worst = (s.name.clone(), e);
+        }
+    }
+    // The run moved the parameters, and the delays are real: the synchronous schedule (1F1B,
+    // no delay) trains to other parameters.
+    assert!(rel_err(&want.tensors[1], &params.tensors[1]) > 1e-3);
+    let sync = Layout {
+        schedule: ferrotron_core::layout::Schedule::OneFOneB,
+        ..layout
+    };
+    let undelayed = pipeline(&cfg, &params, &sync, &batches, clip, drain_after);
+    let apart = rel_err(&undelayed.tensors[1], &want.tensors[1]);
+    assert!(
+        apart > 1e-4,
+        "{model} {spec}: no delay visible ({apart:.1e})"
+    );
+    println!(
+        "{model} {spec} clip {clip}: worst {} {:.1e}",
+        worst.0, worst.1
+    );
+    assert!(
+        worst.1 <= TOL,
+        "{model} {spec}: {} differs by {:.2e}",
+        worst.0,
+        worst.1
+    );
+}
+
+#[test]
+fn two_bw_pipelines_equal_the_delayed_update_reference() {
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        for pp in [2, 3, 4] {
+            check(model, &format!("pp={pp},schedule=2bw"), 0.5, &|_| false);
+        }
+    }
+}
+
+#[test]
+fn pipedream_pipelines_equal_the_delayed_update_reference() {
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        for pp in [2, 3, 4] {
+            check(model, &format!("pp={pp},schedule=pipedream"), 0.5, &|_| {
+                false
+            });
+        }
+    }
+}
+
+#[test]
+fn asynchronous_pipelines_compose_with_tensor_and_data_parallelism() {
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        for kind in ["2bw", "pipedream"] {
+            check(model, &format!("pp=2,tp=2,schedule={kind}"), 0.5, &|_| {
+                false
+            });
+            check(model, &format!("pp=2,dp=2,schedule={kind}"), 0.5, &|_| {
+                false
+            });
+            check(
+                model,
+                &format!("pp=2,dp=2,zero=1,schedule={kind}"),
+                0.5,
+                &|_| false,
+            );
+        }
+    }
+}
+
+#[test]
+fn a_drain_restarts_the_delays_the_same_way_in_pipeline_and_reference() {
+    // A checkpoint or an evaluation after step 2 drains the pipeline: the next step starts from
+    // the weights at hand, on both sides; without clipping PipeDream's updates wait for nobody.
+    for kind in ["2bw", "pipedream"] {
+        check("llama_tiny", &format!("pp=3,schedule={kind}"), 0.0, &|k| {
+            k == 2
+        });
+        check("gpt2_tiny", &format!("pp=2,schedule={kind}"), 0.5, &|k| {
+            k == 2
+        });
+    }
+}
+
+fn run_config(tag: &str, layout: &str, steps: usize) -> ferrotron_engine::runtime::TrainConfig {
+    let dir = std::env::temp_dir().join(format!("ferrotron-async-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let corpus = dir.join("manual.txt");
+    std::fs::write(&corpus, &ferrotron_engine::data::BUILTIN_CORPUS[..60_000]).unwrap();
+    ferrotron_engine::runtime::TrainConfig {
+        model: fixture("gpt2_tiny").display().to_string(),
+        data: corpus.display().to_string(),
+        steps,
+        batch_size: 8,
+        seq_len: 32,
+        warmup_steps: 2,
+        adam_eps: 1e-6,
+        eval_every: 0,
+        eval_batches: 2,
+        layout: layout.into(),
+        out_dir: dir.join("run"),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn an_asynchronous_run_resumes_bitwise_from_its_drained_checkpoint() {
+    use ferrotron_engine::runtime::{train, TrainConfig};
+    let layout = "pp=2,dp=2,zero=1,mbs=2,schedule=2bw";
+    let full = TrainConfig {
+        checkpoint_every: 3,
+        ..run_config("full", layout, 6)
+    };
+    train(&full, &mut |_| {}).unwrap();
+    let resumed = TrainConfig {
+        resume: Some(full.out_dir.join("checkpoints").join("step-000003")),
+        checkpoint_every: 3,
+        ..run_config("resumed", layout, 6)
+    };
+    train(&resumed, &mut |_| {}).unwrap();
+    let load = |c: &TrainConfig| hf::load_model(&c.out_dir.join("model")).unwrap().1;
+    assert_eq!(load(&full), load(&resumed));
+    // Every step was reported, with a loss.
+    let lines = std::fs::read_to_string(full.out_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 6);
+    assert!(lines.lines().all(|l| l.contains("\"loss\":")));
+}
+
+#[test]
+fn what_the_asynchronous_executor_does_not_run_is_refused_by_name() {
+    use ferrotron_engine::runtime::{train, TrainConfig};
+    for (layout, precision, want) in [
+        ("pp=2,dp=2,zero=3,schedule=2bw", "f32", "zero"),
+        ("pp=2,schedule=pipedream", "bf16", "mixed precision"),
+        ("pp=2,vpp=2,schedule=2bw", "f32", "vpp"),
+        ("pp=4,mbs=4,schedule=2bw", "f32", "needs at least pp=4"),
+    ] {
+        let cfg = TrainConfig {
+            precision: precision.into(),
+            ..run_config("refused", layout, 2)
+        };
+        let e = train(&cfg, &mut |_| {}).unwrap_err().to_string();
+        assert!(e.contains(want), "{layout} {precision}: {e}");
+    }
+    let lora = TrainConfig {
+        lora_rank: Some(2),
+        ..run_config("refused-lora", "pp=2,schedule=2bw", 2)
+    };
+    let e = train(&lora, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("LoRA"), "{e}");
+    // One step's gradients mean nothing under a schedule that spans steps.
+    let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let layout = LayoutSpec::parse("pp=2,schedule=2bw").unwrap().layout;
+    let batch = random_batch(cfg.vocab_size, 4, 16, 1);
+    let Err(e) = ferrotron_engine::runtime::layout_step(
+        &cfg,
+        &params,
+        &batch,
+        &layout,
+        &ferrotron_engine::kernels::CpuBackend::default(),
+    ) else {
+        panic!("one step of an asynchronous schedule ran")
+    };
+    let e = e.to_string();
+    assert!(e.contains("verify --steps"), "{e}");
+}
+
+/// Per device: computing and span (device time) over `steps` steps of `layout`, and the peak
+/// memory by term.
+fn measured(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    layout: &Layout,
+    batch: &TokenBatch,
+    steps: usize,
+) -> Vec<(f64, f64, ferrotron_engine::memory::MemoryTerms)> {
+    use ferrotron_engine::comm::ThreadWorld;
+    use ferrotron_engine::parallel::{MeshStep, Training};
+    let part = ferrotron_core::schedule::StagePartition::for_layout(cfg, layout).unwrap();
+    let lr = lr();
+    // Memory accounts of this run's own (tests run side by side in one process).
+    let accounts = ferrotron_engine::memory::Accounts::claim(layout.world_size());
+    ThreadWorld::new(layout.world_size())
+        .run(|c| {
+            let mut step =
+                MeshStep::new(cfg, params, batch, layout, &part)?.with_account_base(accounts.base);
+            let (mut busy, mut span, mut mem) = (0.0, 0.0, Default::default());
+            step.train_device(
+                c,
+                &Training {
+                    steps,
+                    batch_of: &|_| batch.clone(),
+                    adam: adam(),
+                    lr: &lr,
+                    clip: 1.0,
+                },
+                &mut |_, _, _, r| {
+                    busy += r.busy_s;
+                    span += r.span_s;
+                    mem = r.memory.peak_terms();
+                    Ok(())
+                },
+            )?;
+            Ok::<_, ferrotron_engine::EngineError>((busy, span, mem))
+        })
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect()
+}
+
+#[test]
+fn the_stashed_versions_take_the_memory_the_planner_predicts() {
+    // Four stages of two layers, 4 micro-batches a step: PipeDream stashes up to p − s − 1
+    // versions on stage s, 2BW one (none on the last stage) and holds two gradient stores.
+    // (Idle time is measured by `bench pipeline`, side by side with 1F1B: a timed quantity.)
+    let p = 4;
+    let cfg = ModelConfig::llama(64, 128, 352, 2 * p, 4, 4, 64, 10000.0);
+    let params = ParamStore::init_random(&cfg, 3);
+    let batch = random_batch(64, 4, 32, 9);
+    let input = ferrotron_core::plan::PlanInput {
+        memory_reserve: 0.0,
+        ..f32_plan_input(&cfg, 32, 4)
+    };
+    for schedule in ["1f1b", "2bw", "pipedream"] {
+        let layout = LayoutSpec::parse(&format!("pp={p},schedule={schedule}"))
+            .unwrap()
+            .layout;
+        let run = measured(&cfg, &params, &layout, &batch, 4);
+        let plan = ferrotron_core::plan::evaluate(&input, &layout).unwrap();
+        for (s, got) in run.iter().map(|r| r.2).enumerate() {
+            let want = &plan.memory_bytes_per_stage[s];
+            for (term, a, b) in [
+                ("weights", got.weights, want.weights),
+                ("gradients", got.gradients, want.gradients),
+            ] {
+                let e = (a as f64 / b as f64 - 1.0).abs();
+                assert!(
+                    e <= 0.01,
+                    "{schedule} stage {s}: {term} measured {a}, predicted {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn two_bw_is_the_published_update_rule() {
+    // W(t+1) = W(t) − ν·Adam(∇f(W(t−1))), W(−1) = W(0): written out here from the paper, not read
+    // from the schedule, against the 4-stage pipeline.
+    use ferrotron_engine::kernels::CpuBackend;
+    use ferrotron_engine::optim::AdamW;
+    use ferrotron_engine::transformer::Transformer;
+    let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let layout = LayoutSpec::parse("pp=4,schedule=2bw").unwrap().layout;
+    let batches: Vec<TokenBatch> = (0..STEPS)
+        .map(|k| random_batch(cfg.vocab_size, 4, 16, 70 + k as u64))
+        .collect();
+    let got = pipeline(&cfg, &params, &layout, &batches, 0.0, &|_| false);
+    let (be, lr) = (CpuBackend::default(), lr());
+    let mut opt = AdamW::new(adam(), &params);
+    let (mut previous, mut w) = (params.clone(), params.clone());
+    for (t, batch) in batches.iter().enumerate() {
+        let mut g = params.zeros_like();
+        let n = batch.predicted_tokens() as f32;
+        // Micro-batches of one sequence, summed in order, as the pipeline accumulates them.
+        let tf = Transformer::new(&cfg, &previous);
+        for i in 0..batch.batch {
+            let micro = TokenBatch {
+                ids: batch.ids[i * batch.seq..(i + 1) * batch.seq].to_vec(),
+                batch: 1,
+                seq: batch.seq,
+            };
+            let state = tf.forward(&be, &previous, &micro);
+            tf.backward(&be, &previous, &mut g, state, &micro.targets(), 1.0 / n);
+        }
+        let next_previous = w.clone();
+        opt.step_serial(&mut w, &g, lr.lr(t) as f32);
+        if t >= 1 {
+            previous = next_previous; // from the second step on, the gradient is one update old
+        }
+    }
+    for (s, (a, b)) in w.specs.iter().zip(got.tensors.iter().zip(&w.tensors)) {
+        let e = rel_err(a, b);
+        assert!(e <= TOL, "{}: {e:.2e}", s.name);
+    }
+}
