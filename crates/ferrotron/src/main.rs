@@ -43,11 +43,14 @@ enum Command {
     /// Benchmarks that print a table.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
+    /// Run `train` through mpirun on a hostfile's hosts, and when hosts die relaunch on the ones
+    /// that remain from the latest checkpoint (events in <out_dir>/events.jsonl).
+    Launch(cmd::launch::LaunchArgs),
 }
 
 /// `--lr -1` is a value to refuse with a reason, not an unknown flag `-1`: every option that takes
 /// a value accepts a negative number, in every subcommand.
-fn accept_negative_numbers(cmd: clap::Command) -> clap::Command {
+pub(crate) fn accept_negative_numbers(cmd: clap::Command) -> clap::Command {
     cmd.mut_args(|a| {
         if a.get_action().takes_values() {
             a.allow_negative_numbers(true)
@@ -109,9 +112,17 @@ fn main() {
         Command::Calibrate(a) => cmd::calibrate::run(*a),
         Command::Bench(b) => cmd::bench::run(b),
         Command::Checkpoint(c) => cmd::checkpoint::run(c),
+        Command::Launch(a) => cmd::launch::run(a),
     };
-    if let Err(e) = result {
-        eprintln!("error: {}", error_chain(&e));
-        std::process::exit(1);
+    // A rank of a launched job says how it ended (nothing happens outside `launch`).
+    use ferrotron_engine::runtime::rank_status;
+    match result {
+        Ok(()) => rank_status::note("finished"),
+        Err(e) => {
+            let chain = error_chain(&e);
+            rank_status::note(&format!("error: {chain}"));
+            eprintln!("error: {chain}");
+            std::process::exit(1);
+        }
     }
 }

@@ -344,3 +344,69 @@ fn lora_adapter_gradients_under_mpi_match_peft() {
         assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{name}");
     }
 }
+
+/// Checkpoints live on a filesystem every rank shares; a rank that cannot write (or read) the
+/// checkpoint directory ends the whole job with an error that names it — it never leaves the
+/// others waiting in a collective.
+#[test]
+fn a_checkpoint_directory_the_ranks_cannot_use_ends_the_job_with_a_clear_error() {
+    let dir = temp_dir("mpi-unwritable-checkpoints");
+    let blocker = dir.join("not-a-directory");
+    std::fs::write(&blocker, "a file where the checkpoint directory would be").unwrap();
+    let cases: [(&str, Vec<String>); 2] = [
+        (
+            "write",
+            vec![
+                "--checkpoint-dir".into(),
+                blocker.join("ck").display().to_string(),
+                "--checkpoint-every".into(),
+                "2".into(),
+            ],
+        ),
+        (
+            "read",
+            vec!["--resume".into(), blocker.join("ck").display().to_string()],
+        ),
+    ];
+    for (what, extra) in cases {
+        let out = dir.join(format!("run-{what}"));
+        let mut a = train_args(
+            &out,
+            &[
+                "--steps",
+                "4",
+                "--batch-size",
+                "4",
+                "--backend",
+                "mpi",
+                "--layout",
+                "dp=2,pp=2",
+            ],
+        );
+        a.extend(extra);
+        let started = std::time::Instant::now();
+        let res = Command::new("mpirun")
+            .env("MPIEXEC_TIMEOUT", "120") // a hang fails the test rather than CI
+            .args([
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                "4",
+                env!("CARGO_BIN_EXE_ferrotron"),
+            ])
+            .args(&a)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&res.stderr).to_string();
+        assert!(!res.status.success(), "{what}: {text}");
+        assert!(
+            started.elapsed().as_secs() < 60,
+            "{what}: took {:?}",
+            started.elapsed()
+        );
+        assert!(
+            text.contains("not-a-directory"),
+            "{what}: the error names the directory:\n{text}"
+        );
+    }
+}

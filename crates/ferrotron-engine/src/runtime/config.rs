@@ -169,6 +169,10 @@ pub struct TrainConfig {
     /// adapter_model.safetensors): its rank, alpha and targets.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// Seconds a device waits for a peer (a message, a collective) before it names the peer and
+    /// ends the run (default: 600 on threads, 60 under MPI).
+    #[arg(long)]
+    pub peer_timeout: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -333,6 +337,11 @@ impl TrainConfig {
                     "lora_rank",
                     &format!("must be between 1 and {}", ferrotron_core::model::MAX_RANK),
                 );
+            }
+        }
+        if let Some(t) = self.peer_timeout {
+            if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
+                return bad("peer_timeout", "must be a number of seconds in (0, 86400]");
             }
         }
         if let Some(a) = self.lora_alpha {

@@ -12,7 +12,8 @@ use std::path::Path;
 use std::sync::{mpsc, Mutex};
 use std::time::Duration;
 
-/// How long a device waits for a peer before it names the peer and gives up.
+/// How long a device on threads waits for a peer before it names the peer and gives up (unless
+/// `peer_timeout` says).
 const PEER_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The devices of a job.
@@ -37,7 +38,12 @@ impl World {
     pub fn open(cfg: &TrainConfig) -> Result<Self> {
         match cfg.backend.as_str() {
             #[cfg(feature = "mpi")]
-            "mpi" => Ok(World::Mpi(Box::new(crate::comm::MpiComm::init(None)?))),
+            "mpi" => {
+                let comm =
+                    crate::comm::MpiComm::init(cfg.peer_timeout.map(Duration::from_secs_f64))?;
+                super::rank_status::start(crate::comm::Comm::rank(&comm));
+                Ok(World::Mpi(Box::new(comm)))
+            }
             _ => Ok(World::Threads),
         }
     }
@@ -113,8 +119,8 @@ impl World {
                         _,
                     ) => Err(e),
                     (Err(e), _) => {
-                        let rank = crate::comm::Comm::rank(c.as_ref());
-                        c.abort(&format!("rank {rank}: {e}"), 1)
+                        super::rank_status::note(&format!("error: {e}"));
+                        c.abort(&e.to_string(), 1) // `abort` names the rank
                     }
                 }
             }
@@ -152,8 +158,12 @@ fn on_threads(
     let results = std::thread::scope(|scope| -> Result<_> {
         let (tx, accounts) = (&tx, &accounts);
         let devices = scope.spawn(move || {
+            let timeout = run
+                .cfg
+                .peer_timeout
+                .map_or(PEER_TIMEOUT, Duration::from_secs_f64);
             let results = ThreadWorld::new(world)
-                .timeout(PEER_TIMEOUT)
+                .timeout(timeout)
                 .clock(clock)
                 .run(|c| {
                     let mut sink = |f: StepFigures| {

@@ -8,6 +8,7 @@ pub mod calibrate;
 mod calibrate_machine;
 pub mod checkpoint;
 pub mod grads;
+pub mod launch;
 pub mod plan;
 pub mod profile;
 pub mod report;

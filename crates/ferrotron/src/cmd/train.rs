@@ -45,6 +45,24 @@ fn resolve(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<TrainConfig> 
     Ok(TrainConfig::layered(toml, &args.settings, &given, &source)?)
 }
 
+/// The settings `ferrotron train WORDS…` would run with (what `launch` reads of the run it starts:
+/// its directories, backend and layout).
+pub fn settings_of(words: &[String]) -> Result<TrainConfig> {
+    use clap::{CommandFactory, FromArgMatches, Parser};
+    #[derive(Parser)]
+    #[command(name = "train")]
+    struct Train {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+    let matches = crate::accept_negative_numbers(Train::command())
+        .try_get_matches_from(std::iter::once("train".to_string()).chain(words.iter().cloned()))?;
+    let parsed = Train::from_arg_matches(&matches)?;
+    let cfg = resolve(&parsed.args, &matches)?;
+    cfg.check()?;
+    Ok(cfg)
+}
+
 pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
     let cfg = resolve(&args, matches)?;
     cfg.check()?;
