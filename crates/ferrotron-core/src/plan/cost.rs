@@ -327,6 +327,32 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         0.0
     };
     let head_fwd = head_time(input, cfg, l);
+    // Beyond the layers' (the collectives `tp_bytes_per_device` counts): the embedding's reduction on
+    // the first virtual stage (an all-reduce forward; under sequence parallelism a reduce-scatter
+    // forward and an all-gather backward), and on the last the output layer's (an all-reduce of its
+    // input gradient; or a gather forward, another and a reduce-scatter backward) and the loss's
+    // (row maxima gathered in f32, two f64 sums per row all-reduced). Each half of an all-reduce
+    // moves half its bytes in t − 1 ring steps.
+    let (embed_comm, head_comm) = if l.tp > 1 {
+        let eff = cal.link_efficiency;
+        let half = ring_time(ar_bytes / 2.0, l.tp - 1, &links.tp, eff);
+        let rows = (l.micro_batch_size * input.seq) as f64;
+        let loss = ring_time((t - 1.0) * rows * 4.0, l.tp - 1, &links.tp, eff)
+            + 2.0
+                * ring_time(
+                    2.0 * (t - 1.0) / t * rows * 8.0,
+                    2 * (l.tp - 1),
+                    &links.tp,
+                    eff,
+                );
+        if l.sequence_parallel {
+            ((half, half), (half + loss, 2.0 * half))
+        } else {
+            ((2.0 * half, 0.0), (loss, 2.0 * half))
+        }
+    } else {
+        ((0.0, 0.0), (0.0, 0.0))
+    };
     let nv = l.pp * l.vpp;
     let d = l.dp as f64;
     // What the optimizer updates, and so what data parallelism reduces and gathers: every
@@ -363,10 +389,17 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         .map(|vs| {
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
             let [fwd, bwd] = zero3(layers);
-            (
+            let (mut f, mut b) = (
                 layers * 2.0 * ar_time + fwd.0,
                 layers * (2.0 + recompute_ar) * ar_time + bwd.0,
-            )
+            );
+            if vs == 0 {
+                (f, b) = (f + embed_comm.0, b + embed_comm.1);
+            }
+            if vs == nv - 1 {
+                (f, b) = (f + head_comm.0, b + head_comm.1);
+            }
+            (f, b)
         })
         .collect();
     let actions = (0..nv)
@@ -377,9 +410,13 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             let mut bwd = layers * (lt.backward + lt.recompute + (2.0 + recompute_ar) * ar_time)
                 + gather_bwd.0
                 + gather_bwd.1;
+            if vs == 0 {
+                fwd += embed_comm.0;
+                bwd += embed_comm.1;
+            }
             if vs == nv - 1 {
-                fwd += head_fwd;
-                bwd += 2.0 * head_fwd;
+                fwd += head_fwd + head_comm.0;
+                bwd += 2.0 * head_fwd + head_comm.1;
             }
             // Zero-bubble schedules split the backward; its two GEMM halves cost about the same.
             ActionCosts {
