@@ -302,9 +302,9 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let t = l.tp as f64;
     let lt = layer_time(input, cfg, l);
 
-    // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer, 2 more when the
-    // forward is recomputed (sequence parallelism moves about the same; its exact bytes are counted
-    // by `tp_bytes_per_device`).
+    // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer (3 under sequence
+    // parallelism, below), 2 more when the forward is recomputed: the bytes `tp_bytes_per_device`
+    // counts.
     let ar_bytes = if l.tp > 1 {
         2.0 * (t - 1.0) / t * boundary
     } else {
@@ -320,6 +320,9 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     } else {
         0.0
     };
+    // Backward: the two all-reduces' worth of the forward's; sequence parallelism gathers a
+    // layer's inputs again for the weight gradients (six collectives of half an all-reduce each).
+    let backward_ar = if l.sequence_parallel { 3.0 } else { 2.0 };
     let chunk_layers = super::chunk_layers(cfg, l);
     let p2p = if l.pp > 1 {
         boundary / (links.pp.bandwidth_bytes_per_s * cal.link_efficiency) + links.pp.latency_s
@@ -391,7 +394,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             let [fwd, bwd] = zero3(layers);
             let (mut f, mut b) = (
                 layers * 2.0 * ar_time + fwd.0,
-                layers * (2.0 + recompute_ar) * ar_time + bwd.0,
+                layers * (backward_ar + recompute_ar) * ar_time + bwd.0,
             );
             if vs == 0 {
                 (f, b) = (f + embed_comm.0, b + embed_comm.1);
@@ -407,7 +410,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
             let [gather_fwd, gather_bwd] = zero3(layers);
             let mut fwd = layers * (lt.forward + 2.0 * ar_time) + gather_fwd.0 + gather_fwd.1;
-            let mut bwd = layers * (lt.backward + lt.recompute + (2.0 + recompute_ar) * ar_time)
+            let mut bwd = layers
+                * (lt.backward + lt.recompute + (backward_ar + recompute_ar) * ar_time)
                 + gather_bwd.0
                 + gather_bwd.1;
             if vs == 0 {

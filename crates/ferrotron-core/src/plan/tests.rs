@@ -591,3 +591,41 @@ fn zero3_collectives_are_priced_inside_the_actions() {
     let grew = slow.step_time_s - fast.step_time_s;
     assert!((grew / added - 1.0).abs() < 1e-6, "{grew} {added}");
 }
+
+/// The time model prices every tensor-parallel byte the traffic model counts — the layers'
+/// all-reduces and the embedding's, the output layer's and the loss's collectives — so on a link
+/// with no latency the actions' communication time is exactly those bytes over the bandwidth.
+#[test]
+fn every_tensor_parallel_byte_is_priced_in_time() {
+    for (layout, sp) in [
+        ("tp=2,mbs=2", false),
+        ("tp=4,mbs=1", false),
+        ("tp=2,sp=true,mbs=2", true),
+    ] {
+        let input = PlanInput::new(
+            PlanModel::Shape(crate::model::preset("llama-small").unwrap()),
+            Cluster::parse(
+                "nodes=1,devices_per_node=4,memory_gib=24,peak_tflops=1,intra_gbs=1,inter_gbs=1,intra_latency_us=0,link_efficiency=1",
+            )
+            .unwrap(),
+            128,
+            8,
+        );
+        let l = crate::layout::LayoutSpec::parse(layout).unwrap().layout;
+        let plan = evaluate(&input, &l).unwrap();
+        let (f, b) = plan.action_comm_time_s;
+        let priced = (f + b) * 1e9;
+        let counted = plan.comm_bytes_per_step.tp;
+        // Under sequence parallelism the norms' partial gradients are summed after the step, not
+        // inside an action.
+        let after = if sp { counted - priced } else { 0.0 };
+        assert!(
+            after >= 0.0 && after < 0.01 * counted,
+            "{layout}: {priced} of {counted}"
+        );
+        assert!(
+            ((priced + after) / counted - 1.0).abs() < 1e-9,
+            "{layout}: {priced} of {counted}"
+        );
+    }
+}
