@@ -1,6 +1,8 @@
 //! The engine: kernels, the single-device model executor, optimizer, data pipeline, Hugging Face I/O
 //! and the training loop.
 
+/// The 16-bit float types the public interfaces take (bf16 compute copies).
+pub use half;
 pub mod error;
 pub mod hf;
 pub mod kernels;

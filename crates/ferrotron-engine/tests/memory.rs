@@ -191,7 +191,7 @@ fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
             println!(
                 "LoRA {spec} device {d}: measured / predicted MB: weights {:.3}/{:.3} gradients \
                  {:.3}/{:.3} optimizer {:.3}/{:.3} activations {:.2}/{:.2} comm {:.3}/{:.3} \
-                 total {:.2}/{:.2}",
+                 total {:.2}/{:.2} (other, unplanned: {:.2})",
                 got.weights as f64 / 1e6,
                 want.weights as f64 / 1e6,
                 got.gradients as f64 / 1e6,
@@ -204,6 +204,7 @@ fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
                 want.comm_buffers as f64 / 1e6,
                 got.total as f64 / 1e6,
                 want.total as f64 / 1e6,
+                m.peak_other() as f64 / 1e6,
             );
             for (term, a, b) in [
                 ("weights", got.weights, want.weights),
@@ -214,12 +215,133 @@ fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
                     want.optimizer_states,
                 ),
                 ("activations", got.activations, want.activations),
-                ("total", got.total, want.total),
+                // The kernels' workspace (`other`) is not planned, and its size follows this CPU's
+                // caches: the total compared is the rest.
+                ("total", got.total - m.peak_other(), want.total),
             ] {
                 let e = (a as f64 / b as f64 - 1.0).abs();
                 assert!(
                     e <= 0.10,
                     "LoRA {spec} device {d}: {term} measured {a} vs predicted {b}"
+                );
+            }
+        }
+    }
+}
+
+/// bf16 mixed precision: measured peaks per term over whole training steps (the update included)
+/// against the planner's prediction for `weights=bf16,grads=bf16,master=fp32,optimizer=fp32`, on
+/// one device and over dp2·tp2·pp2 (ZeRO 0 and 2), within 10%. Communication buffers are checked
+/// on one device, where there are none: the bf16 compute copy is read as it is, never widened.
+#[test]
+fn bf16_memory_matches_the_planner_on_one_device_and_the_3d_mesh() {
+    use ferrotron_core::model::ModelConfig;
+    use ferrotron_core::plan::{evaluate, MemoryTerms, Precision};
+    use ferrotron_engine::comm::ThreadWorld;
+    use ferrotron_engine::memory::Accounts;
+    use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
+    use ferrotron_engine::parallel::{MeshStep, Training};
+    use ferrotron_engine::transformer::{Half, ParamStore};
+    let cfg = ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
+    let params = ParamStore::init_random(&cfg, 1);
+    let (seq, b) = (128, 8);
+    let batch = TokenBatch {
+        ids: (0..b * seq).map(|i| (i * 7 % 2048) as u32).collect(),
+        batch: b,
+        seq,
+    };
+    let mut input = f32_plan_input(&cfg, seq, b);
+    input.precision =
+        Precision::parse("weights=bf16,grads=bf16,master=fp32,optimizer=fp32").unwrap();
+    let lr = LrSchedule {
+        peak_lr: 1e-3,
+        min_lr: 1e-4,
+        warmup_steps: 1,
+        total_steps: 2,
+    };
+    for spec in [
+        "dp=1,tp=1,pp=1,mbs=8",
+        "dp=2,tp=2,pp=2,mbs=1",
+        "dp=2,tp=2,pp=2,mbs=1,zero=2",
+    ] {
+        let l = LayoutSpec::parse(spec).unwrap().layout;
+        let part = StagePartition::for_model(&cfg, l.pp).unwrap();
+        let accounts = Accounts::claim(l.world_size());
+        let peaks = ThreadWorld::new(l.world_size())
+            .timeout(Duration::from_secs(120))
+            .run(|c| -> ferrotron_engine::error::Result<(MemoryTerms, u64)> {
+                let mut step = MeshStep::new(&cfg, &params, &batch, &l, &part)?
+                    .with_account_base(accounts.base)
+                    .with_precision(Some(Half::Bf16), None);
+                let mut last = None;
+                step.train_device(
+                    c,
+                    &Training {
+                        steps: 2,
+                        batch_of: &|_| batch.clone(),
+                        adam: AdamWConfig::default(),
+                        lr: &lr,
+                        clip: 1.0,
+                    },
+                    &mut |_, _, _, r| {
+                        last = Some((r.memory.peak_terms(), r.memory.peak_other()));
+                        Ok(())
+                    },
+                )?;
+                Ok(last.expect("two steps ran"))
+            });
+        let plan = evaluate(&input, &l).unwrap();
+        for (d, got) in peaks.into_iter().enumerate() {
+            let (mut got, other) = got.unwrap().unwrap();
+            // The kernels' workspace (`other`: packing buffers) is not planned: compared is the rest.
+            got.total -= other;
+            let want = plan.memory_bytes_per_stage[d / (l.tp * l.dp)];
+            let mb = |x: u64| x as f64 / 1e6;
+            println!(
+                "{spec} device {d}: measured / predicted MB: weights {:.2}/{:.2} gradients {:.2}/{:.2} \
+                 master {:.2}/{:.2} optimizer {:.2}/{:.2} activations {:.2}/{:.2} comm {:.2}/{:.2} total {:.2}/{:.2}",
+                mb(got.weights), mb(want.weights),
+                mb(got.gradients), mb(want.gradients),
+                mb(got.master_weights), mb(want.master_weights),
+                mb(got.optimizer_states), mb(want.optimizer_states),
+                mb(got.activations), mb(want.activations),
+                mb(got.comm_buffers), mb(want.comm_buffers),
+                mb(got.total), mb(want.total),
+            );
+            for (term, a, b) in [
+                ("weights", got.weights, want.weights),
+                ("gradients", got.gradients, want.gradients),
+                ("master", got.master_weights, want.master_weights),
+                (
+                    "optimizer_states",
+                    got.optimizer_states,
+                    want.optimizer_states,
+                ),
+                ("activations", got.activations, want.activations),
+            ] {
+                let e = (a as f64 / b as f64 - 1.0).abs();
+                assert!(
+                    e <= 0.10,
+                    "{spec} device {d}: {term} measured {a} vs predicted {b}"
+                );
+            }
+            // The planner's total is the sum of the terms' peaks, which need not coincide: on one
+            // device the f32 main gradients appear after the last activation is freed, so the
+            // measured peak is below the sum (by up to the smaller of the two), never above it.
+            let slack = got.gradients.min(got.activations) as f64;
+            assert!(
+                got.total as f64 <= 1.05 * want.total as f64
+                    && got.total as f64 >= want.total as f64 - slack - 0.05 * want.total as f64,
+                "{spec} device {d}: total measured {} vs predicted {}",
+                got.total,
+                want.total
+            );
+            if l.world_size() == 1 {
+                assert!(
+                    got.comm_buffers <= want.comm_buffers + (got.total / 100),
+                    "{spec}: comm buffers {} vs predicted {}",
+                    got.comm_buffers,
+                    want.comm_buffers
                 );
             }
         }

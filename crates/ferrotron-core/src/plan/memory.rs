@@ -318,7 +318,18 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     } else {
         versions * params * pr.weights.bytes() / shard(3)
     };
-    let gradients = grad_buffers * trainable * pr.grads.bytes() / shard(2);
+    // Mixed precision in this engine: beside the 16-bit gradients, its optimizer reads f32 ones for
+    // what it updates (widened at the end of the reduction, as Megatron's f32 main gradients). The
+    // published arithmetic (a model given by its parameter count, other engines' activation models)
+    // counts the 16-bit gradients alone, as the ZeRO paper's 2 + 2 + 12 does.
+    let engine = matches!(input.model, PlanModel::Shape(_))
+        && input.activation_model == ActivationModel::Ferrotron;
+    let main_grads = if engine && pr.grads.bytes() < pr.master_bytes() {
+        trainable * pr.master_bytes() / shard(1)
+    } else {
+        0.0
+    };
+    let gradients = grad_buffers * trainable * pr.grads.bytes() / shard(2) + main_grads;
     let master_weights = trainable * pr.master_bytes() / shard(1);
     let optimizer_states = trainable * input.optimizer.state_bytes(pr) / shard(1);
     MemoryTerms {

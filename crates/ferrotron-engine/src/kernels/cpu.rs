@@ -8,13 +8,14 @@ use rayon::prelude::*;
 #[derive(Debug, Clone)]
 pub struct CpuBackend {
     pub threads: usize,
+    /// The linear layers' products in bf16 (operands rounded to bf16, f32 accumulation: bf16
+    /// mixed precision), or in f32.
+    pub bf16_products: bool,
 }
 
 impl Default for CpuBackend {
     fn default() -> Self {
-        Self {
-            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        }
+        Self::with_threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
     }
 }
 
@@ -32,7 +33,21 @@ impl CpuBackend {
     }
 
     pub fn single_threaded() -> Self {
-        Self { threads: 1 }
+        Self::with_threads(1)
+    }
+
+    /// f32 products on `threads` cores.
+    pub fn with_threads(threads: usize) -> Self {
+        Self {
+            threads,
+            bf16_products: false,
+        }
+    }
+
+    /// The linear layers' products in bf16 when `on` (see [`super::bf16_gemm`]).
+    pub fn bf16(mut self, on: bool) -> Self {
+        self.bf16_products = on;
+        self
     }
 
     pub(crate) fn parallelism(&self, work: usize) -> gemm::Parallelism {
@@ -115,8 +130,8 @@ impl<T> SendPtr<T> {
     }
 }
 
-use super::{activation, attention, embedding, linear, loss, norm, rope};
-use super::{AttnShape, Backend, LinearShape, RopeTable};
+use super::{activation, attention, bf16_convert, embedding, linear, loss, norm, rope};
+use super::{AttnShape, Backend, LinearShape, Matrix, RopeTable};
 
 impl Backend for CpuBackend {
     fn matmul(
@@ -136,21 +151,27 @@ impl Backend for CpuBackend {
         &self,
         s: LinearShape,
         x: &[f32],
-        w: &[f32],
+        w: Matrix,
         bias: Option<&[f32]>,
         y: &mut [f32],
     ) {
-        linear::forward(self, s, x, w, bias, y)
+        match w {
+            Matrix::F32(w) => linear::forward(self, s, x, w, bias, y),
+            Matrix::Bf16(w) => linear::forward_bf16(self, s, x, w, bias, y),
+        }
     }
     fn linear_backward_input(
         &self,
         s: LinearShape,
         dy: &[f32],
-        w: &[f32],
+        w: Matrix,
         dx: &mut [f32],
         acc: bool,
     ) {
-        linear::backward_input(self, s, dy, w, dx, acc)
+        match w {
+            Matrix::F32(w) => linear::backward_input(self, s, dy, w, dx, acc),
+            Matrix::Bf16(w) => linear::backward_input_bf16(self, s, dy, w, dx, acc),
+        }
     }
     fn linear_backward_weight(
         &self,
@@ -165,12 +186,15 @@ impl Backend for CpuBackend {
     fn embedding_forward(
         &self,
         ids: &[u32],
-        table: &[f32],
+        table: Matrix,
         dim: usize,
         out: &mut [f32],
         acc: bool,
     ) {
-        embedding::forward(self, ids, table, dim, out, acc)
+        match table {
+            Matrix::F32(t) => embedding::forward(self, ids, t, dim, out, acc),
+            Matrix::Bf16(t) => embedding::forward_bf16(self, ids, t, dim, out, acc),
+        }
     }
     fn embedding_backward_weight(&self, ids: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]) {
         embedding::backward_weight(ids, dout, dim, dtable)
@@ -320,6 +344,38 @@ impl Backend for CpuBackend {
         });
     }
 
+    fn rounded_to_bf16(&self, src: &[f32]) -> Vec<half::bf16> {
+        // A pass over memory: split over the cores like the zeroing below.
+        const CHUNK: usize = 1 << 16;
+        if self.threads == 1 || src.len() < 4 * CHUNK {
+            return bf16_convert::rounded(src);
+        }
+        bf16_convert::filled(
+            src.len(),
+            |d: &mut [std::mem::MaybeUninit<half::bf16>]| {
+                d.par_chunks_mut(CHUNK)
+                    .zip(src.par_chunks(CHUNK))
+                    .for_each(|(d, s)| {
+                        // SAFETY: bf16 is a transparent u16; the view is only written.
+                        let bits = unsafe {
+                            std::slice::from_raw_parts_mut(d.as_mut_ptr().cast(), d.len())
+                        };
+                        bf16_convert::round_to(s, bits)
+                    })
+            },
+        )
+    }
+    fn widened_from_bf16(&self, src: &[half::bf16]) -> Vec<f32> {
+        const CHUNK: usize = 1 << 16;
+        if self.threads == 1 || src.len() < 4 * CHUNK {
+            return bf16_convert::widened(src);
+        }
+        bf16_convert::filled(src.len(), |d| {
+            d.par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| bf16_convert::widen_to(s, d))
+        })
+    }
     fn zeros(&self, len: usize) -> Vec<f32> {
         // Freed activation memory stays in the process, so the allocator's zeroing is a memset on the
         // calling thread while the other cores wait; split it instead.

@@ -11,7 +11,47 @@ pub(crate) fn forward<T: Real>(
     out: &mut [T],
     acc: bool,
 ) {
-    let rows = table.len() / dim.max(1);
+    lookup(be, ids, table.len(), dim, out, acc, |id, o| {
+        let src = &table[id * dim..][..dim];
+        if acc {
+            o.iter_mut().zip(src).for_each(|(o, &s)| *o += s);
+        } else {
+            o.copy_from_slice(src);
+        }
+    });
+}
+
+/// [`forward`] from a bf16 table (the compute copy under bf16 mixed precision), rows widened.
+pub(crate) fn forward_bf16(
+    be: &CpuBackend,
+    ids: &[u32],
+    table: &[half::bf16],
+    dim: usize,
+    out: &mut [f32],
+    acc: bool,
+) {
+    lookup(be, ids, table.len(), dim, out, acc, |id, o| {
+        let src = &table[id * dim..][..dim];
+        if acc {
+            o.iter_mut().zip(src).for_each(|(o, s)| *o += s.to_f32());
+        } else {
+            super::bf16_convert::widen_into(src, o);
+        }
+    });
+}
+
+/// Row `t` of `out` from row `ids[t]` of a table of `table_len` elements (`row`), or zero (or
+/// unchanged, accumulating) for a masked id.
+fn lookup<T: Real>(
+    be: &CpuBackend,
+    ids: &[u32],
+    table_len: usize,
+    dim: usize,
+    out: &mut [T],
+    acc: bool,
+    row: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    let rows = table_len / dim.max(1);
     assert!(
         ids.iter().all(|&i| (i as usize) < rows || i == MASKED_ID),
         "embedding: id beyond the table"
@@ -23,12 +63,7 @@ pub(crate) fn forward<T: Real>(
             }
             return;
         }
-        let src = &table[ids[t] as usize * dim..][..dim];
-        if acc {
-            o.iter_mut().zip(src).for_each(|(o, &s)| *o += s);
-        } else {
-            o.copy_from_slice(src);
-        }
+        row(ids[t] as usize, o)
     });
 }
 

@@ -44,7 +44,7 @@ fn check(name: &str, inputs: &[Vec<f64>], analytic: &[Vec<f64>], f: impl Fn(&[Ve
 }
 
 fn be() -> CpuBackend {
-    CpuBackend { threads: 2 }
+    CpuBackend::with_threads(2)
 }
 
 #[test]

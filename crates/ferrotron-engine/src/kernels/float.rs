@@ -32,6 +32,18 @@ pub trait Real:
     fn max(self, other: Self) -> Self;
     fn cos(self) -> Self;
     fn sin(self) -> Self;
+
+    /// `x` as f32 when this type is f32 (the kernels that only exist for f32, such as bf16 products).
+    fn as_f32(x: &[Self]) -> Option<&[f32]> {
+        (std::any::TypeId::of::<Self>() == std::any::TypeId::of::<f32>())
+            // SAFETY: Self is f32.
+            .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) })
+    }
+    fn as_f32_mut(x: &mut [Self]) -> Option<&mut [f32]> {
+        (std::any::TypeId::of::<Self>() == std::any::TypeId::of::<f32>())
+            // SAFETY: Self is f32.
+            .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast(), x.len()) })
+    }
 }
 
 macro_rules! impl_real {

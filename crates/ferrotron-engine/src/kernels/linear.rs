@@ -1,5 +1,6 @@
 //! GEMM and the linear layer (both Hugging Face weight layouts) on the CPU.
 
+use super::bf16_gemm::{self, Operand};
 use super::float::Real;
 use super::{CpuBackend, LinearShape};
 use ferrotron_core::model::WeightLayout;
@@ -90,6 +91,29 @@ pub(crate) fn gemm_strided<T: Real>(
     }
 }
 
+/// A linear layer's product: on the bf16 GEMM when the backend says so (the operands are f32 here),
+/// else [`gemm_strided`].
+#[allow(clippy::too_many_arguments)]
+fn product<T: Real>(
+    be: &CpuBackend,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (&[T], usize, usize),
+    b: (&[T], usize, usize),
+    c: &mut [T],
+    c_rs: usize,
+    accumulate: bool,
+) {
+    if be.bf16_products {
+        if let (Some(a0), Some(b0), Some(c0)) = (T::as_f32(a.0), T::as_f32(b.0), T::as_f32_mut(c)) {
+            let (a, b) = (Operand::F32(a0, a.1, a.2), Operand::F32(b0, b.1, b.2));
+            return bf16_gemm::gemm(m, n, k, a, b, c0, c_rs, accumulate, be.threads);
+        }
+    }
+    gemm_strided(be, m, n, k, a, b, c, c_rs, accumulate, true)
+}
+
 pub(crate) fn forward<T: Real>(
     be: &CpuBackend,
     s: LinearShape,
@@ -104,7 +128,7 @@ pub(crate) fn forward<T: Real>(
         WeightLayout::OutIn => (w, 1, i),
         _ => (w, o, 1),
     };
-    gemm_strided(be, s.rows, o, i, (x, i, 1), wv, y, o, false, true);
+    product(be, s.rows, o, i, (x, i, 1), wv, y, o, false);
     if let Some(b) = bias {
         be.for_rows(y, o, |_, row| {
             row.iter_mut().zip(b).for_each(|(y, &b)| *y += b)
@@ -126,7 +150,77 @@ pub(crate) fn backward_input<T: Real>(
         WeightLayout::OutIn => (w, i, 1),
         _ => (w, 1, o),
     };
-    gemm_strided(be, s.rows, i, o, (dy, o, 1), wv, dx, i, acc, true);
+    product(be, s.rows, i, o, (dy, o, 1), wv, dx, i, acc);
+}
+
+/// [`forward`] with the weight in bf16 (the compute copy under bf16 mixed precision): read by the
+/// bf16 GEMM as it is, or widened for the f32 one when the backend's products are f32.
+pub(crate) fn forward_bf16(
+    be: &CpuBackend,
+    s: LinearShape,
+    x: &[f32],
+    w: &[half::bf16],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) {
+    if !be.bf16_products {
+        return forward(be, s, x, &widen(w), bias, y);
+    }
+    let (i, o) = (s.in_dim, s.out_dim);
+    let wv = match s.layout {
+        WeightLayout::OutIn => Operand::Bf16(w, 1, i),
+        _ => Operand::Bf16(w, o, 1),
+    };
+    bf16_gemm::gemm(
+        s.rows,
+        o,
+        i,
+        Operand::F32(x, i, 1),
+        wv,
+        y,
+        o,
+        false,
+        be.threads,
+    );
+    if let Some(b) = bias {
+        be.for_rows(y, o, |_, row| {
+            row.iter_mut().zip(b).for_each(|(y, &b)| *y += b)
+        });
+    }
+}
+
+/// [`backward_input`] with the weight in bf16 (see [`forward_bf16`]).
+pub(crate) fn backward_input_bf16(
+    be: &CpuBackend,
+    s: LinearShape,
+    dy: &[f32],
+    w: &[half::bf16],
+    dx: &mut [f32],
+    acc: bool,
+) {
+    if !be.bf16_products {
+        return backward_input(be, s, dy, &widen(w), dx, acc);
+    }
+    let (i, o) = (s.in_dim, s.out_dim);
+    let wv = match s.layout {
+        WeightLayout::OutIn => Operand::Bf16(w, i, 1),
+        _ => Operand::Bf16(w, 1, o),
+    };
+    bf16_gemm::gemm(
+        s.rows,
+        i,
+        o,
+        Operand::F32(dy, o, 1),
+        wv,
+        dx,
+        i,
+        acc,
+        be.threads,
+    );
+}
+
+fn widen(w: &[half::bf16]) -> Vec<f32> {
+    w.iter().map(|v| v.to_f32()).collect()
 }
 
 pub(crate) fn backward_weight<T: Real>(
@@ -140,9 +234,9 @@ pub(crate) fn backward_weight<T: Real>(
     let (i, o, r) = (s.in_dim, s.out_dim, s.rows);
     match s.layout {
         // dW[out × in] += dyᵀ · x
-        WeightLayout::OutIn => gemm_strided(be, o, i, r, (dy, 1, o), (x, i, 1), dw, i, true, true),
+        WeightLayout::OutIn => product(be, o, i, r, (dy, 1, o), (x, i, 1), dw, i, true),
         // dW[in × out] += xᵀ · dy
-        _ => gemm_strided(be, i, o, r, (x, 1, i), (dy, o, 1), dw, o, true, true),
+        _ => product(be, i, o, r, (x, 1, i), (dy, o, 1), dw, o, true),
     }
     if let Some(db) = dbias {
         column_sums_into(dy, o, db);

@@ -7,6 +7,8 @@
 
 mod activation;
 mod attention;
+pub mod bf16_convert;
+pub mod bf16_gemm;
 mod cpu;
 mod embedding;
 #[cfg(test)]
@@ -60,6 +62,14 @@ pub struct LinearShape {
     pub layout: WeightLayout,
 }
 
+/// A linear layer's weight as the executor holds it: f32, or (bf16 compute) the bf16 compute copy
+/// the GEMM reads as it is.
+#[derive(Clone, Copy)]
+pub enum Matrix<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
 /// The ops a device must provide. Buffers are row-major; `accumulate` means `+=` instead of `=`.
 /// Weight-gradient methods always accumulate, so micro-batches sum into one gradient.
 pub trait Backend: Sync {
@@ -81,7 +91,7 @@ pub trait Backend: Sync {
         &self,
         s: LinearShape,
         x: &[f32],
-        w: &[f32],
+        w: Matrix,
         bias: Option<&[f32]>,
         y: &mut [f32],
     );
@@ -89,7 +99,7 @@ pub trait Backend: Sync {
         &self,
         s: LinearShape,
         dy: &[f32],
-        w: &[f32],
+        w: Matrix,
         dx: &mut [f32],
         accumulate: bool,
     );
@@ -106,7 +116,7 @@ pub trait Backend: Sync {
     fn embedding_forward(
         &self,
         ids: &[u32],
-        table: &[f32],
+        table: Matrix,
         dim: usize,
         out: &mut [f32],
         accumulate: bool,
@@ -250,6 +260,14 @@ pub trait Backend: Sync {
 
     /// A new buffer of `len` zeros. The model executor makes its activation and gradient buffers here,
     /// so a backend decides how (the CPU one zeroes large buffers on all its threads).
+    /// `src` rounded to bf16, to nearest even, in a new buffer (the activation stash under bf16).
+    fn rounded_to_bf16(&self, src: &[f32]) -> Vec<half::bf16> {
+        bf16_convert::rounded(src)
+    }
+    /// `src` widened to f32 (exact), in a new buffer.
+    fn widened_from_bf16(&self, src: &[half::bf16]) -> Vec<f32> {
+        bf16_convert::widened(src)
+    }
     fn zeros(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }

@@ -1,8 +1,12 @@
 //! Mixed precision under ZeRO: the compute copy of the weights and the gradients are stored in 16
 //! bits (bf16 or f16), and so are moved in 16 bits; the master weights and the Adam moments are f32,
-//! sharded as ZeRO says. The executor still computes in f32: a unit's weights are widened into an f32
-//! view just before use and dropped after, and its f32 gradients are rounded into 16-bit storage as
-//! soon as its backward is done. Reductions add in f32 and round once per step of the ring.
+//! sharded as ZeRO says. Under bf16 the compute copy is made once per optimizer step (rounded from
+//! the master weights) and its matrices (linear weights, embedding tables) are handed to the executor
+//! as they are: the bf16 GEMM and the embedding lookup read them, no f32 copy exists. Norm weights
+//! and biases (and every tensor under f16, which has no 16-bit GEMM here) are widened into an f32
+//! view just before use and dropped after.
+//! A unit's f32 gradients are rounded into 16-bit storage as soon as its backward is done.
+//! Reductions add in f32 and round once per step of the ring.
 //!
 //! Layout per ZeRO stage (a "piece" is this rank's 1/dp of a tensor, padded):
 //! - weights (16-bit): whole, or pieces under ZeRO-3;
@@ -11,13 +15,34 @@
 
 use super::data::{owned as own, piece};
 use crate::comm::{Comm, CommError, Element, Group, ReduceOp};
+use crate::kernels::bf16_convert;
 use crate::memory::{self, Term};
 use crate::transformer::ParamStore;
+use std::sync::Arc;
 
 /// A 16-bit float the state can be stored and moved in.
 pub trait Half16: Element {
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
+    /// The tensor as the GEMM's bf16 operand, shared (bf16 only).
+    fn as_bf16(w: &Arc<Vec<Self>>) -> Option<Arc<Vec<half::bf16>>>;
+    fn round_all(v: &[f32]) -> Vec<Self> {
+        v.iter().map(|&x| Self::from_f32(x)).collect()
+    }
+    fn widen_all(v: &[Self]) -> Vec<f32> {
+        v.iter().map(|x| x.to_f32()).collect()
+    }
+    fn round_into(v: &[f32], out: &mut [Self]) {
+        out.iter_mut()
+            .zip(v)
+            .for_each(|(o, &x)| *o = Self::from_f32(x));
+    }
+    /// `acc[i] = round(acc[i] + add[i])`.
+    fn add_all(acc: &mut [Self], add: &[f32]) {
+        for (s, &x) in acc.iter_mut().zip(add) {
+            *s = Self::from_f32(s.to_f32() + x);
+        }
+    }
 }
 
 impl Half16 for half::bf16 {
@@ -26,6 +51,21 @@ impl Half16 for half::bf16 {
     }
     fn to_f32(self) -> f32 {
         half::bf16::to_f32(self)
+    }
+    fn as_bf16(w: &Arc<Vec<Self>>) -> Option<Arc<Vec<half::bf16>>> {
+        Some(Arc::clone(w))
+    }
+    fn round_all(v: &[f32]) -> Vec<Self> {
+        bf16_convert::rounded(v)
+    }
+    fn widen_all(v: &[Self]) -> Vec<f32> {
+        bf16_convert::widened(v)
+    }
+    fn round_into(v: &[f32], out: &mut [Self]) {
+        bf16_convert::round_into(v, out)
+    }
+    fn add_all(acc: &mut [Self], add: &[f32]) {
+        bf16_convert::add_into(acc, add)
     }
 }
 
@@ -36,14 +76,17 @@ impl Half16 for half::f16 {
     fn to_f32(self) -> f32 {
         half::f16::to_f32(self)
     }
+    fn as_bf16(_: &Arc<Vec<Self>>) -> Option<Arc<Vec<half::bf16>>> {
+        None
+    }
 }
 
 fn round<T: Half16>(v: &[f32]) -> Vec<T> {
-    v.iter().map(|&x| T::from_f32(x)).collect()
+    T::round_all(v)
 }
 
 fn widen<T: Half16>(v: &[T]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
+    T::widen_all(v)
 }
 
 /// A rank's padded piece of `t`.
@@ -61,8 +104,9 @@ pub struct HalfParts<T: Half16> {
     pub stage: u8,
     dp: usize,
     rank: usize,
-    /// The compute weights: whole, or pieces under ZeRO-3.
-    weights: Vec<Vec<T>>,
+    /// The compute weights: whole, or pieces under ZeRO-3. Shared with the executor's view while a
+    /// unit computes (bf16 matrices), so never changed then.
+    weights: Vec<Arc<Vec<T>>>,
     /// The gradients: whole under ZeRO 0–1, pieces under ZeRO 2–3.
     grads: Vec<Vec<T>>,
     /// The f32 master weights: whole under ZeRO-0, pieces from ZeRO-1 on.
@@ -98,11 +142,11 @@ impl<T: Half16> HalfParts<T> {
                 .iter()
                 .map(|t| {
                     let w = round::<T>(t);
-                    if stage == 3 && dp > 1 {
+                    Arc::new(if stage == 3 && dp > 1 {
                         piece_of(&w, dp, rank)
                     } else {
                         w
-                    }
+                    })
                 })
                 .collect()
         };
@@ -159,9 +203,20 @@ impl<T: Half16> HalfParts<T> {
     ) -> Result<(), CommError> {
         // The f32 view of a unit is a transient working buffer.
         let _buffers = memory::scope(Term::CommBuffers);
+        // A matrix (a linear layer's weight, an embedding table) the kernels read in bf16 as it is;
+        // norm weights and biases are widened.
+        let shared = |view: &mut ParamStore, i: usize, w: &Arc<Vec<T>>| {
+            if view.specs[i].shape.len() != 2 {
+                return false;
+            }
+            view.bf16[i] = T::as_bf16(w);
+            view.bf16[i].is_some()
+        };
         if !self.sharded_weights() {
             for &i in ids {
-                view.tensors[i] = widen(&self.weights[i]);
+                if !shared(view, i, &self.weights[i]) {
+                    view.tensors[i] = widen(&self.weights[i]);
+                }
             }
             return Ok(());
         }
@@ -177,14 +232,13 @@ impl<T: Half16> HalfParts<T> {
             let n = piece(self.lens[i], self.dp, 0).len();
             let mut t = Vec::with_capacity(n * self.dp);
             for k in 0..self.dp {
-                t.extend(
-                    all[k * block + at..k * block + at + n]
-                        .iter()
-                        .map(|x| x.to_f32()),
-                );
+                t.extend_from_slice(&all[k * block + at..k * block + at + n]);
             }
             t.truncate(self.lens[i]);
-            view.tensors[i] = t;
+            let t = Arc::new(t);
+            if !shared(view, i, &t) {
+                view.tensors[i] = widen(&t);
+            }
             at += n;
         }
         Ok(())
@@ -202,9 +256,7 @@ impl<T: Half16> HalfParts<T> {
         if !self.sharded_grads() {
             for &i in ids {
                 let g = std::mem::take(&mut scratch.tensors[i]);
-                for (s, x) in self.grads[i].iter_mut().zip(g) {
-                    *s = T::from_f32(s.to_f32() + x);
-                }
+                T::add_all(&mut self.grads[i], &g);
             }
             return Ok(());
         }
@@ -233,33 +285,25 @@ impl<T: Half16> HalfParts<T> {
     /// Ends the step's reduction over the replicas (in 16 bits) and widens what this rank owns into
     /// `main`, laid out like the master weights.
     pub fn reduce<C: Comm>(&mut self, c: &mut C, group: &Group) -> Result<(), CommError> {
+        // One tensor at a time, in place: a copy of every gradient at once would be as large as
+        // the gradients themselves.
         if self.dp > 1 && self.stage == 0 {
             let _buffers = memory::scope(Term::CommBuffers);
-            let mut flat: Vec<T> = self.grads.concat();
-            c.all_reduce(group, &mut flat, ReduceOp::Sum)?;
-            let mut at = 0;
             for g in self.grads.iter_mut() {
-                let n = g.len();
-                g.copy_from_slice(&flat[at..at + n]);
-                at += n;
+                c.all_reduce(group, g, ReduceOp::Sum)?;
             }
         } else if self.dp > 1 && self.stage == 1 {
             let _buffers = memory::scope(Term::CommBuffers);
-            let mut buf: Vec<T> = Vec::new();
-            for k in 0..self.dp {
-                for g in &self.grads {
+            for g in self.grads.iter_mut() {
+                let mut buf: Vec<T> = Vec::new();
+                for k in 0..self.dp {
                     buf.extend(piece_of(g, self.dp, k));
                 }
-            }
-            let mut mine = vec![T::default(); buf.len() / self.dp];
-            c.reduce_scatter(group, &buf, &mut mine, ReduceOp::Sum)?;
-            let mut at = 0;
-            for g in self.grads.iter_mut() {
+                let mut mine = vec![T::default(); buf.len() / self.dp];
+                c.reduce_scatter(group, &buf, &mut mine, ReduceOp::Sum)?;
                 let r = own(g.len(), self.dp, self.rank);
-                let n = piece(g.len(), self.dp, 0).len();
                 let len = r.len();
-                g[r].copy_from_slice(&mine[at..at + len]);
-                at += n;
+                g[r].copy_from_slice(&mine[..len]);
             }
         }
         let _g = memory::scope(Term::Gradients);
@@ -283,27 +327,25 @@ impl<T: Half16> HalfParts<T> {
         self.main = Vec::new();
         if !self.sharded_master() || self.sharded_weights() {
             for (w, m) in self.weights.iter_mut().zip(&self.master) {
-                for (x, &y) in w.iter_mut().zip(m) {
-                    *x = T::from_f32(y);
-                }
+                T::round_into(m, Arc::make_mut(w).as_mut_slice());
             }
             return Ok(());
         }
+        // One tensor at a time (as the reduction): the gathered whole of every tensor at once would
+        // be a second copy of the weights.
         let _buffers = memory::scope(Term::CommBuffers);
-        let mine: Vec<T> = self.master.iter().flat_map(|m| round::<T>(m)).collect();
-        let mut all = vec![T::default(); mine.len() * self.dp];
-        c.all_gather(group, &mine, &mut all)?;
-        let block = mine.len();
-        let mut at = 0;
-        for w in self.weights.iter_mut() {
+        for (w, m) in self.weights.iter_mut().zip(&self.master) {
+            let w = Arc::make_mut(w);
             let len = w.len();
-            let n = piece(len, self.dp, 0).len();
+            let mine: Vec<T> = round(m);
+            let mut all = vec![T::default(); mine.len() * self.dp];
+            c.all_gather(group, &mine, &mut all)?;
+            let n = mine.len();
             for k in 0..self.dp {
                 let r = own(len, self.dp, k);
                 let m = r.len();
-                w[r].copy_from_slice(&all[k * block + at..k * block + at + m]);
+                w[r].copy_from_slice(&all[k * n..k * n + m]);
             }
-            at += n;
         }
         Ok(())
     }

@@ -122,9 +122,8 @@ impl SegmentRun<'_> {
         let run = &self.run;
         let sched = run.schedule;
         let (list, versions) = (&sched.actions[run.stage], &sched.versions[run.stage]);
-        let be = CpuBackend {
-            threads: run.threads.max(1),
-        };
+        let be = CpuBackend::with_threads(run.threads.max(1))
+            .bf16(run.wire.0 == Some(crate::transformer::Half::Bf16));
         let updates = sched.micro_batches.div_ceil(sched.micro_batches_per_update);
         let steps = sched.micro_batches / self.micro_per_step;
         let mut left: Vec<usize> = vec![0; updates];

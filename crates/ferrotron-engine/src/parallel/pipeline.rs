@@ -231,9 +231,8 @@ impl StageRun<'_> {
     ) -> Result<StageOutcome> {
         // Several devices in one process compute on one thread each (a device's clock is its
         // thread's CPU time); a device with the process to itself uses its cores.
-        let be = CpuBackend {
-            threads: self.threads.max(1),
-        };
+        let be = CpuBackend::with_threads(self.threads.max(1))
+            .bf16(self.wire.0 == Some(crate::transformer::Half::Bf16));
         let mut pass = Pass::default();
         let now = tpg.comm().device_time();
         pass.out

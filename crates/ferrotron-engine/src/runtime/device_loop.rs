@@ -115,7 +115,7 @@ pub(super) fn validation_loss(
         return None; // nothing held out: no figure, rather than a loss of 0 over nothing
     }
     let tf = trained.unsplit(model);
-    let be = CpuBackend { threads };
+    let be = CpuBackend::with_threads(threads);
     let (mut sum, mut n) = (0.0, 0usize);
     for b in batches {
         sum += tf.loss(&be, trained.params, b) * b.predicted_tokens() as f64;

@@ -5,6 +5,7 @@
 use super::kept::{Half, Kept};
 use super::residency::{units_of, Unit};
 use super::ParamStore;
+use crate::kernels::CpuBackend;
 use crate::memory::{self, Term};
 use ferrotron_core::model::ModelConfig;
 use std::collections::HashMap;
@@ -34,7 +35,7 @@ impl FrozenBase {
                 let half = store
                     .tensors
                     .iter()
-                    .map(|t| Kept::keep(t.clone(), Some(h)))
+                    .map(|t| Kept::keep(&CpuBackend::single_threaded(), t.clone(), Some(h)))
                     .collect();
                 let empty = vec![Vec::new(); store.specs.len()];
                 (ParamStore::from_tensors(store.specs, empty), Some(half))
@@ -68,7 +69,7 @@ impl FrozenBase {
             vec![Vec::new(); self.store.specs.len()],
         );
         for &i in self.units.get(&unit).map_or(&[][..], Vec::as_slice) {
-            view.tensors[i] = half[i].get().into_owned();
+            view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned();
         }
         f(&view)
     }

@@ -2,6 +2,7 @@
 //! (the arithmetic stays f32: values are rounded when kept and widened when used), so the stash —
 //! activation memory — is 2-byte.
 
+use crate::kernels::Backend;
 use half::slice::HalfFloatSliceExt;
 use std::borrow::Cow;
 
@@ -22,15 +23,11 @@ pub(crate) enum Kept {
 }
 
 impl Kept {
-    /// Keeps `v` as is, or rounded to `storage`.
-    pub fn keep(v: Vec<f32>, storage: Option<Half>) -> Self {
+    /// Keeps `v` as is, or rounded to `storage` (on `be`'s cores).
+    pub fn keep(be: &dyn Backend, v: Vec<f32>, storage: Option<Half>) -> Self {
         match storage {
             None => Self::F32(v),
-            Some(Half::Bf16) => {
-                let mut out = vec![half::bf16::ZERO; v.len()];
-                out.convert_from_f32_slice(&v);
-                Self::Bf16(out)
-            }
+            Some(Half::Bf16) => Self::Bf16(be.rounded_to_bf16(&v)),
             Some(Half::F16) => {
                 let mut out = vec![half::f16::ZERO; v.len()];
                 out.convert_from_f32_slice(&v);
@@ -39,21 +36,21 @@ impl Kept {
         }
     }
 
-    /// The values in f32 (borrowed when kept in f32).
-    pub fn get(&self) -> Cow<'_, [f32]> {
+    /// The values in f32 (borrowed when kept in f32; widened on `be`'s cores).
+    pub fn get(&self, be: &dyn Backend) -> Cow<'_, [f32]> {
         match self {
             Self::Empty => Cow::Borrowed(&[]),
             Self::F32(v) => Cow::Borrowed(v),
-            Self::Bf16(v) => Cow::Owned(v.to_f32_vec()),
+            Self::Bf16(v) => Cow::Owned(be.widened_from_bf16(v)),
             Self::F16(v) => Cow::Owned(v.to_f32_vec()),
         }
     }
 
     /// The values in f32, taking them (no copy when kept in f32).
-    pub fn into_f32(self) -> Vec<f32> {
+    pub fn into_f32(self, be: &dyn Backend) -> Vec<f32> {
         match self {
             Self::F32(v) => v,
-            other => other.get().into_owned(),
+            other => other.get(be).into_owned(),
         }
     }
 

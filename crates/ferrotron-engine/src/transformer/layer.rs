@@ -82,7 +82,7 @@ impl Lin {
     ) -> Vec<f32> {
         let mut y = be.zeros(rows * self.out_dim);
         let b = self.b.filter(|_| bias).map(|b| store.tensors[b].as_slice());
-        be.linear_forward(self.shape(rows), x, &store.tensors[self.w], b, &mut y);
+        be.linear_forward(self.shape(rows), x, store.matrix(self.w), b, &mut y);
         y
     }
 
@@ -118,7 +118,7 @@ impl Lin {
         acc: bool,
     ) {
         let s = self.shape(dy.len() / self.out_dim);
-        be.linear_backward_input(s, dy, &w.base.tensors[self.w], dx, acc);
+        be.linear_backward_input(s, dy, w.base.matrix(self.w), dx, acc);
         if !w.frozen() {
             self.weight_grad(be, g, dy, x);
         }
@@ -136,9 +136,9 @@ impl Lin {
         scale_in_place(&mut z, ad.scale);
         // dz = dy·B, and du = scale · dz is the gradient at x·Aᵀ.
         let mut du = be.zeros(rows * ad.rank);
-        be.linear_backward_input(up.shape(rows), dy, &store.tensors[ad.b], &mut du, false);
+        be.linear_backward_input(up.shape(rows), dy, store.matrix(ad.b), &mut du, false);
         scale_in_place(&mut du, ad.scale);
-        be.linear_backward_input(down.shape(rows), &du, &store.tensors[ad.a], dx, true);
+        be.linear_backward_input(down.shape(rows), &du, store.matrix(ad.a), dx, true);
         up.weight_grad(be, g, dy, &z);
         down.weight_grad(be, g, &du, x);
     }
@@ -485,7 +485,7 @@ pub(crate) fn forward(
     }
     let mut out = row_parallel_forward(&ids.mlp_out, be, tp, p, &mlp_act, rows);
     be.add_assign(&mut out, &x_mid);
-    let keep = |v: Vec<f32>| Kept::keep(v, m.activation_storage);
+    let keep = |v: Vec<f32>| Kept::keep(be, v, m.activation_storage);
     let (mut n1, mut n2) = (n1, n2);
     let (n1_out, n2_out) = (std::mem::take(&mut n1.out), std::mem::take(&mut n2.out));
     let acts = LayerActs {
@@ -530,15 +530,15 @@ pub(crate) fn backward(
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
         ids.mlp_out
-            .backward(be, p, g, dout, &a.mlp_act.get(), &mut dact, false);
+            .backward(be, p, g, dout, &a.mlp_act.get(be), &mut dact, false);
     }
     drop(a.mlp_act);
     let mut dn2 = be.zeros(rows * h);
     {
-        let n2_out = a.n2_out.get();
+        let n2_out = a.n2_out.get(be);
         let n2_all = tp.gather_rows(&n2_out);
         let n2_in = n2_all.as_deref().unwrap_or(&n2_out);
-        let pre: Vec<_> = a.mlp_pre.iter().map(Kept::get).collect();
+        let pre: Vec<_> = a.mlp_pre.iter().map(|k| k.get(be)).collect();
         match cfg.arch {
             Arch::Llama => {
                 let (mut dgate, mut dup) = (be.zeros(rows * f), be.zeros(rows * f));
@@ -555,7 +555,7 @@ pub(crate) fn backward(
     }
     let dn2 = tp.reduce(dn2);
     ids.norm2
-        .backward(be, p, g, &dn2, &a.x_mid.get(), &a.n2, dx, true);
+        .backward(be, p, g, &dn2, &a.x_mid.get(be), &a.n2, dx, true);
     drop(dn2);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
@@ -564,10 +564,10 @@ pub(crate) fn backward(
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
         ids.attn_out
-            .backward(be, p, g, dout, &a.attn.get(), &mut dattn, false);
+            .backward(be, p, g, dout, &a.attn.get(be), &mut dattn, false);
     }
     let shape = attn_shape(cfg, batch, seq);
-    let (q, k, v) = (a.q.get(), a.k.get(), a.v.get());
+    let (q, k, v) = (a.q.get(be), a.k.get(be), a.v.get(be));
     if a.probs.is_empty() {
         // Selective recompute dropped the attention probabilities: recompute them from Q and K.
         let mut probs = be.zeros(shape.probs_len());
@@ -582,7 +582,7 @@ pub(crate) fn backward(
         &q,
         &k,
         &v,
-        &a.probs.get(),
+        &a.probs.get(be),
         &mut dq,
         &mut dk,
         &mut dv,
@@ -594,7 +594,7 @@ pub(crate) fn backward(
     }
     let mut dn1 = be.zeros(rows * h);
     {
-        let n1_out = a.n1_out.get();
+        let n1_out = a.n1_out.get(be);
         let n1_all = tp.gather_rows(&n1_out);
         let n1_in = n1_all.as_deref().unwrap_or(&n1_out);
         match cfg.arch {
@@ -617,5 +617,5 @@ pub(crate) fn backward(
     }
     let dn1 = tp.reduce(dn1);
     ids.norm1
-        .backward(be, p, g, &dn1, &a.x_in.get(), &a.n1, dx, true);
+        .backward(be, p, g, &dn1, &a.x_in.get(be), &a.n1, dx, true);
 }

@@ -434,12 +434,12 @@ impl Transformer {
                 res.params(Unit::Embedding, &mut |p| {
                     self.weights(Unit::Embedding, p, &mut |w| {
                         let mut e = be.zeros(rows * h);
-                        be.embedding_forward(&local, &w.base.tensors[embed], h, &mut e, false);
+                        be.embedding_forward(&local, w.base.matrix(embed), h, &mut e, false);
                         // Each device looked up the ids its vocabulary slice holds: the rows sum
                         // over the group.
                         x = tp.reduce(e);
                         if let Some(wpe) = self.pos_embed {
-                            be.embedding_forward(mine, &w.base.tensors[wpe], h, &mut x, true);
+                            be.embedding_forward(mine, w.base.matrix(wpe), h, &mut x, true);
                         }
                     })
                 });
@@ -471,7 +471,9 @@ impl Transformer {
             });
             let (out, mut acts) = result.expect("the layer ran");
             match (input, self.recompute) {
-                (Some(input), _) => layer_inputs.push(Kept::keep(input, self.activation_storage)),
+                (Some(input), _) => {
+                    layer_inputs.push(Kept::keep(be, input, self.activation_storage))
+                }
                 (None, Recompute::Selective) => {
                     layer::drop_probs(&mut acts);
                     layers.push(acts)
@@ -504,18 +506,21 @@ impl Transformer {
                         be.linear_forward(
                             head.shape(rows),
                             normed_all.as_deref().unwrap_or(&normed.out),
-                            &w.base.tensors[head.w],
+                            w.base.matrix(head.w),
                             None,
                             &mut logits,
                         );
                         let mut normed = normed;
-                        state.final_out =
-                            Kept::keep(std::mem::take(&mut normed.out), self.activation_storage);
+                        state.final_out = Kept::keep(
+                            be,
+                            std::mem::take(&mut normed.out),
+                            self.activation_storage,
+                        );
                         state.final_norm = Some(normed);
                         state.logits = logits;
                     })
                 });
-                state.final_in = Kept::keep(x, self.activation_storage);
+                state.final_in = Kept::keep(be, x, self.activation_storage);
             }
             _ => state.output = x,
         }
@@ -622,8 +627,8 @@ impl Transformer {
                 loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
                 let dlogits = std::mem::take(&mut state.logits);
                 let mut dx = be.zeros(rows / blocks * h);
-                let final_in = std::mem::take(&mut state.final_in).into_f32();
-                let final_out = std::mem::take(&mut state.final_out).into_f32();
+                let final_in = std::mem::take(&mut state.final_in).into_f32(be);
+                let final_out = std::mem::take(&mut state.final_out).into_f32(be);
                 in_unit(Unit::Head, &mut |p, sink| {
                     let mut dnormed = be.zeros(rows * h);
                     let normed_all = tp.gather_rows(&final_out);
@@ -673,7 +678,7 @@ impl Transformer {
                     let x = input
                         .take()
                         .expect("a layer's backward runs once")
-                        .into_f32();
+                        .into_f32(be);
                     let (_, acts) = layer::forward(self, be, tp, p, ids, x, dims, positions);
                     layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
                 });

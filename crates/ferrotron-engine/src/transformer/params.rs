@@ -1,15 +1,20 @@
 //! Named parameter tensors (Hugging Face names and shapes), held as f32 for compute.
 
+use crate::kernels::Matrix;
 use ferrotron_core::model::{ModelConfig, ParamSpec};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// One tensor per parameter, in the order of [`ModelConfig::param_specs`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamStore {
     pub specs: Vec<ParamSpec>,
     pub tensors: Vec<Vec<f32>>,
+    /// Under bf16 compute, a matrix's bf16 compute copy, shared with the mixed-precision state that
+    /// owns it (its f32 tensor is then empty): the GEMM reads it as it is.
+    pub bf16: Vec<Option<Arc<Vec<half::bf16>>>>,
     index: HashMap<String, usize>,
 }
 
@@ -27,10 +32,21 @@ impl ParamStore {
             .enumerate()
             .map(|(i, s)| (s.name.clone(), i))
             .collect();
+        let bf16 = vec![None; specs.len()];
         Self {
             specs,
             tensors,
+            bf16,
             index,
+        }
+    }
+
+    /// Tensor `i` as a matrix (a linear layer's weight, an embedding table): its bf16 compute copy
+    /// where there is one.
+    pub fn matrix(&self, i: usize) -> Matrix<'_> {
+        match &self.bf16[i] {
+            Some(w) => Matrix::Bf16(w),
+            None => Matrix::F32(&self.tensors[i]),
         }
     }
 

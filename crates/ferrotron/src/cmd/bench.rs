@@ -2,7 +2,7 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use ferrotron_core::model::preset;
 use ferrotron_engine::comm::ThreadWorld;
-use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::kernels::{bf16_gemm, CpuBackend};
 use ferrotron_engine::optim::{AdamW, AdamWConfig};
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use rand::{Rng, SeedableRng};
@@ -141,6 +141,10 @@ pub struct KernelBench {
     /// Kernel threads (0: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// The linear layers' products in `f32`, or in `bf16` (f32 accumulation, on the best bf16
+    /// instructions of this CPU; the table then shows each shape beside the measured bf16 peak).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    precision: String,
 }
 
 #[derive(Args)]
@@ -163,6 +167,11 @@ pub struct TrainBench {
     /// Kernel threads (0: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// `f32`, or mixed precision `bf16` (the linear layers' products in bf16 on the CPU's bf16
+    /// dot-product instructions; 16-bit weights, gradients and activations) or `fp16` (16-bit
+    /// storage with loss scaling, f32 products).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "fp16"])]
+    precision: String,
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -199,8 +208,9 @@ fn train(b: TrainBench) -> Result<()> {
     let be = if b.threads == 0 {
         CpuBackend::default()
     } else {
-        CpuBackend { threads: b.threads }
-    };
+        CpuBackend::with_threads(b.threads)
+    }
+    .bf16(b.precision == "bf16");
     let mut params = ParamStore::init_random(&cfg, 0);
     let tf = Transformer::new(&cfg, &params);
     let mut grads = params.zeros_like();
@@ -258,14 +268,21 @@ fn train(b: TrainBench) -> Result<()> {
     let median = sorted[sorted.len() / 2];
     let total: f64 = step.iter().sum();
     println!(
-        "ferrotron bench train: {} ({:.2}M params, matmul N={:.2}M), batch {} x seq {}, f32, AdamW, threads {}",
+        "ferrotron bench train: {} ({:.2}M params, matmul N={:.2}M), batch {} x seq {}, {}, AdamW, threads {}",
         b.model,
         cfg.num_params() as f64 / 1e6,
         cfg.matmul_params() as f64 / 1e6,
         b.batch,
         b.seq,
+        b.precision,
         be.threads
     );
+    if b.precision != "f32" {
+        println!(
+            "(the bare kernels below run the products in {}, on f32 weights; the training loop stores weights, gradients and activations in 16 bits)",
+            if b.precision == "bf16" { "bf16" } else { "f32" }
+        );
+    }
     println!(
         "FLOP/step = 6·N·tokens + 12·layers·hidden·seq·tokens = {:.1} G",
         flop / 1e9
@@ -347,8 +364,21 @@ fn engine_step_times(
         weight_decay: 0.1,
     };
     let mut results = ThreadWorld::new(1).clock(ClockSource::Wall).run(|c| {
+        use ferrotron_engine::parallel::LossScaling;
+        use ferrotron_engine::transformer::Half;
+        let storage = match b.precision.as_str() {
+            "bf16" => Some(Half::Bf16),
+            "fp16" => Some(Half::F16),
+            _ => None,
+        };
+        let scaling = (storage == Some(Half::F16)).then_some(LossScaling {
+            initial: 65536.0,
+            growth_interval: 2000,
+            inject_nonfinite_at: None,
+        });
         let mut step = MeshStep::new(cfg, &params, &batches[0], &layout, &partition)?
-            .with_kernel_threads(threads);
+            .with_kernel_threads(threads)
+            .with_precision(storage, scaling);
         let mut times = Vec::new();
         step.train_device(
             c,
@@ -411,13 +441,15 @@ pub(crate) fn time_on(clock: Clock, reps: usize, mut f: impl FnMut()) -> f64 {
 
 fn kernels(b: KernelBench) -> Result<()> {
     use ferrotron_core::model::WeightLayout;
-    use ferrotron_engine::kernels::{AttnShape, Backend, LinearShape};
+    use ferrotron_engine::kernels::{AttnShape, Backend, LinearShape, Matrix};
     let cfg = preset(&b.model)?;
+    let bf16 = b.precision == "bf16";
     let be = if b.threads == 0 {
         CpuBackend::default()
     } else {
-        CpuBackend { threads: b.threads }
-    };
+        CpuBackend::with_threads(b.threads)
+    }
+    .bf16(bf16);
     let rows = b.batch * b.seq;
     let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
@@ -427,14 +459,42 @@ fn kernels(b: KernelBench) -> Result<()> {
         "ferrotron bench kernels: {} shapes, {rows} rows, threads {}",
         b.model, be.threads
     );
-    match fma_peak_gflops(be.threads) {
-        Some((gflops, isa)) => println!(
-            "f32 FMA peak of {} threads: {gflops:.1} GFLOP/s ({isa}, independent FMA chains)",
-            be.threads
-        ),
-        None => println!("f32 FMA peak: not measured on this CPU"),
-    }
-    println!("| kernel | shape | ms | GFLOP/s |\n|---|---|---|---|");
+    let f32_peak = match fma_peak_gflops(be.threads) {
+        Some((gflops, isa)) => {
+            println!(
+                "f32 FMA peak of {} threads: {gflops:.1} GFLOP/s ({isa}, independent FMA chains)",
+                be.threads
+            );
+            Some(gflops)
+        }
+        None => {
+            println!("f32 FMA peak: not measured on this CPU");
+            None
+        }
+    };
+    let peak = if bf16 {
+        use bf16_gemm::Path;
+        for path in [Path::Amx, Path::Avx512Bf16] {
+            if let Some(gf) = bf16_peak_gflops(path, be.threads) {
+                println!(
+                    "bf16 peak of {} threads on {}: {gf:.1} GFLOP/s (independent chains, no loads)",
+                    be.threads,
+                    path.name()
+                );
+            }
+        }
+        let best = bf16_gemm::best_path();
+        println!("bf16 products run on: {}", best.name());
+        bf16_peak_gflops(best, be.threads).or(f32_peak)
+    } else {
+        f32_peak
+    };
+    let of_peak =
+        |gflops: f64| peak.map_or(String::new(), |p| format!("{:.0}%", 100.0 * gflops / p));
+    println!(
+        "| kernel | shape | ms | GFLOP/s | of {} peak |\n|---|---|---|---|---|",
+        b.precision
+    );
     for (name, i, o) in [
         ("linear q/o", h, h),
         ("linear gate/up", h, f),
@@ -454,16 +514,37 @@ fn kernels(b: KernelBench) -> Result<()> {
             vec![0f32; o * i],
         );
         let gf = 2.0 * (rows * i * o) as f64 / 1e9;
-        let t = time_it(5, || be.linear_forward(s, &x, &w, None, &mut y));
+        // Under bf16 the weights are the bf16 compute copy, as in training.
+        let wb: Vec<ferrotron_engine::half::bf16> = w
+            .iter()
+            .map(|&v| ferrotron_engine::half::bf16::from_f32(v))
+            .collect();
+        let wm = if bf16 {
+            Matrix::Bf16(&wb)
+        } else {
+            Matrix::F32(&w)
+        };
+        let t = time_it(5, || be.linear_forward(s, &x, wm, None, &mut y));
         println!(
-            "| {name} fwd | {rows}x{i} -> {o} | {:.2} | {:.1} |",
+            "| {name} fwd | {rows}x{i} -> {o} | {:.2} | {:.1} | {} |",
             t * 1e3,
-            gf / t
+            gf / t,
+            of_peak(gf / t)
         );
-        let t = time_it(5, || be.linear_backward_input(s, &dy, &w, &mut dx, false));
-        println!("| {name} bwd input | | {:.2} | {:.1} |", t * 1e3, gf / t);
+        let t = time_it(5, || be.linear_backward_input(s, &dy, wm, &mut dx, false));
+        println!(
+            "| {name} bwd input | | {:.2} | {:.1} | {} |",
+            t * 1e3,
+            gf / t,
+            of_peak(gf / t)
+        );
         let t = time_it(5, || be.linear_backward_weight(s, &dy, &x, &mut dw, None));
-        println!("| {name} bwd weight | | {:.2} | {:.1} |", t * 1e3, gf / t);
+        println!(
+            "| {name} bwd weight | | {:.2} | {:.1} | {} |",
+            t * 1e3,
+            gf / t,
+            of_peak(gf / t)
+        );
     }
     let a = AttnShape {
         batch: b.batch,
@@ -490,7 +571,7 @@ fn kernels(b: KernelBench) -> Result<()> {
         be.attention_forward(a, &q, &k, &vv, &mut out, &mut probs)
     });
     println!(
-        "| attention fwd | {}x{}h x{} | {:.2} | {:.1} |",
+        "| attention fwd | {}x{}h x{} | {:.2} | {:.1} | |",
         b.batch,
         a.heads,
         b.seq,
@@ -500,7 +581,11 @@ fn kernels(b: KernelBench) -> Result<()> {
     let t = time_it(5, || {
         be.attention_backward(a, &dout, &q, &k, &vv, &probs, &mut dq, &mut dk, &mut dv)
     });
-    println!("| attention bwd | | {:.2} | {:.1} |", t * 1e3, 2.0 * gf / t);
+    println!(
+        "| attention bwd | | {:.2} | {:.1} | |",
+        t * 1e3,
+        2.0 * gf / t
+    );
     let (x, w) = (rand_vec(rows * h), rand_vec(h));
     let (mut y, mut rstd, mut dx, mut dw) = (
         vec![0f32; rows * h],
@@ -509,12 +594,12 @@ fn kernels(b: KernelBench) -> Result<()> {
         vec![0f32; h],
     );
     let t = time_it(5, || be.rmsnorm_forward(&x, &w, 1e-5, &mut y, &mut rstd));
-    println!("| rmsnorm fwd | {rows}x{h} | {:.2} | |", t * 1e3);
+    println!("| rmsnorm fwd | {rows}x{h} | {:.2} | | |", t * 1e3);
     let t = time_it(5, || {
         be.rmsnorm_backward_input(&y, &x, &w, &rstd, &mut dx, false);
         be.rmsnorm_backward_weight(&y, &x, &rstd, &mut dw)
     });
-    println!("| rmsnorm bwd | {rows}x{h} | {:.2} | |", t * 1e3);
+    println!("| rmsnorm bwd | {rows}x{h} | {:.2} | | |", t * 1e3);
     let (g, u) = (rand_vec(rows * f), rand_vec(rows * f));
     let (mut o, mut dg, mut du) = (
         vec![0f32; rows * f],
@@ -522,9 +607,9 @@ fn kernels(b: KernelBench) -> Result<()> {
         vec![0f32; rows * f],
     );
     let t = time_it(5, || be.swiglu_forward(&g, &u, &mut o));
-    println!("| swiglu fwd | {rows}x{f} | {:.2} | |", t * 1e3);
+    println!("| swiglu fwd | {rows}x{f} | {:.2} | | |", t * 1e3);
     let t = time_it(5, || be.swiglu_backward(&o, &g, &u, &mut dg, &mut du));
-    println!("| swiglu bwd | {rows}x{f} | {:.2} | |", t * 1e3);
+    println!("| swiglu bwd | {rows}x{f} | {:.2} | | |", t * 1e3);
     let logits = rand_vec(rows * v);
     let targets: Vec<Option<u32>> = (0..rows).map(|r| Some((r % v) as u32)).collect();
     let mut l = logits.clone();
@@ -533,7 +618,10 @@ fn kernels(b: KernelBench) -> Result<()> {
         l.copy_from_slice(&logits);
         be.cross_entropy(&mut l, v, &targets, 1.0);
     });
-    println!("| cross-entropy | {rows}x{v} | {:.2} | |", (t - copy) * 1e3);
+    println!(
+        "| cross-entropy | {rows}x{v} | {:.2} | | |",
+        (t - copy) * 1e3
+    );
     Ok(())
 }
 
@@ -558,26 +646,43 @@ pub(crate) fn fma_peak_gflops_on(clock: Clock, threads: usize) -> Option<(f64, &
         } else {
             return None;
         };
-        let rate: f64 = std::thread::scope(|s| {
-            let runs: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(move || {
-                        let epoch = Instant::now();
-                        let t0 = clock.now(epoch);
-                        let flop = run(ITERS);
-                        flop / (clock.now(epoch) - t0)
-                    })
-                })
-                .collect();
-            runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
-        });
-        Some((rate / 1e9, isa))
+        Some((peak_rate(clock, threads, || run(ITERS)) / 1e9, isa))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (clock, threads);
         None
     }
+}
+
+/// The sum over `threads` threads of the FLOP rate of `run` (which returns the FLOP it did), each
+/// timed on `clock`.
+fn peak_rate(clock: Clock, threads: usize, run: impl Fn() -> f64 + Sync) -> f64 {
+    std::thread::scope(|s| {
+        let runs: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let epoch = Instant::now();
+                    let t0 = clock.now(epoch);
+                    let flop = run();
+                    flop / (clock.now(epoch) - t0)
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
+    })
+}
+
+/// The bf16 peak of `threads` threads on `path` (GFLOP/s), from independent chains of its
+/// instruction; `None` where it has none.
+pub(crate) fn bf16_peak_gflops(path: bf16_gemm::Path, threads: usize) -> Option<f64> {
+    const ITERS: usize = 40_000_000;
+    bf16_gemm::peak_chains(path, 1)?;
+    Some(
+        peak_rate(Clock::Wall, threads, || {
+            bf16_gemm::peak_chains(path, ITERS).unwrap_or(0.0)
+        }) / 1e9,
+    )
 }
 
 /// FLOP done by `iters` rounds of 12 independent 16-lane fused multiply-adds.

@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 use ferrotron_core::model::WeightLayout;
 use ferrotron_core::topology::{cpu_fingerprint, this_machine_cache, Cluster};
 use ferrotron_engine::comm::{Comm, Group, LinkModel, ReduceOp, ThreadWorld};
-use ferrotron_engine::kernels::{AttnShape, Backend, CpuBackend, LinearShape};
+use ferrotron_engine::kernels::{AttnShape, Backend, CpuBackend, LinearShape, Matrix};
 use std::path::Path;
 
 /// Rows of the GEMMs measured: a micro-batch of 256 tokens, as the profiles run.
@@ -57,9 +57,9 @@ fn gemm_seconds(be: &CpuBackend, rows: usize, n: usize, k: usize) -> f64 {
         vec![0f32; n * k],
     );
     time_on(Clock::ThreadCpu, 5, || {
-        be.linear_forward(s, &x, &w, None, &mut y)
+        be.linear_forward(s, &x, Matrix::F32(&w), None, &mut y)
     }) + time_on(Clock::ThreadCpu, 5, || {
-        be.linear_backward_input(s, &dy, &w, &mut dx, false)
+        be.linear_backward_input(s, &dy, Matrix::F32(&w), &mut dx, false)
     }) + time_on(Clock::ThreadCpu, 5, || {
         be.linear_backward_weight(s, &dy, &x, &mut dw, None)
     })
@@ -146,7 +146,7 @@ fn on_every_core(f: impl Fn() -> f64 + Sync) -> f64 {
 }
 
 pub fn run(base: Cluster, out: &Path) -> Result<()> {
-    let be = CpuBackend { threads: 1 };
+    let be = CpuBackend::with_threads(1);
     let cpu = cpu_fingerprint();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(

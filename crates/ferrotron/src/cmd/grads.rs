@@ -44,7 +44,7 @@ pub fn run(a: GradsArgs) -> Result<()> {
     let be = if a.threads == 0 {
         CpuBackend::default()
     } else {
-        CpuBackend { threads: a.threads }
+        CpuBackend::with_threads(a.threads)
     };
     let (mean_loss, grads) = match super::backend::Backend::parse(&a.backend)? {
         super::backend::Backend::Threads => {

@@ -116,6 +116,10 @@ pub fn shortened(words: &[String]) -> Vec<String> {
         ] {
             set_flag(&mut w, f, v);
         }
+    } else if which == "bench kernels" {
+        for (f, v) in [("--model", "llama-tiny"), ("--batch", "2"), ("--seq", "32")] {
+            set_flag(&mut w, f, v);
+        }
     } else if which == "bench zero3" {
         for (f, v) in [("--model", "llama-tiny"), ("--batch", "8"), ("--seq", "32")] {
             set_flag(&mut w, f, v);

@@ -130,6 +130,7 @@ impl ZeroState {
     pub(super) fn release(&mut self, ids: &[usize]) {
         for &i in ids {
             self.params.tensors[i] = Vec::new();
+            self.params.bf16[i] = None;
         }
     }
 }

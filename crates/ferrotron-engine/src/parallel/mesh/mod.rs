@@ -287,10 +287,7 @@ impl<'a> MeshStep<'a> {
         let ranges = self.ranges(rank);
         {
             let _other = memory::scope(Term::Other);
-            crate::kernels::CpuBackend {
-                threads: self.kernel_threads,
-            }
-            .reserve_workspace();
+            crate::kernels::CpuBackend::with_threads(self.kernel_threads).reserve_workspace();
         }
         let store = {
             let _weights = memory::scope(Term::Weights);

@@ -1,0 +1,873 @@
+//! bf16 GEMM with f32 accumulation, on the best of the CPU's bf16 instructions found at run time:
+//! - AMX-BF16 (Intel Sapphire Rapids and later): `tdpbf16ps` multiplies a 16×32 bf16 tile by a
+//!   32×16 one into a 16×16 f32 tile, 16,384 FLOP an instruction (about 12× the f32 FMA rate of a
+//!   core);
+//! - AVX512_BF16 (Zen 4/5, Cooper Lake and later Xeons): `vdpbf16ps`, a 16-lane dot product of bf16
+//!   pairs added into f32 lanes, 64 FLOP an instruction (about 1.8× the f32 FMA rate on Zen 4/5).
+//!
+//! `c[m×n] (+)= a[m×k]·b[k×n]`, operands f32 (rounded to bf16, nearest-even, as they are packed) or
+//! bf16, any strides: the three products of a linear layer (forward, input gradient, weight
+//! gradient) are all this one call with different strides. The structure is the usual one
+//! (Goto/BLIS): blocks of `b` packed into panels of `NR` columns and blocks of `a` into panels of
+//! `MR` rows, both as k-pairs (the two bf16 values one lane multiplies), and an `MR × NR`
+//! micro-kernel that keeps its 28 accumulators in registers while it runs down k. The AMX path packs
+//! `b` the same way (a k-pair panel row is a tile row) and `a` as rows of k-pairs (a tile's rows),
+//! and its micro-kernel is a 32×32 block of `c` held in four accumulator tiles.
+//!
+//! Without either, the operands are rounded to bf16 and multiplied by the f32 GEMM: the same
+//! products (a product of two bf16 values is exact in f32), summed in another order, at the f32
+//! speed; that is said once on stderr.
+
+use half::bf16;
+use std::cell::RefCell;
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(not(target_arch = "x86_64"))]
+mod amx {
+    use super::{Operand, Tiles};
+    pub(super) struct Amx;
+    impl Tiles for Amx {
+        const MR: usize = 32;
+        const NR: usize = 32;
+        const MC: usize = 32;
+        const NC: usize = 32;
+        fn block_pairs(kpairs: usize) -> usize {
+            kpairs
+        }
+        fn pack_a(_: Operand, _: usize, _: usize, _: usize, _: usize, _: usize, _: &mut Vec<u32>) {
+            unreachable!("no AMX off x86_64")
+        }
+        unsafe fn micro(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: usize, _: bool) {
+            unreachable!("no AMX off x86_64")
+        }
+    }
+    pub(super) fn request() -> bool {
+        false
+    }
+    pub(super) fn peak_chains(_: usize) -> f64 {
+        unreachable!("no AMX off x86_64")
+    }
+}
+
+/// Rows of a micro-tile (one broadcast pair each).
+const MR: usize = 14;
+/// Columns of a micro-tile (two vectors of 16 lanes).
+const NR: usize = 32;
+/// Rows of `a` packed at a time (a multiple of `MR`; the packed block stays in L2).
+const MC: usize = MR * 10;
+/// Columns of `b` packed at a time (a multiple of `NR`).
+const NC: usize = NR * 32;
+/// Most k-pairs packed at a time (a micro-kernel's two panels stay in L1).
+const MAX_KC_PAIRS: usize = 256;
+
+/// One operand: its elements and its (row, column) strides.
+#[derive(Clone, Copy)]
+pub enum Operand<'a> {
+    F32(&'a [f32], usize, usize),
+    Bf16(&'a [bf16], usize, usize),
+}
+
+impl Operand<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Operand::F32(x, ..) => x.len(),
+            Operand::Bf16(x, ..) => x.len(),
+        }
+    }
+    fn strides(&self) -> (usize, usize) {
+        match *self {
+            Operand::F32(_, r, c) | Operand::Bf16(_, r, c) => (r, c),
+        }
+    }
+    /// The element at `i` rounded to bf16 (its bits).
+    fn bits(&self, i: usize) -> u16 {
+        match self {
+            Operand::F32(x, ..) => bf16::from_f32(x[i]).to_bits(),
+            Operand::Bf16(x, ..) => x[i].to_bits(),
+        }
+    }
+    /// The element at `i`, rounded to bf16, as f32.
+    fn rounded(&self, i: usize) -> f32 {
+        bf16::from_bits(self.bits(i)).to_f32()
+    }
+}
+
+/// The instructions a product runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// AMX-BF16 tiles (the AVX512_BF16 packing routines included).
+    Amx,
+    /// AVX512_BF16 vectors.
+    Avx512Bf16,
+    /// The f32 GEMM on bf16-rounded operands.
+    F32Gemm,
+}
+
+impl Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Amx => "AMX-BF16 (tdpbf16ps)",
+            Path::Avx512Bf16 => "AVX512_BF16 (vdpbf16ps)",
+            Path::F32Gemm => "f32 GEMM on bf16-rounded operands (no bf16 instructions)",
+        }
+    }
+}
+
+/// Whether this CPU has the AVX512_BF16 instructions (the packing routines need them too).
+pub fn available() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// Whether this CPU has AMX-BF16 and the kernel lets this process use the tiles (Linux asks a
+/// process to request the tile state once: `arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`).
+pub fn amx_available() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| available() && amx::request())
+}
+
+/// The fastest path this machine has.
+pub fn best_path() -> Path {
+    if amx_available() {
+        Path::Amx
+    } else if available() {
+        Path::Avx512Bf16
+    } else {
+        Path::F32Gemm
+    }
+}
+
+/// FLOP done by `iters` rounds of independent chains of `path`'s instruction: its peak, with no
+/// memory traffic. `None` where the path has no bf16 instruction or does not run here.
+pub fn peak_chains(path: Path, iters: usize) -> Option<f64> {
+    if !runs_here(path) {
+        return None;
+    }
+    match path {
+        Path::Amx => Some(amx::peak_chains(iters / 16)),
+        // SAFETY: the path runs here (checked above).
+        Path::Avx512Bf16 => Some(unsafe { dot_chains(iters) }),
+        Path::F32Gemm => None,
+    }
+}
+
+/// FLOP done by `iters` rounds of 12 independent `vdpbf16ps`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_chains(iters: usize) -> f64 {
+    let pair: __m512bh = std::mem::transmute(_mm512_set1_epi32(std::hint::black_box(0x3f80_3f80)));
+    let mut acc: [__m512; 12] =
+        std::array::from_fn(|i| _mm512_set1_ps(std::hint::black_box(i as f32)));
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm512_dpbf16_ps(*a, pair, pair);
+        }
+    }
+    std::hint::black_box(acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum::<f32>());
+    // 16 lanes, two products each.
+    (iters * 12 * 16 * 2 * 2) as f64
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn dot_chains(_: usize) -> f64 {
+    unreachable!("available() is false off x86_64")
+}
+
+/// Whether `path` runs here.
+pub fn runs_here(path: Path) -> bool {
+    match path {
+        Path::Amx => amx_available(),
+        Path::Avx512Bf16 => available(),
+        Path::F32Gemm => true,
+    }
+}
+
+/// Largest element offset a strided `rows × cols` view touches, plus one.
+fn extent(rows: usize, cols: usize, (rs, cs): (usize, usize)) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
+/// `c[m×n] (+)= a[m×k]·b[k×n]` with the operands rounded to bf16 and the products summed in f32;
+/// `threads` > 1 splits `c` into that many blocks computed in parallel.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: &mut [f32],
+    c_rs: usize,
+    accumulate: bool,
+    threads: usize,
+) {
+    gemm_on(best_path(), m, n, k, a, b, c, c_rs, accumulate, threads)
+}
+
+/// [`gemm`] on `path` (which must [run here](runs_here)).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_on(
+    path: Path,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: &mut [f32],
+    c_rs: usize,
+    accumulate: bool,
+    threads: usize,
+) {
+    assert!(
+        runs_here(path),
+        "bf16 gemm: {} does not run here",
+        path.name()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // The views must lie inside their slices: this is what makes the raw-pointer kernels sound.
+    assert!(
+        extent(m, k, a.strides()) <= a.len(),
+        "bf16 gemm: lhs view out of bounds"
+    );
+    assert!(
+        extent(k, n, b.strides()) <= b.len(),
+        "bf16 gemm: rhs view out of bounds"
+    );
+    assert!(
+        extent(m, n, (c_rs, 1)) <= c.len(),
+        "bf16 gemm: dst view out of bounds"
+    );
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                c[r * c_rs..r * c_rs + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    if path == Path::F32Gemm {
+        return fallback(m, n, k, a, b, c, c_rs, accumulate);
+    }
+    let (mr, nr) = if path == Path::Amx {
+        (<amx::Amx as Tiles>::MR, <amx::Amx as Tiles>::NR)
+    } else {
+        (MR, NR)
+    };
+    // Blocks of c for the threads: along the longer side, in whole micro-tiles.
+    let blocks = if threads > 1 && 2 * m * n * k >= 1 << 22 {
+        threads
+    } else {
+        1
+    };
+    let split_rows = m >= n;
+    let (len, tile) = if split_rows { (m, mr) } else { (n, nr) };
+    let per = len.div_ceil(blocks).div_ceil(tile) * tile;
+    let ptr = super::cpu::SendPtr(c.as_mut_ptr());
+    let run = |t: usize| {
+        let (lo, hi) = (t * per, ((t + 1) * per).min(len));
+        if lo >= hi {
+            return;
+        }
+        // SAFETY: the blocks write disjoint rows (or columns) of `c`, all inside it (checked above).
+        let serial = if path == Path::Amx {
+            serial::<amx::Amx>
+        } else {
+            serial::<Avx512>
+        };
+        unsafe {
+            if split_rows {
+                serial(
+                    hi - lo,
+                    n,
+                    k,
+                    a.offset_rows(lo),
+                    b,
+                    ptr.get().add(lo * c_rs),
+                    c_rs,
+                    accumulate,
+                )
+            } else {
+                serial(
+                    m,
+                    hi - lo,
+                    k,
+                    a,
+                    b.offset_cols(lo),
+                    ptr.get().add(lo),
+                    c_rs,
+                    accumulate,
+                )
+            }
+        }
+    };
+    if blocks > 1 {
+        use rayon::prelude::*;
+        (0..blocks).into_par_iter().for_each(run);
+    } else {
+        run(0);
+    }
+}
+
+impl<'a> Operand<'a> {
+    /// The view starting `r` rows down.
+    fn offset_rows(self, r: usize) -> Self {
+        match self {
+            Operand::F32(x, rs, cs) => Operand::F32(&x[r * rs..], rs, cs),
+            Operand::Bf16(x, rs, cs) => Operand::Bf16(&x[r * rs..], rs, cs),
+        }
+    }
+    /// The view starting `c` columns in.
+    fn offset_cols(self, c: usize) -> Self {
+        match self {
+            Operand::F32(x, rs, cs) => Operand::F32(&x[c * cs..], rs, cs),
+            Operand::Bf16(x, rs, cs) => Operand::Bf16(&x[c * cs..], rs, cs),
+        }
+    }
+}
+
+thread_local! {
+    /// Each thread's packing buffers, kept between calls (allocating them per call costs fresh
+    /// pages from the kernel every time).
+    static PACKED: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// What the blocking needs of a path: its micro-tile, block sizes, how deep a block of k-pairs is
+/// and how the `a` panels are laid out; and the micro-kernel.
+pub(super) trait Tiles {
+    /// Rows and columns of a micro-tile (at most 32 × 32).
+    const MR: usize;
+    const NR: usize;
+    /// Rows of `a` and columns of `b` packed at a time (multiples of `MR`, `NR`).
+    const MC: usize;
+    const NC: usize;
+    /// The k-pairs of one block, out of `kpairs` (equal blocks), and a block's depth as packed.
+    fn block_pairs(kpairs: usize) -> usize;
+    fn padded(kp: usize) -> usize {
+        kp
+    }
+    /// Appends `MR` rows of `a` from row `t0` (of `tn`), k-pairs from `k0` (of `kn` values), `kp`
+    /// deep, in the layout the micro-kernel reads.
+    #[allow(clippy::too_many_arguments)]
+    fn pack_a(
+        a: Operand,
+        t0: usize,
+        tn: usize,
+        k0: usize,
+        kn: usize,
+        kp: usize,
+        out: &mut Vec<u32>,
+    );
+    /// Before and after a thread's blocks (the tiles' configuration).
+    ///
+    /// # Safety
+    /// The path's instructions must be present.
+    unsafe fn begin() {}
+    /// # Safety
+    /// As [`Tiles::begin`].
+    unsafe fn end() {}
+    /// `c[MR×NR] (+)= a_panel · b_panel` over `kp` k-pairs.
+    ///
+    /// # Safety
+    /// The panels hold `kp` pairs of `MR` rows and `NR` columns; `c` holds the block.
+    unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool);
+}
+
+/// The AVX512_BF16 path.
+pub(super) struct Avx512;
+
+impl Tiles for Avx512 {
+    const MR: usize = MR;
+    const NR: usize = NR;
+    const MC: usize = MC;
+    const NC: usize = NC;
+    fn block_pairs(kpairs: usize) -> usize {
+        kpairs.div_ceil(kpairs.div_ceil(MAX_KC_PAIRS))
+    }
+    fn pack_a(
+        a: Operand,
+        t0: usize,
+        tn: usize,
+        k0: usize,
+        kn: usize,
+        kp: usize,
+        out: &mut Vec<u32>,
+    ) {
+        let (rs, cs) = a.strides();
+        pack(a, rs, cs, t0, tn, k0, kn, kp, MR, out);
+    }
+    unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool) {
+        micro_kernel(kp, a, b, c, c_rs, add)
+    }
+}
+
+/// A micro-tile's result when it overhangs `c`, aligned for the tile stores.
+#[repr(C, align(64))]
+struct EdgeTile([f32; 32 * 32]);
+
+/// One thread's GEMM into `c` (row stride `c_rs`) on path `P`: blocks of `b` packed into panels of
+/// `NR` columns and blocks of `a` into panels of `MR` rows, then a micro-kernel per tile.
+///
+/// # Safety
+/// `c` must hold the `m × n` view; the operands' views must lie in their slices; the CPU must have
+/// the path's instructions.
+#[allow(clippy::too_many_arguments)]
+unsafe fn serial<P: Tiles>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: *mut f32,
+    c_rs: usize,
+    accumulate: bool,
+) {
+    let kpairs = k.div_ceil(2);
+    let kc = P::block_pairs(kpairs);
+    let (mr, nr) = (P::MR, P::NR);
+    P::begin();
+    PACKED.with(|bufs| {
+        let mut bufs = bufs.borrow_mut();
+        let (pa, pb) = &mut *bufs;
+        {
+            // Workspace, not the step's activations.
+            let _other = crate::memory::scope(crate::memory::Term::Other);
+            let kc = P::padded(kc);
+            pa.reserve(((P::MC + mr) * kc).saturating_sub(pa.len()));
+            pb.reserve((P::NC * kc).saturating_sub(pb.len()));
+        }
+        let mut tile = EdgeTile([0f32; 32 * 32]);
+        for jc in (0..n).step_by(P::NC) {
+            let nc = P::NC.min(n - jc);
+            for pc in (0..kpairs).step_by(kc) {
+                let kp = P::padded(kc.min(kpairs - pc));
+                let add = accumulate || pc > 0;
+                pb.clear();
+                for jr in (0..nc).step_by(nr) {
+                    // b's panel: t = column, k along rows.
+                    let (rs, cs) = b.strides();
+                    pack(b, cs, rs, jc + jr, n, 2 * pc, k, kp, nr, pb);
+                }
+                for ic in (0..m).step_by(P::MC) {
+                    let mc = P::MC.min(m - ic);
+                    pa.clear();
+                    for ir in (0..mc).step_by(mr) {
+                        P::pack_a(a, ic + ir, m, 2 * pc, k, kp, pa);
+                    }
+                    for (jn, jr) in (0..nc).step_by(nr).enumerate() {
+                        let bp = pb.as_ptr().add(jn * kp * nr);
+                        for (im, ir) in (0..mc).step_by(mr).enumerate() {
+                            let ap = pa.as_ptr().add(im * kp * mr);
+                            let (i, j) = (ic + ir, jc + jr);
+                            let dst = c.add(i * c_rs + j);
+                            if i + mr <= m && j + nr <= n {
+                                P::micro(kp, ap, bp, dst, c_rs, add);
+                            } else {
+                                P::micro(kp, ap, bp, tile.0.as_mut_ptr(), nr, false);
+                                for r in 0..mr.min(m - i) {
+                                    for q in 0..nr.min(n - j) {
+                                        let d = dst.add(r * c_rs + q);
+                                        let v = tile.0[r * nr + q];
+                                        *d = if add { *d + v } else { v };
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+    P::end();
+}
+
+/// Appends a panel `w` wide and `kp` k-pairs deep, laid out `[pair][w]`: element `(p, t)` holds the
+/// bf16 bits of `x(t0 + t, k0 + 2p)` (low half) and `x(t0 + t, k0 + 2p + 1)` (high half), where
+/// `x(t, kk)` is the operand's element at `t·ts + kk·ks`; zero beyond `tn` and `kn`.
+#[allow(clippy::too_many_arguments)]
+fn pack(
+    x: Operand,
+    ts: usize,
+    ks: usize,
+    t0: usize,
+    tn: usize,
+    k0: usize,
+    kn: usize,
+    kp: usize,
+    w: usize,
+    out: &mut Vec<u32>,
+) {
+    let base = out.len();
+    out.resize(base + kp * w, 0);
+    let o = &mut out[base..];
+    let tmax = tn.saturating_sub(t0).min(w);
+    let kmax = kn.saturating_sub(k0).min(2 * kp);
+    // SAFETY (both fast paths): the caller checked the view; `available()` holds on this path.
+    if ks == 1 {
+        unsafe { pack_along_k(x, ts, t0, tmax, k0, kmax, w, o) };
+    } else if ts == 1 {
+        unsafe { pack_across_k(x, ks, t0, tmax, k0, kmax, w, o) };
+    } else {
+        for p in 0..kmax.div_ceil(2) {
+            for t in 0..tmax {
+                let at = |kk: usize| (t0 + t) * ts + (k0 + kk) * ks;
+                let lo = x.bits(at(2 * p)) as u32;
+                let hi = if 2 * p + 1 < kmax {
+                    x.bits(at(2 * p + 1)) as u32
+                } else {
+                    0
+                };
+                o[p * w + t] = lo | hi << 16;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// [`pack`] where k is contiguous (a row of the panel is a run of memory): 32 values become 16
+/// pairs in one conversion, scattered `w` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_along_k(
+    x: Operand,
+    ts: usize,
+    t0: usize,
+    tmax: usize,
+    k0: usize,
+    kmax: usize,
+    w: usize,
+    o: &mut [u32],
+) {
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(w as i32));
+    for t in 0..tmax {
+        let start = (t0 + t) * ts + k0;
+        let mut kk = 0;
+        while kk + 32 <= kmax {
+            let v = match x {
+                Operand::F32(s, ..) => {
+                    let p = s.as_ptr().add(start + kk);
+                    let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+                }
+                Operand::Bf16(s, ..) => _mm512_loadu_si512(s.as_ptr().add(start + kk).cast()),
+            };
+            _mm512_i32scatter_epi32::<4>(o.as_mut_ptr().add(kk / 2 * w + t).cast(), idx, v);
+            kk += 32;
+        }
+        while kk < kmax {
+            let lo = x.bits(start + kk) as u32;
+            let hi = if kk + 1 < kmax {
+                x.bits(start + kk + 1) as u32
+            } else {
+                0
+            };
+            o[kk / 2 * w + t] = lo | hi << 16;
+            kk += 2;
+        }
+    }
+}
+
+/// [`pack`] where the panel's width is contiguous and k strided (two rows make a pair): 16 values
+/// of each row converted, interleaved and stored as 16 pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_across_k(
+    x: Operand,
+    ks: usize,
+    t0: usize,
+    tmax: usize,
+    k0: usize,
+    kmax: usize,
+    w: usize,
+    o: &mut [u32],
+) {
+    // [row0 0..16, row1 0..16] → [row0 0, row1 0, row0 1, row1 1, …]
+    let interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+        19, 3, 18, 2, 17, 1, 16, 0,
+    );
+    for p in 0..kmax.div_ceil(2) {
+        let r0 = (k0 + 2 * p) * ks + t0;
+        let second = 2 * p + 1 < kmax;
+        let r1 = if second { r0 + ks } else { r0 };
+        let mut t = 0;
+        while t < tmax {
+            let left = (tmax - t).min(16);
+            let mask: __mmask16 = if left == 16 {
+                0xffff
+            } else {
+                (1u16 << left) - 1
+            };
+            let v = match x {
+                Operand::F32(s, ..) => {
+                    let a = _mm512_maskz_loadu_ps(mask, s.as_ptr().add(r0 + t));
+                    let b = if second {
+                        _mm512_maskz_loadu_ps(mask, s.as_ptr().add(r1 + t))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(b, a))
+                }
+                Operand::Bf16(s, ..) => {
+                    let a = _mm256_maskz_loadu_epi16(mask, s.as_ptr().add(r0 + t).cast());
+                    let b = if second {
+                        _mm256_maskz_loadu_epi16(mask, s.as_ptr().add(r1 + t).cast())
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+                }
+            };
+            let v = _mm512_permutexvar_epi16(interleave, v);
+            _mm512_mask_storeu_epi32(o.as_mut_ptr().add(p * w + t).cast(), mask, v);
+            t += 16;
+        }
+    }
+}
+
+/// `c[MR×NR] (+)= a_panel · b_panel` over `kp` k-pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn micro_kernel(
+    kp: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    c_rs: usize,
+    add: bool,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for p in 0..kp {
+        let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
+        let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let pair: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + r) as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], pair, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], pair, b1);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let row = c.add(r * c_rs);
+        let (mut v0, mut v1) = (acc[0], acc[1]);
+        if add {
+            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(row));
+            v1 = _mm512_add_ps(v1, _mm512_loadu_ps(row.add(16)));
+        }
+        _mm512_storeu_ps(row, v0);
+        _mm512_storeu_ps(row.add(16), v1);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn pack_along_k(
+    _: Operand,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: &mut [u32],
+) {
+    unreachable!("available() is false off x86_64")
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn pack_across_k(
+    _: Operand,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: &mut [u32],
+) {
+    unreachable!("available() is false off x86_64")
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_kernel(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: usize, _: bool) {
+    unreachable!("available() is false off x86_64")
+}
+
+/// Without the instruction: the operands rounded to bf16, multiplied by the f32 GEMM.
+#[allow(clippy::too_many_arguments)]
+fn fallback(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: &mut [f32],
+    c_rs: usize,
+    acc: bool,
+) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        eprintln!(
+            "note: this CPU has no AVX512_BF16: bf16 products run on the f32 GEMM (same values, f32 speed)"
+        )
+    });
+    let dense = |x: Operand, rows: usize, cols: usize| -> Vec<f32> {
+        let (rs, cs) = x.strides();
+        (0..rows * cols)
+            .map(|i| x.rounded((i / cols) * rs + (i % cols) * cs))
+            .collect()
+    };
+    let (a, b) = (dense(a, m, k), dense(b, k, n));
+    let be = super::CpuBackend::single_threaded();
+    super::linear::gemm_strided(&be, m, n, k, (&a, k, 1), (&b, n, 1), c, c_rs, acc, false);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The exact sum of the bf16-rounded products, in f64.
+    fn reference(m: usize, n: usize, k: usize, a: Operand, b: Operand) -> Vec<f64> {
+        let ((ars, acs), (brs, bcs)) = (a.strides(), b.strides());
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|p| {
+                        a.rounded(i * ars + p * acs) as f64 * b.rounded(p * brs + j * bcs) as f64
+                    })
+                    .sum();
+            }
+        }
+        c
+    }
+
+    /// The bf16 instruction paths this machine runs (the f32 fallback has its own test).
+    fn paths_here() -> Vec<Path> {
+        let paths: Vec<Path> = [Path::Amx, Path::Avx512Bf16]
+            .into_iter()
+            .filter(|&p| runs_here(p))
+            .collect();
+        eprintln!("bf16 paths tested here: {paths:?}");
+        paths
+    }
+
+    /// Every stride pattern of the three linear products, odd sizes (partial tiles, an odd k), f32
+    /// and bf16 operands, one and two threads, with and without accumulation. Against the exact sum
+    /// of the rounded products the only error is f32 accumulation over k terms: bounded by
+    /// k·2⁻²⁴·Σ|aᵢbᵢ| (Higham's γ_k), far below one bf16 rounding of the inputs (2⁻⁸ relative),
+    /// which a wrong packing or a missed pair would exceed.
+    #[test]
+    fn every_layout_of_the_three_products_sums_the_rounded_products() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for &(m, n, k) in &[
+            (29, 70, 67),
+            (64, 33, 128),
+            (3, 5, 1),
+            (150, 40, 301),
+            (15, 1030, 9),
+            // Past one block of rows, of columns and of depth on every path.
+            (270, 1060, 530),
+        ] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            // a: row-major (k contiguous) or its transpose's view (m contiguous);
+            // b: [k×n] row-major (n contiguous) or [n×k] viewed transposed (k contiguous).
+            let a_views = [
+                Operand::F32(&x, k, 1),
+                Operand::F32(&x, 1, m),
+                Operand::Bf16(&xb, k, 1),
+                Operand::Bf16(&xb, 1, m),
+            ];
+            let b_views = [
+                Operand::F32(&w, n, 1),
+                Operand::F32(&w, 1, k),
+                Operand::Bf16(&wb, n, 1),
+                Operand::Bf16(&wb, 1, k),
+            ];
+            // The large shape with f32 operands only (the small ones cover bf16 operands).
+            let views = if m * n * k > 10_000_000 { 2 } else { 4 };
+            for a in a_views.into_iter().take(views) {
+                for b in b_views.into_iter().take(views) {
+                    let want = reference(m, n, k, a, b);
+                    let bound: Vec<f64> = {
+                        let ((ars, acs), (brs, bcs)) = (a.strides(), b.strides());
+                        (0..m * n)
+                            .map(|ij| {
+                                let (i, j) = (ij / n, ij % n);
+                                let s: f64 = (0..k)
+                                    .map(|p| {
+                                        (a.rounded(i * ars + p * acs) as f64
+                                            * b.rounded(p * brs + j * bcs) as f64)
+                                            .abs()
+                                    })
+                                    .sum();
+                                k as f64 * 2f64.powi(-24) * s + 1e-30
+                            })
+                            .collect()
+                    };
+                    for (path, threads, accumulate) in paths_here()
+                        .into_iter()
+                        .flat_map(|p| [(p, 1, false), (p, 2, false), (p, 1, true), (p, 2, true)])
+                    {
+                        {
+                            let mut c = vec![0.5f32; m * n];
+                            gemm_on(path, m, n, k, a, b, &mut c, n, accumulate, threads);
+                            for ij in 0..m * n {
+                                let expect = want[ij] + if accumulate { 0.5 } else { 0.0 };
+                                let err = (c[ij] as f64 - expect).abs();
+                                assert!(
+                                    err <= bound[ij] + 2f64.powi(-24) * expect.abs(),
+                                    "{m}x{n}x{k} {path:?} threads {threads} acc {accumulate}: c[{ij}] = {} vs {expect} (bound {:e})",
+                                    c[ij],
+                                    bound[ij]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_fallback_computes_the_same_products() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let (m, n, k) = (17, 23, 41);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let (a, b) = (Operand::F32(&x, k, 1), Operand::F32(&w, 1, k));
+        let want = reference(m, n, k, a, b);
+        let mut c = vec![0f32; m * n];
+        fallback(m, n, k, a, b, &mut c, n, false);
+        for (got, want) in c.iter().zip(&want) {
+            assert!(
+                (*got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "{got} vs {want}"
+            );
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! The AMX-BF16 path: a 32×32 block of `c` in four f32 accumulator tiles (tmm0–3), two tiles of
+//! `a` (tmm4–5: 16 rows × 16 k-pairs each) and two of `b` (tmm6–7: 16 k-pairs × 16 columns each)
+//! per 32 values of k, four `tdpbf16ps` between the loads.
+//!
+//! `b` is packed as the AVX512_BF16 path packs it, `[pair][32 columns]`: a tile of it is 16 rows
+//! 128 bytes apart. `a` is packed as rows of k-pairs, `[32 rows][pairs]`, which is the tile's own
+//! layout. Depths are padded to whole tiles with zero pairs, which add nothing.
+//!
+//! The tile registers are not known to the compiler, so nothing but this file touches them; each
+//! call configures them and releases them before it returns.
+
+use super::{pack, Operand, Tiles};
+use std::arch::asm;
+
+/// Rows of a micro-tile (two accumulator tiles down).
+const MR: usize = 32;
+/// Columns of a micro-tile (two accumulator tiles across).
+const NR: usize = 32;
+/// Rows of `a` packed at a time (the block stays in L2).
+const MC: usize = MR * 8;
+/// Columns of `b` packed at a time.
+const NC: usize = NR * 32;
+/// k-pairs packed at a time (a micro-kernel's panels: 32 KiB each; 128, 192 and 512 measured no faster).
+const KC_PAIRS: usize = 256;
+/// k-pairs in one tile row.
+const TILE_PAIRS: usize = 16;
+
+/// Asks Linux for the tile state (once per process); whether AMX-BF16 may be used.
+pub(super) fn request() -> bool {
+    // CPUID.(7,0):EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+    // SAFETY: cpuid is present on every x86_64 CPU.
+    let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+    if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+        return false;
+    }
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: a plain Linux system call with two integer arguments; it changes only whether this
+    // process may use the tile state.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+/// The tile configuration: palette 1, eight tiles of 16 rows × 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: TileConfig = {
+    let mut bytes_per_row = [0u16; 16];
+    let mut rows = [0u8; 16];
+    let mut t = 0;
+    while t < 8 {
+        bytes_per_row[t] = 64;
+        rows[t] = 16;
+        t += 1;
+    }
+    TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        bytes_per_row,
+        rows,
+    }
+};
+
+/// The AMX path of [`super::serial`].
+pub(super) struct Amx;
+
+impl Tiles for Amx {
+    const MR: usize = MR;
+    const NR: usize = NR;
+    const MC: usize = MC;
+    const NC: usize = NC;
+    /// Blocks of equal depth, each a whole number of tiles.
+    fn block_pairs(kpairs: usize) -> usize {
+        let blocks = kpairs.div_ceil(KC_PAIRS);
+        kpairs.div_ceil(blocks).div_ceil(TILE_PAIRS) * TILE_PAIRS
+    }
+    /// Depths are padded to whole tiles with zero pairs, which add nothing.
+    fn padded(kp: usize) -> usize {
+        kp.div_ceil(TILE_PAIRS) * TILE_PAIRS
+    }
+    fn pack_a(
+        a: Operand,
+        t0: usize,
+        tn: usize,
+        k0: usize,
+        kn: usize,
+        kp: usize,
+        out: &mut Vec<u32>,
+    ) {
+        pack_rows(a, t0, tn, k0, kn, kp, out)
+    }
+    unsafe fn begin() {
+        asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
+    }
+    unsafe fn end() {
+        asm!("tilerelease", options(nostack, nomem));
+    }
+    unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool) {
+        micro_kernel(kp, a, b, c, c_rs, add)
+    }
+}
+
+/// A tile-sized buffer, aligned for tile loads.
+#[repr(C, align(64))]
+struct Tile([f32; MR * NR]);
+
+/// Appends `MR` rows of `a` from row `t0` as `[row][kp pairs]` (a tile's layout): pair `p` of row
+/// `t` holds `a(t0 + t, k0 + 2p)` (low half) and `a(t0 + t, k0 + 2p + 1)`; zero beyond `tn`, `kn`.
+fn pack_rows(
+    a: Operand,
+    t0: usize,
+    tn: usize,
+    k0: usize,
+    kn: usize,
+    kp: usize,
+    out: &mut Vec<u32>,
+) {
+    let (rs, cs) = a.strides();
+    let base = out.len();
+    if cs == 1 {
+        // k contiguous: each row is the pair layout already, once rounded.
+        out.resize(base + MR * kp, 0);
+        let o = &mut out[base..];
+        let tmax = tn.saturating_sub(t0).min(MR);
+        let kmax = kn.saturating_sub(k0).min(2 * kp);
+        for t in 0..tmax {
+            let start = (t0 + t) * rs + k0;
+            // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
+            unsafe { round_pairs(a, start, kmax, &mut o[t * kp..(t + 1) * kp]) };
+        }
+        return;
+    }
+    // k strided: pack as the other panels (pair-major), then transpose into rows.
+    pack(a, rs, cs, t0, tn, k0, kn, kp, MR, out);
+    let pair_major = out[base..].to_vec();
+    let o = &mut out[base..];
+    for t in 0..MR {
+        for p in 0..kp {
+            o[t * kp + p] = pair_major[p * MR + t];
+        }
+    }
+}
+
+/// `kmax` values of a k-contiguous row from `start`, rounded, as pairs into `o` (zero past them).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn round_pairs(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let mut kk = 0;
+    while kk + 32 <= kmax {
+        let v = match x {
+            Operand::F32(s, ..) => {
+                let p = s.as_ptr().add(start + kk);
+                let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+            }
+            Operand::Bf16(s, ..) => _mm512_loadu_si512(s.as_ptr().add(start + kk).cast()),
+        };
+        _mm512_storeu_si512(o.as_mut_ptr().add(kk / 2).cast(), v);
+        kk += 32;
+    }
+    while kk < kmax {
+        let lo = x.bits(start + kk) as u32;
+        let hi = if kk + 1 < kmax {
+            x.bits(start + kk + 1) as u32
+        } else {
+            0
+        };
+        o[kk / 2] = lo | hi << 16;
+        kk += 2;
+    }
+}
+
+/// `c[32×32] (+)= a_panel · b_panel` over `kp` k-pairs (a multiple of 16).
+///
+/// # Safety
+/// The tiles are configured as [`CONFIG`]; `a` holds `32 × kp` pairs, `b` `kp × 32`, `c` the block.
+unsafe fn micro_kernel(
+    kp: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    c_rs: usize,
+    add: bool,
+) {
+    let cs = c_rs * 4;
+    let (c0, c1, c2, c3) = (c, c.add(16), c.add(16 * c_rs), c.add(16 * c_rs + 16));
+    if add {
+        asm!(
+            "tileloadd tmm0, [{c0} + {cs}*1]",
+            "tileloadd tmm1, [{c1} + {cs}*1]",
+            "tileloadd tmm2, [{c2} + {cs}*1]",
+            "tileloadd tmm3, [{c3} + {cs}*1]",
+            c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
+            options(nostack, readonly),
+        );
+    } else {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        );
+    }
+    let a_rs = kp * 4;
+    for step in 0..kp / TILE_PAIRS {
+        let a0 = a.add(step * TILE_PAIRS);
+        let a1 = a0.add(16 * kp);
+        let b0 = b.add(step * TILE_PAIRS * NR);
+        let b1 = b0.add(16);
+        asm!(
+            "tileloadd tmm4, [{a0} + {a_rs}*1]",
+            "tileloadd tmm6, [{b0} + {b_rs}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b1} + {b_rs}*1]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a1} + {a_rs}*1]",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0, a1 = in(reg) a1, b0 = in(reg) b0, b1 = in(reg) b1,
+            a_rs = in(reg) a_rs, b_rs = in(reg) NR * 4,
+            options(nostack, readonly),
+        );
+    }
+    asm!(
+        "tilestored [{c0} + {cs}*1], tmm0",
+        "tilestored [{c1} + {cs}*1], tmm1",
+        "tilestored [{c2} + {cs}*1], tmm2",
+        "tilestored [{c3} + {cs}*1], tmm3",
+        c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
+        options(nostack),
+    );
+}
+
+/// FLOP done by `iters` rounds of four independent `tdpbf16ps` (the instruction's peak: no loads).
+pub(super) fn peak_chains(iters: usize) -> f64 {
+    let zeros = Tile([0f32; MR * NR]);
+    // SAFETY: the caller checked `amx_available`; the tiles are configured, loaded from a buffer
+    // of 1 KiB rows (16 rows × 64 bytes) and released here.
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
+        asm!(
+            "tileloadd tmm4, [{p} + {s}*1]",
+            "tileloadd tmm5, [{p} + {s}*1]",
+            "tileloadd tmm6, [{p} + {s}*1]",
+            "tileloadd tmm7, [{p} + {s}*1]",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            p = in(reg) zeros.0.as_ptr(), s = in(reg) 64usize,
+            options(nostack, readonly),
+        );
+        for _ in 0..iters {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                options(nostack, nomem),
+            );
+        }
+        asm!("tilerelease", options(nostack, nomem));
+    }
+    // 16 × 16 outputs, 32 products each, per instruction.
+    (iters * 4 * 16 * 16 * 32 * 2) as f64
+}
