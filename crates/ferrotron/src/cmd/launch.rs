@@ -160,13 +160,23 @@ fn accused_rank(line: &str) -> Option<usize> {
         })
 }
 
+/// Rank `from` (on host `by`) waited in vain for rank `to` (on host `of`), in `words`.
+#[derive(Debug, Clone)]
+struct Accusation {
+    from: usize,
+    to: usize,
+    by: String,
+    of: String,
+    words: String,
+}
+
 /// What a failed job says of the hosts it lost.
 #[derive(Debug, Default)]
 struct Findings {
     /// Hosts known to be gone, and how that was found.
     gone: Vec<(String, String)>,
-    /// (accusing host, accused host, the words): a rank's report of a peer it could not reach.
-    accusations: Vec<(String, String, String)>,
+    /// A rank's report of a peer it could not reach.
+    accusations: Vec<Accusation>,
     /// Errors of ranks that name no peer: a failure of the run itself, not of a host.
     other_errors: Vec<String>,
 }
@@ -214,12 +224,14 @@ impl Findings {
                     format!("rank {rank} on it ended without a word (its process was killed)"),
                 );
             } else if let Some(err) = last.strip_prefix("error: ") {
-                match accused_rank(err).and_then(|r| rank_host.get(r)) {
-                    Some(peer) if peer != host => f.accusations.push((
-                        host.clone(),
-                        peer.clone(),
-                        format!("rank {rank}: {err}"),
-                    )),
+                match accused_rank(err).and_then(|r| Some((r, rank_host.get(r)?))) {
+                    Some((to, peer)) if peer != host => f.accusations.push(Accusation {
+                        from: rank,
+                        to,
+                        by: host.clone(),
+                        of: peer.clone(),
+                        words: format!("rank {rank}: {err}"),
+                    }),
                     _ => f.other_errors.push(format!("rank {rank}: {err}")),
                 }
             }
@@ -228,24 +240,38 @@ impl Findings {
     }
 
     /// Settles the accusations: a host already gone explains those that name it (or come from it);
-    /// the rest are a partition between live hosts, cut by dropping as few hosts as cover them —
-    /// the most accused first, the later host of a tie (rank 0's host is kept longest).
+    /// a rank that waited for a peer that was itself waiting for a third rank was held up, not cut
+    /// off (its timeout cascades from the peer's, within milliseconds of it), so its report is set
+    /// aside while others remain; the rest are a partition between live hosts, cut by dropping as
+    /// few hosts as cover them — the most accused first, the later host of a tie (rank 0's host is
+    /// kept longest).
     fn settle(&mut self, hosts: &[Host]) {
-        let mut open: Vec<(String, String, String)> = std::mem::take(&mut self.accusations);
+        let mut open: Vec<Accusation> = std::mem::take(&mut self.accusations);
+        let held_up = |a: &Accusation, all: &[Accusation]| {
+            all.iter().any(|b| b.from == a.to && b.to != a.from)
+        };
+        let direct: Vec<Accusation> = open
+            .iter()
+            .filter(|a| !held_up(a, &open))
+            .cloned()
+            .collect();
+        if !direct.is_empty() {
+            open = direct;
+        }
         loop {
-            open.retain(|(a, b, _)| !self.gone.iter().any(|g| &g.0 == a || &g.0 == b));
+            open.retain(|a| !self.gone.iter().any(|g| g.0 == a.by || g.0 == a.of));
             if open.is_empty() {
                 return;
             }
-            let count = |h: &str| open.iter().filter(|(a, b, _)| a == h || b == h).count();
+            let count = |h: &str| open.iter().filter(|a| a.by == h || a.of == h).count();
             let pick = hosts
                 .iter()
                 .max_by_key(|h| count(&h.name))
                 .expect("an accusation names a host");
             let words = open
                 .iter()
-                .find(|(a, b, _)| a == &pick.name || b == &pick.name)
-                .map(|x| x.2.clone())
+                .find(|a| a.by == pick.name || a.of == pick.name)
+                .map(|a| a.words.clone())
                 .unwrap_or_default();
             let how = format!("its ranks and others' could not reach each other while both lived (a partition): `{words}`");
             self.add_gone(&pick.name.clone(), how);
@@ -697,6 +723,18 @@ mod tests {
             st("error: send: rank 2 timed out after 10s waiting for rank 4"),
             st("terminated"),
             st("error: recv: rank 4 lost rank 2 (it exited or failed)"),
+        ];
+        let (gone, f) = judge("", &statuses);
+        assert_eq!(gone, ["h4"], "{f:?}");
+        // The same partition, with the ranks held up behind it timing out within milliseconds of
+        // it: rank 3 waited for rank 4 (itself waiting for rank 2), rank 0 for rank 3. Only the
+        // mutual wait is the cut.
+        let statuses = [
+            st("error: send on group p2p[3,0]: rank 0 timed out after 10s waiting for rank 3"),
+            st("terminated"),
+            st("error: send on group p2p[4,2]: rank 2 timed out after 10s waiting for rank 4"),
+            st("error: all_reduce on group dp[3,4]: rank 3 timed out after 10s waiting for rank 4"),
+            st("error: send on group p2p[2,4]: rank 4 timed out after 10s waiting for rank 2"),
         ];
         let (gone, f) = judge("", &statuses);
         assert_eq!(gone, ["h4"], "{f:?}");
