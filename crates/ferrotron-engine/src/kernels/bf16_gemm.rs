@@ -141,15 +141,39 @@ pub fn amx_available() -> bool {
     *HAS.get_or_init(|| available() && amx::request())
 }
 
-/// The fastest path this machine has.
+/// The fastest path this machine has, or the one `FERROTRON_BF16_PATH` (`amx`, `avx512`, `f32`)
+/// names where it runs here (to compare the paths, or to test a slower one on a faster machine).
 pub fn best_path() -> Path {
-    if amx_available() {
-        Path::Amx
-    } else if available() {
-        Path::Avx512Bf16
-    } else {
-        Path::F32Gemm
-    }
+    use std::sync::OnceLock;
+    static CHOSEN: OnceLock<Path> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let fastest = if amx_available() {
+            Path::Amx
+        } else if available() {
+            Path::Avx512Bf16
+        } else {
+            Path::F32Gemm
+        };
+        let Ok(asked) = std::env::var("FERROTRON_BF16_PATH") else {
+            return fastest;
+        };
+        let named = match asked.as_str() {
+            "amx" => Some(Path::Amx),
+            "avx512" => Some(Path::Avx512Bf16),
+            "f32" => Some(Path::F32Gemm),
+            _ => None,
+        };
+        match named {
+            Some(p) if runs_here(p) => p,
+            _ => {
+                eprintln!(
+                    "note: FERROTRON_BF16_PATH={asked} is not a path this CPU runs (amx, avx512, f32): using {}",
+                    fastest.name()
+                );
+                fastest
+            }
+        }
+    })
 }
 
 /// FLOP done by `iters` rounds of independent chains of `path`'s instruction: its peak, with no
@@ -737,7 +761,7 @@ fn fallback(
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
         eprintln!(
-            "note: this CPU has no AVX512_BF16: bf16 products run on the f32 GEMM (same values, f32 speed)"
+            "note: bf16 products run on the f32 GEMM on bf16-rounded operands (same values, f32 speed): this CPU has no AVX512_BF16 or AMX-BF16, or FERROTRON_BF16_PATH=f32 asked for it"
         )
     });
     let dense = |x: Operand, rows: usize, cols: usize| -> Vec<f32> {
@@ -746,7 +770,11 @@ fn fallback(
             .map(|i| x.rounded((i / cols) * rs + (i % cols) * cs))
             .collect()
     };
-    let (a, b) = (dense(a, m, k), dense(b, k, n));
+    let (a, b) = {
+        // Workspace, as the fast paths' packing buffers are.
+        let _other = crate::memory::scope(crate::memory::Term::Other);
+        (dense(a, m, k), dense(b, k, n))
+    };
     let be = super::CpuBackend::single_threaded();
     super::linear::gemm_strided(&be, m, n, k, (&a, k, 1), (&b, n, 1), c, c_rs, acc, false);
 }
