@@ -7,9 +7,21 @@ use super::simd::{self, simd_kernel};
 use super::small_gemm::{self, Causal};
 use super::{AttnShape, CpuBackend};
 
+/// Largest element offset a strided `rows × cols` view touches, plus one.
+fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
-/// concurrent tasks write disjoint elements. In f32, with `b` and `c` rows contiguous, the AVX-512
-/// kernel made for these shapes; otherwise the `gemm` crate.
+/// concurrent tasks write disjoint elements. Under bf16 products (`bf16`, f32 values, `c` rows
+/// contiguous) the bf16 GEMM, operands rounded as they are packed, the whole block computed (the
+/// masked part is what the f32 paths below may skip; callers overwrite or zero it); in f32, with
+/// `b` and `c` rows contiguous, the AVX-512 kernel made for these shapes; otherwise the `gemm`
+/// crate.
 unsafe fn gemm_raw<T: Real>(
     (m, n, k): (usize, usize, usize),
     a: (*const T, usize, usize),
@@ -17,9 +29,20 @@ unsafe fn gemm_raw<T: Real>(
     c: (*mut T, usize, usize),
     accumulate: bool,
     mask: Causal,
+    bf16: bool,
 ) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = mask;
+    if bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() && c.2 == 1 {
+        use super::bf16_gemm::{gemm_into, Operand};
+        let (ae, be) = (extent(m, k, a.1, a.2), extent(k, n, b.1, b.2));
+        let av = std::slice::from_raw_parts(a.0.cast::<f32>(), ae);
+        let bv = std::slice::from_raw_parts(b.0.cast::<f32>(), be);
+        let (ao, bo) = (Operand::F32(av, a.1, a.2), Operand::F32(bv, b.1, b.2));
+        if gemm_into(m, n, k, ao, bo, c.0.cast(), c.1, accumulate) {
+            return;
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
         && b.2 == 1
@@ -153,6 +176,7 @@ pub(crate) fn forward<T: Real>(
                     (pb, t, 1),
                     false,
                     Causal::Columns(r0),
+                    be.bf16_products,
                 );
                 for (i, row) in std::slice::from_raw_parts_mut(pb, m * t)
                     .chunks_exact_mut(t)
@@ -167,6 +191,7 @@ pub(crate) fn forward<T: Real>(
                     (out_p.get().add(qo + r0 * qw), qw, 1),
                     false,
                     Causal::DepthUpTo(r0),
+                    be.bf16_products,
                 );
             }
         }
@@ -225,6 +250,7 @@ pub(crate) fn backward<T: Real>(
                         (dsb.as_mut_ptr(), t, 1),
                         false,
                         Causal::Columns(r0),
+                        be.bf16_products,
                     );
                     gemm_raw(
                         (r1, d, m),
@@ -233,6 +259,7 @@ pub(crate) fn backward<T: Real>(
                         (dv_p.get().add(ko), kw, 1),
                         !first,
                         Causal::DepthFrom(r0),
+                        be.bf16_products,
                     );
                 }
                 // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale; zero past the diagonal.
@@ -250,6 +277,7 @@ pub(crate) fn backward<T: Real>(
                         (dq_p.get().add(qo + r0 * qw), qw, 1),
                         false,
                         Causal::DepthUpTo(r0),
+                        be.bf16_products,
                     );
                     gemm_raw(
                         (r1, d, m),
@@ -258,6 +286,7 @@ pub(crate) fn backward<T: Real>(
                         (dk_p.get().add(ko), kw, 1),
                         !first,
                         Causal::DepthFrom(r0),
+                        be.bf16_products,
                     );
                 }
             }

@@ -352,6 +352,40 @@ pub fn gemm_on(
     }
 }
 
+/// [`gemm`] on this thread into a raw `c`, on the fastest bf16 instructions here; `false` (nothing
+/// done) where there are none, so that the caller keeps its own f32 product. For kernels whose
+/// concurrent tasks write disjoint elements of one buffer (attention's heads).
+///
+/// # Safety
+/// `c` must be valid for reads and writes of the `m × n` view with row stride `c_rs`, which no one
+/// else touches meanwhile; the operands' views must lie inside their slices.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_into(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: *mut f32,
+    c_rs: usize,
+    accumulate: bool,
+) -> bool {
+    let path = best_path();
+    if path == Path::F32Gemm || m == 0 || n == 0 || k == 0 {
+        return false;
+    }
+    assert!(
+        extent(m, k, a.strides()) <= a.len() && extent(k, n, b.strides()) <= b.len(),
+        "bf16 gemm: operand view out of bounds"
+    );
+    if path == Path::Amx {
+        serial::<amx::Amx>(m, n, k, a, b, c, c_rs, accumulate)
+    } else {
+        serial::<Avx512>(m, n, k, a, b, c, c_rs, accumulate)
+    }
+    true
+}
+
 impl<'a> Operand<'a> {
     /// The view starting `r` rows down.
     fn offset_rows(self, r: usize) -> Self {
