@@ -81,22 +81,32 @@ fn zero_stages_lower_exactly_the_terms_they_shard() {
     }
 }
 
-/// Measured peaks per term against the planner's prediction (ferrotron activation model, f32) on a
-/// mid-sized Llama (hidden 256, 8 layers, seq 128) over dp2·tp2·pp2. Communication buffers are
-/// printed, not checked: pooled message buffers grow with how many messages happen to be in flight.
-#[test]
-fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
-    use ferrotron_core::model::ModelConfig;
-    use ferrotron_core::plan::evaluate;
-    use ferrotron_engine::transformer::ParamStore;
-    let cfg = ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
-    let params = ParamStore::init_random(&cfg, 1);
+/// The mid-sized Llama the planner comparisons run (hidden 256, 8 layers, vocab 2048), its weights and
+/// a batch of 8 × 128 tokens.
+fn mid_sized_llama() -> (
+    ferrotron_core::model::ModelConfig,
+    ferrotron_engine::transformer::ParamStore,
+    TokenBatch,
+) {
+    let cfg = ferrotron_core::model::ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
+    let params = ferrotron_engine::transformer::ParamStore::init_random(&cfg, 1);
     let (seq, b) = (128, 8);
     let batch = TokenBatch {
         ids: (0..b * seq).map(|i| (i * 7 % 2048) as u32).collect(),
         batch: b,
         seq,
     };
+    (cfg, params, batch)
+}
+
+/// Measured peaks per term against the planner's prediction (ferrotron activation model, f32) on a
+/// mid-sized Llama (hidden 256, 8 layers, seq 128) over dp2·tp2·pp2. Communication buffers are
+/// printed, not checked: pooled message buffers grow with how many messages happen to be in flight.
+#[test]
+fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
+    use ferrotron_core::plan::evaluate;
+    let (cfg, params, batch) = mid_sized_llama();
+    let (seq, b) = (batch.seq, batch.batch);
     let input = f32_plan_input(&cfg, seq, b);
     for spec in ["dp=2,tp=2,pp=2,mbs=1", "dp=2,tp=2,pp=2,mbs=1,zero=2"] {
         let l = LayoutSpec::parse(spec).unwrap().layout;
@@ -145,21 +155,15 @@ fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
 /// alone have gradients and optimizer state.
 #[test]
 fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
-    use ferrotron_core::model::{LoraConfig, ModelConfig};
+    use ferrotron_core::model::LoraConfig;
     use ferrotron_core::plan::evaluate;
     use ferrotron_engine::lora::Adapters;
     use ferrotron_engine::parallel::pipeline_steps_of;
-    use ferrotron_engine::transformer::{ParamStore, Trained};
-    let cfg = ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
-    let base = ParamStore::init_random(&cfg, 1);
+    use ferrotron_engine::transformer::Trained;
+    let (cfg, base, batch) = mid_sized_llama();
+    let (seq, b) = (batch.seq, batch.batch);
     let lora = LoraConfig::new(&cfg, 8, 16.0, &[]).unwrap();
     let adapters = Adapters::init(&cfg, lora.clone(), 2);
-    let (seq, b) = (128, 8);
-    let batch = TokenBatch {
-        ids: (0..b * seq).map(|i| (i * 7 % 2048) as u32).collect(),
-        batch: b,
-        seq,
-    };
     let input = ferrotron_core::plan::PlanInput {
         lora: Some(lora.clone()),
         ..f32_plan_input(&cfg, seq, b)
@@ -235,21 +239,14 @@ fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
 /// on one device, where there are none: the bf16 compute copy is read as it is, never widened.
 #[test]
 fn bf16_memory_matches_the_planner_on_one_device_and_the_3d_mesh() {
-    use ferrotron_core::model::ModelConfig;
     use ferrotron_core::plan::{evaluate, MemoryTerms, Precision};
     use ferrotron_engine::comm::ThreadWorld;
     use ferrotron_engine::memory::Accounts;
     use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
     use ferrotron_engine::parallel::{MeshStep, Training};
-    use ferrotron_engine::transformer::{Half, ParamStore};
-    let cfg = ModelConfig::llama(2048, 256, 704, 8, 4, 4, 256, 10000.0);
-    let params = ParamStore::init_random(&cfg, 1);
-    let (seq, b) = (128, 8);
-    let batch = TokenBatch {
-        ids: (0..b * seq).map(|i| (i * 7 % 2048) as u32).collect(),
-        batch: b,
-        seq,
-    };
+    use ferrotron_engine::transformer::Half;
+    let (cfg, params, batch) = mid_sized_llama();
+    let (seq, b) = (batch.seq, batch.batch);
     let mut input = f32_plan_input(&cfg, seq, b);
     input.precision =
         Precision::parse("weights=bf16,grads=bf16,master=fp32,optimizer=fp32").unwrap();

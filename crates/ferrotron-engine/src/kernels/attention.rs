@@ -5,16 +5,7 @@ use super::cpu::SendPtr;
 use super::float::Real;
 use super::simd::{self, simd_kernel};
 use super::small_gemm::{self, Causal};
-use super::{AttnShape, CpuBackend};
-
-/// Largest element offset a strided `rows × cols` view touches, plus one.
-fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * rs + (cols - 1) * cs + 1
-    }
-}
+use super::{extent, AttnShape, CpuBackend};
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
 /// concurrent tasks write disjoint elements. Under bf16 products (`bf16`, f32 values, `c` rows

@@ -220,13 +220,9 @@ pub fn runs_here(path: Path) -> bool {
     }
 }
 
-/// Largest element offset a strided `rows × cols` view touches, plus one.
+/// [`super::extent`] of an operand's view.
 fn extent(rows: usize, cols: usize, (rs, cs): (usize, usize)) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * rs + (cols - 1) * cs + 1
-    }
+    super::extent(rows, cols, rs, cs)
 }
 
 /// `c[m×n] (+)= a[m×k]·b[k×n]` with the operands rounded to bf16 and the products summed in f32;
@@ -289,13 +285,8 @@ pub fn gemm_on(
         }
         return;
     }
-    if path == Path::F32Gemm {
+    let Some((serial, mr, nr)) = kernel_of(path) else {
         return fallback(m, n, k, a, b, c, c_rs, accumulate);
-    }
-    let (mr, nr) = if path == Path::Amx {
-        (<amx::Amx as Tiles>::MR, <amx::Amx as Tiles>::NR)
-    } else {
-        (MR, NR)
     };
     // Blocks of c for the threads: along the longer side, in whole micro-tiles.
     let blocks = if threads > 1 && 2 * m * n * k >= 1 << 22 {
@@ -313,11 +304,6 @@ pub fn gemm_on(
             return;
         }
         // SAFETY: the blocks write disjoint rows (or columns) of `c`, all inside it (checked above).
-        let serial = if path == Path::Amx {
-            serial::<amx::Amx>
-        } else {
-            serial::<Avx512>
-        };
         unsafe {
             if split_rows {
                 serial(
@@ -370,20 +356,30 @@ pub(crate) unsafe fn gemm_into(
     c_rs: usize,
     accumulate: bool,
 ) -> bool {
-    let path = best_path();
-    if path == Path::F32Gemm || m == 0 || n == 0 || k == 0 {
+    let Some((serial, ..)) = kernel_of(best_path()) else {
+        return false;
+    };
+    if m == 0 || n == 0 || k == 0 {
         return false;
     }
     assert!(
         extent(m, k, a.strides()) <= a.len() && extent(k, n, b.strides()) <= b.len(),
         "bf16 gemm: operand view out of bounds"
     );
-    if path == Path::Amx {
-        serial::<amx::Amx>(m, n, k, a, b, c, c_rs, accumulate)
-    } else {
-        serial::<Avx512>(m, n, k, a, b, c, c_rs, accumulate)
-    }
+    serial(m, n, k, a, b, c, c_rs, accumulate);
     true
+}
+
+/// One thread's GEMM (see [`serial`]).
+type Serial = unsafe fn(usize, usize, usize, Operand, Operand, *mut f32, usize, bool);
+
+/// A bf16 path's blocked GEMM and its micro-tile (rows, columns); `None` for the f32 fallback.
+fn kernel_of(path: Path) -> Option<(Serial, usize, usize)> {
+    match path {
+        Path::Amx => Some((serial::<amx::Amx>, amx::Amx::MR, amx::Amx::NR)),
+        Path::Avx512Bf16 => Some((serial::<Avx512>, Avx512::MR, Avx512::NR)),
+        Path::F32Gemm => None,
+    }
 }
 
 impl<'a> Operand<'a> {

@@ -1,18 +1,10 @@
 //! GEMM and the linear layer (both Hugging Face weight layouts) on the CPU.
 
+use super::bf16_convert;
 use super::bf16_gemm::{self, Operand};
 use super::float::Real;
-use super::{CpuBackend, LinearShape};
+use super::{extent, CpuBackend, LinearShape};
 use ferrotron_core::model::WeightLayout;
-
-/// Largest element offset a strided `rows × cols` view touches, plus one.
-fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * rs + (cols - 1) * cs + 1
-    }
-}
 
 /// `c[m×n] (+)= a[m×k]·b[k×n]`; views are (slice, row stride, column stride).
 #[allow(clippy::too_many_arguments)]
@@ -114,6 +106,31 @@ fn product<T: Real>(
     gemm_strided(be, m, n, k, a, b, c, c_rs, accumulate, true)
 }
 
+/// Strides of W viewed as the forward's right operand, `[in × out]`.
+fn forward_view(s: LinearShape) -> (usize, usize) {
+    match s.layout {
+        WeightLayout::OutIn => (1, s.in_dim),
+        _ => (s.out_dim, 1),
+    }
+}
+
+/// Strides of W viewed as the input gradient's right operand, `[out × in]`.
+fn backward_input_view(s: LinearShape) -> (usize, usize) {
+    match s.layout {
+        WeightLayout::OutIn => (s.in_dim, 1),
+        _ => (1, s.out_dim),
+    }
+}
+
+/// `y[r] += b` for every row.
+fn add_bias<T: Real>(be: &CpuBackend, y: &mut [T], bias: Option<&[T]>, o: usize) {
+    if let Some(b) = bias {
+        be.for_rows(y, o, |_, row| {
+            row.iter_mut().zip(b).for_each(|(y, &b)| *y += b)
+        });
+    }
+}
+
 pub(crate) fn forward<T: Real>(
     be: &CpuBackend,
     s: LinearShape,
@@ -123,17 +140,9 @@ pub(crate) fn forward<T: Real>(
     y: &mut [T],
 ) {
     let (i, o) = (s.in_dim, s.out_dim);
-    // W viewed as the [in × out] right operand.
-    let wv = match s.layout {
-        WeightLayout::OutIn => (w, 1, i),
-        _ => (w, o, 1),
-    };
-    product(be, s.rows, o, i, (x, i, 1), wv, y, o, false);
-    if let Some(b) = bias {
-        be.for_rows(y, o, |_, row| {
-            row.iter_mut().zip(b).for_each(|(y, &b)| *y += b)
-        });
-    }
+    let (rs, cs) = forward_view(s);
+    product(be, s.rows, o, i, (x, i, 1), (w, rs, cs), y, o, false);
+    add_bias(be, y, bias, o);
 }
 
 pub(crate) fn backward_input<T: Real>(
@@ -146,11 +155,8 @@ pub(crate) fn backward_input<T: Real>(
 ) {
     let (i, o) = (s.in_dim, s.out_dim);
     // dx[rows × in] = dy[rows × out] · W viewed as [out × in].
-    let wv = match s.layout {
-        WeightLayout::OutIn => (w, i, 1),
-        _ => (w, 1, o),
-    };
-    product(be, s.rows, i, o, (dy, o, 1), wv, dx, i, acc);
+    let (rs, cs) = backward_input_view(s);
+    product(be, s.rows, i, o, (dy, o, 1), (w, rs, cs), dx, i, acc);
 }
 
 /// [`forward`] with the weight in bf16 (the compute copy under bf16 mixed precision): read by the
@@ -164,29 +170,13 @@ pub(crate) fn forward_bf16(
     y: &mut [f32],
 ) {
     if !be.bf16_products {
-        return forward(be, s, x, &widen(w), bias, y);
+        return forward(be, s, x, &bf16_convert::widened(w), bias, y);
     }
     let (i, o) = (s.in_dim, s.out_dim);
-    let wv = match s.layout {
-        WeightLayout::OutIn => Operand::Bf16(w, 1, i),
-        _ => Operand::Bf16(w, o, 1),
-    };
-    bf16_gemm::gemm(
-        s.rows,
-        o,
-        i,
-        Operand::F32(x, i, 1),
-        wv,
-        y,
-        o,
-        false,
-        be.threads,
-    );
-    if let Some(b) = bias {
-        be.for_rows(y, o, |_, row| {
-            row.iter_mut().zip(b).for_each(|(y, &b)| *y += b)
-        });
-    }
+    let (rs, cs) = forward_view(s);
+    let (xv, wv) = (Operand::F32(x, i, 1), Operand::Bf16(w, rs, cs));
+    bf16_gemm::gemm(s.rows, o, i, xv, wv, y, o, false, be.threads);
+    add_bias(be, y, bias, o);
 }
 
 /// [`backward_input`] with the weight in bf16 (see [`forward_bf16`]).
@@ -199,28 +189,12 @@ pub(crate) fn backward_input_bf16(
     acc: bool,
 ) {
     if !be.bf16_products {
-        return backward_input(be, s, dy, &widen(w), dx, acc);
+        return backward_input(be, s, dy, &bf16_convert::widened(w), dx, acc);
     }
     let (i, o) = (s.in_dim, s.out_dim);
-    let wv = match s.layout {
-        WeightLayout::OutIn => Operand::Bf16(w, i, 1),
-        _ => Operand::Bf16(w, 1, o),
-    };
-    bf16_gemm::gemm(
-        s.rows,
-        i,
-        o,
-        Operand::F32(dy, o, 1),
-        wv,
-        dx,
-        i,
-        acc,
-        be.threads,
-    );
-}
-
-fn widen(w: &[half::bf16]) -> Vec<f32> {
-    w.iter().map(|v| v.to_f32()).collect()
+    let (rs, cs) = backward_input_view(s);
+    let (dyv, wv) = (Operand::F32(dy, o, 1), Operand::Bf16(w, rs, cs));
+    bf16_gemm::gemm(s.rows, i, o, dyv, wv, dx, i, acc, be.threads);
 }
 
 pub(crate) fn backward_weight<T: Real>(

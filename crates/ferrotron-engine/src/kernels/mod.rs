@@ -62,6 +62,16 @@ pub struct LinearShape {
     pub layout: WeightLayout,
 }
 
+/// Largest element offset a strided `rows × cols` view (row stride `rs`, column stride `cs`)
+/// touches, plus one: what a slice must hold for the view to lie inside it.
+pub(crate) fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
 /// A linear layer's weight as the executor holds it: f32, or (bf16 compute) the bf16 compute copy
 /// the GEMM reads as it is.
 #[derive(Clone, Copy)]
@@ -258,8 +268,6 @@ pub trait Backend: Sync {
     /// `y += x`.
     fn add_assign(&self, y: &mut [f32], x: &[f32]);
 
-    /// A new buffer of `len` zeros. The model executor makes its activation and gradient buffers here,
-    /// so a backend decides how (the CPU one zeroes large buffers on all its threads).
     /// `src` rounded to bf16, to nearest even, in a new buffer (the activation stash under bf16).
     fn rounded_to_bf16(&self, src: &[f32]) -> Vec<half::bf16> {
         bf16_convert::rounded(src)
@@ -268,6 +276,8 @@ pub trait Backend: Sync {
     fn widened_from_bf16(&self, src: &[half::bf16]) -> Vec<f32> {
         bf16_convert::widened(src)
     }
+    /// A new buffer of `len` zeros. The model executor makes its activation and gradient buffers here,
+    /// so a backend decides how (the CPU one zeroes large buffers on all its threads).
     fn zeros(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }

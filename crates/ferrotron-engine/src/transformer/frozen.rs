@@ -1,20 +1,25 @@
 //! A frozen base model (LoRA): the parameters a chunk of the executor reads but never trains. It has
 //! no gradients, no optimizer state and no master copy; under mixed precision it is stored in 16
-//! bits and widened one unit at a time while that unit computes, as the trained weights are.
+//! bits, and as the trained weights are: under bf16 its matrices are read by the kernels as they
+//! are, the rest (and every tensor under f16) widened one unit at a time while that unit computes.
 
 use super::kept::{Half, Kept};
 use super::residency::{units_of, Unit};
 use super::ParamStore;
-use crate::kernels::CpuBackend;
+use crate::kernels::{bf16_convert, CpuBackend};
 use crate::memory::{self, Term};
 use ferrotron_core::model::ModelConfig;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub struct FrozenBase {
     /// The tensors in f32, or (16-bit storage) their names and shapes with empty tensors.
     store: ParamStore,
-    /// 16-bit storage: every tensor, rounded.
+    /// 16-bit storage: every tensor, rounded (under bf16 a matrix is shared with the views instead,
+    /// and `Empty` here).
     half: Option<Vec<Kept>>,
+    /// bf16 storage: the matrices, which the executor's views share.
+    matrices: Vec<Option<Arc<Vec<half::bf16>>>>,
     /// The tensors each unit reads.
     units: HashMap<Unit, Vec<usize>>,
 }
@@ -28,20 +33,36 @@ impl FrozenBase {
                 units.entry(u).or_default().push(i);
             }
         }
+        let mut matrices = vec![None; store.specs.len()];
         let (store, half) = match storage {
             None => (store, None),
             Some(h) => {
                 let _weights = memory::scope(Term::Weights);
+                let be = CpuBackend::single_threaded();
                 let half = store
                     .tensors
                     .iter()
-                    .map(|t| Kept::keep(&CpuBackend::single_threaded(), t.clone(), Some(h)))
+                    .zip(&store.specs)
+                    .zip(matrices.iter_mut())
+                    .map(|((t, spec), shared)| {
+                        if h == Half::Bf16 && spec.shape.len() == 2 {
+                            *shared = Some(Arc::new(bf16_convert::rounded(t)));
+                            Kept::Empty
+                        } else {
+                            Kept::keep(&be, t.clone(), Some(h))
+                        }
+                    })
                     .collect();
                 let empty = vec![Vec::new(); store.specs.len()];
                 (ParamStore::from_tensors(store.specs, empty), Some(half))
             }
         };
-        Self { store, half, units }
+        Self {
+            store,
+            half,
+            matrices,
+            units,
+        }
     }
 
     /// The names and shapes of the tensors (what the executor resolves its indices against).
@@ -52,7 +73,10 @@ impl FrozenBase {
     /// Bytes the base holds.
     pub fn bytes(&self) -> usize {
         match &self.half {
-            Some(h) => h.iter().map(Kept::bytes).sum(),
+            Some(h) => {
+                let shared: usize = self.matrices.iter().flatten().map(|m| 2 * m.len()).sum();
+                h.iter().map(Kept::bytes).sum::<usize>() + shared
+            }
             None => 4 * self.store.numel(),
         }
     }
@@ -69,7 +93,10 @@ impl FrozenBase {
             vec![Vec::new(); self.store.specs.len()],
         );
         for &i in self.units.get(&unit).map_or(&[][..], Vec::as_slice) {
-            view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned();
+            match &self.matrices[i] {
+                Some(m) => view.bf16[i] = Some(Arc::clone(m)),
+                None => view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned(),
+            }
         }
         f(&view)
     }
