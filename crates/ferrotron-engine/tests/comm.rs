@@ -84,6 +84,9 @@ fn a_simulated_1_gbs_link_charges_67_ms_for_64_mib_on_both_ends() {
     });
     let times = world.run(|c| {
         let mut buf = vec![0u8; 64 << 20];
+        // The two clocks start apart by whatever each thread computed before (its start-up, the
+        // allocation): a barrier brings them to one time, so the receiver's wait is the transfer.
+        c.barrier(&Group::new("world", vec![0, 1])).unwrap();
         let t0 = c.device_time();
         if c.rank() == 0 {
             c.send(1, &buf, 0).unwrap();

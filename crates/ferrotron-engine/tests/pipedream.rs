@@ -10,7 +10,7 @@ use ferrotron_core::model::ModelConfig;
 use ferrotron_engine::hf;
 use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
 use ferrotron_engine::runtime::{train_steps, DelayedReference};
-use ferrotron_engine::transformer::{ParamStore, TokenBatch};
+use ferrotron_engine::transformer::{Half, ParamStore, TokenBatch};
 
 /// f32 relative tolerance per parameter tensor after six AdamW steps (reduction orders differ).
 const TOL: f64 = 1e-5;
@@ -43,6 +43,7 @@ fn pipeline(
     batches: &[TokenBatch],
     clip: f64,
     drain_after: &(dyn Fn(usize) -> bool + Sync),
+    storage: Option<Half>,
 ) -> ParamStore {
     train_steps(
         cfg,
@@ -53,6 +54,7 @@ fn pipeline(
         &lr(),
         clip,
         drain_after,
+        storage,
     )
     .unwrap()
 }
@@ -64,7 +66,7 @@ fn check(model: &str, spec: &str, clip: f64, drain_after: &(dyn Fn(usize) -> boo
     let batches: Vec<TokenBatch> = (0..STEPS)
         .map(|k| random_batch(cfg.vocab_size, batch, 16, 40 + k as u64))
         .collect();
-    let got = pipeline(&cfg, &params, &layout, &batches, clip, drain_after);
+    let got = pipeline(&cfg, &params, &layout, &batches, clip, drain_after, None);
     let lr = lr();
     let reference = DelayedReference {
         cfg: &cfg,
@@ -72,6 +74,7 @@ fn check(model: &str, spec: &str, clip: f64, drain_after: &(dyn Fn(usize) -> boo
         adam: adam(),
         lr: &lr,
         clip,
+        precision: None,
     };
     let want = reference
         .train(&params, STEPS, &|k| batches[k].clone(), drain_after)
@@ -90,7 +93,7 @@ fn check(model: &str, spec: &str, clip: f64, drain_after: &(dyn Fn(usize) -> boo
         schedule: ferrotron_core::layout::Schedule::OneFOneB,
         ..layout
     };
-    let undelayed = pipeline(&cfg, &params, &sync, &batches, clip, drain_after);
+    let undelayed = pipeline(&cfg, &params, &sync, &batches, clip, drain_after, None);
     let apart = rel_err(&undelayed.tensors[1], &want.tensors[1]);
     assert!(
         apart > 1e-4,
@@ -212,7 +215,7 @@ fn what_the_asynchronous_executor_does_not_run_is_refused_by_name() {
     use ferrotron_engine::runtime::{train, TrainConfig};
     for (layout, precision, want) in [
         ("pp=2,dp=2,zero=3,schedule=2bw", "f32", "zero"),
-        ("pp=2,schedule=pipedream", "bf16", "mixed precision"),
+        ("pp=2,schedule=pipedream", "fp16", "fp16's loss scaling"),
         ("pp=2,vpp=2,schedule=2bw", "f32", "vpp"),
         ("pp=4,mbs=4,schedule=2bw", "f32", "needs at least pp=4"),
     ] {
@@ -254,6 +257,7 @@ fn measured(
     layout: &Layout,
     batch: &TokenBatch,
     steps: usize,
+    storage: Option<Half>,
 ) -> Vec<(f64, f64, ferrotron_engine::memory::MemoryTerms)> {
     use ferrotron_engine::comm::ThreadWorld;
     use ferrotron_engine::parallel::{MeshStep, Training};
@@ -263,8 +267,9 @@ fn measured(
     let accounts = ferrotron_engine::memory::Accounts::claim(layout.world_size());
     ThreadWorld::new(layout.world_size())
         .run(|c| {
-            let mut step =
-                MeshStep::new(cfg, params, batch, layout, &part)?.with_account_base(accounts.base);
+            let mut step = MeshStep::new(cfg, params, batch, layout, &part)?
+                .with_account_base(accounts.base)
+                .with_precision(storage, None);
             let (mut busy, mut span, mut mem) = (0.0, 0.0, Default::default());
             step.train_device(
                 c,
@@ -298,27 +303,39 @@ fn the_stashed_versions_take_the_memory_the_planner_predicts() {
     let cfg = ModelConfig::llama(64, 128, 352, 2 * p, 4, 4, 64, 10000.0);
     let params = ParamStore::init_random(&cfg, 3);
     let batch = random_batch(64, 4, 32, 9);
-    let input = ferrotron_core::plan::PlanInput {
-        memory_reserve: 0.0,
-        ..f32_plan_input(&cfg, 32, 4)
-    };
-    for schedule in ["1f1b", "2bw", "pipedream"] {
-        let layout = LayoutSpec::parse(&format!("pp={p},schedule={schedule}"))
-            .unwrap()
-            .layout;
-        let run = measured(&cfg, &params, &layout, &batch, 4);
-        let plan = ferrotron_core::plan::evaluate(&input, &layout).unwrap();
-        for (s, got) in run.iter().map(|r| r.2).enumerate() {
-            let want = &plan.memory_bytes_per_stage[s];
-            for (term, a, b) in [
-                ("weights", got.weights, want.weights),
-                ("gradients", got.gradients, want.gradients),
-            ] {
-                let e = (a as f64 / b as f64 - 1.0).abs();
-                assert!(
-                    e <= 0.01,
-                    "{schedule} stage {s}: {term} measured {a}, predicted {b}"
-                );
+    // bf16: the versions are 16-bit compute copies (a stashed one is copied when the next update
+    // writes), the updates' stores 16-bit, beside the f32 main gradients of the update applied.
+    for (precision, storage) in [
+        ("weights=fp32,grads=fp32,master=fp32,optimizer=fp32", None),
+        (
+            "weights=bf16,grads=bf16,master=fp32,optimizer=fp32",
+            Some(Half::Bf16),
+        ),
+    ] {
+        let input = ferrotron_core::plan::PlanInput {
+            memory_reserve: 0.0,
+            precision: ferrotron_core::plan::Precision::parse(precision).unwrap(),
+            ..f32_plan_input(&cfg, 32, 4)
+        };
+        for schedule in ["1f1b", "2bw", "pipedream"] {
+            let layout = LayoutSpec::parse(&format!("pp={p},schedule={schedule}"))
+                .unwrap()
+                .layout;
+            let run = measured(&cfg, &params, &layout, &batch, 4, storage);
+            let plan = ferrotron_core::plan::evaluate(&input, &layout).unwrap();
+            for (s, got) in run.iter().map(|r| r.2).enumerate() {
+                let want = &plan.memory_bytes_per_stage[s];
+                for (term, a, b) in [
+                    ("weights", got.weights, want.weights),
+                    ("gradients", got.gradients, want.gradients),
+                ] {
+                    let e = (a as f64 / b as f64 - 1.0).abs();
+                    println!("{precision} {schedule} stage {s}: {term} {a} vs {b} ({e:.3})");
+                    assert!(
+                        e <= 0.01,
+                        "{precision} {schedule} stage {s}: {term} measured {a}, predicted {b}"
+                    );
+                }
             }
         }
     }
@@ -336,7 +353,7 @@ fn two_bw_is_the_published_update_rule() {
     let batches: Vec<TokenBatch> = (0..STEPS)
         .map(|k| random_batch(cfg.vocab_size, 4, 16, 70 + k as u64))
         .collect();
-    let got = pipeline(&cfg, &params, &layout, &batches, 0.0, &|_| false);
+    let got = pipeline(&cfg, &params, &layout, &batches, 0.0, &|_| false, None);
     let (be, lr) = (CpuBackend::default(), lr());
     let mut opt = AdamW::new(adam(), &params);
     let (mut previous, mut w) = (params.clone(), params.clone());
@@ -363,5 +380,117 @@ fn two_bw_is_the_published_update_rule() {
     for (s, (a, b)) in w.specs.iter().zip(got.tensors.iter().zip(&w.tensors)) {
         let e = rel_err(a, b);
         assert!(e <= TOL, "{}: {e:.2e}", s.name);
+    }
+}
+
+/// bf16's unit roundoff: 8 significant bits, rounding to nearest.
+const U: f64 = 1.0 / 256.0;
+
+/// The asynchronous schedules in bf16 against the delayed-update reference computing each version
+/// in bf16 (its compute copy, bf16 products and stash; f32 sums, master and Adam).
+///
+/// The tolerance. With Adam's `eps` (1) far above `√v̂` (the gradients' elements are ~1e-3), AdamW's
+/// step `lr·m̂/(√v̂ + eps)` is `(lr/eps)·m̂` to within 0.1%: linear in the gradients, without Adam's
+/// sign-like amplification of an element whose gradient is near zero. The change of the weights
+/// over the run, `Δw`, is then a positive combination of the updates' gradients, which point the
+/// same way over six steps, so its norm-wise relative error is that of the gradients: `√D·u`, `D`
+/// counting the roundings on a gradient's path that can fall differently in the two runs (see
+/// `tests/bf16.rs`): per block 6 (and 4 more under tensor parallelism), 2 per pipeline boundary,
+/// one per micro-batch summed into the bf16 store, `dp − 1` in the ring, one for the version's
+/// compute copy (rounded from masters that differ by the error itself). Clipping scales each
+/// gradient by `clip/‖g‖`, whose own relative error is at most that of `g`: twice the bound.
+/// The synchronous schedule (no delays) is farther off than five times that.
+fn bf16_async_tolerance(layers: usize, l: &Layout, micro_batches: usize) -> f64 {
+    let per_block = 6 + if l.tp > 1 { 4 } else { 0 };
+    let stages = layers * per_block + 2 * (l.pp - 1) + micro_batches + (l.dp - 1) + 1;
+    2.0 * (stages as f64).sqrt() * U
+}
+
+#[test]
+fn asynchronous_pipelines_in_bf16_train_as_the_bf16_delayed_reference() {
+    let adam = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1.0,
+        weight_decay: 0.0,
+    };
+    let lr = LrSchedule {
+        peak_lr: 0.3,
+        min_lr: 0.3,
+        warmup_steps: 0,
+        total_steps: STEPS,
+    };
+    // Clipping engaged (the gradients' norms are above it) keeps every update's size in bounds:
+    // unclipped, lr 0.3 makes a 4-stage PipeDream's stale updates diverge.
+    let (clip, never) = (0.5, |_: usize| false);
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let (cfg, params) = hf::load_model(&fixture(model)).unwrap();
+        for spec in [
+            "pp=2,schedule=2bw",
+            "pp=4,schedule=2bw",
+            "pp=2,schedule=pipedream",
+            "pp=4,schedule=pipedream",
+            "pp=2,tp=2,schedule=2bw",
+            "pp=2,tp=2,schedule=pipedream",
+            "pp=2,dp=2,schedule=2bw",
+            "pp=2,dp=2,zero=1,schedule=pipedream",
+            "pp=2,tp=2,dp=2,zero=1,schedule=2bw",
+        ] {
+            let layout = LayoutSpec::parse(spec).unwrap().layout;
+            let m = 4;
+            let batches: Vec<TokenBatch> = (0..STEPS)
+                .map(|k| random_batch(cfg.vocab_size, layout.dp * m, 16, 40 + k as u64))
+                .collect();
+            let run = |l: &Layout| {
+                let bf16 = Some(Half::Bf16);
+                train_steps(&cfg, &params, l, &batches, adam, &lr, clip, &never, bf16).unwrap()
+            };
+            let got = run(&layout);
+            let reference = DelayedReference {
+                cfg: &cfg,
+                layout: &layout,
+                adam,
+                lr: &lr,
+                clip,
+                precision: Some(Half::Bf16),
+            };
+            let want = reference
+                .train(&params, STEPS, &|k| batches[k].clone(), &never)
+                .unwrap();
+            let sync = Layout {
+                schedule: ferrotron_core::layout::Schedule::OneFOneB,
+                ..layout
+            };
+            let undelayed = run(&sync);
+            let change = |a: &ParamStore, i: usize| -> Vec<f32> {
+                let start = &params.tensors[i];
+                a.tensors[i].iter().zip(start).map(|(x, y)| x - y).collect()
+            };
+            let tol = bf16_async_tolerance(cfg.num_layers, &layout, m);
+            let (mut worst, mut apart) = ((String::new(), 0f64), 0f64);
+            for (i, spec) in params.specs.iter().enumerate() {
+                let want_change = change(&want, i);
+                let e = rel_err(&change(&got, i), &want_change);
+                if e > worst.1 {
+                    worst = (spec.name.clone(), e);
+                }
+                apart = apart.max(rel_err(&change(&undelayed, i), &want_change));
+            }
+            println!(
+                "{model} {spec}: worst {} {:.2e} (tolerance {tol:.2e}); \
+                 the synchronous schedule {apart:.2e}",
+                worst.0, worst.1
+            );
+            assert!(
+                worst.1 <= tol,
+                "{model} {spec}: {} changed {:.2e} from the reference's change, over {tol:.2e}",
+                worst.0,
+                worst.1
+            );
+            assert!(
+                apart > 5.0 * tol,
+                "{model} {spec}: the delays are not visible ({apart:.2e})"
+            );
+        }
     }
 }

@@ -324,8 +324,10 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     // counts the 16-bit gradients alone, as the ZeRO paper's 2 + 2 + 12 does.
     let engine = matches!(input.model, PlanModel::Shape(_))
         && input.activation_model == ActivationModel::Ferrotron;
+    // 2BW's two stores are each reduced (so widened) at the end of their step, before the
+    // previous one's update: both hold main gradients then.
     let main_grads = if engine && pr.grads.bytes() < pr.master_bytes() {
-        trainable * pr.master_bytes() / shard(1)
+        grad_buffers * trainable * pr.master_bytes() / shard(1)
     } else {
         0.0
     };

@@ -274,6 +274,16 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
                 ),
             ));
         }
+        if input.precision.weights == Dtype::Fp16 {
+            return Err(rule(
+                "schedule",
+                format!(
+                    "schedule={}: fp16's loss scaling skips the steps whose gradients overflow, \
+                     and an asynchronous pipeline applies every update it has begun (use bf16)",
+                    l.schedule.name()
+                ),
+            ));
+        }
         let m = input.global_batch / (l.dp * l.micro_batch_size).max(1);
         if l.schedule == Schedule::TwoBw && m < l.pp {
             return Err(rule(

@@ -203,6 +203,20 @@ fn bad_input_names_the_field() {
     assert!(e.contains("n_head") || e.contains("heads"), "{e}");
     let e = Precision::parse("weights=int3").unwrap_err().to_string();
     assert!(e.contains("weights") && e.contains("int3"), "{e}");
+    // The asynchronous schedules train in f32 or bf16, not under fp16's skipped steps.
+    let two_bw = Layout {
+        dp: 1,
+        pp: 2,
+        schedule: crate::layout::Schedule::TwoBw,
+        ..Layout::default()
+    };
+    assert!(evaluate(&input, &two_bw).is_ok());
+    let fp16 = PlanInput {
+        precision: Precision::parse("weights=fp16,grads=fp16,master=fp32,optimizer=fp32").unwrap(),
+        ..small_input("llama2-7b")
+    };
+    let e = evaluate(&fp16, &two_bw).unwrap_err().to_string();
+    assert!(e.contains("fp16") && e.contains("bf16"), "{e}");
 }
 
 #[test]

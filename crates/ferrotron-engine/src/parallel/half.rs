@@ -97,6 +97,33 @@ fn piece_of<T: Copy + Default>(t: &[T], dp: usize, rank: usize) -> Vec<T> {
     p
 }
 
+/// One optimizer update's gradients held outside the state (an asynchronous schedule accumulates
+/// each update in a store of its own): the 16-bit sums and, once reduced, the f32 main gradients.
+pub struct HalfGrads<T> {
+    grads: Vec<Vec<T>>,
+    main: Vec<Vec<f32>>,
+}
+
+impl<T> HalfGrads<T> {
+    /// No storage at all (what the state keeps while the updates' own stores are in use).
+    pub fn none() -> Self {
+        Self {
+            grads: Vec::new(),
+            main: Vec::new(),
+        }
+    }
+}
+
+impl<T: Half16> HalfGrads<T> {
+    /// Adds a unit's f32 gradients `ids` (from `scratch`, then freed) into the 16-bit sums.
+    pub fn absorb(&mut self, ids: &[usize], scratch: &mut ParamStore) {
+        for &i in ids {
+            let g = std::mem::take(&mut scratch.tensors[i]);
+            T::add_all(&mut self.grads[i], &g);
+        }
+    }
+}
+
 /// The 16-bit and f32 storage of one device's shard.
 pub struct HalfParts<T: Half16> {
     /// Tensor lengths (elements).
@@ -184,6 +211,22 @@ impl<T: Half16> HalfParts<T> {
     }
     fn sharded_master(&self) -> bool {
         self.stage >= 1 && self.dp > 1
+    }
+
+    /// A zeroed store for one update's gradients, laid out as the state's (asynchronous schedules:
+    /// ZeRO 0–1, so whole tensors).
+    pub fn zeroed_grads(&self) -> HalfGrads<T> {
+        let _g = memory::scope(Term::Gradients);
+        HalfGrads {
+            grads: self.lens.iter().map(|&n| vec![T::default(); n]).collect(),
+            main: Vec::new(),
+        }
+    }
+
+    /// Exchanges the state's gradients (the 16-bit sums and the main gradients) with `other`.
+    pub fn swap_grads(&mut self, other: &mut HalfGrads<T>) {
+        std::mem::swap(&mut self.grads, &mut other.grads);
+        std::mem::swap(&mut self.main, &mut other.main);
     }
 
     /// Gradients zeroed for a new step.
@@ -325,6 +368,9 @@ impl<T: Half16> HalfParts<T> {
     /// rank's pieces rounded, then all-gathered in 16 bits).
     pub fn refresh_weights<C: Comm>(&mut self, c: &mut C, group: &Group) -> Result<(), CommError> {
         self.main = Vec::new();
+        // A compute copy still shared (an asynchronous schedule's stashed version) is copied here
+        // before it is written: the new version is weights.
+        let _w = memory::scope(Term::Weights);
         if !self.sharded_master() || self.sharded_weights() {
             for (w, m) in self.weights.iter_mut().zip(&self.master) {
                 T::round_into(m, Arc::make_mut(w).as_mut_slice());
@@ -333,9 +379,9 @@ impl<T: Half16> HalfParts<T> {
         }
         // One tensor at a time (as the reduction): the gathered whole of every tensor at once would
         // be a second copy of the weights.
-        let _buffers = memory::scope(Term::CommBuffers);
         for (w, m) in self.weights.iter_mut().zip(&self.master) {
             let w = Arc::make_mut(w);
+            let _buffers = memory::scope(Term::CommBuffers);
             let len = w.len();
             let mine: Vec<T> = round(m);
             let mut all = vec![T::default(); mine.len() * self.dp];

@@ -11,7 +11,7 @@
 //! global norm is sent to every device. At the update those messages are received — clipping uses
 //! the global norm of the (delayed) gradients across every stage — and the optimizer steps.
 
-use super::data::ZeroState;
+use super::data::{UpdateGrads, ZeroState};
 use super::mesh::{Device, MeshStep};
 use super::pipeline::{clocks, Pass, StageOutcome, StageRun};
 use super::tensor::{finish_grads, TpGroup};
@@ -106,8 +106,15 @@ impl Versions {
             .retain(|v, _| last_use.get(v).is_some_and(|&i| i > at));
     }
 
+    /// The stashed versions' bytes: f32 tensors, and (mixed precision) the 16-bit compute copies
+    /// they keep alive.
     fn stashed_bytes(&self) -> usize {
-        self.stash.values().map(|p| 4 * p.numel()).sum()
+        let bytes = |p: &ParamStore| {
+            let f32s: usize = p.tensors.iter().map(|t| 4 * t.len()).sum();
+            let bf16s: usize = p.bf16.iter().flatten().map(|t| 2 * t.len()).sum();
+            f32s + bf16s
+        };
+        self.stash.values().map(bytes).sum()
     }
 }
 
@@ -121,11 +128,10 @@ impl SegmentRun<'_> {
     ) -> Result<SegmentOutcome> {
         let run = &self.run;
         let sched = run.schedule;
-        let (list, versions) = (&sched.actions[run.stage], &sched.versions[run.stage]);
+        let list = &sched.actions[run.stage];
         let be = CpuBackend::with_threads(run.threads.max(1))
             .bf16(run.wire.0 == Some(crate::transformer::Half::Bf16));
         let updates = sched.micro_batches.div_ceil(sched.micro_batches_per_update);
-        let steps = sched.micro_batches / self.micro_per_step;
         let mut left: Vec<usize> = vec![0; updates];
         for a in list {
             if let Action::Backward { mb, .. } = a {
@@ -134,13 +140,32 @@ impl SegmentRun<'_> {
         }
         // The state's own whole-gradient store goes unused (each update accumulates in a store of
         // its own, swapped in for its reductions and its step): freed.
-        let specs = dev.zero.specs();
-        let mut own = ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]);
-        dev.zero.swap_grads(&mut own);
+        let mut own = dev.zero.no_update_grads();
+        dev.zero.swap_update_grads(&mut own);
         drop(own);
+        dev.zero.begin_versions(&mut **tpg.comm())?;
+        let result = self.run_list(tpg, dev, chunks, &be, &mut left);
+        dev.zero.end_versions();
+        result
+    }
+
+    /// [`SegmentRun::execute`]'s list, between the views of its first and its last version.
+    fn run_list<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        dev: &mut Device,
+        chunks: &[Transformer],
+        be: &CpuBackend,
+        left: &mut [usize],
+    ) -> Result<SegmentOutcome> {
+        let run = &self.run;
+        let sched = run.schedule;
+        let (list, versions) = (&sched.actions[run.stage], &sched.versions[run.stage]);
+        let updates = left.len();
+        let steps = sched.micro_batches / self.micro_per_step;
         let mut vers = Versions::of(list, versions);
-        let mut open: HashMap<usize, ParamStore> = HashMap::new();
-        let mut closed: HashMap<usize, (ParamStore, f64)> = HashMap::new();
+        let mut open: HashMap<usize, UpdateGrads> = HashMap::new();
+        let mut closed: HashMap<usize, (UpdateGrads, f64)> = HashMap::new();
         let mut out = SegmentOutcome {
             outcome: StageOutcome::default(),
             step_loss: vec![0.0; steps],
@@ -155,17 +180,14 @@ impl SegmentRun<'_> {
             match action {
                 Action::Forward { mb, .. } => {
                     let mut res = Resident::new(vers.params(&dev.zero, v)?);
-                    run.forward(tpg, &mut res, &be, &chunks[0], &mut pass, (mb, 0))?;
+                    run.forward(tpg, &mut res, be, &chunks[0], &mut pass, (mb, 0))?;
                 }
                 Action::Backward { mb, .. } => {
                     let u = sched.update_of(mb);
-                    let grads = open.entry(u).or_insert_with(|| {
-                        let _grads = memory::scope(Term::Gradients);
-                        ParamStore::zeros(dev.zero.specs())
-                    });
+                    let grads = open.entry(u).or_insert_with(|| dev.zero.update_grads());
                     let before = pass.out.loss;
-                    let mut res = Resident::with_grads(vers.params(&dev.zero, v)?, grads);
-                    run.backward(tpg, &mut res, &be, &chunks[0], &mut pass, (mb, 0), false)?;
+                    let mut res = dev.zero.accumulating(vers.params(&dev.zero, v)?, grads);
+                    run.backward(tpg, &mut res, be, &chunks[0], &mut pass, (mb, 0), false)?;
                     out.step_loss[mb / self.micro_per_step] += pass.out.loss - before;
                     left[u] -= 1;
                     if left[u] == 0 {
@@ -214,14 +236,14 @@ impl SegmentRun<'_> {
         tpg: &TpGroup<'_, C>,
         dev: &mut Device,
         u: usize,
-        mut g: ParamStore,
-    ) -> Result<(ParamStore, f64)> {
+        mut g: UpdateGrads,
+    ) -> Result<(UpdateGrads, f64)> {
         let run = &self.run;
         let (s, p) = (run.stage, run.stages);
         let mut c = tpg.comm();
         let c = &mut **c;
         let specs = dev.zero.specs();
-        dev.zero.swap_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         let reduced = (|| -> Result<f64> {
             dev.zero.reduce_all(c)?;
             let shard = dev.shard;
@@ -254,7 +276,7 @@ impl SegmentRun<'_> {
             }
             Ok(partial[0])
         })();
-        dev.zero.swap_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         Ok((g, reduced?))
     }
 
@@ -265,7 +287,7 @@ impl SegmentRun<'_> {
         tpg: &TpGroup<'_, C>,
         dev: &mut Device,
         u: usize,
-        mut g: ParamStore,
+        mut g: UpdateGrads,
         partial: f64,
     ) -> Result<f64> {
         let run = &self.run;
@@ -273,7 +295,7 @@ impl SegmentRun<'_> {
         let mut c = tpg.comm();
         let c = &mut **c;
         let specs = dev.zero.specs();
-        dev.zero.swap_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         let result = (|| -> Result<f64> {
             if self.tied && p > 1 && s == p - 1 {
                 let id = specs
@@ -303,10 +325,10 @@ impl SegmentRun<'_> {
                     });
                 }
             }
-            dev.zero.update(c, (self.lr_of)(u))?;
+            dev.zero.update_version(c, (self.lr_of)(u))?;
             Ok(norm)
         })();
-        dev.zero.swap_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         result
     }
 }

@@ -4,7 +4,7 @@ use crate::error::{EngineError, Result};
 use crate::kernels::Backend;
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::{pipeline_steps_of, MeshStep, PipelineRun, Training};
-use crate::transformer::{ParamStore, TokenBatch, Trained, Transformer};
+use crate::transformer::{Half, ParamStore, TokenBatch, Trained, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::schedule::StagePartition;
@@ -128,7 +128,8 @@ pub fn layout_step_on<C: Comm>(
 
 /// The parameters after `batches.len()` optimizer steps of `params` under `layout` on the threads
 /// backend (one batch per step; the pipeline drained after each step `drain_after` names, for an
-/// asynchronous schedule), gathered whole.
+/// asynchronous schedule), gathered whole; `storage` is the 16-bit format under mixed precision
+/// (the master weights are returned).
 #[allow(clippy::too_many_arguments)]
 pub fn train_steps(
     cfg: &ModelConfig,
@@ -139,6 +140,7 @@ pub fn train_steps(
     lr: &LrSchedule,
     clip: f64,
     drain_after: &(dyn Fn(usize) -> bool + Sync),
+    storage: Option<Half>,
 ) -> Result<ParamStore> {
     let partition = StagePartition::for_layout(cfg, layout)?;
     let first = batches
@@ -150,7 +152,8 @@ pub fn train_steps(
         .run(|c| {
             let mut step = MeshStep::new(cfg, params, first, layout, &partition)?
                 .with_account_base(accounts.base)
-                .with_drain_after(drain_after);
+                .with_drain_after(drain_after)
+                .with_precision(storage, None);
             let mut dev = step.train_device(
                 c,
                 &Training {

@@ -50,6 +50,21 @@ impl ParamStore {
         }
     }
 
+    /// The store as bf16 compute reads it (a reference's compute copy): matrices rounded to bf16 and
+    /// shared with the GEMM as they are, norm weights and biases rounded and widened back.
+    pub fn bf16_compute_copy(&self) -> Self {
+        use crate::kernels::bf16_convert::{rounded, widened};
+        let mut out = Self::from_tensors(self.specs.clone(), vec![Vec::new(); self.specs.len()]);
+        for (i, t) in self.tensors.iter().enumerate() {
+            if self.specs[i].shape.len() == 2 {
+                out.bf16[i] = Some(Arc::new(rounded(t)));
+            } else {
+                out.tensors[i] = widened(&rounded(t));
+            }
+        }
+        out
+    }
+
     pub fn zeros_like(&self) -> Self {
         Self::zeros(self.specs.clone())
     }

@@ -234,13 +234,16 @@ fn verify_async(
         total_steps: steps,
     };
     let never = |_: usize| false;
-    let got = train_steps(cfg, params, layout, &batches, adam, &lr, a.clip, &never)?;
+    let got = train_steps(
+        cfg, params, layout, &batches, adam, &lr, a.clip, &never, None,
+    )?;
     let reference = DelayedReference {
         cfg,
         layout,
         adam,
         lr: &lr,
         clip: a.clip,
+        precision: None,
     };
     let want = reference.train(params, steps, &|k| batches[k].clone(), &never)?;
     let (mut worst_name, mut worst) = (String::new(), 0f64);

@@ -89,6 +89,9 @@ pub struct ZeroState {
     /// Mixed precision: 16-bit weights and gradients, f32 master weights (then `params` is only the
     /// executor's per-unit f32 view and `grads` its per-unit f32 scratch).
     half: Option<HalfStore>,
+    /// Mixed precision under an asynchronous schedule: `params` holds the whole view of the current
+    /// weight version (rebuilt after each update), which forwards read and stashes keep.
+    version_view: bool,
     /// The device has the process's cores to itself: its optimizer step uses them.
     threaded_update: bool,
     /// ZeRO-3: gather the pass's next unit while this one computes (on unless a benchmark compares).
@@ -117,12 +120,14 @@ macro_rules! with_half {
     };
 }
 
+mod asynchronous;
 mod gather;
 mod reduce;
 mod residency;
 mod update;
 mod whole;
 
+pub use asynchronous::{UpdateGrads, VersionResidency};
 pub use residency::ZeroResidency;
 
 /// Which tensors each unit of `cfg` reaches (a unit is what the executor asks for at once), and
@@ -264,6 +269,7 @@ impl ZeroState {
             in_flight: None,
             opt,
             half,
+            version_view: false,
             threaded_update: false,
             prefetch_enabled: true,
             pass: Default::default(),
@@ -360,22 +366,5 @@ impl ZeroState {
     /// Whether the gradient view holds pieces (a share of each tensor) rather than whole tensors.
     pub fn grads_sharded(&self) -> bool {
         self.sharded()
-    }
-
-    /// Asynchronous schedules (ZeRO 0–1, f32): the whole parameters, which a forward of the newest
-    /// version reads and a stashed version copies.
-    pub fn current_params(&self) -> &ParamStore {
-        assert!(
-            self.half.is_none() && !(self.stage == 3 && self.dp > 1),
-            "whole f32 parameters exist under ZeRO 0–2 in f32 only"
-        );
-        &self.params
-    }
-
-    /// Asynchronous schedules: exchanges the whole-gradient store with `other`, so that an
-    /// update's gradients, accumulated outside, are reduced and applied by this state.
-    pub fn swap_grads(&mut self, other: &mut ParamStore) {
-        assert!(self.stage < 2 && self.half.is_none(), "whole f32 gradients");
-        std::mem::swap(&mut self.grads, other);
     }
 }

@@ -210,18 +210,6 @@ impl ZeroState {
         Ok(())
     }
 
-    /// Asynchronous schedules (ZeRO 0–1): reduces every whole gradient over the replicas at once
-    /// (an all-reduce, or ZeRO-1's reduce-scatter into the owned pieces).
-    pub fn reduce_all<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
-        if self.dp == 1 {
-            return Ok(());
-        }
-        self.reduced.fill(false);
-        let all: Vec<usize> = (0..self.reduced.len()).collect();
-        self.start_bucket(c, all)?;
-        self.finish_in_flight(c)
-    }
-
     /// Ends the step's gradient reduction over dp: every gradient not yet reduced is, and the bucket in
     /// flight completes. Afterwards [`ZeroState::grad_view`] holds the reduced gradients this rank owns.
     pub fn reduce_grads<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {

@@ -12,7 +12,7 @@ use crate::parallel::half::Wire;
 use crate::parallel::pipedream::SegmentRun;
 use crate::parallel::pipeline::StageRun;
 use crate::parallel::tensor::TpGroup;
-use crate::transformer::TokenBatch;
+use crate::transformer::{Half, TokenBatch};
 use ferrotron_core::layout::Schedule;
 use ferrotron_core::schedule::build_async;
 
@@ -22,13 +22,15 @@ impl MeshStep<'_> {
         let name = self.layout.schedule.name();
         let refuse = |what: String| {
             Err(EngineError::Invalid(format!(
-                "schedule={name}: {what} (the asynchronous schedules run f32, ZeRO 0–1, one chunk \
-                 per stage)"
+                "schedule={name}: {what} (the asynchronous schedules run f32 or bf16, ZeRO 0–1, \
+                 one chunk per stage)"
             )))
         };
-        if self.storage.is_some() {
+        if self.storage == Some(Half::F16) {
             return refuse(
-                "mixed precision keeps 16-bit weights whose versions are not stashed".into(),
+                "fp16's loss scaling skips the steps whose gradients overflow, and an asynchronous \
+                 pipeline applies every update it has begun (use bf16)"
+                    .into(),
             );
         }
         if self.layout.zero > 1 {
