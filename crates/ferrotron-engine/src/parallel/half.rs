@@ -117,10 +117,15 @@ impl<T> HalfGrads<T> {
 impl<T: Half16> HalfGrads<T> {
     /// Adds a unit's f32 gradients `ids` (from `scratch`, then freed) into the 16-bit sums.
     pub fn absorb(&mut self, ids: &[usize], scratch: &mut ParamStore) {
-        for &i in ids {
-            let g = std::mem::take(&mut scratch.tensors[i]);
-            T::add_all(&mut self.grads[i], &g);
-        }
+        add_whole(&mut self.grads, ids, scratch);
+    }
+}
+
+/// Adds the f32 gradients `ids` of `scratch` (then freed) into whole 16-bit sums.
+fn add_whole<T: Half16>(sums: &mut [Vec<T>], ids: &[usize], scratch: &mut ParamStore) {
+    for &i in ids {
+        let g = std::mem::take(&mut scratch.tensors[i]);
+        T::add_all(&mut sums[i], &g);
     }
 }
 
@@ -297,10 +302,7 @@ impl<T: Half16> HalfParts<T> {
         scratch: &mut ParamStore,
     ) -> Result<(), CommError> {
         if !self.sharded_grads() {
-            for &i in ids {
-                let g = std::mem::take(&mut scratch.tensors[i]);
-                T::add_all(&mut self.grads[i], &g);
-            }
+            add_whole(&mut self.grads, ids, scratch);
             return Ok(());
         }
         let _buffers = memory::scope(Term::CommBuffers);

@@ -130,10 +130,10 @@ impl ZeroState {
         params: &'a ParamStore,
         grads: &'a mut UpdateGrads,
     ) -> VersionResidency<'a> {
-        let scratch = ParamStore::from_tensors(
-            self.params.specs.clone(),
-            vec![Vec::new(); self.params.specs.len()],
-        );
+        // A 16-bit store's unit gradients form in f32 first; an f32 store takes them directly.
+        let specs = &self.params.specs;
+        let scratch = (!matches!(grads.0, Store::F32(_)))
+            .then(|| ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]));
         VersionResidency {
             state: self,
             params,
@@ -150,7 +150,8 @@ pub struct VersionResidency<'a> {
     state: &'a ZeroState,
     params: &'a ParamStore,
     grads: &'a mut UpdateGrads,
-    scratch: ParamStore,
+    /// Under a 16-bit store: the unit's f32 gradients while its backward runs.
+    scratch: Option<ParamStore>,
 }
 
 impl VersionResidency<'_> {
@@ -161,12 +162,7 @@ impl VersionResidency<'_> {
         sums: &mut HalfGrads<T>,
         f: &mut dyn FnMut(&ParamStore, &mut ParamStore),
     ) {
-        {
-            let _grads = memory::scope(Term::Gradients);
-            for &i in ids {
-                scratch.tensors[i] = vec![0f32; scratch.specs[i].numel()];
-            }
-        }
+        super::reduce::open_scratch(scratch, ids);
         f(params, scratch);
         sums.absorb(ids, scratch);
     }
@@ -178,12 +174,19 @@ impl Residency for VersionResidency<'_> {
     }
 
     fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
+        let params = self.params;
+        if let Store::F32(g) = &mut self.grads.0 {
+            return f(params, g);
+        }
         let ids = self.state.unit_ids(unit);
-        let (params, scratch) = (self.params, &mut self.scratch);
+        let scratch = self
+            .scratch
+            .as_mut()
+            .expect("a 16-bit store has its scratch");
         match &mut self.grads.0 {
-            Store::F32(g) => f(params, g),
             Store::Bf16(sums) => Self::accumulate(&ids, scratch, params, sums, f),
             Store::F16(sums) => Self::accumulate(&ids, scratch, params, sums, f),
+            Store::F32(_) => unreachable!("taken above"),
         }
     }
 }

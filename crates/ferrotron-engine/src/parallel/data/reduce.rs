@@ -74,11 +74,7 @@ impl ZeroState {
 
     /// Mixed precision: zeroed f32 gradients for `ids`, for the executor to accumulate into.
     pub(super) fn open_scratch(&mut self, ids: &[usize]) {
-        let _grads = memory::scope(Term::Gradients);
-        let g = &mut self.grads;
-        for &i in ids {
-            g.tensors[i] = vec![0f32; g.specs[i].numel()];
-        }
+        open_scratch(&mut self.grads, ids);
     }
 
     /// Mixed precision: rounds the f32 gradients of `ids` into the 16-bit storage (and frees them).
@@ -230,5 +226,14 @@ impl ZeroState {
             self.start_bucket(c, rest)?;
         }
         self.finish_in_flight(c)
+    }
+}
+
+/// Mixed precision: zeroed f32 gradients for `ids` in `scratch` (the executor accumulates a unit's
+/// there before they are added into the 16-bit sums).
+pub(super) fn open_scratch(scratch: &mut ParamStore, ids: &[usize]) {
+    let _grads = memory::scope(Term::Gradients);
+    for &i in ids {
+        scratch.tensors[i] = vec![0f32; scratch.specs[i].numel()];
     }
 }
