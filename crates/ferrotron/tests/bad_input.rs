@@ -242,6 +242,17 @@ fn a_run_directory_holds_one_run() {
     assert_eq!(lines.lines().count(), 2);
     assert!(!a.join("checkpoints/step-000003").exists());
     assert!(a.join("checkpoints/step-000002").exists());
+    // A run stopped before its first checkpoint has nothing to resume: the refusal says so.
+    std::fs::remove_dir_all(a.join("checkpoints")).unwrap();
+    let o = run(&a, "2", &[]);
+    let err = stderr(&o);
+    assert!(
+        !o.status.success()
+            && err.contains("wrote no checkpoint to continue from")
+            && err.contains("--overwrite")
+            && !err.contains("--resume"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -142,7 +142,13 @@ fn killing_the_trainer_at_random_moments_never_loses_a_checkpoint() {
         if latest == Some(steps) {
             break;
         }
-        let mut child = train_cmd(&out, &corpus, steps, latest.is_some())
+        let mut cmd = train_cmd(&out, &corpus, steps, latest.is_some());
+        if latest.is_none() {
+            // Killed before its first checkpoint (a loaded machine is slow to start): nothing to
+            // continue, so the run is started again as its refusal says.
+            cmd.arg("--overwrite");
+        }
+        let mut child = cmd
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -160,7 +166,11 @@ fn killing_the_trainer_at_random_moments_never_loses_a_checkpoint() {
     assert!(kills > 0, "the trainer was killed at least once");
     if check_invariants(&root) != Some(steps) {
         let resume = check_invariants(&root).is_some();
-        let o = train_cmd(&out, &corpus, steps, resume).output().unwrap();
+        let mut cmd = train_cmd(&out, &corpus, steps, resume);
+        if !resume {
+            cmd.arg("--overwrite");
+        }
+        let o = cmd.output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
     assert_eq!(check_invariants(&root), Some(steps));

@@ -47,12 +47,18 @@ pub(super) fn claim(cfg: &TrainConfig) -> Result<()> {
                 )))
             }
         }
-        None => Err(EngineError::Invalid(format!(
-            "{} already holds a run{}; continue it with --resume {}, replace it with --overwrite, or give a new --out-dir",
-            describe(out, &checkpoints, holds_run),
-            last_step(&checkpoints).map_or(String::new(), |s| format!(" (last checkpoint: {s})")),
-            checkpoints.display()
-        ))),
+        None => Err(EngineError::Invalid(match last_step(&checkpoints) {
+            Some(step) => format!(
+                "{} already holds a run (last checkpoint: {step}); continue it with --resume {}, replace it with --overwrite, or give a new --out-dir",
+                describe(out, &checkpoints, holds_run),
+                checkpoints.display()
+            ),
+            // Stopped before its first checkpoint: there is nothing to continue from.
+            None => format!(
+                "{} already holds a run that wrote no checkpoint to continue from; replace it with --overwrite, or give a new --out-dir",
+                describe(out, &checkpoints, holds_run)
+            ),
+        })),
     }
 }
 
