@@ -414,6 +414,9 @@ pub(super) trait Tiles {
     /// Rows of `a` and columns of `b` packed at a time (multiples of `MR`, `NR`).
     const MC: usize;
     const NC: usize;
+    /// Whether the micro-kernels of one panel of `a` run one after the other (over every panel of
+    /// `b` in the block) rather than those of one panel of `b`.
+    const A_PANEL_OUTER: bool = false;
     /// The k-pairs of one block, out of `kpairs` (equal blocks), and a block's depth as packed.
     fn block_pairs(kpairs: usize) -> usize;
     fn padded(kp: usize) -> usize {
@@ -536,22 +539,26 @@ unsafe fn serial<P: Tiles>(
                     for ir in (0..mc).step_by(mr) {
                         P::pack_a(a, ic + ir, m, 2 * pc, k, kp, pa);
                     }
-                    for (jn, jr) in (0..nc).step_by(nr).enumerate() {
+                    let (panels_a, panels_b) = (mc.div_ceil(mr), nc.div_ceil(nr));
+                    for block in 0..panels_a * panels_b {
+                        let (im, jn) = if P::A_PANEL_OUTER {
+                            (block / panels_b, block % panels_b)
+                        } else {
+                            (block % panels_a, block / panels_a)
+                        };
                         let bp = pb.as_ptr().add(ob + jn * kp * nr);
-                        for (im, ir) in (0..mc).step_by(mr).enumerate() {
-                            let ap = pa.as_ptr().add(oa + im * kp * mr);
-                            let (i, j) = (ic + ir, jc + jr);
-                            let dst = c.add(i * c_rs + j);
-                            if i + mr <= m && j + nr <= n {
-                                P::micro(kp, ap, bp, dst, c_rs, add);
-                            } else {
-                                P::micro(kp, ap, bp, tile.0.as_mut_ptr(), nr, false);
-                                for r in 0..mr.min(m - i) {
-                                    for q in 0..nr.min(n - j) {
-                                        let d = dst.add(r * c_rs + q);
-                                        let v = tile.0[r * nr + q];
-                                        *d = if add { *d + v } else { v };
-                                    }
+                        let ap = pa.as_ptr().add(oa + im * kp * mr);
+                        let (i, j) = (ic + im * mr, jc + jn * nr);
+                        let dst = c.add(i * c_rs + j);
+                        if i + mr <= m && j + nr <= n {
+                            P::micro(kp, ap, bp, dst, c_rs, add);
+                        } else {
+                            P::micro(kp, ap, bp, tile.0.as_mut_ptr(), nr, false);
+                            for r in 0..mr.min(m - i) {
+                                for q in 0..nr.min(n - j) {
+                                    let d = dst.add(r * c_rs + q);
+                                    let v = tile.0[r * nr + q];
+                                    *d = if add { *d + v } else { v };
                                 }
                             }
                         }

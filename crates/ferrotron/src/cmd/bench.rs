@@ -401,11 +401,6 @@ fn engine_step_times(
     Ok(results.remove(0)??)
 }
 
-/// Median seconds of `reps` runs of `f`.
-pub(crate) fn time_it(reps: usize, f: impl FnMut()) -> f64 {
-    time_on(Clock::Wall, reps, f)
-}
-
 /// What a measurement is timed by: elapsed time, or the calling thread's CPU time (the clock device
 /// time runs on, which a virtual machine's stolen time does not move).
 #[derive(Clone, Copy)]
@@ -425,10 +420,21 @@ impl Clock {
 }
 
 /// The median of `reps` runs of `f` (after one to warm up) on `clock`.
-pub(crate) fn time_on(clock: Clock, reps: usize, mut f: impl FnMut()) -> f64 {
+pub(crate) fn time_on(clock: Clock, reps: usize, f: impl FnMut()) -> f64 {
+    let t = sorted_times(clock, reps, f);
+    t[t.len() / 2]
+}
+
+/// The fastest of `reps` timed calls of `f` (after one warm-up): what the code can do when nothing
+/// else on a shared machine slows it, the measure to hold against a peak measured the same way.
+fn best_time(reps: usize, f: impl FnMut()) -> f64 {
+    sorted_times(Clock::Wall, reps, f)[0]
+}
+
+fn sorted_times(clock: Clock, reps: usize, mut f: impl FnMut()) -> Vec<f64> {
     f();
     let epoch = Instant::now();
-    let mut t: Vec<f64> = (0..reps)
+    let mut t: Vec<f64> = (0..reps.max(1))
         .map(|_| {
             let t0 = clock.now(epoch);
             f();
@@ -436,7 +442,20 @@ pub(crate) fn time_on(clock: Clock, reps: usize, mut f: impl FnMut()) -> f64 {
         })
         .collect();
     t.sort_by(|a, b| a.total_cmp(b));
-    t[t.len() / 2]
+    t
+}
+
+/// Timings of each kernel in `bench kernels`, and measurements of each peak: the best of them is
+/// reported, since a shared virtual machine only ever slows a run (its AMX rate here swings 2×
+/// within seconds), so that kernel and peak are compared at the machine's best.
+const KERNEL_REPS: usize = 9;
+const PEAK_REPS: usize = 3;
+
+/// The highest of [`PEAK_REPS`] measurements of a peak (GFLOP/s and what it ran on).
+fn best_peak<T>(mut measure: impl FnMut() -> Option<(f64, T)>) -> Option<(f64, T)> {
+    (0..PEAK_REPS)
+        .filter_map(|_| measure())
+        .max_by(|a, b| a.0.total_cmp(&b.0))
 }
 
 fn kernels(b: KernelBench) -> Result<()> {
@@ -456,10 +475,10 @@ fn kernels(b: KernelBench) -> Result<()> {
     let mut rand_vec =
         |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
     println!(
-        "ferrotron bench kernels: {} shapes, {rows} rows, threads {}",
+        "ferrotron bench kernels: {} shapes, {rows} rows, threads {}; each kernel the best of {KERNEL_REPS} timings, each peak the best of {PEAK_REPS}",
         b.model, be.threads
     );
-    let f32_peak = match fma_peak_gflops(be.threads) {
+    let f32_peak = match best_peak(|| fma_peak_gflops(be.threads)) {
         Some((gflops, isa)) => {
             println!(
                 "f32 FMA peak of {} threads: {gflops:.1} GFLOP/s ({isa}, independent FMA chains)",
@@ -474,18 +493,23 @@ fn kernels(b: KernelBench) -> Result<()> {
     };
     let peak = if bf16 {
         use bf16_gemm::Path;
+        let best = bf16_gemm::best_path();
+        let mut best_peak_gflops = None;
         for path in [Path::Amx, Path::Avx512Bf16] {
-            if let Some(gf) = bf16_peak_gflops(path, be.threads) {
+            let measured = best_peak(|| bf16_peak_gflops(path, be.threads).map(|g| (g, ())));
+            if let Some((gf, ())) = measured {
                 println!(
                     "bf16 peak of {} threads on {}: {gf:.1} GFLOP/s (independent chains, no loads)",
                     be.threads,
                     path.name()
                 );
+                if path == best {
+                    best_peak_gflops = Some(gf);
+                }
             }
         }
-        let best = bf16_gemm::best_path();
         println!("bf16 products run on: {}", best.name());
-        bf16_peak_gflops(best, be.threads).or(f32_peak)
+        best_peak_gflops.or(f32_peak)
     } else {
         f32_peak
     };
@@ -500,6 +524,8 @@ fn kernels(b: KernelBench) -> Result<()> {
         ("linear gate/up", h, f),
         ("linear down", f, h),
         ("linear lm_head", h, v),
+        // Not a layer of the preset: the large square product the bf16 peak target is stated for.
+        ("large gemm", 2048, 2048),
     ] {
         let s = LinearShape {
             rows,
@@ -524,21 +550,25 @@ fn kernels(b: KernelBench) -> Result<()> {
         } else {
             Matrix::F32(&w)
         };
-        let t = time_it(5, || be.linear_forward(s, &x, wm, None, &mut y));
+        let t = best_time(KERNEL_REPS, || be.linear_forward(s, &x, wm, None, &mut y));
         println!(
             "| {name} fwd | {rows}x{i} -> {o} | {:.2} | {:.1} | {} |",
             t * 1e3,
             gf / t,
             of_peak(gf / t)
         );
-        let t = time_it(5, || be.linear_backward_input(s, &dy, wm, &mut dx, false));
+        let t = best_time(KERNEL_REPS, || {
+            be.linear_backward_input(s, &dy, wm, &mut dx, false)
+        });
         println!(
             "| {name} bwd input | | {:.2} | {:.1} | {} |",
             t * 1e3,
             gf / t,
             of_peak(gf / t)
         );
-        let t = time_it(5, || be.linear_backward_weight(s, &dy, &x, &mut dw, None));
+        let t = best_time(KERNEL_REPS, || {
+            be.linear_backward_weight(s, &dy, &x, &mut dw, None)
+        });
         println!(
             "| {name} bwd weight | | {:.2} | {:.1} | {} |",
             t * 1e3,
@@ -567,7 +597,7 @@ fn kernels(b: KernelBench) -> Result<()> {
     );
     // Causal: half of the full QK^T and PV work.
     let gf = 2.0 * 2.0 * (b.batch * a.heads * b.seq * b.seq * a.head_dim) as f64 / 2.0 / 1e9;
-    let t = time_it(5, || {
+    let t = best_time(KERNEL_REPS, || {
         be.attention_forward(a, &q, &k, &vv, &mut out, &mut probs)
     });
     println!(
@@ -578,7 +608,7 @@ fn kernels(b: KernelBench) -> Result<()> {
         t * 1e3,
         gf / t
     );
-    let t = time_it(5, || {
+    let t = best_time(KERNEL_REPS, || {
         be.attention_backward(a, &dout, &q, &k, &vv, &probs, &mut dq, &mut dk, &mut dv)
     });
     println!(
@@ -593,9 +623,11 @@ fn kernels(b: KernelBench) -> Result<()> {
         vec![0f32; rows * h],
         vec![0f32; h],
     );
-    let t = time_it(5, || be.rmsnorm_forward(&x, &w, 1e-5, &mut y, &mut rstd));
+    let t = best_time(KERNEL_REPS, || {
+        be.rmsnorm_forward(&x, &w, 1e-5, &mut y, &mut rstd)
+    });
     println!("| rmsnorm fwd | {rows}x{h} | {:.2} | | |", t * 1e3);
-    let t = time_it(5, || {
+    let t = best_time(KERNEL_REPS, || {
         be.rmsnorm_backward_input(&y, &x, &w, &rstd, &mut dx, false);
         be.rmsnorm_backward_weight(&y, &x, &rstd, &mut dw)
     });
@@ -606,15 +638,17 @@ fn kernels(b: KernelBench) -> Result<()> {
         vec![0f32; rows * f],
         vec![0f32; rows * f],
     );
-    let t = time_it(5, || be.swiglu_forward(&g, &u, &mut o));
+    let t = best_time(KERNEL_REPS, || be.swiglu_forward(&g, &u, &mut o));
     println!("| swiglu fwd | {rows}x{f} | {:.2} | | |", t * 1e3);
-    let t = time_it(5, || be.swiglu_backward(&o, &g, &u, &mut dg, &mut du));
+    let t = best_time(KERNEL_REPS, || {
+        be.swiglu_backward(&o, &g, &u, &mut dg, &mut du)
+    });
     println!("| swiglu bwd | {rows}x{f} | {:.2} | | |", t * 1e3);
     let logits = rand_vec(rows * v);
     let targets: Vec<Option<u32>> = (0..rows).map(|r| Some((r % v) as u32)).collect();
     let mut l = logits.clone();
-    let copy = time_it(5, || l.copy_from_slice(&logits));
-    let t = time_it(5, || {
+    let copy = best_time(KERNEL_REPS, || l.copy_from_slice(&logits));
+    let t = best_time(KERNEL_REPS, || {
         l.copy_from_slice(&logits);
         be.cross_entropy(&mut l, v, &targets, 1.0);
     });

@@ -3,8 +3,10 @@
 //! per 32 values of k, four `tdpbf16ps` between the loads.
 //!
 //! `b` is packed as the AVX512_BF16 path packs it, `[pair][32 columns]`: a tile of it is 16 rows
-//! 128 bytes apart. `a` is packed as rows of k-pairs, `[32 rows][pairs]`, which is the tile's own
-//! layout. Depths are padded to whole tiles with zero pairs, which add nothing.
+//! 128 bytes apart. `a` is packed tile by tile, `[kp / 16 steps][2 halves of 16 rows][16 rows][16 pairs]`: each
+//! tile is 1 KiB of consecutive lines, so a panel is read front to back (rows of k-pairs one panel
+//! depth apart put the 16 lines of a tile in a few L1 sets). Depths are padded to whole tiles with
+//! zero pairs, which add nothing.
 //!
 //! The tile registers are not known to the compiler, so nothing but this file touches them; each
 //! call configures them and releases them before it returns.
@@ -89,6 +91,9 @@ impl Tiles for Amx {
     const NR: usize = NR;
     const MC: usize = MC;
     const NC: usize = NC;
+    /// One A panel's blocks of `c` run along its rows: consecutive tile stores fill neighbouring
+    /// lines of the same rows (down a column of blocks, each lands 32 rows further on).
+    const A_PANEL_OUTER: bool = true;
     /// Blocks of equal depth, each a whole number of tiles.
     fn block_pairs(kpairs: usize) -> usize {
         let blocks = kpairs.div_ceil(KC_PAIRS);
@@ -124,8 +129,17 @@ impl Tiles for Amx {
 #[repr(C, align(64))]
 struct Tile([f32; MR * NR]);
 
-/// Appends `MR` rows of `a` from row `t0` as `[row][kp pairs]` (a tile's layout): pair `p` of row
-/// `t` holds `a(t0 + t, k0 + 2p)` (low half) and `a(t0 + t, k0 + 2p + 1)`; zero beyond `tn`, `kn`.
+/// Values of a tile: 16 rows × 16 pairs.
+const TILE: usize = 16 * TILE_PAIRS;
+
+/// Where pair `p` of row `t` of a panel `kp` pairs deep lies in the tile-by-tile layout.
+fn tile_index(t: usize, p: usize) -> usize {
+    (p / TILE_PAIRS) * 2 * TILE + (t / 16) * TILE + (t % 16) * TILE_PAIRS + p % TILE_PAIRS
+}
+
+/// Appends `MR` rows of `a` from row `t0`, tile by tile (see the module's doc): pair `p` of row `t`
+/// holds `a(t0 + t, k0 + 2p)` (low half) and `a(t0 + t, k0 + 2p + 1)`; zero beyond `tn`, `kn`.
+/// `kp` is a whole number of tiles.
 fn pack_rows(
     a: Operand,
     t0: usize,
@@ -138,7 +152,7 @@ fn pack_rows(
     let (rs, cs) = a.strides();
     let base = out.len();
     if cs == 1 {
-        // k contiguous: each row is the pair layout already, once rounded.
+        // k contiguous: each row's 16 pairs of a tile are 32 consecutive values, once rounded.
         out.resize(base + MR * kp, 0);
         let o = &mut out[base..];
         let tmax = tn.saturating_sub(t0).min(MR);
@@ -146,25 +160,28 @@ fn pack_rows(
         for t in 0..tmax {
             let start = (t0 + t) * rs + k0;
             // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
-            unsafe { round_pairs(a, start, kmax, &mut o[t * kp..(t + 1) * kp]) };
+            unsafe { round_pairs(a, start, kmax, &mut o[tile_index(t, 0)..]) };
         }
         return;
     }
-    // k strided: pack as the other panels (pair-major), then transpose into rows.
+    // k strided: pack as the other panels (pair-major), then place each pair in its tile.
     pack(a, rs, cs, t0, tn, k0, kn, kp, MR, out);
     let pair_major = out[base..].to_vec();
     let o = &mut out[base..];
-    for t in 0..MR {
-        for p in 0..kp {
-            o[t * kp + p] = pair_major[p * MR + t];
+    for p in 0..kp {
+        for t in 0..MR {
+            o[tile_index(t, p)] = pair_major[p * MR + t];
         }
     }
 }
 
-/// `kmax` values of a k-contiguous row from `start`, rounded, as pairs into `o` (zero past them).
+/// `kmax` values of a k-contiguous row from `start`, rounded, as pairs into one row of a panel's
+/// tiles from its first (`o` starts there; 16 pairs to a tile row, tiles of a row `2 · TILE` apart;
+/// zero past them).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn round_pairs(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
     use std::arch::x86_64::*;
+    let at = |kk: usize| (kk / 2 / TILE_PAIRS) * 2 * TILE + kk / 2 % TILE_PAIRS;
     let mut kk = 0;
     while kk + 32 <= kmax {
         let v = match x {
@@ -175,7 +192,8 @@ unsafe fn round_pairs(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
             }
             Operand::Bf16(s, ..) => _mm512_loadu_si512(s.as_ptr().add(start + kk).cast()),
         };
-        _mm512_storeu_si512(o.as_mut_ptr().add(kk / 2).cast(), v);
+        let row = &mut o[at(kk)..at(kk) + TILE_PAIRS];
+        _mm512_storeu_si512(row.as_mut_ptr().cast(), v);
         kk += 32;
     }
     while kk < kmax {
@@ -185,7 +203,7 @@ unsafe fn round_pairs(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
         } else {
             0
         };
-        o[kk / 2] = lo | hi << 16;
+        o[at(kk)] = lo | hi << 16;
         kk += 2;
     }
 }
@@ -193,7 +211,8 @@ unsafe fn round_pairs(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
 /// `c[32×32] (+)= a_panel · b_panel` over `kp` k-pairs (a multiple of 16).
 ///
 /// # Safety
-/// The tiles are configured as [`CONFIG`]; `a` holds `32 × kp` pairs, `b` `kp × 32`, `c` the block.
+/// The tiles are configured as [`CONFIG`]; `a` holds `32 × kp` pairs tile by tile, `b` `kp × 32`,
+/// `c` the block.
 unsafe fn micro_kernel(
     kp: usize,
     a: *const u32,
@@ -222,10 +241,10 @@ unsafe fn micro_kernel(
             options(nostack, nomem)
         );
     }
-    let a_rs = kp * 4;
+    let a_rs = TILE_PAIRS * 4;
     for step in 0..kp / TILE_PAIRS {
-        let a0 = a.add(step * TILE_PAIRS);
-        let a1 = a0.add(16 * kp);
+        let a0 = a.add(step * 2 * TILE);
+        let a1 = a0.add(TILE);
         let b0 = b.add(step * TILE_PAIRS * NR);
         let b1 = b0.add(16);
         asm!(
