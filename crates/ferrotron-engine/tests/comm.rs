@@ -110,8 +110,10 @@ fn busy(iters: u64) -> f64 {
     x
 }
 
-fn clocks(pin_to_one_core: bool) -> Vec<f64> {
-    ThreadWorld::new(8)
+/// Each device's clock after the exchange, and the wall time the exchange took.
+fn clocks(pin_to_one_core: bool) -> (Vec<f64>, f64) {
+    let start = std::time::Instant::now();
+    let clocks = ThreadWorld::new(8)
         .run(|c| {
             if pin_to_one_core {
                 // SAFETY: sets this thread's CPU mask to CPU 0.
@@ -133,7 +135,21 @@ fn clocks(pin_to_one_core: bool) -> Vec<f64> {
         })
         .into_iter()
         .map(|r| r.unwrap())
-        .collect()
+        .collect();
+    (clocks, start.elapsed().as_secs_f64())
+}
+
+/// The median time of `n` blocking runs and of `n` overlapped ones, run in turn, so that a VM whose
+/// speed drifts slows both alike.
+fn median_of_alternated_runs(n: usize, run: impl Fn(bool) -> f64) -> (f64, f64) {
+    let (serial, overlapped): (Vec<f64>, Vec<f64>) =
+        (0..n).map(|_| (run(false), run(true))).unzip();
+    (median(serial), median(overlapped))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 #[test]
@@ -177,12 +193,7 @@ fn compute_between_start_and_wait_hides_the_transfer() {
             .fold(0.0, f64::max)
     };
     // The median of three runs of each, against a margin of 0.2 s of the 0.335 s the overlap can save.
-    let median = |overlap: bool| {
-        let mut t = [run(overlap), run(overlap), run(overlap)];
-        t.sort_by(f64::total_cmp);
-        t[1]
-    };
-    let (serial, overlapped) = (median(false), median(true));
+    let (serial, overlapped) = median_of_alternated_runs(3, run);
     println!("device time: blocking {serial:.4} s, overlapped {overlapped:.4} s");
     assert!(
         overlapped < serial - 0.2,
@@ -229,7 +240,7 @@ fn a_started_all_gather_completes_during_compute_without_polling() {
             .map(|r| r.unwrap())
             .fold(0.0, f64::max)
     };
-    let (serial, overlapped) = (run(false), run(true));
+    let (serial, overlapped) = median_of_alternated_runs(3, run);
     println!("device time: blocking {serial:.4} s, started before compute {overlapped:.4} s");
     assert!(
         overlapped < serial - 0.07,
@@ -237,24 +248,40 @@ fn a_started_all_gather_completes_during_compute_without_polling() {
     );
 }
 
+/// A device's clock counts its thread's CPU time, never time spent waiting for a core: eight
+/// devices on one core keep the clocks they have on two, while the wall time doubles. Fixed work is
+/// not quite fixed CPU time, though: a core runs slower while its neighbour computes too (shared
+/// turbo budget, or two vCPUs on one physical core), which CI's 2-core VM measured at 5.8%. The
+/// bound sits between that and the 100% a wall clock would show.
 #[test]
 fn device_time_does_not_depend_on_oversubscription() {
     let _cores = alone();
     // Free and pinned runs alternate, so that each pair sees the VM in the same state, and each
-    // rank's relative difference is the median over five pairs (one run in several moves by more
-    // than the bound on a 2-core VM).
-    let pairs: Vec<(Vec<f64>, Vec<f64>)> = (0..5).map(|_| (clocks(false), clocks(true))).collect();
-    for r in 0..pairs[0].0.len() {
-        let mut diffs: Vec<f64> = pairs
+    // figure is the median over five pairs (one run in several moves by more than the bound).
+    let pairs: Vec<_> = (0..5).map(|_| (clocks(false), clocks(true))).collect();
+    let wall_ratio = median(
+        pairs
             .iter()
-            .map(|(free, pinned)| (free[r] - pinned[r]).abs() / free[r])
-            .collect();
-        diffs.sort_by(f64::total_cmp);
-        let (a, b) = (pairs[2].0[r], pairs[2].1[r]);
+            .map(|(free, pinned)| pinned.1 / free.1)
+            .collect(),
+    );
+    println!("wall time on one core / on two: {wall_ratio:.2}");
+    assert!(
+        wall_ratio > 1.5,
+        "pinning to one core did not slow the wall clock ({wall_ratio:.2}×): the test measured nothing"
+    );
+    for r in 0..pairs[0].0 .0.len() {
+        let diff = median(
+            pairs
+                .iter()
+                .map(|(free, pinned)| (free.0[r] - pinned.0[r]).abs() / free.0[r])
+                .collect(),
+        );
+        let (a, b) = (pairs[2].0 .0[r], pairs[2].1 .0[r]);
         assert!(
-            diffs[2] < 0.05,
+            diff < 0.15,
             "rank {r}: median difference {:.1}% (e.g. {a} s with free cores, {b} s on one core)",
-            100.0 * diffs[2]
+            100.0 * diff
         );
     }
 }
