@@ -194,16 +194,26 @@ fn a_run_directory_holds_one_run() {
         args.extend_from_slice(extra);
         ferrotron(&args)
     };
+    // The run fails, and its error names every one of `says` and none of `omits`.
+    let refused = |o: &std::process::Output, says: &[&str], omits: &[&str]| {
+        let err = stderr(o);
+        assert!(
+            !o.status.success()
+                && says.iter().all(|s| err.contains(s))
+                && !omits.iter().any(|s| err.contains(s)),
+            "{err}"
+        );
+    };
     let a = dir.join("a");
     assert!(run(&a, "2", &[]).status.success());
-    let again = run(&a, "2", &[]);
-    let err = stderr(&again);
-    assert!(
-        !again.status.success()
-            && err.contains("already holds a run (last checkpoint: step-000002)")
-            && err.contains("--resume")
-            && err.contains("--overwrite"),
-        "{err}"
+    refused(
+        &run(&a, "2", &[]),
+        &[
+            "already holds a run (last checkpoint: step-000002)",
+            "--resume",
+            "--overwrite",
+        ],
+        &[],
     );
     // Resuming its own checkpoints continues it, appending to its metrics.
     let ck = a.join("checkpoints");
@@ -219,18 +229,10 @@ fn a_run_directory_holds_one_run() {
         "4",
         &["--resume", b.join("checkpoints").to_str().unwrap()],
     );
-    assert!(
-        !o.status.success() && stderr(&o).contains("would mix the two"),
-        "{}",
-        stderr(&o)
-    );
+    refused(&o, &["would mix the two"], &[]);
     // --overwrite would delete the very checkpoint a --resume into the same directory needs.
     let o = run(&a, "4", &["--overwrite", "--resume", ck.to_str().unwrap()]);
-    assert!(
-        !o.status.success() && stderr(&o).contains("--overwrite would delete"),
-        "{}",
-        stderr(&o)
-    );
+    refused(&o, &["--overwrite would delete"], &[]);
     assert!(
         a.join("checkpoints/step-000003").exists(),
         "nothing was deleted"
@@ -244,14 +246,10 @@ fn a_run_directory_holds_one_run() {
     assert!(a.join("checkpoints/step-000002").exists());
     // A run stopped before its first checkpoint has nothing to resume: the refusal says so.
     std::fs::remove_dir_all(a.join("checkpoints")).unwrap();
-    let o = run(&a, "2", &[]);
-    let err = stderr(&o);
-    assert!(
-        !o.status.success()
-            && err.contains("wrote no checkpoint to continue from")
-            && err.contains("--overwrite")
-            && !err.contains("--resume"),
-        "{err}"
+    refused(
+        &run(&a, "2", &[]),
+        &["wrote no checkpoint to continue from", "--overwrite"],
+        &["--resume"],
     );
 }
 

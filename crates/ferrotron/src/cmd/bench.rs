@@ -525,16 +525,20 @@ fn kernels(b: KernelBench) -> Result<()> {
     let peak_now = || bf16_peak_gflops_of(path, be.threads, short);
     let no_peak = || None;
     let peak_now: &dyn Fn() -> Option<f64> = if bf16 { &peak_now } else { &no_peak };
-    let beside =
-        |fraction: Option<f64>| fraction.map_or(String::new(), |f| format!(" {:.0}% |", 100.0 * f));
-    let beside_head = if bf16 {
+    // The paired column, under bf16 only (empty where this CPU has no bf16 peak to pair with).
+    let beside = |fraction: Option<f64>| match (bf16, fraction) {
+        (false, _) => String::new(),
+        (true, Some(f)) => format!(" {:.0}% |", 100.0 * f),
+        (true, None) => " |".to_string(),
+    };
+    let (head, rule) = if bf16 {
         (" of the peak just before (median of pairs) |", "---|")
     } else {
         ("", "")
     };
     println!(
-        "| kernel | shape | ms | GFLOP/s | of {} peak |{}\n|---|---|---|---|---|{}",
-        b.precision, beside_head.0, beside_head.1
+        "| kernel | shape | ms | GFLOP/s | of {} peak |{head}\n|---|---|---|---|---|{rule}",
+        b.precision
     );
     for (name, i, o) in [
         ("linear q/o", h, h),
