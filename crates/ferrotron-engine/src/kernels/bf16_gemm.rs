@@ -11,8 +11,9 @@
 //! (Goto/BLIS): blocks of `b` packed into panels of `NR` columns and blocks of `a` into panels of
 //! `MR` rows, both as k-pairs (the two bf16 values one lane multiplies), and an `MR × NR`
 //! micro-kernel that keeps its 28 accumulators in registers while it runs down k. The AMX path packs
-//! `b` the same way (a k-pair panel row is a tile row) and `a` as rows of k-pairs (a tile's rows),
-//! and its micro-kernel is a 32×32 block of `c` held in four accumulator tiles.
+//! `b` the same way in 16-column panels (a k-pair panel row is a tile row) and `a` as rows of
+//! k-pairs (a tile's rows), and its micro-kernel is a 32×16 block of `c` held in two accumulator
+//! tiles.
 //!
 //! Without either, the operands are rounded to bf16 and multiplied by the f32 GEMM: the same
 //! products (a product of two bf16 values is exact in f32), summed in another order, at the f32
@@ -29,9 +30,9 @@ mod amx {
     pub(super) struct Amx;
     impl Tiles for Amx {
         const MR: usize = 32;
-        const NR: usize = 32;
+        const NR: usize = 16;
         const MC: usize = 32;
-        const NC: usize = 32;
+        const NC: usize = 16;
         fn block_pairs(kpairs: usize) -> usize {
             kpairs
         }
@@ -176,7 +177,7 @@ pub fn best_path() -> Path {
     })
 }
 
-/// FLOP done by `iters` rounds of independent chains of `path`'s instruction: its peak, with no
+/// FLOP done by `iters` rounds of chains of `path`'s instruction: its peak, with no
 /// memory traffic. `None` where the path has no bf16 instruction or does not run here.
 pub fn peak_chains(path: Path, iters: usize) -> Option<f64> {
     if !runs_here(path) {

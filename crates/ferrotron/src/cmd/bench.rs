@@ -499,7 +499,7 @@ fn kernels(b: KernelBench) -> Result<()> {
             let measured = best_peak(|| bf16_peak_gflops(path, be.threads).map(|g| (g, ())));
             if let Some((gf, ())) = measured {
                 println!(
-                    "bf16 peak of {} threads on {}: {gf:.1} GFLOP/s (independent chains, no loads)",
+                    "bf16 peak of {} threads on {}: {gf:.1} GFLOP/s (chains of the instruction, no loads)",
                     be.threads,
                     path.name()
                 );
@@ -731,7 +731,7 @@ fn peak_rate(clock: Clock, threads: usize, run: impl Fn() -> f64 + Sync) -> f64 
     })
 }
 
-/// The bf16 peak of `threads` threads on `path` (GFLOP/s), from independent chains of its
+/// The bf16 peak of `threads` threads on `path` (GFLOP/s), from chains of its
 /// instruction; `None` where it has none.
 pub(crate) fn bf16_peak_gflops(path: bf16_gemm::Path, threads: usize) -> Option<f64> {
     bf16_peak_gflops_of(path, threads, 40_000_000)

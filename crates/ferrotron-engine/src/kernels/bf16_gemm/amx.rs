@@ -1,12 +1,20 @@
-//! The AMX-BF16 path: a 32×32 block of `c` in four f32 accumulator tiles (tmm0–3), two tiles of
-//! `a` (tmm4–5: 16 rows × 16 k-pairs each) and two of `b` (tmm6–7: 16 k-pairs × 16 columns each)
-//! per 32 values of k, four `tdpbf16ps` between the loads.
+//! The AMX-BF16 path: a 32×16 block of `c` in two f32 accumulator tiles (tmm0–1), two tiles of
+//! `a` (tmm4–5: 16 rows × 16 k-pairs each) and one of `b` (tmm6: 16 k-pairs × 16 columns) per 32
+//! values of k, two `tdpbf16ps` between the loads.
 //!
-//! `b` is packed as the AVX512_BF16 path packs it, `[pair][32 columns]`: a tile of it is 16 rows
-//! 128 bytes apart. `a` is packed tile by tile, `[kp / 16 steps][2 halves of 16 rows][16 rows][16 pairs]`: each
-//! tile is 1 KiB of consecutive lines, so a panel is read front to back (rows of k-pairs one panel
-//! depth apart put the 16 lines of a tile in a few L1 sets). Depths are padded to whole tiles with
-//! zero pairs, which add nothing.
+//! Why two accumulators and five tiles, not the four accumulators of a 32×32 block: on this VM's
+//! cores (shared with other tenants), whenever the core's tile unit is busy elsewhere `tdpbf16ps`
+//! into four independent accumulators runs at half the rate of the same instructions into one or
+//! two (0.97 against 1.98 TFLOP/s, one core, no loads), and a kernel in L1 slows with the tiles it
+//! holds (32×32 at 25% of the one-accumulator rate, 32×16 at 49%); when the unit is free every
+//! arrangement runs at the full rate. The operand traffic per product is the same for both blocks
+//! (half a KiB of `b` from L2 per `tdpbf16ps`, the A panel resident in L1).
+//!
+//! `b` is packed `[pair][16 columns]`, so a tile of it is 1 KiB of consecutive lines. `a` is packed
+//! tile by tile, `[kp / 16 steps][2 halves of 16 rows][16 rows][16 pairs]`: each tile is 1 KiB of
+//! consecutive lines too, so a panel is read front to back (rows of k-pairs one panel depth apart
+//! put the 16 lines of a tile in a few L1 sets). Depths are padded to whole tiles with zero pairs,
+//! which add nothing.
 //!
 //! The tile registers are not known to the compiler, so nothing but this file touches them; each
 //! call configures them and releases them before it returns.
@@ -16,13 +24,14 @@ use std::arch::asm;
 
 /// Rows of a micro-tile (two accumulator tiles down).
 const MR: usize = 32;
-/// Columns of a micro-tile (two accumulator tiles across).
-const NR: usize = 32;
+/// Columns of a micro-tile (one accumulator tile across).
+const NR: usize = 16;
 /// Rows of `a` packed at a time (the block stays in L2).
 const MC: usize = MR * 8;
-/// Columns of `b` packed at a time.
-const NC: usize = NR * 32;
-/// k-pairs packed at a time (a micro-kernel's panels: 32 KiB each; 128, 192 and 512 measured no faster).
+/// Columns of `b` packed at a time (512 measured no faster).
+const NC: usize = NR * 64;
+/// k-pairs packed at a time (the A panel: 32 KiB, resident in L1; 128, 192, 384 and 512 measured no
+/// faster).
 const KC_PAIRS: usize = 256;
 /// k-pairs in one tile row.
 const TILE_PAIRS: usize = 16;
@@ -127,7 +136,7 @@ impl Tiles for Amx {
 
 /// A tile-sized buffer, aligned for tile loads.
 #[repr(C, align(64))]
-struct Tile([f32; MR * NR]);
+struct Tile([f32; 16 * 16]);
 
 /// Values of a tile: 16 rows × 16 pairs.
 const TILE: usize = 16 * TILE_PAIRS;
@@ -208,10 +217,10 @@ unsafe fn round_pairs(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
     }
 }
 
-/// `c[32×32] (+)= a_panel · b_panel` over `kp` k-pairs (a multiple of 16).
+/// `c[32×16] (+)= a_panel · b_panel` over `kp` k-pairs (a multiple of 16).
 ///
 /// # Safety
-/// The tiles are configured as [`CONFIG`]; `a` holds `32 × kp` pairs tile by tile, `b` `kp × 32`,
+/// The tiles are configured as [`CONFIG`]; `a` holds `32 × kp` pairs tile by tile, `b` `kp × 16`,
 /// `c` the block.
 unsafe fn micro_kernel(
     kp: usize,
@@ -222,58 +231,46 @@ unsafe fn micro_kernel(
     add: bool,
 ) {
     let cs = c_rs * 4;
-    let (c0, c1, c2, c3) = (c, c.add(16), c.add(16 * c_rs), c.add(16 * c_rs + 16));
+    let (c0, c1) = (c, c.add(16 * c_rs));
     if add {
         asm!(
             "tileloadd tmm0, [{c0} + {cs}*1]",
             "tileloadd tmm1, [{c1} + {cs}*1]",
-            "tileloadd tmm2, [{c2} + {cs}*1]",
-            "tileloadd tmm3, [{c3} + {cs}*1]",
-            c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
+            c0 = in(reg) c0, c1 = in(reg) c1, cs = in(reg) cs,
             options(nostack, readonly),
         );
     } else {
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack, nomem)
-        );
+        asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
     }
-    let a_rs = TILE_PAIRS * 4;
+    // Every tile row is 64 bytes of consecutive memory.
+    let rs = TILE_PAIRS * 4;
     for step in 0..kp / TILE_PAIRS {
         let a0 = a.add(step * 2 * TILE);
-        let a1 = a0.add(TILE);
-        let b0 = b.add(step * TILE_PAIRS * NR);
-        let b1 = b0.add(16);
         asm!(
-            "tileloadd tmm4, [{a0} + {a_rs}*1]",
-            "tileloadd tmm6, [{b0} + {b_rs}*1]",
+            "tileloadd tmm6, [{b0} + {rs}*1]",
+            "tileloadd tmm4, [{a0} + {rs}*1]",
             "tdpbf16ps tmm0, tmm4, tmm6",
-            "tileloadd tmm7, [{b1} + {b_rs}*1]",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tileloadd tmm5, [{a1} + {a_rs}*1]",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            a0 = in(reg) a0, a1 = in(reg) a1, b0 = in(reg) b0, b1 = in(reg) b1,
-            a_rs = in(reg) a_rs, b_rs = in(reg) NR * 4,
+            "tileloadd tmm5, [{a1} + {rs}*1]",
+            "tdpbf16ps tmm1, tmm5, tmm6",
+            a0 = in(reg) a0, a1 = in(reg) a0.add(TILE), b0 = in(reg) b.add(step * TILE),
+            rs = in(reg) rs,
             options(nostack, readonly),
         );
     }
     asm!(
         "tilestored [{c0} + {cs}*1], tmm0",
         "tilestored [{c1} + {cs}*1], tmm1",
-        "tilestored [{c2} + {cs}*1], tmm2",
-        "tilestored [{c3} + {cs}*1], tmm3",
-        c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, cs = in(reg) cs,
+        c0 = in(reg) c0, c1 = in(reg) c1, cs = in(reg) cs,
         options(nostack),
     );
 }
 
-/// FLOP done by `iters` rounds of four independent `tdpbf16ps` (the instruction's peak: no loads).
+/// FLOP done by `iters` rounds of four `tdpbf16ps` into one accumulator (the instruction's peak:
+/// no loads). One accumulator, not independent ones: back-to-back products into the same tile are
+/// the fastest arrangement here, and independent accumulators run at half its rate whenever the
+/// core's tile unit is shared (see the module's doc).
 pub(super) fn peak_chains(iters: usize) -> f64 {
-    let zeros = Tile([0f32; MR * NR]);
+    let zeros = Tile([0f32; 16 * 16]);
     // SAFETY: the caller checked `amx_available`; the tiles are configured, loaded from a buffer
     // of 1 KiB rows (16 rows × 64 bytes) and released here.
     unsafe {
@@ -284,18 +281,15 @@ pub(super) fn peak_chains(iters: usize) -> f64 {
             "tileloadd tmm6, [{p} + {s}*1]",
             "tileloadd tmm7, [{p} + {s}*1]",
             "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
             p = in(reg) zeros.0.as_ptr(), s = in(reg) 64usize,
             options(nostack, readonly),
         );
         for _ in 0..iters {
             asm!(
                 "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tdpbf16ps tmm0, tmm4, tmm7",
+                "tdpbf16ps tmm0, tmm5, tmm6",
+                "tdpbf16ps tmm0, tmm5, tmm7",
                 options(nostack, nomem),
             );
         }
