@@ -36,7 +36,17 @@ mod amx {
         fn block_pairs(kpairs: usize) -> usize {
             kpairs
         }
-        fn pack_a(_: Operand, _: usize, _: usize, _: usize, _: usize, _: usize, _: &mut Vec<u32>) {
+        #[allow(clippy::too_many_arguments)]
+        fn pack_a(
+            _: Operand,
+            _: usize,
+            _: usize,
+            _: usize,
+            _: usize,
+            _: usize,
+            _: usize,
+            _: &mut Vec<u32>,
+        ) {
             unreachable!("no AMX off x86_64")
         }
         unsafe fn micro(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: usize, _: bool) {
@@ -423,12 +433,14 @@ pub(super) trait Tiles {
     fn padded(kp: usize) -> usize {
         kp
     }
-    /// Appends `MR` rows of `a` from row `t0` (of `tn`), k-pairs from `k0` (of `kn` values), `kp`
-    /// deep, in the layout the micro-kernel reads.
+    /// Appends the panels of `rows` rows of `a` from row `t0` (of `tn`; `MR` rows a panel, zero
+    /// past `tn`), k-pairs from `k0` (of `kn` values), `kp` deep, in the layout the micro-kernel
+    /// reads.
     #[allow(clippy::too_many_arguments)]
     fn pack_a(
         a: Operand,
         t0: usize,
+        rows: usize,
         tn: usize,
         k0: usize,
         kn: usize,
@@ -464,6 +476,7 @@ impl Tiles for Avx512 {
     fn pack_a(
         a: Operand,
         t0: usize,
+        rows: usize,
         tn: usize,
         k0: usize,
         kn: usize,
@@ -471,7 +484,9 @@ impl Tiles for Avx512 {
         out: &mut Vec<u32>,
     ) {
         let (rs, cs) = a.strides();
-        pack(a, rs, cs, t0, tn, k0, kn, kp, MR, out);
+        for ir in (0..rows).step_by(MR) {
+            pack(a, rs, cs, t0 + ir, tn, k0, kn, kp, MR, out);
+        }
     }
     unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool) {
         micro_kernel(kp, a, b, c, c_rs, add)
@@ -537,9 +552,7 @@ unsafe fn serial<P: Tiles>(
                     let mc = P::MC.min(m - ic);
                     pa.clear();
                     pa.resize(oa, 0);
-                    for ir in (0..mc).step_by(mr) {
-                        P::pack_a(a, ic + ir, m, 2 * pc, k, kp, pa);
-                    }
+                    P::pack_a(a, ic, mc, m, 2 * pc, k, kp, pa);
                     let (panels_a, panels_b) = (mc.div_ceil(mr), nc.div_ceil(nr));
                     for block in 0..panels_a * panels_b {
                         let (im, jn) = if P::A_PANEL_OUTER {
@@ -596,7 +609,7 @@ fn pack(
     if ks == 1 {
         unsafe { pack_along_k(x, ts, t0, tmax, k0, kmax, w, o) };
     } else if ts == 1 {
-        unsafe { pack_across_k(x, ks, t0, tmax, k0, kmax, w, o) };
+        unsafe { pack_across_k(x, ks, t0, tmax, k0, kmax, |p, t| p * w + t, 1, o) };
     } else {
         for p in 0..kmax.div_ceil(2) {
             for t in 0..tmax {
@@ -662,20 +675,27 @@ unsafe fn pack_along_k(
 }
 
 /// [`pack`] where the panel's width is contiguous and k strided (two rows make a pair): 16 values
-/// of each row converted, interleaved and stored as 16 pairs.
+/// of each row converted, interleaved and stored as 16 pairs, pair `p` of panel rows `t..t + 16`
+/// from `o[at(p, t)]`, `lanes_apart` apart (1: a run; the AMX tiles: one tile row apart). `o` is
+/// zero where nothing is stored.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pack_across_k(
+pub(super) unsafe fn pack_across_k(
     x: Operand,
     ks: usize,
     t0: usize,
     tmax: usize,
     k0: usize,
     kmax: usize,
-    w: usize,
+    at: impl Fn(usize, usize) -> usize,
+    lanes_apart: usize,
     o: &mut [u32],
 ) {
+    let scatter = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(lanes_apart as i32),
+    );
     // [row0 0..16, row1 0..16] → [row0 0, row1 0, row0 1, row1 1, …]
     let interleave = _mm512_set_epi16(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
@@ -714,7 +734,19 @@ unsafe fn pack_across_k(
                 }
             };
             let v = _mm512_permutexvar_epi16(interleave, v);
-            _mm512_mask_storeu_epi32(o.as_mut_ptr().add(p * w + t).cast(), mask, v);
+            let first = at(p, t);
+            // The view was checked against the slice by the caller: the last lane stored lies in it.
+            debug_assert!(first + (left - 1) * lanes_apart < o.len());
+            if lanes_apart == 1 {
+                _mm512_mask_storeu_epi32(o.as_mut_ptr().add(first).cast(), mask, v);
+            } else {
+                _mm512_mask_i32scatter_epi32::<4>(
+                    o.as_mut_ptr().add(first).cast(),
+                    mask,
+                    scatter,
+                    v,
+                );
+            }
             t += 16;
         }
     }
@@ -767,13 +799,15 @@ unsafe fn pack_along_k(
     unreachable!("available() is false off x86_64")
 }
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn pack_across_k(
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pack_across_k(
     _: Operand,
     _: usize,
     _: usize,
     _: usize,
     _: usize,
     _: usize,
+    _: impl Fn(usize, usize) -> usize,
     _: usize,
     _: &mut [u32],
 ) {

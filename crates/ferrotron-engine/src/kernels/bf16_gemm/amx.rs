@@ -115,13 +115,19 @@ impl Tiles for Amx {
     fn pack_a(
         a: Operand,
         t0: usize,
+        rows: usize,
         tn: usize,
         k0: usize,
         kn: usize,
         kp: usize,
         out: &mut Vec<u32>,
     ) {
-        pack_rows(a, t0, tn, k0, kn, kp, out)
+        if a.strides().0 == 1 {
+            return pack_block_across_k(a, t0, rows, tn, k0, kn, kp, out);
+        }
+        for ir in (0..rows).step_by(MR) {
+            pack_rows(a, t0 + ir, tn, k0, kn, kp, out);
+        }
     }
     unsafe fn begin() {
         asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
@@ -141,8 +147,8 @@ struct Tile([f32; 16 * 16]);
 /// Values of a tile: 16 rows × 16 pairs.
 const TILE: usize = 16 * TILE_PAIRS;
 
-/// Where pair `p` of row `t` of a panel `kp` pairs deep lies in the tile-by-tile layout.
-fn tile_index(t: usize, p: usize) -> usize {
+/// Where pair `p` of row `t` of a panel lies in the tile-by-tile layout.
+fn tile_index(p: usize, t: usize) -> usize {
     (p / TILE_PAIRS) * 2 * TILE + (t / 16) * TILE + (t % 16) * TILE_PAIRS + p % TILE_PAIRS
 }
 
@@ -169,7 +175,7 @@ fn pack_rows(
         for t in 0..tmax {
             let start = (t0 + t) * rs + k0;
             // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
-            unsafe { round_pairs(a, start, kmax, &mut o[tile_index(t, 0)..]) };
+            unsafe { round_pairs(a, start, kmax, &mut o[tile_index(0, t)..]) };
         }
         return;
     }
@@ -179,9 +185,35 @@ fn pack_rows(
     let o = &mut out[base..];
     for p in 0..kp {
         for t in 0..MR {
-            o[tile_index(t, p)] = pair_major[p * MR + t];
+            o[tile_index(p, t)] = pair_major[p * MR + t];
         }
     }
+}
+
+/// The panels of `rows` rows of `a` from `t0` (zero past `tn`) where the rows are contiguous (the
+/// weight gradient's dyᵀ): pair by pair across the whole block, so that each pair's two source rows
+/// are read in runs of the block's width (a panel at a time reads 128 bytes of each of `2 · kp`
+/// rows, which the prefetchers do not follow), 16 rows converted at a time and scattered one tile
+/// row apart.
+#[allow(clippy::too_many_arguments)]
+fn pack_block_across_k(
+    a: Operand,
+    t0: usize,
+    rows: usize,
+    tn: usize,
+    k0: usize,
+    kn: usize,
+    kp: usize,
+    out: &mut Vec<u32>,
+) {
+    let base = out.len();
+    out.resize(base + rows.div_ceil(MR) * MR * kp, 0);
+    let tmax = tn.saturating_sub(t0).min(rows);
+    let kmax = kn.saturating_sub(k0).min(2 * kp);
+    let at = |p: usize, t: usize| (t / MR) * MR * kp + tile_index(p, t % MR);
+    let (_, cs) = a.strides();
+    // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
+    unsafe { super::pack_across_k(a, cs, t0, tmax, k0, kmax, at, TILE_PAIRS, &mut out[base..]) };
 }
 
 /// `kmax` values of a k-contiguous row from `start`, rounded, as pairs into one row of a panel's
