@@ -735,8 +735,11 @@ pub(super) unsafe fn pack_across_k(
             };
             let v = _mm512_permutexvar_epi16(interleave, v);
             let first = at(p, t);
-            // The view was checked against the slice by the caller: the last lane stored lies in it.
-            debug_assert!(first + (left - 1) * lanes_apart < o.len());
+            // `at` is the caller's: the stores are raw, so their last lane is checked against `o`.
+            assert!(
+                first + (left - 1) * lanes_apart < o.len(),
+                "bf16 gemm: packed panel out of bounds"
+            );
             if lanes_apart == 1 {
                 _mm512_mask_storeu_epi32(o.as_mut_ptr().add(first).cast(), mask, v);
             } else {

@@ -122,8 +122,22 @@ impl Tiles for Amx {
         kp: usize,
         out: &mut Vec<u32>,
     ) {
-        if a.strides().0 == 1 {
-            return pack_block_across_k(a, t0, rows, tn, k0, kn, kp, out);
+        let (rs, cs) = a.strides();
+        if rs == 1 {
+            // The rows contiguous (the weight gradient's dyᵀ): pair by pair across the whole
+            // block, so that each pair's two source rows are read in runs of the block's width (a
+            // panel at a time reads 128 bytes of each of `2 · kp` rows, which the prefetchers do
+            // not follow), 16 rows converted at a time and scattered one tile row apart.
+            let base = out.len();
+            out.resize(base + rows.div_ceil(MR) * MR * kp, 0);
+            let tmax = tn.saturating_sub(t0).min(rows);
+            let kmax = kn.saturating_sub(k0).min(2 * kp);
+            let at = |p: usize, t: usize| (t / MR) * MR * kp + tile_index(p, t % MR);
+            // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
+            unsafe {
+                super::pack_across_k(a, cs, t0, tmax, k0, kmax, at, TILE_PAIRS, &mut out[base..])
+            };
+            return;
         }
         for ir in (0..rows).step_by(MR) {
             pack_rows(a, t0 + ir, tn, k0, kn, kp, out);
@@ -188,32 +202,6 @@ fn pack_rows(
             o[tile_index(p, t)] = pair_major[p * MR + t];
         }
     }
-}
-
-/// The panels of `rows` rows of `a` from `t0` (zero past `tn`) where the rows are contiguous (the
-/// weight gradient's dyᵀ): pair by pair across the whole block, so that each pair's two source rows
-/// are read in runs of the block's width (a panel at a time reads 128 bytes of each of `2 · kp`
-/// rows, which the prefetchers do not follow), 16 rows converted at a time and scattered one tile
-/// row apart.
-#[allow(clippy::too_many_arguments)]
-fn pack_block_across_k(
-    a: Operand,
-    t0: usize,
-    rows: usize,
-    tn: usize,
-    k0: usize,
-    kn: usize,
-    kp: usize,
-    out: &mut Vec<u32>,
-) {
-    let base = out.len();
-    out.resize(base + rows.div_ceil(MR) * MR * kp, 0);
-    let tmax = tn.saturating_sub(t0).min(rows);
-    let kmax = kn.saturating_sub(k0).min(2 * kp);
-    let at = |p: usize, t: usize| (t / MR) * MR * kp + tile_index(p, t % MR);
-    let (_, cs) = a.strides();
-    // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
-    unsafe { super::pack_across_k(a, cs, t0, tmax, k0, kmax, at, TILE_PAIRS, &mut out[base..]) };
 }
 
 /// `kmax` values of a k-contiguous row from `start`, rounded, as pairs into one row of a panel's
