@@ -69,8 +69,11 @@ const NR: usize = 32;
 const MC: usize = MR * 10;
 /// Columns of `b` packed at a time (a multiple of `NR`).
 const NC: usize = NR * 32;
-/// Most k-pairs packed at a time (a micro-kernel's two panels stay in L1).
-const MAX_KC_PAIRS: usize = 256;
+/// Most k-pairs packed at a time. The A panel (14 rows × 512 pairs, 28 KiB) stays in L1 while
+/// the B panels stream past it from L2; C is read and written once per block of k, so deeper
+/// blocks move less of it (256 pairs measured 8–10% slower on the 2048³ product, 128 slower still,
+/// 1024 no faster).
+const MAX_KC_PAIRS: usize = 512;
 
 /// One operand: its elements and its (row, column) strides.
 #[derive(Clone, Copy)]
@@ -470,6 +473,9 @@ impl Tiles for Avx512 {
     const NR: usize = NR;
     const MC: usize = MC;
     const NC: usize = NC;
+    /// One A panel runs along its row of C blocks, the panel resident in L1 (the other order, a B
+    /// panel against every A panel of the block, measured 3–5% slower).
+    const A_PANEL_OUTER: bool = true;
     fn block_pairs(kpairs: usize) -> usize {
         kpairs.div_ceil(kpairs.div_ceil(MAX_KC_PAIRS))
     }
@@ -484,9 +490,7 @@ impl Tiles for Avx512 {
         out: &mut Vec<u32>,
     ) {
         let (rs, cs) = a.strides();
-        for ir in (0..rows).step_by(MR) {
-            pack(a, rs, cs, t0 + ir, tn, k0, kn, kp, MR, out);
-        }
+        pack(a, rs, cs, t0, rows, tn, k0, kn, kp, MR, out);
     }
     unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool) {
         micro_kernel(kp, a, b, c, c_rs, add)
@@ -543,11 +547,9 @@ unsafe fn serial<P: Tiles>(
                 let add = accumulate || pc > 0;
                 pb.clear();
                 pb.resize(ob, 0);
-                for jr in (0..nc).step_by(nr) {
-                    // b's panel: t = column, k along rows.
-                    let (rs, cs) = b.strides();
-                    pack(b, cs, rs, jc + jr, n, 2 * pc, k, kp, nr, pb);
-                }
+                // b's panels: t = column, k along rows.
+                let (rs, cs) = b.strides();
+                pack(b, cs, rs, jc, nc, n, 2 * pc, k, kp, nr, pb);
                 for ic in (0..m).step_by(P::MC) {
                     let mc = P::MC.min(m - ic);
                     pa.clear();
@@ -584,15 +586,21 @@ unsafe fn serial<P: Tiles>(
     P::end();
 }
 
-/// Appends a panel `w` wide and `kp` k-pairs deep, laid out `[pair][w]`: element `(p, t)` holds the
-/// bf16 bits of `x(t0 + t, k0 + 2p)` (low half) and `x(t0 + t, k0 + 2p + 1)` (high half), where
-/// `x(t, kk)` is the operand's element at `t·ts + kk·ks`; zero beyond `tn` and `kn`.
+/// Appends the panels of rows `t0..t0 + rows` of an operand, `w` rows a panel (the last one
+/// zero-padded), each `kp` k-pairs deep and laid out `[pair][w]`: element `(p, t)` of a panel holds
+/// the bf16 bits of `x(t, k0 + 2p)` (low half) and `x(t, k0 + 2p + 1)` (high half) for its row `t`,
+/// where `x(t, kk)` is the operand's element at `t·ts + kk·ks`; zero beyond `tn` and `kn`.
+///
+/// The whole block is packed in one pass rather than panel by panel, so that the source is read in
+/// long runs: where k is contiguous, 16 rows × 16 pairs at a time, transposed in registers; where
+/// the rows are, pair by pair across the block's full width.
 #[allow(clippy::too_many_arguments)]
 fn pack(
     x: Operand,
     ts: usize,
     ks: usize,
     t0: usize,
+    rows: usize,
     tn: usize,
     k0: usize,
     kn: usize,
@@ -601,26 +609,28 @@ fn pack(
     out: &mut Vec<u32>,
 ) {
     let base = out.len();
-    out.resize(base + kp * w, 0);
+    out.resize(base + rows.div_ceil(w) * kp * w, 0);
     let o = &mut out[base..];
-    let tmax = tn.saturating_sub(t0).min(w);
+    let tmax = tn.saturating_sub(t0).min(rows);
     let kmax = kn.saturating_sub(k0).min(2 * kp);
+    let row_at = |t: usize| (t / w) * kp * w + t % w;
+    let at = |p: usize, t: usize| row_at(t) + p * w;
     // SAFETY (both fast paths): the caller checked the view; `available()` holds on this path.
     if ks == 1 {
-        unsafe { pack_along_k(x, ts, t0, tmax, k0, kmax, w, o) };
+        unsafe { pack_along_k(x, ts, t0, tmax, k0, kmax, kp, w, o) };
     } else if ts == 1 {
-        unsafe { pack_across_k(x, ks, t0, tmax, k0, kmax, |p, t| p * w + t, 1, o) };
+        unsafe { pack_across_k(x, ks, t0, tmax, k0, kmax, row_at, |p| p * w, 1, w, o) };
     } else {
         for p in 0..kmax.div_ceil(2) {
             for t in 0..tmax {
-                let at = |kk: usize| (t0 + t) * ts + (k0 + kk) * ks;
-                let lo = x.bits(at(2 * p)) as u32;
+                let at_k = |kk: usize| (t0 + t) * ts + (k0 + kk) * ks;
+                let lo = x.bits(at_k(2 * p)) as u32;
                 let hi = if 2 * p + 1 < kmax {
-                    x.bits(at(2 * p + 1)) as u32
+                    x.bits(at_k(2 * p + 1)) as u32
                 } else {
                     0
                 };
-                o[p * w + t] = lo | hi << 16;
+                o[at(p, t)] = lo | hi << 16;
             }
         }
     }
@@ -629,8 +639,10 @@ fn pack(
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// [`pack`] where k is contiguous (a row of the panel is a run of memory): 32 values become 16
-/// pairs in one conversion, scattered `w` apart.
+/// [`pack`] where k is contiguous (a row of the operand is a run of memory): 16 rows of a panel
+/// and 16 pairs of each at a time (32 values of a row, rounded in one conversion), transposed in
+/// registers into 16 vectors of one pair each and stored as runs. (Scattering each row's pairs `w`
+/// apart instead costs a scatter per 16 values, several times slower.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
@@ -641,43 +653,112 @@ unsafe fn pack_along_k(
     tmax: usize,
     k0: usize,
     kmax: usize,
+    kp: usize,
     w: usize,
     o: &mut [u32],
 ) {
-    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    let idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(w as i32));
-    for t in 0..tmax {
-        let start = (t0 + t) * ts + k0;
-        let mut kk = 0;
-        while kk + 32 <= kmax {
-            let v = match x {
-                Operand::F32(s, ..) => {
-                    let p = s.as_ptr().add(start + kk);
-                    let (lo, hi) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
-                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+    let pairs = kmax.div_ceil(2);
+    for panel in (0..tmax).step_by(w) {
+        for g in (panel..(panel + w).min(tmax)).step_by(16) {
+            let lanes = 16.min(panel + w - g).min(tmax - g);
+            let lane_mask: __mmask16 = (((1u32 << lanes) - 1) & 0xffff) as u16;
+            // Where pair `p` of this group's first row lies.
+            let first = |p: usize| (panel / w) * kp * w + p * w + (g - panel);
+            for pc in (0..pairs).step_by(16) {
+                let values = (kmax - 2 * pc).min(32);
+                let mut v = [_mm512_setzero_si512(); 16];
+                for (r, v) in v.iter_mut().enumerate().take(lanes) {
+                    *v = load_pairs(x, (t0 + g + r) * ts + k0 + 2 * pc, values);
                 }
-                Operand::Bf16(s, ..) => _mm512_loadu_si512(s.as_ptr().add(start + kk).cast()),
-            };
-            _mm512_i32scatter_epi32::<4>(o.as_mut_ptr().add(kk / 2 * w + t).cast(), idx, v);
-            kk += 32;
-        }
-        while kk < kmax {
-            let lo = x.bits(start + kk) as u32;
-            let hi = if kk + 1 < kmax {
-                x.bits(start + kk + 1) as u32
-            } else {
-                0
-            };
-            o[kk / 2 * w + t] = lo | hi << 16;
-            kk += 2;
+                transpose_16x16(&mut v);
+                let np = 16.min(pairs - pc);
+                // The stores are raw: their last lane is checked against `o`.
+                assert!(
+                    first(pc + np - 1) + lanes <= o.len(),
+                    "bf16 gemm: packed panel out of bounds"
+                );
+                for (j, v) in v.iter().enumerate().take(np) {
+                    _mm512_mask_storeu_epi32(
+                        o.as_mut_ptr().add(first(pc + j)).cast(),
+                        lane_mask,
+                        *v,
+                    );
+                }
+            }
         }
     }
 }
 
-/// [`pack`] where the panel's width is contiguous and k strided (two rows make a pair): 16 values
-/// of each row converted, interleaved and stored as 16 pairs, pair `p` of panel rows `t..t + 16`
-/// from `o[at(p, t)]`, `lanes_apart` apart (1: a run; the AMX tiles: one tile row apart). `o` is
-/// zero where nothing is stored.
+/// `values` (at most 32) consecutive elements from `start`, rounded to bf16, as 16 pairs; zero
+/// past them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn load_pairs(x: Operand, start: usize, values: usize) -> __m512i {
+    match x {
+        Operand::F32(s, ..) => {
+            let p = s.as_ptr().add(start);
+            let (lo, hi) = if values == 32 {
+                (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
+            } else {
+                let mask = |n: usize| ((1u32 << n.min(16)) - 1) as __mmask16;
+                (
+                    _mm512_maskz_loadu_ps(mask(values), p),
+                    _mm512_maskz_loadu_ps(mask(values.saturating_sub(16)), p.add(16)),
+                )
+            };
+            std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+        }
+        Operand::Bf16(s, ..) => {
+            let mask: __mmask32 = if values == 32 {
+                u32::MAX
+            } else {
+                (1u32 << values) - 1
+            };
+            _mm512_maskz_loadu_epi16(mask, s.as_ptr().add(start).cast())
+        }
+    }
+}
+
+/// Transposes 16 vectors of 16 dwords: afterwards `v[c]` lane `r` is what `v[r]` lane `c` was.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_16x16(v: &mut [__m512i; 16]) {
+    // Within 128-bit lanes: pairs of rows interleaved by dwords, then by qwords, so that vector
+    // `4i + j` holds rows 4i..4i+4 of columns j, 4 + j, 8 + j, 12 + j (one column per lane)…
+    let mut t = [_mm512_setzero_si512(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for i in 0..4 {
+        v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // …then the 128-bit lanes of each column's four vectors transposed.
+    for j in 0..4 {
+        let (u0, u1, u2, u3) = (v[j], v[4 + j], v[8 + j], v[12 + j]);
+        let a = _mm512_shuffle_i32x4::<0x44>(u0, u1);
+        let b = _mm512_shuffle_i32x4::<0xee>(u0, u1);
+        let c = _mm512_shuffle_i32x4::<0x44>(u2, u3);
+        let d = _mm512_shuffle_i32x4::<0xee>(u2, u3);
+        t[j] = _mm512_shuffle_i32x4::<0x88>(a, c);
+        t[4 + j] = _mm512_shuffle_i32x4::<0xdd>(a, c);
+        t[8 + j] = _mm512_shuffle_i32x4::<0x88>(b, d);
+        t[12 + j] = _mm512_shuffle_i32x4::<0xdd>(b, d);
+    }
+    *v = t;
+}
+
+/// [`pack`] where the panel's width is contiguous and k strided (two rows make a pair): pair by
+/// pair, each pair's two source rows read in runs across the whole block, 16 values of each
+/// converted, interleaved and stored as 16 pairs. Pair `p` of panel rows `t..t + 16` lands from
+/// `o[row_at(t) + pair_at(p)]`, `lanes_apart` apart (1: a run; the AMX tiles: one tile row
+/// apart); a run of 16 never crosses a multiple of `segment` (where `row_at` jumps: a panel's or a
+/// tile's edge). The offsets are separable so that the address arithmetic (divisions by a
+/// panel's width) is done once per run of rows, not once per store. `o` is zero where nothing is
+/// stored.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
@@ -688,8 +769,10 @@ pub(super) unsafe fn pack_across_k(
     tmax: usize,
     k0: usize,
     kmax: usize,
-    at: impl Fn(usize, usize) -> usize,
+    row_at: impl Fn(usize) -> usize,
+    pair_at: impl Fn(usize) -> usize,
     lanes_apart: usize,
+    segment: usize,
     o: &mut [u32],
 ) {
     let scatter = _mm512_mullo_epi32(
@@ -701,18 +784,32 @@ pub(super) unsafe fn pack_across_k(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
         19, 3, 18, 2, 17, 1, 16, 0,
     );
-    for p in 0..kmax.div_ceil(2) {
+    // The runs of rows: (first row, rows, where its pair 0 lands, lane mask).
+    let mut runs = Vec::with_capacity(tmax.div_ceil(16) + tmax.div_ceil(segment));
+    let mut t = 0;
+    while t < tmax {
+        let left = (tmax - t).min(16).min(segment - t % segment);
+        runs.push((t, left, row_at(t), ((1u32 << left) - 1) as __mmask16));
+        t += left;
+    }
+    let pairs = kmax.div_ceil(2);
+    if pairs == 0 {
+        return;
+    }
+    // The stores are raw: each run's furthest lane at the last pair (the offsets grow with the
+    // pair) is checked against `o`.
+    let last = pair_at(pairs - 1);
+    assert!(
+        runs.iter()
+            .all(|&(_, left, at, _)| at + last + (left - 1) * lanes_apart < o.len()),
+        "bf16 gemm: packed panel out of bounds"
+    );
+    for p in 0..pairs {
         let r0 = (k0 + 2 * p) * ks + t0;
         let second = 2 * p + 1 < kmax;
         let r1 = if second { r0 + ks } else { r0 };
-        let mut t = 0;
-        while t < tmax {
-            let left = (tmax - t).min(16);
-            let mask: __mmask16 = if left == 16 {
-                0xffff
-            } else {
-                (1u16 << left) - 1
-            };
+        let pair = pair_at(p);
+        for &(t, _, at, mask) in &runs {
             let v = match x {
                 Operand::F32(s, ..) => {
                     let a = _mm512_maskz_loadu_ps(mask, s.as_ptr().add(r0 + t));
@@ -734,23 +831,12 @@ pub(super) unsafe fn pack_across_k(
                 }
             };
             let v = _mm512_permutexvar_epi16(interleave, v);
-            let first = at(p, t);
-            // `at` is the caller's: the stores are raw, so their last lane is checked against `o`.
-            assert!(
-                first + (left - 1) * lanes_apart < o.len(),
-                "bf16 gemm: packed panel out of bounds"
-            );
+            let dst = o.as_mut_ptr().add(at + pair);
             if lanes_apart == 1 {
-                _mm512_mask_storeu_epi32(o.as_mut_ptr().add(first).cast(), mask, v);
+                _mm512_mask_storeu_epi32(dst.cast(), mask, v);
             } else {
-                _mm512_mask_i32scatter_epi32::<4>(
-                    o.as_mut_ptr().add(first).cast(),
-                    mask,
-                    scatter,
-                    v,
-                );
+                _mm512_mask_i32scatter_epi32::<4>(dst.cast(), mask, scatter, v);
             }
-            t += 16;
         }
     }
 }
@@ -789,8 +875,10 @@ unsafe fn micro_kernel(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
 unsafe fn pack_along_k(
     _: Operand,
+    _: usize,
     _: usize,
     _: usize,
     _: usize,
@@ -810,7 +898,9 @@ pub(super) unsafe fn pack_across_k(
     _: usize,
     _: usize,
     _: usize,
-    _: impl Fn(usize, usize) -> usize,
+    _: impl Fn(usize) -> usize,
+    _: impl Fn(usize) -> usize,
+    _: usize,
     _: usize,
     _: &mut [u32],
 ) {
@@ -873,6 +963,87 @@ mod tests {
             }
         }
         c
+    }
+
+    /// What [`pack`] must produce, element by element: panel `i`'s pair `p` of row `t` at
+    /// `i·kp·w + p·w + t`, zero past the rows, k and the data.
+    #[allow(clippy::too_many_arguments)]
+    fn packed_reference(
+        x: Operand,
+        ts: usize,
+        ks: usize,
+        t0: usize,
+        rows: usize,
+        tn: usize,
+        k0: usize,
+        kn: usize,
+        kp: usize,
+        w: usize,
+    ) -> Vec<u32> {
+        let mut o = vec![0u32; rows.div_ceil(w) * kp * w];
+        for t in 0..rows.min(tn.saturating_sub(t0)) {
+            for p in 0..kp {
+                let bits = |kk: usize| {
+                    if kk < kn {
+                        x.bits((t0 + t) * ts + kk * ks) as u32
+                    } else {
+                        0
+                    }
+                };
+                o[(t / w) * kp * w + p * w + t % w] = bits(k0 + 2 * p) | bits(k0 + 2 * p + 1) << 16;
+            }
+        }
+        o
+    }
+
+    /// The vectorised packings (k contiguous: transposed in registers; rows contiguous: pair by
+    /// pair across the block) lay out exactly the bits of the definition, for the panel widths of
+    /// both paths (14 and 32 for AVX512_BF16, 16 and 32 for AMX), partial panels, rows and k cut
+    /// short by the operand's edge, odd k, depths padded past the data, f32 and bf16 operands, and
+    /// the general strided case. Exact equality: packing only moves and rounds bits. This is what
+    /// keeps the AMX path's panels right on machines without AMX.
+    #[test]
+    fn packed_panels_hold_exactly_the_operand_s_pairs() {
+        if !available() {
+            eprintln!("no AVX512_BF16 here: the packing routines are not used");
+            return;
+        }
+        let (rows_all, cols_all) = (83, 157);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let xf: Vec<f32> = (0..rows_all * cols_all)
+            .map(|_| rng.gen_range(-2.0..2.0))
+            .collect();
+        let xb: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
+        for &w in &[14, 16, 32] {
+            for &(t0, rows, k0, kp) in &[
+                (0, 64, 0, 40),
+                (5, 45, 3, 70),
+                (60, 40, 100, 35),
+                (0, 1, 0, 1),
+            ] {
+                // (ts, ks, tn, kn): k contiguous, rows contiguous, neither.
+                for &(ts, ks, tn, kn) in &[
+                    (cols_all, 1, rows_all, cols_all),
+                    (1, cols_all, cols_all, rows_all),
+                    (2, 2 * cols_all, 40, 40),
+                ] {
+                    for x in [
+                        Operand::F32(&xf, cols_all, 1),
+                        Operand::Bf16(&xb, cols_all, 1),
+                    ] {
+                        let mut got = vec![7u32; 3];
+                        pack(x, ts, ks, t0, rows, tn, k0, kn, kp, w, &mut got);
+                        let want = packed_reference(x, ts, ks, t0, rows, tn, k0, kn, kp, w);
+                        assert_eq!(&got[..3], &[7, 7, 7], "the buffer's earlier contents kept");
+                        assert!(
+                            got[3..] == want[..],
+                            "w {w} t0 {t0} rows {rows} k0 {k0} kp {kp} ts {ts} ks {ks}: first difference at {:?}",
+                            got[3..].iter().zip(&want).position(|(a, b)| a != b)
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The bf16 instruction paths this machine runs (the f32 fallback has its own test).

@@ -132,10 +132,25 @@ impl Tiles for Amx {
             out.resize(base + rows.div_ceil(MR) * MR * kp, 0);
             let tmax = tn.saturating_sub(t0).min(rows);
             let kmax = kn.saturating_sub(k0).min(2 * kp);
-            let at = |p: usize, t: usize| (t / MR) * MR * kp + tile_index(p, t % MR);
+            // tile_index(p, t) = tile_index(0, t) + tile_index(p, 0): separable, as the packer
+            // wants it (a test below checks it).
+            let row_at = |t: usize| (t / MR) * MR * kp + tile_index(0, t % MR);
+            let pair_at = |p: usize| tile_index(p, 0);
             // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
             unsafe {
-                super::pack_across_k(a, cs, t0, tmax, k0, kmax, at, TILE_PAIRS, &mut out[base..])
+                super::pack_across_k(
+                    a,
+                    cs,
+                    t0,
+                    tmax,
+                    k0,
+                    kmax,
+                    row_at,
+                    pair_at,
+                    TILE_PAIRS,
+                    16,
+                    &mut out[base..],
+                )
             };
             return;
         }
@@ -194,7 +209,7 @@ fn pack_rows(
         return;
     }
     // k strided: pack as the other panels (pair-major), then place each pair in its tile.
-    pack(a, rs, cs, t0, tn, k0, kn, kp, MR, out);
+    pack(a, rs, cs, t0, MR, tn, k0, kn, kp, MR, out);
     let pair_major = out[base..].to_vec();
     let o = &mut out[base..];
     for p in 0..kp {
@@ -317,4 +332,63 @@ pub(super) fn peak_chains(iters: usize) -> f64 {
     }
     // 16 × 16 outputs, 32 products each, per instruction.
     (iters * 4 * 16 * 16 * 32 * 2) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+
+    /// The packing of `a` into tiles needs AVX512_BF16, not AMX, so its layout is checked on every
+    /// machine with the former: pair `p` of row `t` of panel `i` at `i·32·kp + tile_index(p, t)`,
+    /// bit for bit, for each of the three ways `a` is read (rows contiguous, k contiguous, neither),
+    /// with a partial panel at the operand's edge, k cut short and a depth padded past the data.
+    #[test]
+    fn a_panels_hold_each_pair_where_its_tile_reads_it() {
+        if !super::super::available() {
+            eprintln!("no AVX512_BF16 here: the AMX packing is not used");
+            return;
+        }
+        let (r_all, c_all) = (75, 140);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let xf: Vec<f32> = (0..r_all * c_all)
+            .map(|_| rng.gen_range(-2.0..2.0))
+            .collect();
+        let xb: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
+        // (rows stride, k stride, rows of the operand, its k)
+        for &(rs, cs, tn, kn) in &[
+            (c_all, 1, r_all, c_all),
+            (1, c_all, c_all, r_all),
+            (2, 2 * c_all, 30, 37),
+        ] {
+            // A block is whole panels, or ends where the operand does (as the blocking cuts it).
+            for &(t0, rows, k0) in &[(0, 64, 0), (7, tn - 7, 5), (20, 32, 30)] {
+                let kp = Amx::padded(35);
+                for a in [Operand::F32(&xf, rs, cs), Operand::Bf16(&xb, rs, cs)] {
+                    let mut got = Vec::new();
+                    Amx::pack_a(a, t0, rows, tn, k0, kn, kp, &mut got);
+                    let mut want = vec![0u32; rows.div_ceil(MR) * MR * kp];
+                    for t in 0..rows.min(tn.saturating_sub(t0)) {
+                        for p in 0..kp {
+                            let bits = |kk: usize| {
+                                if kk < kn {
+                                    a.bits((t0 + t) * rs + kk * cs) as u32
+                                } else {
+                                    0
+                                }
+                            };
+                            want[(t / MR) * MR * kp + tile_index(p, t % MR)] =
+                                bits(k0 + 2 * p) | bits(k0 + 2 * p + 1) << 16;
+                        }
+                    }
+                    assert!(
+                        got == want,
+                        "rs {rs} cs {cs} t0 {t0} rows {rows} k0 {k0}: first difference at {:?}",
+                        got.iter().zip(&want).position(|(a, b)| a != b)
+                    );
+                }
+            }
+        }
+    }
 }
