@@ -91,6 +91,29 @@ fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usiz
     out
 }
 
+/// Whether attention's products run on the bf16 GEMM, which reads a head of K or V in place as
+/// the transposed right operand (its packing transposes anyway): then no transposed copy is made.
+fn bf16_reads_heads_in_place<T: Real>(be: &CpuBackend) -> bool {
+    be.bf16_products
+        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+        && super::bf16_gemm::best_path() != super::bf16_gemm::Path::F32Gemm
+}
+
+/// Kᵀ (or Vᵀ) of the head at columns `off..` as a right operand: the transposed copy `xt` where
+/// one was made, else the head itself through strides.
+fn head_transposed_view<T: Real>(
+    xt: &Option<Vec<T>>,
+    x: &[T],
+    off: usize,
+    width: usize,
+    t: usize,
+) -> (*const T, usize, usize) {
+    match xt {
+        Some(xt) => (xt.as_ptr(), t, 1),
+        None => (x[off..].as_ptr(), 1, width),
+    }
+}
+
 const ROW_BLOCK: usize = 64;
 
 /// Row blocks `[r0, r1)` of a `t`-row causal score matrix.
@@ -153,7 +176,8 @@ pub(crate) fn forward<T: Real>(
         let (qo, ko) = (b * t * qw + h * d, b * t * kw + kvh * d);
         // SAFETY: each task owns head h of sequence b: its T×T block of `probs` and its column
         // block of `out`; lengths were checked above.
-        let kt = transposed_head(k, ko, kw, t, d);
+        let kt = (!bf16_reads_heads_in_place::<T>(be)).then(|| transposed_head(k, ko, kw, t, d));
+        let kt_view = head_transposed_view(&kt, k, ko, kw, t);
         unsafe {
             let p = probs_p.get().add(task * t * t);
             // Row block [r0, r1) attends to keys [0, r1): the masked upper triangle is skipped.
@@ -163,7 +187,7 @@ pub(crate) fn forward<T: Real>(
                 gemm_raw(
                     (m, r1, d),
                     (q.as_ptr().add(qo + r0 * qw), qw, 1),
-                    (kt.as_ptr(), t, 1),
+                    kt_view,
                     (pb, t, 1),
                     false,
                     Causal::Columns(r0),
@@ -221,7 +245,8 @@ pub(crate) fn backward<T: Real>(
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let ko = b * t * kw + kvh * d;
         let mut ds = vec![T::ZERO; t * t];
-        let vt = transposed_head(v, ko, kw, t, d);
+        let vt = (!bf16_reads_heads_in_place::<T>(be)).then(|| transposed_head(v, ko, kw, t, d));
+        let vt_view = head_transposed_view(&vt, v, ko, kw, t);
         for j in 0..group {
             let h = kvh * group + j;
             let qo = b * t * qw + h * d;
@@ -237,7 +262,7 @@ pub(crate) fn backward<T: Real>(
                     gemm_raw(
                         (m, r1, d),
                         (dor, qw, 1),
-                        (vt.as_ptr(), t, 1),
+                        vt_view,
                         (dsb.as_mut_ptr(), t, 1),
                         false,
                         Causal::Columns(r0),

@@ -463,6 +463,25 @@ pub(super) trait Tiles {
     /// # Safety
     /// The panels hold `kp` pairs of `MR` rows and `NR` columns; `c` holds the block.
     unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool);
+    /// [`Tiles::micro`] for a block that overhangs `c`, `rows × cols` of it inside, written in
+    /// place; `false` (nothing done) where the path cannot, and the block goes through a scratch
+    /// tile.
+    ///
+    /// # Safety
+    /// As [`Tiles::micro`], `c` holding the `rows × cols` part.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro_edge(
+        _kp: usize,
+        _a: *const u32,
+        _b: *const u32,
+        _c: *mut f32,
+        _c_rs: usize,
+        _add: bool,
+        _rows: usize,
+        _cols: usize,
+    ) -> bool {
+        false
+    }
 }
 
 /// The AVX512_BF16 path.
@@ -493,7 +512,21 @@ impl Tiles for Avx512 {
         pack(a, rs, cs, t0, rows, tn, k0, kn, kp, MR, out);
     }
     unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool) {
-        micro_kernel(kp, a, b, c, c_rs, add)
+        micro_kernel(kp, a, b, c, c_rs, add, MR, NR)
+    }
+    /// Masked stores: attention's blocks of 64 rows end in a part panel every time.
+    unsafe fn micro_edge(
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        c_rs: usize,
+        add: bool,
+        rows: usize,
+        cols: usize,
+    ) -> bool {
+        micro_kernel(kp, a, b, c, c_rs, add, rows, cols);
+        true
     }
 }
 
@@ -539,7 +572,7 @@ unsafe fn serial<P: Tiles>(
         // do not move, so these offsets hold for the whole call.
         let line = |v: &Vec<u32>| (64 - v.as_ptr() as usize % 64) % 64 / 4;
         let (oa, ob) = (line(pa), line(pb));
-        let mut tile = EdgeTile([0f32; 32 * 32]);
+        let mut tile: Option<Box<EdgeTile>> = None;
         for jc in (0..n).step_by(P::NC) {
             let nc = P::NC.min(n - jc);
             for pc in (0..kpairs).step_by(kc) {
@@ -566,12 +599,15 @@ unsafe fn serial<P: Tiles>(
                         let ap = pa.as_ptr().add(oa + im * kp * mr);
                         let (i, j) = (ic + im * mr, jc + jn * nr);
                         let dst = c.add(i * c_rs + j);
-                        if i + mr <= m && j + nr <= n {
+                        let (rows, cols) = (mr.min(m - i), nr.min(n - j));
+                        if rows == mr && cols == nr {
                             P::micro(kp, ap, bp, dst, c_rs, add);
-                        } else {
+                        } else if !P::micro_edge(kp, ap, bp, dst, c_rs, add, rows, cols) {
+                            let tile =
+                                tile.get_or_insert_with(|| Box::new(EdgeTile([0.0; 32 * 32])));
                             P::micro(kp, ap, bp, tile.0.as_mut_ptr(), nr, false);
-                            for r in 0..mr.min(m - i) {
-                                for q in 0..nr.min(n - j) {
+                            for r in 0..rows {
+                                for q in 0..cols {
                                     let d = dst.add(r * c_rs + q);
                                     let v = tile.0[r * nr + q];
                                     *d = if add { *d + v } else { v };
@@ -841,9 +877,11 @@ pub(super) unsafe fn pack_across_k(
     }
 }
 
-/// `c[MR×NR] (+)= a_panel · b_panel` over `kp` k-pairs.
+/// `c[MR×NR] (+)= a_panel · b_panel` over `kp` k-pairs, of which the first `rows × cols` are
+/// stored (masked stores: nothing outside them is touched).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn micro_kernel(
     kp: usize,
     a: *const u32,
@@ -851,6 +889,8 @@ unsafe fn micro_kernel(
     c: *mut f32,
     c_rs: usize,
     add: bool,
+    rows: usize,
+    cols: usize,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     for p in 0..kp {
@@ -862,15 +902,22 @@ unsafe fn micro_kernel(
             acc[1] = _mm512_dpbf16_ps(acc[1], pair, b1);
         }
     }
+    let lanes = |n: usize| ((1u32 << n.min(16)) - 1) as __mmask16;
+    let (m0, m1) = (lanes(cols), lanes(cols.saturating_sub(16)));
+    // Masked lanes are neither read nor written (nor fault); a row's second half may lie past `c`
+    // when it is masked off entirely, hence the wrapping address.
     for (r, acc) in acc.iter().enumerate() {
-        let row = c.add(r * c_rs);
+        if r == rows {
+            break;
+        }
+        let row = c.wrapping_add(r * c_rs);
         let (mut v0, mut v1) = (acc[0], acc[1]);
         if add {
-            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(row));
-            v1 = _mm512_add_ps(v1, _mm512_loadu_ps(row.add(16)));
+            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, row));
+            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, row.wrapping_add(16)));
         }
-        _mm512_storeu_ps(row, v0);
-        _mm512_storeu_ps(row.add(16), v1);
+        _mm512_mask_storeu_ps(row, m0, v0);
+        _mm512_mask_storeu_ps(row.wrapping_add(16), m1, v1);
     }
 }
 
@@ -907,7 +954,17 @@ pub(super) unsafe fn pack_across_k(
     unreachable!("available() is false off x86_64")
 }
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: usize, _: bool) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro_kernel(
+    _: usize,
+    _: *const u32,
+    _: *const u32,
+    _: *mut f32,
+    _: usize,
+    _: bool,
+    _: usize,
+    _: usize,
+) {
     unreachable!("available() is false off x86_64")
 }
 
