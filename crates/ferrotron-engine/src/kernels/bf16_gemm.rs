@@ -1030,35 +1030,19 @@ mod tests {
         c
     }
 
-    /// What [`pack`] must produce, element by element: panel `i`'s pair `p` of row `t` at
-    /// `i·kp·w + p·w + t`, zero past the rows, k and the data.
-    #[allow(clippy::too_many_arguments)]
-    fn packed_reference(
-        x: Operand,
-        ts: usize,
-        ks: usize,
-        t0: usize,
-        rows: usize,
-        tn: usize,
-        k0: usize,
-        kn: usize,
-        kp: usize,
-        w: usize,
-    ) -> Vec<u32> {
-        let mut o = vec![0u32; rows.div_ceil(w) * kp * w];
-        for t in 0..rows.min(tn.saturating_sub(t0)) {
-            for p in 0..kp {
-                let bits = |kk: usize| {
-                    if kk < kn {
-                        x.bits((t0 + t) * ts + kk * ks) as u32
-                    } else {
-                        0
-                    }
-                };
-                o[(t / w) * kp * w + p * w + t % w] = bits(k0 + 2 * p) | bits(k0 + 2 * p + 1) << 16;
-            }
-        }
-        o
+    /// An operand of `len` values in [-2, 2), in f32 and rounded to bf16.
+    pub(super) fn random_operand(len: usize, seed: u64) -> (Vec<f32>, Vec<bf16>) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let xf: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        let xb = xf.iter().map(|&v| bf16::from_f32(v)).collect();
+        (xf, xb)
+    }
+
+    /// The packed pair of k-values `kk` and `kk + 1` of one row (`at(kk)`: where value `kk` lies),
+    /// zero past `kn`: what a panel must hold there.
+    pub(super) fn pair_bits(x: Operand, at: impl Fn(usize) -> usize, kk: usize, kn: usize) -> u32 {
+        let bits = |kk: usize| if kk < kn { x.bits(at(kk)) as u32 } else { 0 };
+        bits(kk) | bits(kk + 1) << 16
     }
 
     /// The vectorised packings (k contiguous: transposed in registers; rows contiguous: pair by
@@ -1074,11 +1058,7 @@ mod tests {
             return;
         }
         let (rows_all, cols_all) = (83, 157);
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        let xf: Vec<f32> = (0..rows_all * cols_all)
-            .map(|_| rng.gen_range(-2.0..2.0))
-            .collect();
-        let xb: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (xf, xb) = random_operand(rows_all * cols_all, 11);
         for &w in &[14, 16, 32] {
             for &(t0, rows, k0, kp) in &[
                 (0, 64, 0, 40),
@@ -1098,7 +1078,16 @@ mod tests {
                     ] {
                         let mut got = vec![7u32; 3];
                         pack(x, ts, ks, t0, rows, tn, k0, kn, kp, w, &mut got);
-                        let want = packed_reference(x, ts, ks, t0, rows, tn, k0, kn, kp, w);
+                        // Panel i's pair p of row t at i·kp·w + p·w + t: zero past the rows,
+                        // k and the data.
+                        let mut want = vec![0u32; rows.div_ceil(w) * kp * w];
+                        for t in 0..rows.min(tn.saturating_sub(t0)) {
+                            for p in 0..kp {
+                                let at = |kk: usize| (t0 + t) * ts + kk * ks;
+                                want[(t / w) * kp * w + p * w + t % w] =
+                                    pair_bits(x, at, k0 + 2 * p, kn);
+                            }
+                        }
                         assert_eq!(&got[..3], &[7, 7, 7], "the buffer's earlier contents kept");
                         assert!(
                             got[3..] == want[..],

@@ -337,8 +337,6 @@ pub(super) fn peak_chains(iters: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::bf16;
-    use rand::{Rng, SeedableRng};
 
     /// The packing of `a` into tiles needs AVX512_BF16, not AMX, so its layout is checked on every
     /// machine with the former: pair `p` of row `t` of panel `i` at `i·32·kp + tile_index(p, t)`,
@@ -351,11 +349,7 @@ mod tests {
             return;
         }
         let (r_all, c_all) = (75, 140);
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        let xf: Vec<f32> = (0..r_all * c_all)
-            .map(|_| rng.gen_range(-2.0..2.0))
-            .collect();
-        let xb: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (xf, xb) = super::super::tests::random_operand(r_all * c_all, 5);
         // (rows stride, k stride, rows of the operand, its k)
         for &(rs, cs, tn, kn) in &[
             (c_all, 1, r_all, c_all),
@@ -371,15 +365,9 @@ mod tests {
                     let mut want = vec![0u32; rows.div_ceil(MR) * MR * kp];
                     for t in 0..rows.min(tn.saturating_sub(t0)) {
                         for p in 0..kp {
-                            let bits = |kk: usize| {
-                                if kk < kn {
-                                    a.bits((t0 + t) * rs + kk * cs) as u32
-                                } else {
-                                    0
-                                }
-                            };
+                            let at = |kk: usize| (t0 + t) * rs + kk * cs;
                             want[(t / MR) * MR * kp + tile_index(p, t % MR)] =
-                                bits(k0 + 2 * p) | bits(k0 + 2 * p + 1) << 16;
+                                super::super::tests::pair_bits(a, at, k0 + 2 * p, kn);
                         }
                     }
                     assert!(
