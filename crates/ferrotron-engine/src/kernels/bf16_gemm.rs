@@ -736,10 +736,12 @@ unsafe fn load_pairs(x: Operand, start: usize, values: usize) -> __m512i {
             let (lo, hi) = if values == 32 {
                 (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
             } else {
+                // Masked lanes are not read; the second half's address may lie past the operand
+                // when all of it is masked, hence the wrapping address.
                 let mask = |n: usize| ((1u32 << n.min(16)) - 1) as __mmask16;
                 (
                     _mm512_maskz_loadu_ps(mask(values), p),
-                    _mm512_maskz_loadu_ps(mask(values.saturating_sub(16)), p.add(16)),
+                    _mm512_maskz_loadu_ps(mask(values.saturating_sub(16)), p.wrapping_add(16)),
                 )
             };
             std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
