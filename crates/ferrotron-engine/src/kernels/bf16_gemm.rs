@@ -49,7 +49,17 @@ mod amx {
         ) {
             unreachable!("no AMX off x86_64")
         }
-        unsafe fn micro(_: usize, _: *const u32, _: *const u32, _: *mut f32, _: usize, _: bool) {
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn micro(
+            _: usize,
+            _: *const u32,
+            _: *const u32,
+            _: *mut f32,
+            _: usize,
+            _: bool,
+            _: usize,
+            _: usize,
+        ) {
             unreachable!("no AMX off x86_64")
         }
     }
@@ -458,30 +468,25 @@ pub(super) trait Tiles {
     /// # Safety
     /// As [`Tiles::begin`].
     unsafe fn end() {}
-    /// `c[MR×NR] (+)= a_panel · b_panel` over `kp` k-pairs.
+    /// Whether [`Tiles::micro`] stores a part block (one that overhangs `c`) in place; where not,
+    /// such a block goes through a scratch tile, and `micro` only ever sees whole ones.
+    const PART_BLOCKS: bool = false;
+    /// `c (+)= a_panel · b_panel` over `kp` k-pairs, the first `rows × cols` of the `MR × NR`
+    /// block stored (all of it unless [`Tiles::PART_BLOCKS`]).
     ///
     /// # Safety
-    /// The panels hold `kp` pairs of `MR` rows and `NR` columns; `c` holds the block.
-    unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool);
-    /// [`Tiles::micro`] for a block that overhangs `c`, `rows × cols` of it inside, written in
-    /// place; `false` (nothing done) where the path cannot, and the block goes through a scratch
-    /// tile.
-    ///
-    /// # Safety
-    /// As [`Tiles::micro`], `c` holding the `rows × cols` part.
+    /// The panels hold `kp` pairs of `MR` rows and `NR` columns; `c` holds the `rows × cols` part.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn micro_edge(
-        _kp: usize,
-        _a: *const u32,
-        _b: *const u32,
-        _c: *mut f32,
-        _c_rs: usize,
-        _add: bool,
-        _rows: usize,
-        _cols: usize,
-    ) -> bool {
-        false
-    }
+    unsafe fn micro(
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        c_rs: usize,
+        add: bool,
+        rows: usize,
+        cols: usize,
+    );
 }
 
 /// The AVX512_BF16 path.
@@ -511,11 +516,9 @@ impl Tiles for Avx512 {
         let (rs, cs) = a.strides();
         pack(a, rs, cs, t0, rows, tn, k0, kn, kp, MR, out);
     }
-    unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool) {
-        micro_kernel(kp, a, b, c, c_rs, add, MR, NR)
-    }
     /// Masked stores: attention's blocks of 64 rows end in a part panel every time.
-    unsafe fn micro_edge(
+    const PART_BLOCKS: bool = true;
+    unsafe fn micro(
         kp: usize,
         a: *const u32,
         b: *const u32,
@@ -524,9 +527,8 @@ impl Tiles for Avx512 {
         add: bool,
         rows: usize,
         cols: usize,
-    ) -> bool {
-        micro_kernel(kp, a, b, c, c_rs, add, rows, cols);
-        true
+    ) {
+        micro_kernel(kp, a, b, c, c_rs, add, rows, cols)
     }
 }
 
@@ -600,12 +602,12 @@ unsafe fn serial<P: Tiles>(
                         let (i, j) = (ic + im * mr, jc + jn * nr);
                         let dst = c.add(i * c_rs + j);
                         let (rows, cols) = (mr.min(m - i), nr.min(n - j));
-                        if rows == mr && cols == nr {
-                            P::micro(kp, ap, bp, dst, c_rs, add);
-                        } else if !P::micro_edge(kp, ap, bp, dst, c_rs, add, rows, cols) {
+                        if (rows == mr && cols == nr) || P::PART_BLOCKS {
+                            P::micro(kp, ap, bp, dst, c_rs, add, rows, cols);
+                        } else {
                             let tile =
                                 tile.get_or_insert_with(|| Box::new(EdgeTile([0.0; 32 * 32])));
-                            P::micro(kp, ap, bp, tile.0.as_mut_ptr(), nr, false);
+                            P::micro(kp, ap, bp, tile.0.as_mut_ptr(), nr, false, mr, nr);
                             for r in 0..rows {
                                 for q in 0..cols {
                                     let d = dst.add(r * c_rs + q);

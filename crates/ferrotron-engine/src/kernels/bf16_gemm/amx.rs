@@ -164,7 +164,21 @@ impl Tiles for Amx {
     unsafe fn end() {
         asm!("tilerelease", options(nostack, nomem));
     }
-    unsafe fn micro(kp: usize, a: *const u32, b: *const u32, c: *mut f32, c_rs: usize, add: bool) {
+    /// Whole blocks only (tile stores have no masks; part blocks go through a scratch tile).
+    unsafe fn micro(
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        c_rs: usize,
+        add: bool,
+        rows: usize,
+        cols: usize,
+    ) {
+        debug_assert!(
+            rows == MR && cols == NR,
+            "AMX: a part block reached the tiles"
+        );
         micro_kernel(kp, a, b, c, c_rs, add)
     }
 }
