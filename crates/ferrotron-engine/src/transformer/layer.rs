@@ -72,7 +72,7 @@ impl Lin {
     }
 
     /// `x·Wᵀ (+ b)` with this layer's tensors in `store`.
-    fn product(
+    pub(crate) fn product(
         &self,
         be: &dyn Backend,
         store: &ParamStore,
@@ -80,10 +80,8 @@ impl Lin {
         rows: usize,
         bias: bool,
     ) -> Vec<f32> {
-        let mut y = be.zeros(rows * self.out_dim);
         let b = self.b.filter(|_| bias).map(|b| store.tensors[b].as_slice());
-        be.linear_forward(self.shape(rows), x, store.matrix(self.w), b, &mut y);
-        y
+        be.linear_forward_new(self.shape(rows), x, store.matrix(self.w), b)
     }
 
     fn forward(&self, be: &dyn Backend, w: Weights, x: &[f32], rows: usize) -> Vec<f32> {
@@ -119,6 +117,36 @@ impl Lin {
     ) {
         let s = self.shape(dy.len() / self.out_dim);
         be.linear_backward_input(s, dy, w.base.matrix(self.w), dx, acc);
+        self.backward_rest(be, w, g, dy, x, dx);
+    }
+
+    /// [`Lin::backward`] with the input gradient in a new buffer (no zeroing pass).
+    pub(crate) fn backward_new(
+        &self,
+        be: &dyn Backend,
+        w: Weights,
+        g: &mut WeightSink,
+        dy: &[f32],
+        x: &[f32],
+    ) -> Vec<f32> {
+        let s = self.shape(dy.len() / self.out_dim);
+        let mut dx = be.linear_backward_input_new(s, dy, w.base.matrix(self.w));
+        self.backward_rest(be, w, g, dy, x, &mut dx);
+        dx
+    }
+
+    /// What [`Lin::backward`] does after the base's input gradient: the weight gradient and the
+    /// adapter's part.
+    fn backward_rest(
+        &self,
+        be: &dyn Backend,
+        w: Weights,
+        g: &mut WeightSink,
+        dy: &[f32],
+        x: &[f32],
+        dx: &mut [f32],
+    ) {
+        let rows = dy.len() / self.out_dim;
         if !w.frozen() {
             self.weight_grad(be, g, dy, x);
         }
@@ -126,7 +154,6 @@ impl Lin {
         let store = w
             .adapters
             .expect("an adapter's tensors are in the adapter store");
-        let rows = s.rows;
         let (down, up) = (
             Lin::plain(ad.a, self.in_dim, ad.rank),
             Lin::plain(ad.b, ad.rank, self.out_dim),
@@ -135,8 +162,7 @@ impl Lin {
         let mut z = down.product(be, store, x, rows, false);
         scale_in_place(&mut z, ad.scale);
         // dz = dy·B, and du = scale · dz is the gradient at x·Aᵀ.
-        let mut du = be.zeros(rows * ad.rank);
-        be.linear_backward_input(up.shape(rows), dy, store.matrix(ad.b), &mut du, false);
+        let mut du = be.linear_backward_input_new(up.shape(rows), dy, store.matrix(ad.b));
         scale_in_place(&mut du, ad.scale);
         be.linear_backward_input(down.shape(rows), &du, store.matrix(ad.a), dx, true);
         up.weight_grad(be, g, dy, &z);
@@ -522,19 +548,16 @@ pub(crate) fn backward(
     (batch, seq): (usize, usize),
 ) {
     let cfg = &m.cfg;
-    let (rows, h, f) = (batch * seq, cfg.hidden_size, cfg.intermediate_size);
+    let (rows, f) = (batch * seq, cfg.intermediate_size);
     // MLP branch: out = x_mid + down(act(in(norm2(x_mid)))). The split region sees every row: the
     // gradient at its output is gathered, its input gradient (a partial sum) reduced back.
-    let mut dact = be.zeros(rows * f);
-    {
+    let dact = {
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
-        ids.mlp_out
-            .backward(be, p, g, dout, &a.mlp_act.get(be), &mut dact, false);
-    }
+        ids.mlp_out.backward_new(be, p, g, dout, &a.mlp_act.get(be))
+    };
     drop(a.mlp_act);
-    let mut dn2 = be.zeros(rows * h);
-    {
+    let dn2 = {
         let n2_out = a.n2_out.get(be);
         let n2_all = tp.gather_rows(&n2_out);
         let n2_in = n2_all.as_deref().unwrap_or(&n2_out);
@@ -543,29 +566,28 @@ pub(crate) fn backward(
             Arch::Llama => {
                 let (mut dgate, mut dup) = (be.zeros(rows * f), be.zeros(rows * f));
                 be.swiglu_backward(&dact, &pre[0], &pre[1], &mut dgate, &mut dup);
-                ids.mlp_in[0].backward(be, p, g, &dgate, n2_in, &mut dn2, false);
+                let mut dn2 = ids.mlp_in[0].backward_new(be, p, g, &dgate, n2_in);
                 ids.mlp_in[1].backward(be, p, g, &dup, n2_in, &mut dn2, true);
+                dn2
             }
             Arch::Gpt2 => {
                 let mut dpre = be.zeros(rows * f);
                 be.gelu_backward(&dact, &pre[0], &mut dpre);
-                ids.mlp_in[0].backward(be, p, g, &dpre, n2_in, &mut dn2, false);
+                ids.mlp_in[0].backward_new(be, p, g, &dpre, n2_in)
             }
         }
-    }
+    };
     let dn2 = tp.reduce(dn2);
     ids.norm2
         .backward(be, p, g, &dn2, &a.x_mid.get(be), &a.n2, dx, true);
     drop(dn2);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
-    let mut dattn = be.zeros(rows * cfg.q_dim());
-    {
+    let dattn = {
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
-        ids.attn_out
-            .backward(be, p, g, dout, &a.attn.get(be), &mut dattn, false);
-    }
+        ids.attn_out.backward_new(be, p, g, dout, &a.attn.get(be))
+    };
     let shape = attn_shape(cfg, batch, seq);
     let (q, k, v) = (a.q.get(be), a.k.get(be), a.v.get(be));
     if a.probs.is_empty() {
@@ -592,16 +614,16 @@ pub(crate) fn backward(
         be.rope_backward(rope, positions, cfg.num_heads, &mut dq);
         be.rope_backward(rope, positions, cfg.num_kv_heads, &mut dk);
     }
-    let mut dn1 = be.zeros(rows * h);
-    {
+    let dn1 = {
         let n1_out = a.n1_out.get(be);
         let n1_all = tp.gather_rows(&n1_out);
         let n1_in = n1_all.as_deref().unwrap_or(&n1_out);
         match cfg.arch {
             Arch::Llama => {
-                ids.qkv[0].backward(be, p, g, &dq, n1_in, &mut dn1, false);
+                let mut dn1 = ids.qkv[0].backward_new(be, p, g, &dq, n1_in);
                 ids.qkv[1].backward(be, p, g, &dk, n1_in, &mut dn1, true);
                 ids.qkv[2].backward(be, p, g, &dv, n1_in, &mut dn1, true);
+                dn1
             }
             Arch::Gpt2 => {
                 let q = cfg.q_dim();
@@ -611,10 +633,10 @@ pub(crate) fn backward(
                         dqkv.extend_from_slice(&part[r * q..(r + 1) * q]);
                     }
                 }
-                ids.qkv[0].backward(be, p, g, &dqkv, n1_in, &mut dn1, false);
+                ids.qkv[0].backward_new(be, p, g, &dqkv, n1_in)
             }
         }
-    }
+    };
     let dn1 = tp.reduce(dn1);
     ids.norm1
         .backward(be, p, g, &dn1, &a.x_in.get(be), &a.n1, dx, true);

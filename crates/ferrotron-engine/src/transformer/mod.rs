@@ -501,15 +501,9 @@ impl Transformer {
                 res.params(Unit::Head, &mut |p| {
                     self.weights(Unit::Head, p, &mut |w| {
                         let normed = norm.forward(be, w.base, &x, self.cfg.norm_eps as f32);
-                        let mut logits = be.zeros(rows * self.cfg.vocab_size);
                         let normed_all = tp.gather_rows(&normed.out);
-                        be.linear_forward(
-                            head.shape(rows),
-                            normed_all.as_deref().unwrap_or(&normed.out),
-                            w.base.matrix(head.w),
-                            None,
-                            &mut logits,
-                        );
+                        let normed_in = normed_all.as_deref().unwrap_or(&normed.out);
+                        let logits = head.product(be, w.base, normed_in, rows, false);
                         let mut normed = normed;
                         state.final_out = Kept::keep(
                             be,
@@ -630,10 +624,9 @@ impl Transformer {
                 let final_in = std::mem::take(&mut state.final_in).into_f32(be);
                 let final_out = std::mem::take(&mut state.final_out).into_f32(be);
                 in_unit(Unit::Head, &mut |p, sink| {
-                    let mut dnormed = be.zeros(rows * h);
                     let normed_all = tp.gather_rows(&final_out);
                     let normed = normed_all.as_deref().unwrap_or(&final_out);
-                    head.backward(be, p, sink, &dlogits, normed, &mut dnormed, false);
+                    let dnormed = head.backward_new(be, p, sink, &dlogits, normed);
                     drop(normed_all);
                     let dnormed = tp.reduce(dnormed);
                     norm.backward(be, p, sink, &dnormed, &final_in, &stash, &mut dx, false);

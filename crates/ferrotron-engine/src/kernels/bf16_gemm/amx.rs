@@ -120,43 +120,33 @@ impl Tiles for Amx {
         k0: usize,
         kn: usize,
         kp: usize,
-        out: &mut Vec<u32>,
+        out: &mut [u32],
     ) {
         let (rs, cs) = a.strides();
+        let tmax = tn.saturating_sub(t0).min(rows);
+        let kmax = kn.saturating_sub(k0).min(2 * kp);
+        // tile_index(p, t) = tile_index(0, t) + tile_index(p, 0): separable, as the packer
+        // wants it (a test below checks it).
+        let row_at = |t: usize| (t / MR) * MR * kp + tile_index(0, t % MR);
+        let pair_at = |p: usize| tile_index(p, 0);
         if rs == 1 {
             // The rows contiguous (the weight gradient's dyᵀ): pair by pair across the whole
             // block, so that each pair's two source rows are read in runs of the block's width (a
             // panel at a time reads 128 bytes of each of `2 · kp` rows, which the prefetchers do
             // not follow), 16 rows converted at a time and scattered one tile row apart.
-            let base = out.len();
-            out.resize(base + rows.div_ceil(MR) * MR * kp, 0);
-            let tmax = tn.saturating_sub(t0).min(rows);
-            let kmax = kn.saturating_sub(k0).min(2 * kp);
-            // tile_index(p, t) = tile_index(0, t) + tile_index(p, 0): separable, as the packer
-            // wants it (a test below checks it).
-            let row_at = |t: usize| (t / MR) * MR * kp + tile_index(0, t % MR);
-            let pair_at = |p: usize| tile_index(p, 0);
             // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
             unsafe {
                 super::pack_across_k(
-                    a,
-                    cs,
-                    t0,
-                    tmax,
-                    k0,
-                    kmax,
-                    row_at,
-                    pair_at,
-                    TILE_PAIRS,
-                    16,
-                    &mut out[base..],
+                    a, cs, t0, tmax, k0, kmax, row_at, pair_at, TILE_PAIRS, 16, out,
                 )
             };
-            return;
+        } else {
+            for (ir, o) in out.chunks_exact_mut(MR * kp).enumerate() {
+                pack_rows(a, t0 + ir * MR, tn, k0, kn, kp, o);
+            }
         }
-        for ir in (0..rows).step_by(MR) {
-            pack_rows(a, t0 + ir, tn, k0, kn, kp, out);
-        }
+        let at = |p: usize, t: usize| row_at(t) + pair_at(p);
+        super::zero_padding(out, rows.div_ceil(MR) * MR, tmax, kp, kmax.div_ceil(2), at);
     }
     unsafe fn begin() {
         asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
@@ -195,24 +185,14 @@ fn tile_index(p: usize, t: usize) -> usize {
     (p / TILE_PAIRS) * 2 * TILE + (t / 16) * TILE + (t % 16) * TILE_PAIRS + p % TILE_PAIRS
 }
 
-/// Appends `MR` rows of `a` from row `t0`, tile by tile (see the module's doc): pair `p` of row `t`
-/// holds `a(t0 + t, k0 + 2p)` (low half) and `a(t0 + t, k0 + 2p + 1)`; zero beyond `tn`, `kn`.
-/// `kp` is a whole number of tiles.
-fn pack_rows(
-    a: Operand,
-    t0: usize,
-    tn: usize,
-    k0: usize,
-    kn: usize,
-    kp: usize,
-    out: &mut Vec<u32>,
-) {
+/// Writes `MR` rows of `a` from row `t0`, tile by tile (see the module's doc), over `o`: pair `p`
+/// of row `t` holds `a(t0 + t, k0 + 2p)` (low half) and `a(t0 + t, k0 + 2p + 1)`, for the rows
+/// before `tn` and the pairs before `kn` (the caller zeroes the rest). `kp` is a whole number of
+/// tiles.
+fn pack_rows(a: Operand, t0: usize, tn: usize, k0: usize, kn: usize, kp: usize, o: &mut [u32]) {
     let (rs, cs) = a.strides();
-    let base = out.len();
     if cs == 1 {
         // k contiguous: each row's 16 pairs of a tile are 32 consecutive values, once rounded.
-        out.resize(base + MR * kp, 0);
-        let o = &mut out[base..];
         let tmax = tn.saturating_sub(t0).min(MR);
         let kmax = kn.saturating_sub(k0).min(2 * kp);
         for t in 0..tmax {
@@ -223,9 +203,8 @@ fn pack_rows(
         return;
     }
     // k strided: pack as the other panels (pair-major), then place each pair in its tile.
-    pack(a, rs, cs, t0, MR, tn, k0, kn, kp, MR, out);
-    let pair_major = out[base..].to_vec();
-    let o = &mut out[base..];
+    let mut pair_major = vec![0; MR * kp];
+    pack(a, rs, cs, t0, MR, tn, k0, kn, kp, MR, &mut pair_major);
     for p in 0..kp {
         for t in 0..MR {
             o[tile_index(p, t)] = pair_major[p * MR + t];
@@ -235,7 +214,7 @@ fn pack_rows(
 
 /// `kmax` values of a k-contiguous row from `start`, rounded, as pairs into one row of a panel's
 /// tiles from its first (`o` starts there; 16 pairs to a tile row, tiles of a row `2 · TILE` apart;
-/// zero past them).
+/// the pairs past them are the caller's to zero).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn round_pairs(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
     use std::arch::x86_64::*;
@@ -374,7 +353,8 @@ mod tests {
             for &(t0, rows, k0) in &[(0, 64, 0), (7, tn - 7, 5), (20, 32, 30)] {
                 let kp = Amx::padded(35);
                 for a in [Operand::F32(&xf, rs, cs), Operand::Bf16(&xb, rs, cs)] {
-                    let mut got = Vec::new();
+                    // Garbage where it packs: the packing writes every element.
+                    let mut got = vec![0xdead_beef; rows.div_ceil(MR) * MR * kp];
                     Amx::pack_a(a, t0, rows, tn, k0, kn, kp, &mut got);
                     let mut want = vec![0u32; rows.div_ceil(MR) * MR * kp];
                     for t in 0..rows.min(tn.saturating_sub(t0)) {
