@@ -9,8 +9,8 @@ use super::{extent, AttnShape, CpuBackend};
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
 /// concurrent tasks write disjoint elements. Under bf16 products (`bf16`, f32 values, `c` rows
-/// contiguous) the bf16 GEMM, operands rounded as they are packed, the whole block computed (the
-/// masked part is what the f32 paths below may skip; callers overwrite or zero it); in f32, with
+/// contiguous) the bf16 GEMM, operands rounded as they are packed, skipping what `mask` says
+/// tile by tile (masked columns are left unwritten: callers overwrite or zero them); in f32, with
 /// `b` and `c` rows contiguous, the AVX-512 kernel made for these shapes; otherwise the `gemm`
 /// crate.
 unsafe fn gemm_raw<T: Real>(
@@ -22,15 +22,13 @@ unsafe fn gemm_raw<T: Real>(
     mask: Causal,
     bf16: bool,
 ) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = mask;
     if bf16 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() && c.2 == 1 {
         use super::bf16_gemm::{gemm_into, Operand};
         let (ae, be) = (extent(m, k, a.1, a.2), extent(k, n, b.1, b.2));
         let av = std::slice::from_raw_parts(a.0.cast::<f32>(), ae);
         let bv = std::slice::from_raw_parts(b.0.cast::<f32>(), be);
         let (ao, bo) = (Operand::F32(av, a.1, a.2), Operand::F32(bv, b.1, b.2));
-        if gemm_into(m, n, k, ao, bo, c.0.cast(), c.1, accumulate) {
+        if gemm_into(m, n, k, ao, bo, c.0.cast(), c.1, accumulate, mask) {
             return;
         }
     }
@@ -114,11 +112,16 @@ fn head_transposed_view<T: Real>(
     }
 }
 
-const ROW_BLOCK: usize = 64;
-
-/// Row blocks `[r0, r1)` of a `t`-row causal score matrix.
-fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..t.div_ceil(ROW_BLOCK)).map(move |b| (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(t)))
+/// Row blocks `[r0, r1)` of a `t`-row causal score matrix: blocks of 64 rows, whose products skip
+/// the blocks of keys past their last query; on the bf16 GEMM, which skips them tile by tile (and
+/// packs each operand once per product), one block of all `t`.
+fn row_blocks<T: Real>(be: &CpuBackend, t: usize) -> impl Iterator<Item = (usize, usize)> {
+    let block = if bf16_reads_heads_in_place::<T>(be) {
+        t.max(1)
+    } else {
+        64
+    };
+    (0..t.div_ceil(block)).map(move |b| (b * block, ((b + 1) * block).min(t)))
 }
 
 simd_kernel! {
@@ -181,7 +184,7 @@ pub(crate) fn forward<T: Real>(
         unsafe {
             let p = probs_p.get().add(task * t * t);
             // Row block [r0, r1) attends to keys [0, r1): the masked upper triangle is skipped.
-            for (r0, r1) in row_blocks(t) {
+            for (r0, r1) in row_blocks::<T>(be, t) {
                 let (m, pb) = (r1 - r0, p.add(r0 * t));
                 // S = Q·Kᵀ, then softmax, then O = P·V
                 gemm_raw(
@@ -241,18 +244,31 @@ pub(crate) fn backward<T: Real>(
     );
     // One task per (sequence, KV head): the query heads that share a KV head accumulate into its
     // dK/dV one after another, so no two tasks write the same element.
-    be.for_tasks(s.batch * s.kv_heads, |task| {
+    // dS, a head's T×T scratch, is written where it is read (each row up to the block's last key).
+    let scratch = || vec![T::ZERO; t * t];
+    be.for_tasks_with(s.batch * s.kv_heads, scratch, |ds, task| {
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let ko = b * t * kw + kvh * d;
-        let mut ds = vec![T::ZERO; t * t];
         let vt = (!bf16_reads_heads_in_place::<T>(be)).then(|| transposed_head(v, ko, kw, t, d));
         let vt_view = head_transposed_view(&vt, v, ko, kw, t);
+        // The first block writes dK and dV at its keys; with several blocks, later ones reach
+        // keys it did not: those start from zero.
+        let one_block = row_blocks::<T>(be, t).nth(1).is_none();
+        if !one_block {
+            for r in 0..t {
+                // SAFETY: row r of this task's head of dK and dV, inside them (checked above).
+                unsafe {
+                    std::slice::from_raw_parts_mut(dk_p.get().add(ko + r * kw), d).fill(T::ZERO);
+                    std::slice::from_raw_parts_mut(dv_p.get().add(ko + r * kw), d).fill(T::ZERO);
+                }
+            }
+        }
         for j in 0..group {
             let h = kvh * group + j;
             let qo = b * t * qw + h * d;
             let p = &probs[(b * s.heads + h) * t * t..][..t * t];
-            for (bi, (r0, r1)) in row_blocks(t).enumerate() {
-                let (m, first) = (r1 - r0, j == 0 && bi == 0);
+            for (bi, (r0, r1)) in row_blocks::<T>(be, t).enumerate() {
+                let (m, first) = (r1 - r0, j == 0 && bi == 0 && one_block);
                 let (dsb, pb) = (&mut ds[r0 * t..r1 * t], &p[r0 * t..r1 * t]);
                 let (dor, qr) = (dout[qo + r0 * qw..].as_ptr(), q[qo + r0 * qw..].as_ptr());
                 // SAFETY: bounds checked above; this task alone writes dq's head h and the kvh

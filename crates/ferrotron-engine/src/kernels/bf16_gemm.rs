@@ -306,7 +306,20 @@ pub fn gemm_on(
     };
     let threads = threads_for(m, n, k, threads);
     // SAFETY: the views lie inside their slices (checked above); `c` is exclusively borrowed.
-    unsafe { blocked(m, n, k, a, b, c.as_mut_ptr(), c_rs, accumulate, threads) }
+    unsafe {
+        blocked(
+            m,
+            n,
+            k,
+            a,
+            b,
+            c.as_mut_ptr(),
+            c_rs,
+            accumulate,
+            Causal::None,
+            threads,
+        )
+    }
 }
 
 /// `a[m×k]·b[k×n]` in a new buffer (row stride `n`), as [`gemm`] computes it. The bf16 paths write
@@ -321,7 +334,20 @@ pub fn product(m: usize, n: usize, k: usize, a: Operand, b: Operand, threads: us
             super::bf16_convert::filled(m * n, |c| {
                 // SAFETY: the views lie inside their slices (checked above); `c` holds the
                 // `m × n` view and is written whole (no accumulation), never read first.
-                unsafe { blocked(m, n, k, a, b, c.as_mut_ptr().cast(), n, false, threads) }
+                unsafe {
+                    blocked(
+                        m,
+                        n,
+                        k,
+                        a,
+                        b,
+                        c.as_mut_ptr().cast(),
+                        n,
+                        false,
+                        Causal::None,
+                        threads,
+                    )
+                }
             })
         }
         _ => {
@@ -371,6 +397,7 @@ pub(crate) unsafe fn gemm_into(
     c: *mut f32,
     c_rs: usize,
     accumulate: bool,
+    mask: Causal,
 ) -> bool {
     let Some(blocked) = kernel_of(best_path()) else {
         return false;
@@ -379,12 +406,13 @@ pub(crate) unsafe fn gemm_into(
         return false;
     }
     check_operands(m, n, k, a, b);
-    blocked(m, n, k, a, b, c, c_rs, accumulate, 1);
+    blocked(m, n, k, a, b, c, c_rs, accumulate, mask, 1);
     true
 }
 
 /// A path's blocked GEMM (see [`blocked`]).
-type Blocked = unsafe fn(usize, usize, usize, Operand, Operand, *mut f32, usize, bool, usize);
+type Blocked =
+    unsafe fn(usize, usize, usize, Operand, Operand, *mut f32, usize, bool, Causal, usize);
 
 /// A bf16 path's blocked GEMM; `None` for the f32 fallback.
 fn kernel_of(path: Path) -> Option<Blocked> {
@@ -485,6 +513,10 @@ pub(super) trait Tiles {
     /// # Safety
     /// As [`Tiles::begin`].
     unsafe fn end() {}
+    /// Whether a panel's k-pairs may be packed and multiplied from any pair to any other (the
+    /// packed layout is pair by pair): then a [depth mask](Causal) skips the pairs that multiply
+    /// zeros. Where not, the whole depth is computed (the same result).
+    const DEPTH_RANGES: bool = false;
     /// Whether [`Tiles::micro`] stores a part block (one that overhangs `c`) in place; where not,
     /// such a block goes through a scratch tile, and `micro` only ever sees whole ones.
     const PART_BLOCKS: bool = false;
@@ -535,6 +567,8 @@ impl Tiles for Avx512 {
     }
     /// Masked stores: attention's blocks of 64 rows end in a part panel every time.
     const PART_BLOCKS: bool = true;
+    /// Panels are `[pair][MR]` and `[pair][NR]`: pairs `s..e` are a run of each.
+    const DEPTH_RANGES: bool = true;
     /// Measured on Zen 4: 14% fewer elements packed a step, the step no slower (the AMX path keeps
     /// a packing per thread: sharing measured 2–18% slower on its host, see the README).
     const SHARED_B: bool = true;
@@ -577,6 +611,7 @@ unsafe fn blocked<P: Tiles>(
     c: *mut f32,
     c_rs: usize,
     accumulate: bool,
+    mask: Causal,
     threads: usize,
 ) {
     let (mr, nr) = (P::MR, P::NR);
@@ -584,6 +619,10 @@ unsafe fn blocked<P: Tiles>(
     let shared = P::SHARED_B && (m >= n || m >= 4 * threads * mr);
     if threads > 1 && !shared {
         // Each thread its own part of `c` along the longer side, and its own panels of both.
+        assert!(
+            matches!(mask, Causal::None),
+            "bf16 gemm: a causal mask on a product split this way"
+        );
         let split_rows = m >= n;
         let (len, tile) = if split_rows { (m, mr) } else { (n, nr) };
         let per = len.div_ceil(threads).div_ceil(tile) * tile;
@@ -592,19 +631,17 @@ unsafe fn blocked<P: Tiles>(
             let (lo, hi) = (t * per, ((t + 1) * per).min(len));
             if split_rows {
                 let (a, c) = (a.offset_rows(lo), c.get().add(lo * c_rs));
-                blocked::<P>(hi - lo, n, k, a, b, c, c_rs, accumulate, 1)
+                blocked::<P>(hi - lo, n, k, a, b, c, c_rs, accumulate, mask, 1)
             } else {
                 let (b, c) = (b.offset_cols(lo), c.get().add(lo));
-                blocked::<P>(m, hi - lo, k, a, b, c, c_rs, accumulate, 1)
+                blocked::<P>(m, hi - lo, k, a, b, c, c_rs, accumulate, mask, 1)
             }
         });
         return;
     }
     let kpairs = k.div_ceil(2);
     let kc = P::block_pairs(kpairs);
-    // Each thread's rows: whole panels, so that only the last thread's last panel is partial.
-    let per = m.div_ceil(threads).div_ceil(mr) * mr;
-    let parts = m.div_ceil(per);
+    let parts = threads.min(m.div_ceil(mr));
     let (rs, cs) = b.strides();
     let mut own = Vec::new();
     PACKED_B.with(|buffer| {
@@ -623,36 +660,117 @@ unsafe fn blocked<P: Tiles>(
                 let panel = kp * nr;
                 let pb = aligned(buffer, panels * panel);
                 let add = accumulate || pc > 0;
-                // b's panels (t = column, k along rows), a run of them per thread.
-                let group = panels.div_ceil(parts);
-                let pack_group = |(g, o): (usize, &mut [u32])| {
-                    let t0 = g * group * nr;
-                    let cols = (nc - t0).min(group * nr);
-                    pack(b, cs, rs, jc + t0, cols, n, 2 * pc, k, kp, nr, o)
-                };
-                if parts > 1 {
-                    use rayon::prelude::*;
-                    pb.par_chunks_mut(group * panel)
-                        .enumerate()
-                        .for_each(pack_group);
-                } else {
-                    pb.chunks_mut(group * panel)
-                        .enumerate()
-                        .for_each(pack_group);
-                }
-                let pb: &[u32] = pb;
-                // SAFETY: the parts write disjoint rows of `c`, all inside it.
-                for_each_part(parts, |t| unsafe {
-                    let rows = t * per..((t + 1) * per).min(m);
-                    rows_against::<P>(a, rows, m, (pc, kp, k), pb, (jc, nc, n), c.get(), c_rs, add)
+                // b's panels (t = column, k along rows) in runs that the threads take as they
+                // come; then, once all are packed, rows of `c` likewise.
+                let group = panels.div_ceil(4 * parts);
+                let groups = panels.div_ceil(group);
+                let (taken, packed, next_row) = (
+                    AtomicUsize::new(0),
+                    AtomicUsize::new(0),
+                    AtomicUsize::new(0),
+                );
+                let pb_ptr = super::cpu::SendPtr(pb.as_mut_ptr());
+                for_each_part(parts, |_| unsafe {
+                    loop {
+                        let g = taken.fetch_add(1, Ordering::Relaxed);
+                        if g >= groups {
+                            break;
+                        }
+                        let t0 = g * group * nr;
+                        let cols = (nc - t0).min(group * nr);
+                        // SAFETY: group `g`'s panels, taken by this thread alone.
+                        let o = std::slice::from_raw_parts_mut(
+                            pb_ptr.get().add(g * group * panel),
+                            cols.div_ceil(nr) * panel,
+                        );
+                        pack(b, cs, rs, jc + t0, cols, n, 2 * pc, k, kp, nr, o);
+                        packed.fetch_add(1, Ordering::Release);
+                    }
+                    // The runs still being packed are short: wait for them.
+                    let mut spins = 0u32;
+                    while packed.load(Ordering::Acquire) < groups {
+                        spins += 1;
+                        if spins.is_multiple_of(64) {
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    // SAFETY: every panel is written (above) and no longer written.
+                    let pb = std::slice::from_raw_parts(pb_ptr.get(), panels * panel);
+                    // SAFETY: the threads write disjoint rows of `c`, all inside it.
+                    while let Some(rows) = claim_rows(&next_row, m, mr, parts) {
+                        rows_against::<P>(
+                            a,
+                            rows,
+                            m,
+                            (pc, kp, k),
+                            pb,
+                            (jc, nc, n),
+                            c.get(),
+                            c_rs,
+                            add,
+                            mask,
+                        );
+                    }
                 });
             }
         }
     });
 }
 
+/// The next run of rows of an `m`-row product for a thread to take, from `next` (the first row
+/// not yet taken), or `None` when all are taken: whole panels of `mr` rows, about half of what is
+/// left shared among `parts` threads (guided: large runs first, one panel at the end), so that a
+/// thread that starts late, or is slowed, takes less instead of keeping the others waiting.
+fn claim_rows(
+    next: &AtomicUsize,
+    m: usize,
+    mr: usize,
+    parts: usize,
+) -> Option<std::ops::Range<usize>> {
+    let mut lo = next.load(Ordering::Relaxed);
+    loop {
+        if lo >= m {
+            return None;
+        }
+        let run = ((m - lo) / (2 * parts)).div_ceil(mr).max(1) * mr;
+        let hi = (lo + run).min(m);
+        match next.compare_exchange_weak(lo, hi, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(lo..hi),
+            Err(now) => lo = now,
+        }
+    }
+}
+
+/// The part of a block that the micro-tile at row `i` (of `rows` rows) needs under `mask`: the
+/// columns before the returned bound, and the block's pairs in the returned range (relative to the
+/// block's first pair `pc`, of `kp`; all of them unless the path [skips depth](Tiles::DEPTH_RANGES)).
+/// The pairs skipped multiply zeros (both values of a pair are past the mask's edge), and the
+/// columns skipped are ones the caller does not read.
+fn needed<P: Tiles>(
+    mask: Causal,
+    i: usize,
+    rows: usize,
+    (pc, kp, k): (usize, usize, usize),
+) -> (usize, std::ops::Range<usize>) {
+    let (last, all) = (i + rows - 1, 0..kp);
+    let within = |from: usize, to: usize| from.clamp(pc, pc + kp) - pc..to.clamp(pc, pc + kp) - pc;
+    match mask {
+        Causal::None => (usize::MAX, all),
+        Causal::Columns(diag) => (last + diag + 1, all),
+        _ if !P::DEPTH_RANGES => (usize::MAX, all),
+        // Row `r` needs depth `r + diag` and before: up to the pair holding the last row's.
+        Causal::DepthUpTo(diag) => (usize::MAX, within(0, (last + diag + 1).min(k).div_ceil(2))),
+        // Row `r` needs depth `r − diag` and after: from the pair holding the first row's.
+        Causal::DepthFrom(diag) => (usize::MAX, within(i.saturating_sub(diag) / 2, usize::MAX)),
+    }
+}
+
 /// `c[rows, jc..jc + nc] (+)= a[rows, pairs] · b-block` on this thread: `pb` is the block of `b`
-/// packed (`kp` pairs from pair `pc`, of `k` values), the rows' blocks of `a` packed here.
+/// packed (`kp` pairs from pair `pc`, of `k` values), the rows' blocks of `a` packed here. Under a
+/// causal `mask`, the micro-tiles past its edge are skipped, and those along it run over the pairs
+/// they need (packed alone, panel by panel).
 ///
 /// # Safety
 /// As [`blocked`]; no one else touches these rows of `c`.
@@ -667,8 +785,11 @@ unsafe fn rows_against<P: Tiles>(
     c: *mut f32,
     c_rs: usize,
     add: bool,
+    mask: Causal,
 ) {
     let (mr, nr) = (P::MR, P::NR);
+    let depth_masked =
+        P::DEPTH_RANGES && matches!(mask, Causal::DepthUpTo(_) | Causal::DepthFrom(_));
     P::begin();
     PACKED_A.with(|buffer| {
         let mut buffer = buffer.borrow_mut();
@@ -676,24 +797,39 @@ unsafe fn rows_against<P: Tiles>(
         for ic in rows.clone().step_by(P::MC) {
             let mc = P::MC.min(rows.end - ic);
             let pa = aligned(&mut buffer, mc.div_ceil(mr) * mr * kp);
-            P::pack_a(a, ic, mc, m, 2 * pc, k, kp, pa);
             let (panels_a, panels_b) = (mc.div_ceil(mr), nc.div_ceil(nr));
+            let panel_rows = |im: usize| mr.min(m - (ic + im * mr));
+            if depth_masked {
+                // Each panel's pairs alone: a panel is `[pair][MR]`, so pairs `s..e` are a run.
+                for im in 0..panels_a {
+                    let (_, pairs) = needed::<P>(mask, ic + im * mr, panel_rows(im), (pc, kp, k));
+                    let run = &mut pa[(im * kp + pairs.start) * mr..(im * kp + pairs.end) * mr];
+                    let k0 = 2 * (pc + pairs.start);
+                    P::pack_a(a, ic + im * mr, mr, m, k0, k, pairs.len(), run);
+                }
+            } else {
+                P::pack_a(a, ic, mc, m, 2 * pc, k, kp, pa);
+            }
             for block in 0..panels_a * panels_b {
                 let (im, jn) = if P::A_PANEL_OUTER {
                     (block / panels_b, block % panels_b)
                 } else {
                     (block % panels_a, block / panels_a)
                 };
-                let bp = pb.as_ptr().add(jn * kp * nr);
-                let ap = pa.as_ptr().add(im * kp * mr);
                 let (i, j) = (ic + im * mr, jc + jn * nr);
+                let (rows, cols) = (panel_rows(im), nr.min(n - j));
+                let (columns, pairs) = needed::<P>(mask, i, rows, (pc, kp, k));
+                if j >= columns || (pairs.is_empty() && add) {
+                    continue;
+                }
+                let bp = pb.as_ptr().add((jn * kp + pairs.start) * nr);
+                let ap = pa.as_ptr().add((im * kp + pairs.start) * mr);
                 let dst = c.add(i * c_rs + j);
-                let (rows, cols) = (mr.min(m - i), nr.min(n - j));
                 if (rows == mr && cols == nr) || P::PART_BLOCKS {
-                    P::micro(kp, ap, bp, dst, c_rs, add, rows, cols);
+                    P::micro(pairs.len(), ap, bp, dst, c_rs, add, rows, cols);
                 } else {
                     let tile = tile.get_or_insert_with(|| Box::new(EdgeTile([0.0; 32 * 32])));
-                    P::micro(kp, ap, bp, tile.0.as_mut_ptr(), nr, false, mr, nr);
+                    P::micro(pairs.len(), ap, bp, tile.0.as_mut_ptr(), nr, false, mr, nr);
                     for r in 0..rows {
                         for q in 0..cols {
                             let d = dst.add(r * c_rs + q);
@@ -781,8 +917,10 @@ pub(super) fn zero_padding(
     }
 }
 
+use super::small_gemm::Causal;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// [`pack`] where k is contiguous (a row of the operand is a run of memory): 16 rows of a panel
 /// and 16 pairs of each at a time (32 values of a row, rounded in one conversion), transposed in
@@ -1339,6 +1477,70 @@ mod tests {
                         .eq(want.iter().map(|v| v.to_bits())),
                     "{m}x{n}x{k} on {threads} threads"
                 );
+            }
+        }
+    }
+
+    /// Under a causal mask the product is what it is without one wherever the caller reads it:
+    /// columns past the mask's edge may be skipped (they are not compared), skipped depth
+    /// multiplies zeros (so every element is compared, for exact equality: adding a zero product
+    /// changes no sum). Panels of rows that straddle the edge, several blocks of rows and of depth
+    /// (a panel whose needed pairs all lie in another block), odd edges, transposed operands, and
+    /// accumulation.
+    #[test]
+    fn a_causal_mask_changes_nothing_the_caller_reads() {
+        for &(m, n, k) in &[(64, 64, 64), (256, 64, 256), (47, 33, 95), (300, 70, 1100)] {
+            for mask in [
+                Causal::Columns(0),
+                Causal::Columns(5),
+                Causal::DepthUpTo(0),
+                Causal::DepthUpTo(3),
+                Causal::DepthFrom(0),
+                Causal::DepthFrom(7),
+            ] {
+                let zero = |i: usize, p: usize| match mask {
+                    Causal::DepthUpTo(d) => p > i + d,
+                    Causal::DepthFrom(d) => p + d < i,
+                    _ => false,
+                };
+                let (mut x, _) = random_operand(m * k, 5);
+                for (ip, v) in x.iter_mut().enumerate() {
+                    if zero(ip / k, ip % k) {
+                        *v = 0.0;
+                    }
+                }
+                let xt: Vec<f32> = (0..k * m).map(|pi| x[(pi % m) * k + pi / m]).collect();
+                let (w, _) = random_operand(k * n, 6);
+                let a_views = [Operand::F32(&x, k, 1), Operand::F32(&xt, 1, m)];
+                let b_views = [Operand::F32(&w, n, 1), Operand::F32(&w, 1, k)];
+                for (a, b) in a_views.into_iter().zip(b_views) {
+                    for accumulate in [false, true] {
+                        let mut want = vec![0.5f32; m * n];
+                        let mut got = want.clone();
+                        // SAFETY: both views lie in their slices; `c` holds m × n.
+                        unsafe {
+                            let c = want.as_mut_ptr();
+                            assert!(gemm_into(m, n, k, a, b, c, n, accumulate, Causal::None));
+                            let c = got.as_mut_ptr();
+                            assert!(gemm_into(m, n, k, a, b, c, n, accumulate, mask));
+                        }
+                        for i in 0..m {
+                            for j in 0..n {
+                                if let Causal::Columns(d) = mask {
+                                    if j > i + d {
+                                        continue;
+                                    }
+                                }
+                                assert!(
+                                    got[i * n + j] == want[i * n + j],
+                                    "{m}x{n}x{k} {mask:?} acc {accumulate}: c[{i}][{j}] = {} vs {}",
+                                    got[i * n + j],
+                                    want[i * n + j]
+                                );
+                            }
+                        }
+                    }
+                }
             }
         }
     }

@@ -99,6 +99,22 @@ impl CpuBackend {
         }
     }
 
+    /// Runs `f(scratch, task)` for `task in 0..n`, in parallel when `threads > 1`, with a scratch
+    /// buffer made by `init` once per run of tasks on a thread (not once per task), its contents
+    /// left by the previous task.
+    pub(crate) fn for_tasks_with<S, I, F>(&self, n: usize, init: I, f: F)
+    where
+        I: Fn() -> S + Sync + Send,
+        F: Fn(&mut S, usize) + Sync + Send,
+    {
+        if self.threads > 1 && n > 1 {
+            (0..n).into_par_iter().for_each_init(init, f)
+        } else {
+            let mut scratch = init();
+            (0..n).for_each(|task| f(&mut scratch, task))
+        }
+    }
+
     /// Runs `f(task)` for `task in 0..n`, in parallel when `threads > 1`.
     pub(crate) fn for_tasks<F>(&self, n: usize, f: F)
     where
@@ -414,5 +430,12 @@ impl Backend for CpuBackend {
         // SAFETY: every one of the first `len` elements was written just above.
         unsafe { v.set_len(len) };
         v
+    }
+    unsafe fn overwritten(&self, len: usize, write: &mut dyn FnMut(&mut [f32])) -> Vec<f32> {
+        bf16_convert::filled(len, |out| {
+            // SAFETY: f32 has no invalid bit patterns, and the caller guarantees that `write`
+            // writes every element before reading it.
+            write(unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len()) })
+        })
     }
 }

@@ -181,9 +181,10 @@ fn rope_rotation() {
 }
 
 /// An attention shape from (batch, seq, heads, kv_heads, head_dim).
-fn attn_shape(
-    (batch, seq, heads, kv_heads, head_dim): (usize, usize, usize, usize, usize),
-) -> AttnShape {
+/// (batch, seq, heads, kv heads, head width)
+type Dims = (usize, usize, usize, usize, usize);
+
+fn attn_shape((batch, seq, heads, kv_heads, head_dim): Dims) -> AttnShape {
     AttnShape {
         batch,
         seq,
@@ -193,14 +194,38 @@ fn attn_shape(
     }
 }
 
-/// Attention forward then backward with output gradient `dout`: `[out, probs, dq, dk, dv]`.
+/// Attention forward then backward with output gradient `dout`: `[out, probs, dq, dk, dv]`. The
+/// outputs start as NaN: attention writes every element of them (the executor does not zero them
+/// first), so an element it misses shows.
 fn attention_run<T: Real>(s: AttnShape, q: &[T], k: &[T], v: &[T], dout: &[T]) -> [Vec<T>; 5] {
-    let zeros = |n: usize| vec![T::ZERO; n];
-    let (mut out, mut p) = (zeros(q.len()), zeros(s.probs_len()));
-    attention::forward(&be(), s, q, k, v, &mut out, &mut p);
-    let (mut dq, mut dk, mut dv) = (zeros(q.len()), zeros(k.len()), zeros(v.len()));
-    attention::backward(&be(), s, dout, q, k, v, &p, &mut dq, &mut dk, &mut dv);
+    attention_run_on(&be(), s, q, k, v, dout)
+}
+
+fn attention_run_on<T: Real>(
+    be: &CpuBackend,
+    s: AttnShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+) -> [Vec<T>; 5] {
+    let garbage = |n: usize| vec![T::of(f64::NAN); n];
+    let (mut out, mut p) = (garbage(q.len()), garbage(s.probs_len()));
+    attention::forward(be, s, q, k, v, &mut out, &mut p);
+    let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
+    attention::backward(be, s, dout, q, k, v, &p, &mut dq, &mut dk, &mut dv);
     [out, p, dq, dk, dv]
+}
+
+/// Relative error, in norm, of `got` against `want`.
+fn relative_error(want: &[f64], got: &[f32]) -> f64 {
+    let err = want
+        .iter()
+        .zip(got)
+        .map(|(a, &b)| (a - b as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    err / dot(want, want).sqrt()
 }
 
 #[test]
@@ -317,38 +342,49 @@ fn f32_kernels_agree_with_f64_kernels() {
     assert!(worst < 1e-6, "swiglu f32 vs f64: {worst:e}");
 }
 
-#[test]
-fn f32_attention_agrees_with_f64_attention() {
-    // In f32 the per-head products run on the AVX-512 kernel where the CPU has it (with its causal
-    // skipping), in f64 on the `gemm` crate: the same function, to f32 precision. Sequences cross the
-    // 64-row blocks and the kernel's 4-row and 16-lane tails; head widths 64, 17 and 5.
-    let mut r = rng(9);
-    for dims in [(2, 130, 4, 2, 64), (1, 67, 3, 1, 5), (1, 9, 2, 2, 17)] {
+/// Attention on `be` in f32 against the f64 attention (`gemm` crate) on the same inputs: each of
+/// its five outputs within `bound` in relative norm.
+fn attention_agrees_with_f64(be: &CpuBackend, seed: u64, shapes: &[Dims], bound: f64) {
+    let mut r = rng(seed);
+    for &dims in shapes {
         let s = attn_shape(dims);
         let rows = s.batch * s.seq;
         let [q, k, v, dout] =
             [s.q_width(), s.kv_width(), s.kv_width(), s.q_width()].map(|w| randn(&mut r, rows * w));
         let narrow = |x: &[f64]| -> Vec<f32> { x.iter().map(|&e| e as f32).collect() };
         let want = attention_run(s, &q, &k, &v, &dout);
-        let got = attention_run(s, &narrow(&q), &narrow(&k), &narrow(&v), &narrow(&dout));
+        let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| narrow(x));
+        let got = attention_run_on(be, s, &q, &k, &v, &dout);
         for ((name, want), got) in ["out", "probs", "dq", "dk", "dv"]
             .iter()
             .zip(&want)
             .zip(&got)
         {
-            let err = want
-                .iter()
-                .zip(got)
-                .map(|(a, &b)| (a - b as f64).powi(2))
-                .sum::<f64>()
-                .sqrt();
-            let norm = dot(want, want).sqrt();
-            // f32 rounding of inputs and products: ~1e-7 relative (measured 0.4–2.6e-7), with margin.
-            assert!(
-                err <= 2e-6 * norm,
-                "{name} {s:?}: relative error {:e}",
-                err / norm
-            );
+            let err = relative_error(want, got);
+            assert!(err <= bound, "{name} {s:?}: relative error {err:e}");
         }
     }
+}
+
+#[test]
+fn f32_attention_agrees_with_f64_attention() {
+    // In f32 the per-head products run on the AVX-512 kernel where the CPU has it (with its causal
+    // skipping), in f64 on the `gemm` crate: the same function, to f32 precision. Sequences cross the
+    // 64-row blocks and the kernel's 4-row and 16-lane tails; head widths 64, 17 and 5. f32 rounding
+    // of inputs and products: ~1e-7 relative (measured 0.4–2.6e-7), with margin.
+    let shapes = [(2, 130, 4, 2, 64), (1, 67, 3, 1, 5), (1, 9, 2, 2, 17)];
+    attention_agrees_with_f64(&be(), 9, &shapes, 2e-6);
+}
+
+#[test]
+fn bf16_attention_agrees_with_f64_attention_within_the_bf16_bound() {
+    // Under bf16 products each of a head's products runs whole on the bf16 GEMM, which skips the
+    // masked tiles and depth (a single block of rows, rather than f32's blocks of 64). Every product
+    // rounds both operands to bf16 (unit roundoff u = 2⁻⁹), so each carries a relative error up to
+    // 2u = 2⁻⁸ in norm; the deepest chain, dQ and dK, passes three such products (S, then dP, then
+    // dS·K or dSᵀ·Q; softmax and its backward are f32): at most 3·2⁻⁸ ≈ 1.2e-2 relative, measured
+    // up to 3.5e-3 (dQ, dK; the probabilities 6e-4). A tile or depth skipped that was needed, or
+    // an element left unwritten, is O(1).
+    let shapes = [(2, 130, 4, 2, 64), (1, 67, 3, 1, 32), (1, 9, 2, 2, 16)];
+    attention_agrees_with_f64(&be().bf16(true), 10, &shapes, 3.0 * 2f64.powi(-8));
 }

@@ -200,7 +200,8 @@ pub trait Backend: Sync {
     /// The transpose rotation, applied in place to a gradient.
     fn rope_backward(&self, table: &RopeTable, positions: &[u32], heads: usize, dx: &mut [f32]);
 
-    /// Causal softmax attention; `probs` keeps the attention weights for backward.
+    /// Causal softmax attention; `probs` keeps the attention weights for backward (zero past the
+    /// diagonal). Every element of `out` and `probs` is written, none read.
     #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
@@ -211,6 +212,8 @@ pub trait Backend: Sync {
         out: &mut [f32],
         probs: &mut [f32],
     );
+    /// The gradients at Q, K and V: every element of `dq`, `dk` and `dv` is written (not
+    /// accumulated into), none read before.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -295,6 +298,17 @@ pub trait Backend: Sync {
     /// so a backend decides how (the CPU one zeroes large buffers on all its threads).
     fn zeros(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
+    }
+    /// A new buffer of `len` elements that `write` fills: for the outputs of kernels that write
+    /// every element of theirs, so that the buffer need not be zeroed first (the CPU backend does
+    /// not: a pass over memory as long as the output, 75 MB a block on the benchmark's model).
+    ///
+    /// # Safety
+    /// `write` must write every element of the slice it is given before reading it.
+    unsafe fn overwritten(&self, len: usize, write: &mut dyn FnMut(&mut [f32])) -> Vec<f32> {
+        let mut v = self.zeros(len);
+        write(&mut v);
+        v
     }
 }
 

@@ -1,5 +1,6 @@
 //! RMSNorm (Llama) and LayerNorm (GPT-2): forward, input gradient, weight gradient.
 
+use super::cpu::SendPtr;
 use super::float::Real;
 use super::simd::{self, simd_kernel};
 use super::CpuBackend;
@@ -14,13 +15,16 @@ simd_kernel! {
         rstd: &mut [T],
     ) {
         let n = w.len();
-        for (r, xr) in rstd.iter_mut().zip(x.chunks_exact(n)) {
-            let ms = simd::sum_sq_f64(xr) / n as f64;
-            *r = T::of(1.0 / (ms + eps.to_f64()).sqrt());
-        }
-        let rstd: &[T] = rstd;
+        assert_eq!(rstd.len() * n, y.len(), "rmsnorm: rstd length");
+        // Each row's statistic in the same task as its output (a pass on the calling thread
+        // first would leave the other cores waiting).
+        let rstd_p = SendPtr(rstd.as_mut_ptr());
         be.for_rows(y, n, |i, yr| {
-            let (xr, r) = (&x[i * n..(i + 1) * n], rstd[i]);
+            let xr = &x[i * n..(i + 1) * n];
+            let ms = simd::sum_sq_f64(xr) / n as f64;
+            let r = T::of(1.0 / (ms + eps.to_f64()).sqrt());
+            // SAFETY: row i's task alone writes rstd[i], inside it (checked above).
+            unsafe { *rstd_p.get().add(i) = r };
             for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
                 *y = w * (x * r);
             }

@@ -36,7 +36,6 @@ pub(crate) unsafe fn gemm_f32(
         let rows = (m - i0).min(MR);
         // The part of the product this row tile needs (the rest is masked or multiplies zeros).
         let (n, depth) = match mask {
-            #[cfg(test)]
             Causal::None => (n, 0..k),
             Causal::Columns(diag) => ((i0 + MR + diag).min(n), 0..k),
             Causal::DepthUpTo(diag) => (n, 0..(i0 + MR + diag).min(k)),
@@ -86,8 +85,7 @@ const LANES: usize = 16;
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Causal {
-    /// Everything is computed (the tests' reference).
-    #[cfg(test)]
+    /// Everything is computed (no mask; the tests' reference).
     None,
     /// Only columns `j ≤ i + diag` are needed (scores, and their gradient, of queries `diag + i`).
     Columns(usize),

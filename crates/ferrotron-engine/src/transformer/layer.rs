@@ -227,20 +227,18 @@ impl NormIds {
     pub fn forward(&self, be: &dyn Backend, p: &ParamStore, x: &[f32], eps: f32) -> NormStash {
         let w = &p.tensors[self.w];
         let rows = x.len() / w.len();
-        let mut s = NormStash {
-            out: be.zeros(x.len()),
-            mean: Vec::new(),
-            rstd: vec![0f32; rows],
-        };
-        match self.kind {
-            NormKind::RmsNorm => be.rmsnorm_forward(x, w, eps, &mut s.out, &mut s.rstd),
+        let (mut mean, mut rstd) = (Vec::new(), vec![0f32; rows]);
+        let mut write = |out: &mut [f32]| match self.kind {
+            NormKind::RmsNorm => be.rmsnorm_forward(x, w, eps, out, &mut rstd),
             NormKind::LayerNorm => {
-                s.mean = vec![0f32; rows];
+                mean = vec![0f32; rows];
                 let b = &p.tensors[self.b.expect("layernorm has a bias")];
-                be.layernorm_forward(x, w, b, eps, &mut s.out, &mut s.mean, &mut s.rstd)
+                be.layernorm_forward(x, w, b, eps, out, &mut mean, &mut rstd)
             }
-        }
-        s
+        };
+        // SAFETY: both norms write every element of their output.
+        let out = unsafe { be.overwritten(x.len(), &mut write) };
+        NormStash { out, mean, rstd }
     }
 
     /// Input gradient into `dx`; the weight (and bias) gradient to `g`, unless the base is frozen.
@@ -490,9 +488,16 @@ pub(crate) fn forward(
         be.rope_forward(rope, positions, cfg.num_kv_heads, &mut k);
     }
     let shape = attn_shape(cfg, batch, seq);
-    let mut attn = be.zeros(rows * cfg.q_dim());
-    let mut probs = be.zeros(shape.probs_len());
-    be.attention_forward(shape, &q, &k, &v, &mut attn, &mut probs);
+    let mut attn = Vec::new();
+    // SAFETY: attention writes every element of its output and of the probabilities (zero past
+    // the diagonal).
+    let probs = unsafe {
+        be.overwritten(shape.probs_len(), &mut |probs| {
+            attn = be.overwritten(rows * cfg.q_dim(), &mut |attn| {
+                be.attention_forward(shape, &q, &k, &v, attn, probs)
+            })
+        })
+    };
     let mut x_mid = row_parallel_forward(&ids.attn_out, be, tp, p, &attn, rows);
     be.add_assign(&mut x_mid, &x);
     let n2 = ids.norm2.forward(be, p.base, &x_mid, eps);
@@ -504,11 +509,13 @@ pub(crate) fn forward(
         .map(|l| l.forward(be, p, n2_in, rows))
         .collect();
     drop(n2_all);
-    let mut mlp_act = be.zeros(rows * cfg.intermediate_size);
-    match cfg.arch {
-        Arch::Llama => be.swiglu_forward(&mlp_pre[0], &mlp_pre[1], &mut mlp_act),
-        Arch::Gpt2 => be.gelu_forward(&mlp_pre[0], &mut mlp_act),
-    }
+    // SAFETY: both activations write every element of their output.
+    let mlp_act = unsafe {
+        be.overwritten(rows * cfg.intermediate_size, &mut |act| match cfg.arch {
+            Arch::Llama => be.swiglu_forward(&mlp_pre[0], &mlp_pre[1], act),
+            Arch::Gpt2 => be.gelu_forward(&mlp_pre[0], act),
+        })
+    };
     let mut out = row_parallel_forward(&ids.mlp_out, be, tp, p, &mlp_act, rows);
     be.add_assign(&mut out, &x_mid);
     let keep = |v: Vec<f32>| Kept::keep(be, v, m.activation_storage);
@@ -564,15 +571,24 @@ pub(crate) fn backward(
         let pre: Vec<_> = a.mlp_pre.iter().map(|k| k.get(be)).collect();
         match cfg.arch {
             Arch::Llama => {
-                let (mut dgate, mut dup) = (be.zeros(rows * f), be.zeros(rows * f));
-                be.swiglu_backward(&dact, &pre[0], &pre[1], &mut dgate, &mut dup);
+                let mut dup = Vec::new();
+                // SAFETY: SwiGLU's backward writes every element of both gradients.
+                let dgate = unsafe {
+                    be.overwritten(rows * f, &mut |dgate| {
+                        dup = be.overwritten(rows * f, &mut |dup| {
+                            be.swiglu_backward(&dact, &pre[0], &pre[1], dgate, dup)
+                        })
+                    })
+                };
                 let mut dn2 = ids.mlp_in[0].backward_new(be, p, g, &dgate, n2_in);
                 ids.mlp_in[1].backward(be, p, g, &dup, n2_in, &mut dn2, true);
                 dn2
             }
             Arch::Gpt2 => {
-                let mut dpre = be.zeros(rows * f);
-                be.gelu_backward(&dact, &pre[0], &mut dpre);
+                // SAFETY: GELU's backward writes every element of its gradient.
+                let dpre = unsafe {
+                    be.overwritten(rows * f, &mut |dpre| be.gelu_backward(&dact, &pre[0], dpre))
+                };
                 ids.mlp_in[0].backward_new(be, p, g, &dpre, n2_in)
             }
         }
@@ -597,18 +613,19 @@ pub(crate) fn backward(
         be.attention_forward(shape, &q, &k, &v, &mut scratch, &mut probs);
         a.probs = Kept::F32(probs);
     }
-    let (mut dq, mut dk, mut dv) = (be.zeros(q.len()), be.zeros(k.len()), be.zeros(v.len()));
-    be.attention_backward(
-        shape,
-        &dattn,
-        &q,
-        &k,
-        &v,
-        &a.probs.get(be),
-        &mut dq,
-        &mut dk,
-        &mut dv,
-    );
+    let probs = a.probs.get(be);
+    let (mut dk, mut dv) = (Vec::new(), Vec::new());
+    // SAFETY: attention's backward writes every element of its three gradients.
+    let mut dq = unsafe {
+        be.overwritten(q.len(), &mut |dq| {
+            dk = be.overwritten(k.len(), &mut |dk| {
+                dv = be.overwritten(v.len(), &mut |dv| {
+                    be.attention_backward(shape, &dattn, &q, &k, &v, &probs, dq, dk, dv)
+                })
+            })
+        })
+    };
+    drop(probs);
     drop(a.probs);
     if let Some(rope) = &m.rope {
         be.rope_backward(rope, positions, cfg.num_heads, &mut dq);
