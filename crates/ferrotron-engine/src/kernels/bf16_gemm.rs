@@ -322,42 +322,6 @@ pub fn gemm_on(
     }
 }
 
-/// `a[m×k]·b[k×n]` in a new buffer (row stride `n`), as [`gemm`] computes it. The bf16 paths write
-/// every element of `c` in their first block of k, so the buffer is not zeroed first (a pass over
-/// memory as long as the product's output: the logits, 64 MB on the benchmark's model).
-pub fn product(m: usize, n: usize, k: usize, a: Operand, b: Operand, threads: usize) -> Vec<f32> {
-    let path = best_path();
-    match kernel_of(path) {
-        Some(blocked) if m > 0 && n > 0 && k > 0 => {
-            check_operands(m, n, k, a, b);
-            let threads = threads_for(m, n, k, threads);
-            super::bf16_convert::filled(m * n, |c| {
-                // SAFETY: the views lie inside their slices (checked above); `c` holds the
-                // `m × n` view and is written whole (no accumulation), never read first.
-                unsafe {
-                    blocked(
-                        m,
-                        n,
-                        k,
-                        a,
-                        b,
-                        c.as_mut_ptr().cast(),
-                        n,
-                        false,
-                        Causal::None,
-                        threads,
-                    )
-                }
-            })
-        }
-        _ => {
-            let mut c = vec![0.0; m * n];
-            gemm_on(path, m, n, k, a, b, &mut c, n, false, threads);
-            c
-        }
-    }
-}
-
 /// The views of `a` (`m × k`) and `b` (`k × n`) must lie inside their slices: this is what makes
 /// the raw-pointer kernels sound.
 fn check_operands(m: usize, n: usize, k: usize, a: Operand, b: Operand) {
@@ -1457,12 +1421,12 @@ mod tests {
         }
     }
 
-    /// A product into a new buffer, which the GEMM writes without zeroing it first, is the GEMM's
-    /// product into a buffer of garbage (with no accumulation every element is written, or the
-    /// garbage would show), bit for bit, on one thread and two, where the threads share the packed
-    /// b and where they split the columns.
+    /// Without accumulation the GEMM writes every element of its output and reads none (the
+    /// executor hands it buffers that were not zeroed, `Backend::overwritten`): into a buffer of
+    /// NaN it is bit for bit what it is into one of 7s, on one thread and two, where the threads
+    /// share the packed b and where they split the columns, and with k = 0.
     #[test]
-    fn a_product_into_a_new_buffer_is_the_gemm_into_garbage() {
+    fn without_accumulation_the_gemm_writes_every_element() {
         for &(m, n, k) in &[(29, 70, 67), (270, 1060, 530), (20, 3000, 70), (5, 9, 0)] {
             let (x, _) = random_operand(m * k, 1);
             let (w, _) = random_operand(k * n, 2);
@@ -1470,7 +1434,8 @@ mod tests {
             for threads in [1, 2] {
                 let mut want = vec![7.0f32; m * n];
                 gemm(m, n, k, a, b, &mut want, n, false, threads);
-                let got = product(m, n, k, a, b, threads);
+                let mut got = vec![f32::NAN; m * n];
+                gemm(m, n, k, a, b, &mut got, n, false, threads);
                 assert!(
                     got.iter()
                         .map(|v| v.to_bits())
@@ -1481,12 +1446,6 @@ mod tests {
         }
     }
 
-    /// Under a causal mask the product is what it is without one wherever the caller reads it:
-    /// columns past the mask's edge may be skipped (they are not compared), skipped depth
-    /// multiplies zeros (so every element is compared, for exact equality: adding a zero product
-    /// changes no sum). Panels of rows that straddle the edge, several blocks of rows and of depth
-    /// (a panel whose needed pairs all lie in another block), odd edges, transposed operands, and
-    /// accumulation.
     #[test]
     fn a_causal_mask_changes_nothing_the_caller_reads() {
         for &(m, n, k) in &[(64, 64, 64), (256, 64, 256), (47, 33, 95), (300, 70, 1100)] {

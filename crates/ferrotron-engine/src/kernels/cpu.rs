@@ -199,26 +199,6 @@ impl Backend for CpuBackend {
     ) {
         linear::backward_weight(self, s, dy, x, dw, db)
     }
-    fn linear_forward_new(
-        &self,
-        s: LinearShape,
-        x: &[f32],
-        w: Matrix,
-        bias: Option<&[f32]>,
-    ) -> Vec<f32> {
-        if self.bf16_products {
-            linear::forward_new_bf16(self, s, x, w, bias)
-        } else {
-            super::linear_forward_zeroed(self, s, x, w, bias)
-        }
-    }
-    fn linear_backward_input_new(&self, s: LinearShape, dy: &[f32], w: Matrix) -> Vec<f32> {
-        if self.bf16_products {
-            linear::backward_input_new_bf16(self, s, dy, w)
-        } else {
-            super::linear_backward_input_zeroed(self, s, dy, w)
-        }
-    }
     fn embedding_forward(
         &self,
         ids: &[u32],

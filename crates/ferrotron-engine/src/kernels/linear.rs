@@ -3,7 +3,7 @@
 use super::bf16_convert;
 use super::bf16_gemm::{self, Operand};
 use super::float::Real;
-use super::{extent, CpuBackend, LinearShape, Matrix};
+use super::{extent, CpuBackend, LinearShape};
 use ferrotron_core::model::WeightLayout;
 
 /// `c[m×n] (+)= a[m×k]·b[k×n]`; views are (slice, row stride, column stride).
@@ -195,42 +195,6 @@ pub(crate) fn backward_input_bf16(
     let (rs, cs) = backward_input_view(s);
     let (dyv, wv) = (Operand::F32(dy, o, 1), Operand::Bf16(w, rs, cs));
     bf16_gemm::gemm(s.rows, i, o, dyv, wv, dx, i, acc, be.threads);
-}
-
-/// A weight as the bf16 GEMM's operand, in the view `(rs, cs)`.
-fn weight_operand(w: Matrix, (rs, cs): (usize, usize)) -> Operand {
-    match w {
-        Matrix::F32(w) => Operand::F32(w, rs, cs),
-        Matrix::Bf16(w) => Operand::Bf16(w, rs, cs),
-    }
-}
-
-/// [`forward`] on the bf16 GEMM into a new buffer, which the product writes whole (not zeroed
-/// first).
-pub(crate) fn forward_new_bf16(
-    be: &CpuBackend,
-    s: LinearShape,
-    x: &[f32],
-    w: Matrix,
-    bias: Option<&[f32]>,
-) -> Vec<f32> {
-    let (i, o) = (s.in_dim, s.out_dim);
-    let wv = weight_operand(w, forward_view(s));
-    let mut y = bf16_gemm::product(s.rows, o, i, Operand::F32(x, i, 1), wv, be.threads);
-    add_bias(be, &mut y, bias, o);
-    y
-}
-
-/// [`backward_input`] on the bf16 GEMM into a new buffer (see [`forward_new_bf16`]).
-pub(crate) fn backward_input_new_bf16(
-    be: &CpuBackend,
-    s: LinearShape,
-    dy: &[f32],
-    w: Matrix,
-) -> Vec<f32> {
-    let (i, o) = (s.in_dim, s.out_dim);
-    let wv = weight_operand(w, backward_input_view(s));
-    bf16_gemm::product(s.rows, i, o, Operand::F32(dy, o, 1), wv, be.threads)
 }
 
 pub(crate) fn backward_weight<T: Real>(

@@ -121,21 +121,6 @@ pub trait Backend: Sync {
         dw: &mut [f32],
         dbias: Option<&mut [f32]>,
     );
-    /// [`Backend::linear_forward`] into a new buffer (a backend whose product writes every element
-    /// skips zeroing it first).
-    fn linear_forward_new(
-        &self,
-        s: LinearShape,
-        x: &[f32],
-        w: Matrix,
-        bias: Option<&[f32]>,
-    ) -> Vec<f32> {
-        linear_forward_zeroed(self, s, x, w, bias)
-    }
-    /// [`Backend::linear_backward_input`] into a new buffer (see [`Backend::linear_forward_new`]).
-    fn linear_backward_input_new(&self, s: LinearShape, dy: &[f32], w: Matrix) -> Vec<f32> {
-        linear_backward_input_zeroed(self, s, dy, w)
-    }
 
     /// `out[t] (+)= table[ids[t]]`, rows of width `dim`; a [`MASKED_ID`] row is zero (or left as is).
     fn embedding_forward(
@@ -310,29 +295,4 @@ pub trait Backend: Sync {
         write(&mut v);
         v
     }
-}
-
-/// [`Backend::linear_forward_new`] into a zeroed buffer.
-pub(crate) fn linear_forward_zeroed<B: Backend + ?Sized>(
-    be: &B,
-    s: LinearShape,
-    x: &[f32],
-    w: Matrix,
-    bias: Option<&[f32]>,
-) -> Vec<f32> {
-    let mut y = be.zeros(s.rows * s.out_dim);
-    be.linear_forward(s, x, w, bias, &mut y);
-    y
-}
-
-/// [`Backend::linear_backward_input_new`] into a zeroed buffer.
-pub(crate) fn linear_backward_input_zeroed<B: Backend + ?Sized>(
-    be: &B,
-    s: LinearShape,
-    dy: &[f32],
-    w: Matrix,
-) -> Vec<f32> {
-    let mut dx = be.zeros(s.rows * s.in_dim);
-    be.linear_backward_input(s, dy, w, &mut dx, false);
-    dx
 }

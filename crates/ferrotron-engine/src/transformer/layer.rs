@@ -81,7 +81,13 @@ impl Lin {
         bias: bool,
     ) -> Vec<f32> {
         let b = self.b.filter(|_| bias).map(|b| store.tensors[b].as_slice());
-        be.linear_forward_new(self.shape(rows), x, store.matrix(self.w), b)
+        let (s, w) = (self.shape(rows), store.matrix(self.w));
+        // SAFETY: the product writes every element of its output (then adds the bias).
+        unsafe {
+            be.overwritten(rows * self.out_dim, &mut |y| {
+                be.linear_forward(s, x, w, b, y)
+            })
+        }
     }
 
     fn forward(&self, be: &dyn Backend, w: Weights, x: &[f32], rows: usize) -> Vec<f32> {
@@ -120,6 +126,23 @@ impl Lin {
         self.backward_rest(be, w, g, dy, x, dx);
     }
 
+    /// `dy·W` of weight `w` in `store`, in a new buffer (not zeroed first: the product writes it).
+    fn input_grad(
+        be: &dyn Backend,
+        s: LinearShape,
+        dy: &[f32],
+        store: &ParamStore,
+        w: usize,
+    ) -> Vec<f32> {
+        let w = store.matrix(w);
+        // SAFETY: without accumulation the product writes every element of its output.
+        unsafe {
+            be.overwritten(s.rows * s.in_dim, &mut |dx| {
+                be.linear_backward_input(s, dy, w, dx, false)
+            })
+        }
+    }
+
     /// [`Lin::backward`] with the input gradient in a new buffer (no zeroing pass).
     pub(crate) fn backward_new(
         &self,
@@ -129,8 +152,7 @@ impl Lin {
         dy: &[f32],
         x: &[f32],
     ) -> Vec<f32> {
-        let s = self.shape(dy.len() / self.out_dim);
-        let mut dx = be.linear_backward_input_new(s, dy, w.base.matrix(self.w));
+        let mut dx = Lin::input_grad(be, self.shape(dy.len() / self.out_dim), dy, w.base, self.w);
         self.backward_rest(be, w, g, dy, x, &mut dx);
         dx
     }
@@ -162,7 +184,7 @@ impl Lin {
         let mut z = down.product(be, store, x, rows, false);
         scale_in_place(&mut z, ad.scale);
         // dz = dy·B, and du = scale · dz is the gradient at x·Aᵀ.
-        let mut du = be.linear_backward_input_new(up.shape(rows), dy, store.matrix(ad.b));
+        let mut du = Lin::input_grad(be, up.shape(rows), dy, store, ad.b);
         scale_in_place(&mut du, ad.scale);
         be.linear_backward_input(down.shape(rows), &du, store.matrix(ad.a), dx, true);
         up.weight_grad(be, g, dy, &z);
