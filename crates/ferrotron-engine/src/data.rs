@@ -18,7 +18,8 @@ pub const BUILTIN_CORPUS: &str = include_str!("../../../data/gnu-manuals.txt");
 pub const BUILTIN_NAME: &str = "builtin:gnu-manuals";
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 
-/// Reads the training text: the builtin corpus, or every file named (one document each).
+/// Reads the training text: the builtin corpus, or every file named (one document each; a `.jsonl`
+/// file holds one document per line, in its `text` field).
 pub fn read_corpus(source: &str) -> Result<Vec<String>> {
     if source == BUILTIN_NAME {
         return Ok(vec![BUILTIN_CORPUS.to_string()]);
@@ -42,7 +43,11 @@ pub fn read_corpus(source: &str) -> Result<Vec<String>> {
             if text.trim().is_empty() {
                 return Err(EngineError::format(&f, "the data file is empty"));
             }
-            docs.push(text);
+            if f.extension().is_some_and(|e| e == "jsonl") {
+                docs.extend(json_lines_documents(&f, &text)?);
+            } else {
+                docs.push(text);
+            }
         }
     }
     if docs.is_empty() {
@@ -51,6 +56,45 @@ pub fn read_corpus(source: &str) -> Result<Vec<String>> {
         )));
     }
     Ok(docs)
+}
+
+/// The documents of a JSON Lines file: each non-blank line an object whose `text` is a string.
+fn json_lines_documents(file: &Path, text: &str) -> Result<Vec<String>> {
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |msg: String| EngineError::format(file, format!("line {}: {msg}", i + 1));
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(format!("not a JSON object: {e}")))?;
+        match v.get("text") {
+            Some(serde_json::Value::String(t)) => docs.push(t.clone()),
+            Some(other) => {
+                return Err(bad(format!(
+                    "`text` must be a string, found {}",
+                    type_name(other)
+                )))
+            }
+            None => {
+                return Err(bad(
+                    "no `text` field (each line must be an object like {\"text\": \"...\"})".into(),
+                ))
+            }
+        }
+    }
+    Ok(docs)
+}
+
+fn type_name(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "a list",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 /// Loads a `tokenizer.json`.
@@ -122,19 +166,123 @@ pub fn check_tokenizer_fits(tok: &Tokenizer, path: &Path, model_vocab: usize) ->
     Ok(())
 }
 
-/// Tokenizes documents into one stream, separated by the end-of-text token where the tokenizer has one.
-pub fn encode_documents(tok: &Tokenizer, docs: &[String]) -> Result<Vec<u32>> {
-    let eot = tok.token_to_id(END_OF_TEXT);
+/// How each document is framed with the tokenizer's special tokens, as transformers frames
+/// `tokenizer(text)`: its post-processor's tokens (Llama 3's `<|begin_of_text|>`), or, where
+/// `tokenizer_config.json` says `add_bos_token` / `add_eos_token` (Llama-2- and Mistral-style
+/// tokenizers, whose transformers class rebuilds its post-processor from them), those. Every
+/// document then ends with the end-of-sequence token, so that packed documents are separated as in
+/// pretraining.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DocumentFraming {
+    /// `add_bos_token`: Some(true) puts the BOS first, Some(false) removes one the post-processor put.
+    pub add_bos: Option<bool>,
+    pub add_eos: Option<bool>,
+    pub bos: Option<u32>,
+    /// The separator after every document.
+    pub eos: Option<u32>,
+}
+
+impl DocumentFraming {
+    /// The framing of the tokenizer in `tokenizer_json`, from the `tokenizer_config.json` beside it;
+    /// without one (a tokenizer ferrotron trained), `<|endoftext|>` ends each document where the
+    /// tokenizer has it.
+    pub fn for_tokenizer(tok: &Tokenizer, tokenizer_json: &Path) -> Result<Self> {
+        let config = tokenizer_json.with_file_name("tokenizer_config.json");
+        if !config.is_file() {
+            return Ok(Self {
+                eos: tok.token_to_id(END_OF_TEXT),
+                ..Self::default()
+            });
+        }
+        let text = std::fs::read_to_string(&config).map_err(|e| EngineError::io(&config, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| EngineError::format(&config, format!("not valid JSON: {e}")))?;
+        let flag = |key: &str| -> Result<Option<bool>> {
+            match v.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::Bool(b)) => Ok(Some(*b)),
+                Some(other) => Err(EngineError::format(
+                    &config,
+                    format!("`{key}` must be true or false, found {other}"),
+                )),
+            }
+        };
+        let token = |key: &str| -> Result<Option<u32>> {
+            let content = match v.get(key) {
+                None | Some(serde_json::Value::Null) => return Ok(None),
+                Some(serde_json::Value::String(s)) => s.as_str(),
+                Some(serde_json::Value::Object(o)) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .unwrap_or_default(),
+                Some(other) => {
+                    return Err(EngineError::format(
+                        &config,
+                        format!("`{key}` must be a token, found {other}"),
+                    ))
+                }
+            };
+            tok.token_to_id(content).map(Some).ok_or_else(|| {
+                EngineError::format(
+                    &config,
+                    format!("`{key}` is `{content}`, which the tokenizer does not have"),
+                )
+            })
+        };
+        Ok(Self {
+            add_bos: flag("add_bos_token")?,
+            add_eos: flag("add_eos_token")?,
+            bos: token("bos_token")?,
+            eos: token("eos_token")?,
+        })
+    }
+
+    /// `tokenizer(text)` as transformers returns it: the post-processor's special tokens, then
+    /// `add_bos_token` / `add_eos_token` where the config says them.
+    pub fn encode(&self, tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+        let enc = tok
+            .encode(text, true)
+            .map_err(|e| EngineError::Invalid(format!("tokenizing: {e}")))?;
+        let mut ids = enc.get_ids().to_vec();
+        Self::frame(&mut ids, self.add_bos, self.bos, true);
+        Self::frame(&mut ids, self.add_eos, self.eos, false);
+        Ok(ids)
+    }
+
+    fn frame(ids: &mut Vec<u32>, add: Option<bool>, token: Option<u32>, first: bool) {
+        let (Some(add), Some(t)) = (add, token) else {
+            return;
+        };
+        let at = if first { ids.first() } else { ids.last() }.copied();
+        match (add, at == Some(t)) {
+            (true, false) if first => ids.insert(0, t),
+            (true, false) => ids.push(t),
+            (false, true) if first => {
+                ids.remove(0);
+            }
+            (false, true) => {
+                ids.pop();
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Tokenizes documents into one stream, each framed as [`DocumentFraming`] says and ended by the
+/// end-of-sequence token.
+pub fn encode_documents(
+    tok: &Tokenizer,
+    framing: &DocumentFraming,
+    docs: &[String],
+) -> Result<Vec<u32>> {
     let mut out = Vec::new();
     for doc in docs {
-        // Paragraph by paragraph: byte-level BPE never merges across the "\n\n" boundary anyway.
-        for para in doc.split_inclusive("\n\n") {
-            let enc = tok
-                .encode(para, false)
-                .map_err(|e| EngineError::Invalid(format!("tokenizing: {e}")))?;
-            out.extend_from_slice(enc.get_ids());
+        let ids = framing.encode(tok, doc)?;
+        let ends = ids.last().copied();
+        out.extend(ids);
+        if let Some(eos) = framing.eos.filter(|&e| ends != Some(e)) {
+            out.push(eos);
         }
-        out.extend(eot);
     }
     Ok(out)
 }

@@ -113,11 +113,13 @@ fn a_lora_run_trains_only_the_adapters_and_writes_peft_and_merged_models() {
         // The last validation loss is the merged model's.
         let batches = data::validation_batches(
             &data::TokenSplit::new(
-                data::encode_documents(
-                    &data::load_tokenizer(&fixture(model).join("tokenizer.json")).unwrap(),
-                    &data::read_corpus(&cfg.data).unwrap(),
-                )
-                .unwrap(),
+                {
+                    let path = fixture(model).join("tokenizer.json");
+                    let tok = data::load_tokenizer(&path).unwrap();
+                    let framing = data::DocumentFraming::for_tokenizer(&tok, &path).unwrap();
+                    data::encode_documents(&tok, &framing, &data::read_corpus(&cfg.data).unwrap())
+                        .unwrap()
+                },
                 cfg.val_fraction,
                 cfg.seq_len,
             )

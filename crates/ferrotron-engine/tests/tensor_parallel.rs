@@ -9,10 +9,9 @@ use ferrotron_core::layout::{Layout, Recompute, Schedule};
 use ferrotron_core::model::{preset, ModelConfig};
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf;
-use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::parallel::tensor::gather_tensor;
 use ferrotron_engine::parallel::{pipeline_step, PipelineRun, TpShard};
-use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
+use ferrotron_engine::transformer::{ParamStore, TokenBatch};
 use std::time::Duration;
 
 /// f32 arithmetic, summed in a different order: relative error per tensor.
@@ -33,17 +32,6 @@ fn run(cfg: &ModelConfig, params: &ParamStore, batch: &TokenBatch, l: &Layout) -
     let part = StagePartition::for_model(cfg, l.pp * l.vpp).unwrap();
     pipeline_step(cfg, params, batch, l, &part, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{l}: {e}"))
-}
-
-fn unsplit(cfg: &ModelConfig, params: &ParamStore, batch: &TokenBatch) -> (f64, ParamStore) {
-    let mut grads = params.zeros_like();
-    let loss = Transformer::new(cfg, params).forward_backward(
-        &CpuBackend::single_threaded(),
-        params,
-        &mut grads,
-        batch,
-    );
-    (loss, grads)
 }
 
 fn assert_close(what: &str, loss: f64, grads: &ParamStore, want_loss: f64, want: &ParamStore) {

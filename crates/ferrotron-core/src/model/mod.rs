@@ -2,12 +2,15 @@
 //! shapes, and how much work and memory a layer costs. No parallelism and no arithmetic on tensors.
 
 mod config;
+mod hf_config;
 mod lora;
 mod params;
 mod presets;
+mod rope;
 
 pub use config::{
-    Activation, Arch, ModelConfig, NormKind, PositionKind, MAX_DIMENSION, MAX_PARAMS,
+    Activation, Arch, Family, ModelConfig, NormKind, PositionKind, ProjectionBias, SlidingWindow,
+    MAX_DIMENSION, MAX_PARAMS,
 };
 pub use lora::{
     adapter_parts, projection_split, AdapterHalf, LoraConfig, LoraTarget, TargetSplit, MAX_RANK,
@@ -15,3 +18,4 @@ pub use lora::{
 };
 pub use params::{LayerParamNames, ParamSpec, WeightLayout};
 pub use presets::{preset, PRESET_NAMES};
+pub use rope::{RopeFrequencies, RopeScaling};

@@ -36,6 +36,8 @@ pub struct LayerParamNames {
     /// Llama: gate and up; GPT-2: c_fc.
     pub mlp_in: Vec<(String, Option<String>)>,
     pub mlp_out: (String, Option<String>),
+    /// Qwen3: the RMSNorms over each head of q and of k.
+    pub qk_norm: Option<(String, String)>,
 }
 
 impl ModelConfig {
@@ -70,20 +72,30 @@ impl ModelConfig {
         match self.arch {
             Arch::Llama => {
                 let p = format!("model.layers.{i}");
-                let w = |s: &str| (format!("{p}.{s}.weight"), None);
+                let w = |s: &str, bias: bool| {
+                    let b = bias.then(|| format!("{p}.{s}.bias"));
+                    (format!("{p}.{s}.weight"), b)
+                };
+                let b = self.bias;
                 LayerParamNames {
                     norm1_weight: format!("{p}.input_layernorm.weight"),
                     norm1_bias: None,
                     norm2_weight: format!("{p}.post_attention_layernorm.weight"),
                     norm2_bias: None,
                     qkv: vec![
-                        w("self_attn.q_proj"),
-                        w("self_attn.k_proj"),
-                        w("self_attn.v_proj"),
+                        w("self_attn.q_proj", b.qkv),
+                        w("self_attn.k_proj", b.qkv),
+                        w("self_attn.v_proj", b.qkv),
                     ],
-                    attn_out: w("self_attn.o_proj"),
-                    mlp_in: vec![w("mlp.gate_proj"), w("mlp.up_proj")],
-                    mlp_out: w("mlp.down_proj"),
+                    attn_out: w("self_attn.o_proj", b.o),
+                    mlp_in: vec![w("mlp.gate_proj", b.mlp), w("mlp.up_proj", b.mlp)],
+                    mlp_out: w("mlp.down_proj", b.mlp),
+                    qk_norm: self.qk_norm.then(|| {
+                        (
+                            format!("{p}.self_attn.q_norm.weight"),
+                            format!("{p}.self_attn.k_norm.weight"),
+                        )
+                    }),
                 }
             }
             Arch::Gpt2 => {
@@ -98,6 +110,7 @@ impl ModelConfig {
                     attn_out: wb("attn.c_proj"),
                     mlp_in: vec![wb("mlp.c_fc")],
                     mlp_out: wb("mlp.c_proj"),
+                    qk_norm: None,
                 }
             }
         }
@@ -136,14 +149,28 @@ impl ModelConfig {
             match self.arch {
                 Arch::Llama => {
                     let (q, kv) = (self.q_dim(), self.kv_dim());
-                    push(n.qkv[0].0.clone(), vec![q, h], WeightLayout::OutIn);
-                    push(n.qkv[1].0.clone(), vec![kv, h], WeightLayout::OutIn);
-                    push(n.qkv[2].0.clone(), vec![kv, h], WeightLayout::OutIn);
-                    push(n.attn_out.0.clone(), vec![h, q], WeightLayout::OutIn);
+                    // Each projection's weight `[out, in]`, then its bias `[out]` where it has one.
+                    let linear = |push: &mut dyn FnMut(String, Vec<usize>, WeightLayout),
+                                  names: &(String, Option<String>),
+                                  out: usize,
+                                  inp: usize| {
+                        push(names.0.clone(), vec![out, inp], WeightLayout::OutIn);
+                        if let Some(b) = &names.1 {
+                            push(b.clone(), vec![out], WeightLayout::Other);
+                        }
+                    };
+                    linear(&mut push, &n.qkv[0], q, h);
+                    linear(&mut push, &n.qkv[1], kv, h);
+                    linear(&mut push, &n.qkv[2], kv, h);
+                    linear(&mut push, &n.attn_out, h, q);
+                    if let Some((qn, kn)) = &n.qk_norm {
+                        push(qn.clone(), vec![self.head_dim], WeightLayout::Other);
+                        push(kn.clone(), vec![self.head_dim], WeightLayout::Other);
+                    }
                     push(n.norm2_weight.clone(), vec![h], WeightLayout::Other);
-                    push(n.mlp_in[0].0.clone(), vec![f, h], WeightLayout::OutIn);
-                    push(n.mlp_in[1].0.clone(), vec![f, h], WeightLayout::OutIn);
-                    push(n.mlp_out.0.clone(), vec![h, f], WeightLayout::OutIn);
+                    linear(&mut push, &n.mlp_in[0], f, h);
+                    linear(&mut push, &n.mlp_in[1], f, h);
+                    linear(&mut push, &n.mlp_out, h, f);
                 }
                 Arch::Gpt2 => {
                     let bias = |p: &(String, Option<String>)| p.1.clone().expect("gpt2 has biases");

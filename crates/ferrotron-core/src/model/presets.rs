@@ -1,11 +1,41 @@
 use super::config::ModelConfig;
 use crate::error::{ConfigError, Result};
+use std::path::Path;
 
-pub const PRESET_NAMES: &[&str] = &["llama-tiny", "gpt2-tiny", "llama-small", "llama-bench"];
+pub const PRESET_NAMES: &[&str] = &[
+    "llama-tiny",
+    "gpt2-tiny",
+    "llama-small",
+    "llama-bench",
+    "llama3.1-8b",
+    "llama3.1-70b",
+    "llama3.1-405b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "qwen3-8b",
+    "qwen3-32b",
+    "mistral-7b",
+];
+
+/// The published `config.json` of each real checkpoint preset, as its model card gives it: a
+/// preset is exactly what loading that checkpoint's config gives.
+const PUBLISHED: &[(&str, &str)] = &[
+    ("llama3.1-8b", include_str!("configs/llama3.1-8b.json")),
+    ("llama3.1-70b", include_str!("configs/llama3.1-70b.json")),
+    ("llama3.1-405b", include_str!("configs/llama3.1-405b.json")),
+    ("qwen2.5-7b", include_str!("configs/qwen2.5-7b.json")),
+    ("qwen2.5-72b", include_str!("configs/qwen2.5-72b.json")),
+    ("qwen3-8b", include_str!("configs/qwen3-8b.json")),
+    ("qwen3-32b", include_str!("configs/qwen3-32b.json")),
+    ("mistral-7b", include_str!("configs/mistral-7b.json")),
+];
 
 /// Named model shapes. `llama-small` is the embedded default run's model; `llama-bench` is the
-/// benchmark shape shared with the PyTorch peer script.
+/// benchmark shape shared with the PyTorch peer script; the others are real checkpoints' configs.
 pub fn preset(name: &str) -> Result<ModelConfig> {
+    if let Some((_, json)) = PUBLISHED.iter().find(|(n, _)| *n == name) {
+        return ModelConfig::from_hf_json(json, Path::new(&format!("{name}/config.json")));
+    }
     Ok(match name {
         "llama-tiny" => ModelConfig::llama(512, 64, 176, 4, 4, 2, 256, 10000.0),
         "gpt2-tiny" => ModelConfig::gpt2(512, 64, 256, 4, 4, 256),
@@ -18,4 +48,42 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             )))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Family, RopeScaling};
+
+    /// Parameter counts as the model cards and `safetensors` metadata publish them.
+    #[test]
+    fn published_checkpoints_have_their_published_parameter_counts() {
+        let published = [
+            ("llama3.1-8b", 8_030_261_248usize),
+            ("llama3.1-70b", 70_553_706_496),
+            ("llama3.1-405b", 405_853_388_800),
+            ("qwen2.5-7b", 7_615_616_512),
+            ("qwen2.5-72b", 72_706_203_648),
+            ("qwen3-8b", 8_190_735_360),
+            ("qwen3-32b", 32_762_123_264),
+            ("mistral-7b", 7_241_732_096),
+        ];
+        for (name, params) in published {
+            let cfg = preset(name).unwrap();
+            assert_eq!(cfg.num_params(), params, "{name}");
+        }
+    }
+
+    #[test]
+    fn published_features_are_read() {
+        let llama = preset("llama3.1-8b").unwrap();
+        assert!(matches!(llama.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+        let qwen = preset("qwen2.5-7b").unwrap();
+        assert!(qwen.bias.qkv && !qwen.bias.o && qwen.sliding_window.is_none());
+        assert_eq!(qwen.family(), Family::Qwen2);
+        let qwen3 = preset("qwen3-8b").unwrap();
+        assert!(qwen3.qk_norm && !qwen3.bias.qkv);
+        let mistral = preset("mistral-7b").unwrap();
+        assert_eq!(mistral.attention_window(0), Some(4096));
+    }
 }

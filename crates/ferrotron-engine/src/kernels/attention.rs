@@ -125,9 +125,12 @@ fn row_blocks<T: Real>(be: &CpuBackend, t: usize) -> impl Iterator<Item = (usize
 }
 
 simd_kernel! {
-    /// Scaled, causally masked softmax of score row `i` in place: entries past `i` become 0.
-    fn softmax_causal_row<T: Real>(row: &mut [T], i: usize, scale: T) {
-        let visible = &mut row[..=i];
+    /// Scaled, causally masked softmax of score row `i` in place over keys `first..=i`: entries
+    /// outside become 0 (a sliding window starts at `first`; the products that follow multiply
+    /// those zeros, so the row's probabilities and gradients are exactly the windowed ones).
+    fn softmax_causal_row<T: Real>(row: &mut [T], first: usize, i: usize, scale: T) {
+        row[..first].fill(T::ZERO);
+        let visible = &mut row[first..=i];
         visible.iter_mut().for_each(|x| *x *= scale);
         let max = simd::max(visible);
         visible.iter_mut().for_each(|x| *x = (*x - max).exp());
@@ -200,7 +203,7 @@ pub(crate) fn forward<T: Real>(
                     .chunks_exact_mut(t)
                     .enumerate()
                 {
-                    softmax_causal_row(row, r0 + i, scale);
+                    softmax_causal_row(row, s.first_key(r0 + i), r0 + i, scale);
                 }
                 gemm_raw(
                     (m, d, r1),

@@ -191,6 +191,7 @@ fn attn_shape((batch, seq, heads, kv_heads, head_dim): Dims) -> AttnShape {
         heads,
         kv_heads,
         head_dim,
+        window: None,
     }
 }
 

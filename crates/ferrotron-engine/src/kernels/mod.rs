@@ -39,9 +39,16 @@ pub struct AttnShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: a query sees itself and the `window − 1` keys before it
+    /// (transformers' `kv_idx > q_idx − window`); `None` sees every earlier key.
+    pub window: Option<usize>,
 }
 
 impl AttnShape {
+    /// The first key that query `i` sees.
+    pub fn first_key(&self, i: usize) -> usize {
+        self.window.map_or(0, |w| (i + 1).saturating_sub(w))
+    }
     pub fn q_width(&self) -> usize {
         self.heads * self.head_dim
     }

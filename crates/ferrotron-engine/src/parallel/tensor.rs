@@ -199,12 +199,19 @@ impl TpShard {
             return Ok(whole);
         }
         let rule = match cfg.arch {
-            Arch::Llama if is("self_attn.q_proj.weight") => Some(cut(0, vec![q])),
-            Arch::Llama if is("self_attn.k_proj.weight") || is("self_attn.v_proj.weight") => {
+            // Column-parallel weights and their biases are cut along their outputs (dim 0).
+            Arch::Llama if is("self_attn.q_proj.weight") || is("self_attn.q_proj.bias") => {
+                Some(cut(0, vec![q]))
+            }
+            Arch::Llama if ["k_proj", "v_proj"].iter().any(|p| is_projection(name, p)) => {
                 Some(cut(0, vec![kv]))
             }
             Arch::Llama if is("self_attn.o_proj.weight") => Some(cut(1, vec![q])),
-            Arch::Llama if is("mlp.gate_proj.weight") || is("mlp.up_proj.weight") => {
+            Arch::Llama
+                if ["gate_proj", "up_proj"]
+                    .iter()
+                    .any(|p| is_projection(name, p)) =>
+            {
                 Some(cut(0, vec![ffn]))
             }
             Arch::Llama if is("mlp.down_proj.weight") => Some(cut(1, vec![ffn])),
@@ -300,7 +307,8 @@ impl TpShard {
         }
         let is = |suffix: &str| name.ends_with(suffix);
         match cfg.arch {
-            Arch::Llama => is("norm.weight"),
+            // Norms (the per-head q/k norms included) and the row-parallel layers' biases.
+            Arch::Llama => is("norm.weight") || is("o_proj.bias") || is("down_proj.bias"),
             Arch::Gpt2 => {
                 Some(name) == cfg.position_embedding_name()
                     || name.contains(".ln_")
@@ -313,7 +321,7 @@ impl TpShard {
     /// sequence parallelism (so the group must sum it): the norms and the position embedding.
     /// Row-parallel biases see every row (their gradient comes from the gathered output gradient).
     pub fn sums_over_group(&self, cfg: &ModelConfig, name: &str) -> bool {
-        self.is_replicated(cfg, name) && !name.ends_with("c_proj.bias")
+        self.is_replicated(cfg, name) && !is_row_parallel_bias(name)
     }
 
     /// Whether parameter `name`'s gradient is a partial sum on each device of the group, so that
@@ -327,7 +335,8 @@ impl TpShard {
         if adapter_parts(name).is_some() {
             return self.is_whole_adapter(cfg, name);
         }
-        self.sequence_parallel && self.sums_over_group(cfg, name)
+        // A head norm sees only this device's heads, with or without sequence parallelism.
+        is_head_norm(name) || self.sequence_parallel && self.sums_over_group(cfg, name)
     }
 
     /// Whether adapter half `name` is kept whole on every device (the half its base's split does
@@ -348,6 +357,8 @@ impl TpShard {
         [
             "k_proj.weight",
             "v_proj.weight",
+            "k_proj.bias",
+            "v_proj.bias",
             "k_proj.lora_B.weight",
             "v_proj.lora_B.weight",
         ]
@@ -378,6 +389,27 @@ impl TpShard {
         let j = self.rank / k;
         (j * k..(j + 1) * k).collect()
     }
+}
+
+/// Whether `name` is projection `proj`'s weight or bias (`…self_attn.k_proj.bias`).
+fn is_projection(name: &str, proj: &str) -> bool {
+    ["weight", "bias"]
+        .iter()
+        .any(|t| name.ends_with(&format!(".{proj}.{t}")))
+}
+
+/// The biases added after a row-parallel layer's reduction: every device sees every row of their
+/// gradient, so they are replicated and never partial.
+fn is_row_parallel_bias(name: &str) -> bool {
+    ["c_proj.bias", "o_proj.bias", "down_proj.bias"]
+        .iter()
+        .any(|s| name.ends_with(s))
+}
+
+/// Qwen3's per-head q/k norms: replicated, but each device normalises only its own heads, so their
+/// gradients are partial sums over the tensor-parallel group.
+fn is_head_norm(name: &str) -> bool {
+    name.ends_with("self_attn.q_norm.weight") || name.ends_with("self_attn.k_norm.weight")
 }
 
 /// The split and the parameter of the base projection `module` (`model.layers.0.self_attn.q_proj`)

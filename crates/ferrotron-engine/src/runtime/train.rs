@@ -85,7 +85,7 @@ impl StartingPoint {
             start = ck.manifest.step;
         }
         let adapters = lora_run::resolve(cfg, &model, resume.as_ref())?;
-        if cfg.seq_len > model.max_position_embeddings {
+        if cfg.seq_len > model.max_sequence_length() {
             return Err(EngineError::Invalid(format!(
                 "seq_len {} exceeds the model's max_position_embeddings {} ({})",
                 cfg.seq_len,
@@ -172,8 +172,9 @@ impl TrainingData {
             }
         };
         data::check_tokenizer_fits(&tokenizer, &tokenizer_path, sp.model.vocab_size)?;
+        let framing = data::DocumentFraming::for_tokenizer(&tokenizer, &tokenizer_path)?;
         let split = TokenSplit::new(
-            data::encode_documents(&tokenizer, &docs)?,
+            data::encode_documents(&tokenizer, &framing, &docs)?,
             cfg.val_fraction,
             cfg.seq_len,
         )?;

@@ -330,6 +330,10 @@ pub(crate) struct LayerIds {
     /// Llama: gate, up; GPT-2: c_fc.
     mlp_in: Vec<Lin>,
     mlp_out: Lin,
+    /// Qwen3: RMSNorms over each head of q and of k, before the rotation.
+    qk_norm: Option<(NormIds, NormIds)>,
+    /// Sliding-window attention: how many keys (itself included) a query sees.
+    window: Option<usize>,
 }
 
 impl LayerIds {
@@ -377,6 +381,15 @@ impl LayerIds {
             norm2: norm(&n.norm2_weight, &n.norm2_bias),
             mlp_in: n.mlp_in.iter().map(|m| lin(m, h, f)).collect(),
             mlp_out: lin(&n.mlp_out, f, h),
+            qk_norm: n.qk_norm.as_ref().map(|(qn, kn)| {
+                let rms = |w: &String| NormIds {
+                    kind: NormKind::RmsNorm,
+                    w: id(w),
+                    b: None,
+                };
+                (rms(qn), rms(kn))
+            }),
+            window: cfg.attention_window(i),
         }
     }
 }
@@ -391,6 +404,11 @@ pub(crate) struct LayerActs {
     q: Kept,
     k: Kept,
     v: Kept,
+    /// Qwen3: q and k before their head norms, and the norms' statistics (empty otherwise).
+    q_pre: Kept,
+    k_pre: Kept,
+    q_norm: NormStash,
+    k_norm: NormStash,
     probs: Kept,
     attn: Kept,
     x_mid: Kept,
@@ -409,6 +427,8 @@ impl LayerActs {
             &self.q,
             &self.k,
             &self.v,
+            &self.q_pre,
+            &self.k_pre,
             &self.probs,
             &self.attn,
             &self.x_mid,
@@ -416,18 +436,41 @@ impl LayerActs {
             &self.mlp_act,
         ];
         let pre: usize = self.mlp_pre.iter().map(Kept::bytes).sum();
-        kept.iter().map(|k| k.bytes()).sum::<usize>() + pre + self.n1.bytes() + self.n2.bytes()
+        let norms = [&self.n1, &self.n2, &self.q_norm, &self.k_norm];
+        kept.iter().map(|k| k.bytes()).sum::<usize>()
+            + pre
+            + norms.iter().map(|n| n.bytes()).sum::<usize>()
     }
 }
 
-fn attn_shape(cfg: &ModelConfig, batch: usize, seq: usize) -> AttnShape {
+fn attn_shape(cfg: &ModelConfig, ids: &LayerIds, batch: usize, seq: usize) -> AttnShape {
     AttnShape {
         batch,
         seq,
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,
+        window: ids.window,
     }
+}
+
+/// Qwen3's head norms: each head of `q` (`heads` of them per row) and of `k` normalised in place of
+/// the projections' outputs, which are returned (backward reads them) with the norms' statistics.
+fn head_norms_forward(
+    be: &dyn Backend,
+    p: &ParamStore,
+    norms: Option<(NormIds, NormIds)>,
+    eps: f32,
+    q: &mut Vec<f32>,
+    k: &mut Vec<f32>,
+) -> (Vec<f32>, Vec<f32>, NormStash, NormStash) {
+    let Some((qn, kn)) = norms else {
+        return Default::default();
+    };
+    let (mut q_stats, mut k_stats) = (qn.forward(be, p, q, eps), kn.forward(be, p, k, eps));
+    let q_pre = std::mem::replace(q, std::mem::take(&mut q_stats.out));
+    let k_pre = std::mem::replace(k, std::mem::take(&mut k_stats.out));
+    (q_pre, k_pre, q_stats, k_stats)
 }
 
 /// Splits GPT-2's fused `[rows, 3q]` projection into contiguous q, k, v (`q` wide each).
@@ -505,11 +548,13 @@ pub(crate) fn forward(
         Arch::Gpt2 => split_qkv(&ids.qkv[0].forward(be, p, n1_in, rows), cfg.q_dim()),
     };
     drop(n1_all);
-    if let Some(rope) = &m.rope {
-        be.rope_forward(rope, positions, cfg.num_heads, &mut q);
-        be.rope_forward(rope, positions, cfg.num_kv_heads, &mut k);
+    let (q_pre, k_pre, q_norm, k_norm) =
+        head_norms_forward(be, p.base, ids.qk_norm, eps, &mut q, &mut k);
+    if let Some(rope) = m.rope_table(seq) {
+        be.rope_forward(&rope, positions, cfg.num_heads, &mut q);
+        be.rope_forward(&rope, positions, cfg.num_kv_heads, &mut k);
     }
-    let shape = attn_shape(cfg, batch, seq);
+    let shape = attn_shape(cfg, ids, batch, seq);
     let mut attn = Vec::new();
     // SAFETY: attention writes every element of its output and of the probabilities (zero past
     // the diagonal).
@@ -550,6 +595,10 @@ pub(crate) fn forward(
         q: keep(q),
         k: keep(k),
         v: keep(v),
+        q_pre: keep(q_pre),
+        k_pre: keep(k_pre),
+        q_norm,
+        k_norm,
         probs: keep(probs),
         attn: keep(attn),
         x_mid: keep(x_mid),
@@ -626,7 +675,7 @@ pub(crate) fn backward(
         let dout = dout_all.as_deref().unwrap_or(dx);
         ids.attn_out.backward_new(be, p, g, dout, &a.attn.get(be))
     };
-    let shape = attn_shape(cfg, batch, seq);
+    let shape = attn_shape(cfg, ids, batch, seq);
     let (q, k, v) = (a.q.get(be), a.k.get(be), a.v.get(be));
     if a.probs.is_empty() {
         // Selective recompute dropped the attention probabilities: recompute them from Q and K.
@@ -649,9 +698,21 @@ pub(crate) fn backward(
     };
     drop(probs);
     drop(a.probs);
-    if let Some(rope) = &m.rope {
-        be.rope_backward(rope, positions, cfg.num_heads, &mut dq);
-        be.rope_backward(rope, positions, cfg.num_kv_heads, &mut dk);
+    if let Some(rope) = m.rope_table(seq) {
+        be.rope_backward(&rope, positions, cfg.num_heads, &mut dq);
+        be.rope_backward(&rope, positions, cfg.num_kv_heads, &mut dk);
+    }
+    if let Some((qn, kn)) = ids.qk_norm {
+        // The head norms' backward: from the normalised heads back to the projections' outputs.
+        let head_norm_backward =
+            |norm: NormIds, dy: &[f32], x: &Kept, stats: &NormStash, g: &mut WeightSink| {
+                let x = x.get(be);
+                let mut dx = be.zeros(x.len());
+                norm.backward(be, p, g, dy, &x, stats, &mut dx, false);
+                dx
+            };
+        dq = head_norm_backward(qn, &dq, &a.q_pre, &a.q_norm, g);
+        dk = head_norm_backward(kn, &dk, &a.k_pre, &a.k_norm, g);
     }
     let dn1 = {
         let n1_out = a.n1_out.get(be);

@@ -24,6 +24,7 @@ use ferrotron_core::layout::Recompute;
 use ferrotron_core::model::{Arch, LoraConfig, ModelConfig, WeightLayout};
 use layer::{Adapter, LayerActs, LayerIds, Lin, NormIds, NormStash, Weights};
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 /// A batch of `batch` sequences of `seq` token ids, row-major.
 #[derive(Debug, Clone)]
@@ -71,7 +72,7 @@ impl TokenBatch {
                 cfg.vocab_size
             ));
         }
-        if self.seq > cfg.max_position_embeddings {
+        if self.seq > cfg.max_sequence_length() {
             return Err(format!(
                 "sequence length {} exceeds the model's max_position_embeddings {}",
                 self.seq, cfg.max_position_embeddings
@@ -177,7 +178,8 @@ pub struct Transformer {
     layers: Vec<LayerIds>,
     final_norm: Option<NormIds>,
     head: Option<Lin>,
-    rope: Option<RopeTable>,
+    /// Llama-shaped models: the rotary table last built, for the sequence length it serves.
+    rope: Option<Mutex<Option<Arc<RopeTable>>>>,
     recompute: Recompute,
     vocab: VocabSlice,
     /// How the activations kept for backward are stored: f32, or 16-bit under mixed precision.
@@ -247,6 +249,29 @@ impl VocabSlice {
 }
 
 impl Transformer {
+    /// The rotary table for sequences of `seq` tokens (Llama-shaped models), built once per
+    /// length: a table covers every position of the sequences it serves and no more, and under
+    /// dynamic NTK scaling its frequencies are those of that length.
+    pub(crate) fn rope_table(&self, seq: usize) -> Option<Arc<RopeTable>> {
+        let cache = self.rope.as_ref()?;
+        let mut cached = cache.lock().unwrap_or_else(|e| e.into_inner());
+        let serves = |t: &RopeTable| {
+            if self.cfg.rope_scaling.depends_on_length() {
+                t.max_positions() == seq
+            } else {
+                t.max_positions() >= seq
+            }
+        };
+        match cached.as_ref() {
+            Some(t) if serves(t) => Some(t.clone()),
+            _ => {
+                let t = Arc::new(RopeTable::for_model(&self.cfg, seq));
+                *cached = Some(t.clone());
+                Some(t)
+            }
+        }
+    }
+
     /// The whole model.
     pub fn new(cfg: &ModelConfig, params: &ParamStore) -> Self {
         Self::stage(cfg, params, 0..cfg.num_layers)
@@ -286,8 +311,7 @@ impl Transformer {
                 layout: WeightLayout::OutIn,
                 adapter: None,
             }),
-            rope: (cfg.arch == Arch::Llama)
-                .then(|| RopeTable::new(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)),
+            rope: (cfg.arch == Arch::Llama).then(|| Mutex::new(None)),
             layer_range: layers,
             vocab: VocabSlice::whole(cfg.vocab_size),
             cfg: cfg.clone(),
@@ -413,7 +437,7 @@ impl Transformer {
             StageInput::Hidden { batch, seq, .. } => (*batch, *seq),
         };
         assert!(
-            seq <= self.cfg.max_position_embeddings,
+            seq <= self.cfg.max_sequence_length(),
             "sequence longer than the model's positions"
         );
         let rows = batch * seq;

@@ -1,8 +1,10 @@
 #![allow(dead_code)]
 //! Shared helpers for the engine's integration tests.
 
+use ferrotron_core::model::ModelConfig;
 use ferrotron_engine::hf;
-use ferrotron_engine::transformer::{ParamStore, TokenBatch};
+use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -92,6 +94,18 @@ impl Reference {
             .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
             .collect()
     }
+}
+
+/// The unsplit model's loss and every gradient on `batch`, on one thread.
+pub fn unsplit(cfg: &ModelConfig, params: &ParamStore, batch: &TokenBatch) -> (f64, ParamStore) {
+    let mut grads = params.zeros_like();
+    let loss = Transformer::new(cfg, params).forward_backward(
+        &CpuBackend::single_threaded(),
+        params,
+        &mut grads,
+        batch,
+    );
+    (loss, grads)
 }
 
 /// ‖a − b‖ / ‖b‖ in f64.

@@ -606,6 +606,7 @@ fn kernels(b: KernelBench) -> Result<()> {
         heads: cfg.num_heads,
         kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,
+        window: None,
     };
     let (q, k, vv, dout) = (
         rand_vec(rows * a.q_width()),

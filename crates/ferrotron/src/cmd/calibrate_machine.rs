@@ -197,6 +197,7 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
         heads: 4,
         kv_heads: 4,
         head_dim: 64,
+        window: None,
     };
     let (q, k, v, dout) = (
         rand_vec(ROWS * a.q_width(), 4),

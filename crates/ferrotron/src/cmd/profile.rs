@@ -93,7 +93,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         ..TrainConfig::default()
     };
     let (model, params, _) = resolve_model(&a.model, 0)?;
-    if a.seq > model.max_position_embeddings {
+    if a.seq > model.max_sequence_length() {
         bail!(
             "--seq {} exceeds the model's max_position_embeddings {}",
             a.seq,

@@ -1,0 +1,962 @@
+//! Hugging Face `config.json`, read and written. Every key that transformers' implementation of a
+//! family reads is either implemented here or refused by name, and so is every key this module does
+//! not know: a checkpoint never trains silently as a different function.
+
+use super::config::{Arch, Family, ModelConfig, ProjectionBias, SlidingWindow, MAX_DIMENSION};
+use super::rope::{yarn_mscale, RopeScaling};
+use crate::error::{ConfigError, Result};
+use serde_json::{Map, Value};
+use std::path::{Path, PathBuf};
+
+/// Keys of every `config.json` that do not change what the model computes in training: names,
+/// metadata, token ids, generation defaults, the attention implementation (the same function).
+const INERT_EVERYWHERE: &[&str] = &[
+    "architectures",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "_name_or_path",
+    "auto_map",
+    "use_cache",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "is_decoder",
+    "cross_attention_hidden_size",
+    "tie_encoder_decoder",
+    "finetuning_task",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "task_specific_params",
+    "problem_type",
+    "tokenizer_class",
+    "prefix",
+    "attn_implementation",
+    "_attn_implementation_autoset",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+];
+
+/// The keys of the Llama-shaped families that ferrotron implements (all of them read below).
+const LLAMA_SHAPE: &[&str] = &[
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    // ferrotron trains without dropout (the function transformers computes in eval mode); every
+    // published config of these families has 0.
+    "attention_dropout",
+];
+
+/// Keys a family implements beyond [`LLAMA_SHAPE`], and keys it carries that change nothing.
+fn family_keys(f: Family) -> (&'static [&'static str], &'static [&'static str]) {
+    match f {
+        // pretraining_tp > 1 splits the same products into slices: the same function.
+        Family::Llama => (&["attention_bias", "mlp_bias"], &["pretraining_tp"]),
+        // transformers warns about and ignores Mistral's layer_types.
+        Family::Mistral => (&["sliding_window"], &["layer_types"]),
+        Family::Qwen2 => (
+            &[
+                "use_sliding_window",
+                "sliding_window",
+                "max_window_layers",
+                "layer_types",
+            ],
+            // Published Qwen2/2.5 configs carry `use_mrope: false`; transformers' Qwen2 never reads it.
+            &["use_mrope"],
+        ),
+        Family::Qwen3 => (
+            &[
+                "attention_bias",
+                "use_sliding_window",
+                "sliding_window",
+                "max_window_layers",
+                "layer_types",
+            ],
+            &[],
+        ),
+        Family::Gpt2 => (
+            &[
+                "vocab_size",
+                "n_embd",
+                "n_layer",
+                "n_head",
+                "n_inner",
+                "n_positions",
+                "activation_function",
+                "layer_norm_epsilon",
+                "tie_word_embeddings",
+                "scale_attn_weights",
+                "scale_attn_by_inverse_layer_idx",
+                "add_cross_attention",
+                // Dropout is not applied (see README's model table).
+                "resid_pdrop",
+                "embd_pdrop",
+                "attn_pdrop",
+            ],
+            // n_ctx is n_positions' old name; the summary keys belong to the double-heads model;
+            // reorder_and_upcast_attn changes the precision of an f16 run, not the function.
+            &[
+                "n_ctx",
+                "reorder_and_upcast_attn",
+                "summary_type",
+                "summary_use_proj",
+                "summary_activation",
+                "summary_proj_to_labels",
+                "summary_first_dropout",
+            ],
+        ),
+    }
+}
+
+const FAMILIES: &[Family] = &[
+    Family::Llama,
+    Family::Mistral,
+    Family::Qwen2,
+    Family::Qwen3,
+    Family::Gpt2,
+];
+
+/// Keys of a `rope_parameters` / `rope_scaling` object by rope type (beside `rope_type`/`type`,
+/// `rope_theta` and `partial_rotary_factor`, which every type has).
+fn rope_keys(rope_type: &str) -> Option<&'static [&'static str]> {
+    Some(match rope_type {
+        "default" => &[],
+        "linear" => &["factor"],
+        // original_max_position_embeddings is not read by the dynamic type.
+        "dynamic" => &["factor", "original_max_position_embeddings"],
+        "llama3" => &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+        "yarn" => &[
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ],
+        _ => return None,
+    })
+}
+
+impl ModelConfig {
+    /// Reads a Hugging Face `config.json`. Every error names the file and the field.
+    pub fn from_hf_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            file: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_hf_json(&text, path)
+    }
+
+    pub fn from_hf_json(text: &str, file: &Path) -> Result<Self> {
+        let v: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json {
+            file: file.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        let obj = v.as_object().ok_or_else(|| ConfigError::Json {
+            file: file.to_path_buf(),
+            msg: "expected a JSON object".into(),
+        })?;
+        let r = Reader {
+            v: obj,
+            file: file.to_path_buf(),
+        };
+        let model_type = r.string("model_type")?;
+        let family = FAMILIES
+            .iter()
+            .copied()
+            .find(|f| f.model_type() == model_type)
+            .ok_or_else(|| {
+                let known: Vec<_> = FAMILIES.iter().map(|f| f.model_type()).collect();
+                r.field(
+                    "model_type",
+                    format!(
+                        "unknown model_type `{model_type}` (supported: {})",
+                        known.join(", ")
+                    ),
+                )
+            })?;
+        r.check_keys(family)?;
+        let cfg = match family {
+            Family::Gpt2 => r.gpt2()?,
+            _ => r.llama_shaped(family)?,
+        };
+        cfg.validate().map_err(|msg| ConfigError::Field {
+            file: file.to_path_buf(),
+            field: msg.0,
+            msg: msg.1,
+        })?;
+        Ok(cfg)
+    }
+
+    /// Writes a `config.json` that Hugging Face transformers loads as the same function.
+    pub fn to_hf_json(&self) -> Value {
+        let family = self.family();
+        let mut v = match self.arch {
+            Arch::Llama => {
+                let mut rope = self.rope_scaling.to_hf_json();
+                rope["rope_theta"] = self.rope_theta.into();
+                serde_json::json!({
+                    "vocab_size": self.vocab_size,
+                    "hidden_size": self.hidden_size,
+                    "intermediate_size": self.intermediate_size,
+                    "num_hidden_layers": self.num_layers,
+                    "num_attention_heads": self.num_heads,
+                    "num_key_value_heads": self.num_kv_heads,
+                    "head_dim": self.head_dim,
+                    "max_position_embeddings": self.max_position_embeddings,
+                    "rms_norm_eps": self.norm_eps,
+                    "rope_theta": self.rope_theta,
+                    "rope_parameters": rope,
+                    "tie_word_embeddings": self.tie_word_embeddings,
+                    "hidden_act": "silu",
+                    "attention_dropout": 0.0,
+                })
+            }
+            Arch::Gpt2 => serde_json::json!({
+                "vocab_size": self.vocab_size,
+                "n_embd": self.hidden_size,
+                "n_inner": self.intermediate_size,
+                "n_layer": self.num_layers,
+                "n_head": self.num_heads,
+                "n_positions": self.max_position_embeddings,
+                "layer_norm_epsilon": self.norm_eps,
+                "activation_function": "gelu_new",
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": true,
+            }),
+        };
+        let window = self.sliding_window;
+        let extra = match family {
+            Family::Llama => serde_json::json!({
+                "attention_bias": self.bias.qkv,
+                "mlp_bias": self.bias.mlp,
+            }),
+            Family::Mistral => serde_json::json!({ "sliding_window": window.map(|w| w.size) }),
+            Family::Qwen2 | Family::Qwen3 => {
+                let mut e = serde_json::json!({
+                    "use_sliding_window": window.is_some(),
+                    "sliding_window": window.map(|w| w.size),
+                    "max_window_layers": window.map_or(self.num_layers, |w| w.first_layer),
+                });
+                if family == Family::Qwen3 {
+                    e["attention_bias"] = self.bias.qkv.into();
+                }
+                e
+            }
+            Family::Gpt2 => serde_json::json!({}),
+        };
+        let o = v.as_object_mut().expect("an object");
+        o.extend(extra.as_object().expect("an object").clone());
+        o.insert(
+            "architectures".into(),
+            serde_json::json!([family.architecture()]),
+        );
+        o.insert("model_type".into(), family.model_type().into());
+        o.insert("bos_token_id".into(), 0.into());
+        o.insert("eos_token_id".into(), 0.into());
+        o.insert("torch_dtype".into(), "float32".into());
+        v
+    }
+}
+
+struct Reader<'a> {
+    v: &'a Map<String, Value>,
+    file: PathBuf,
+}
+
+impl Reader<'_> {
+    fn field(&self, field: &str, msg: String) -> ConfigError {
+        ConfigError::Field {
+            file: self.file.clone(),
+            field: field.into(),
+            msg,
+        }
+    }
+
+    /// Every key is implemented, inert, or refused by name.
+    fn check_keys(&self, family: Family) -> Result<()> {
+        let (implemented, inert) = family_keys(family);
+        let shape: &[&str] = if family == Family::Gpt2 {
+            &[]
+        } else {
+            LLAMA_SHAPE
+        };
+        for key in self.v.keys() {
+            let known = [shape, implemented, inert, INERT_EVERYWHERE]
+                .iter()
+                .any(|list| list.contains(&key.as_str()));
+            if known {
+                continue;
+            }
+            let msg = if key == "quantization_config" {
+                "a quantized checkpoint is not supported: give ferrotron the unquantized model"
+                    .into()
+            } else {
+                format!(
+                    "ferrotron does not implement this key of model_type `{}`: it may change what \
+                     the model computes, so the model is refused rather than trained as a different \
+                     function (if transformers ignores it too, remove it from config.json)",
+                    family.model_type()
+                )
+            };
+            return Err(self.field(key, msg));
+        }
+        Ok(())
+    }
+
+    fn gpt2(&self) -> Result<ModelConfig> {
+        let hidden = self.usize("n_embd")?;
+        let heads = self.usize("n_head")?;
+        if let Some(act) = self.opt_string("activation_function")? {
+            if act != "gelu_new" && act != "gelu_pytorch_tanh" {
+                return Err(self.field(
+                    "activation_function",
+                    format!("`{act}` is not supported (only gelu_new)"),
+                ));
+            }
+        }
+        self.require_bool("scale_attn_weights", true)?;
+        self.require_bool("scale_attn_by_inverse_layer_idx", false)?;
+        self.require_bool("add_cross_attention", false)?;
+        let mut cfg = ModelConfig::gpt2(
+            self.usize("vocab_size")?,
+            hidden,
+            self.opt_usize("n_inner")?.unwrap_or(4 * hidden),
+            self.usize("n_layer")?,
+            heads,
+            self.usize("n_positions")?,
+        );
+        cfg.norm_eps = self.non_negative("layer_norm_epsilon", 1e-5)?;
+        cfg.tie_word_embeddings = self.opt_bool("tie_word_embeddings")?.unwrap_or(true);
+        Ok(cfg)
+    }
+
+    fn llama_shaped(&self, family: Family) -> Result<ModelConfig> {
+        let hidden = self.usize("hidden_size")?;
+        let heads = self.usize("num_attention_heads")?;
+        let kv_heads = self.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        // Qwen3's head_dim defaults to 128, the others' to hidden / heads.
+        let head_dim = match self.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if family == Family::Qwen3 => 128,
+            None => hidden / heads.max(1),
+        };
+        if let Some(act) = self.opt_string("hidden_act")? {
+            if act != "silu" {
+                return Err(self.field(
+                    "hidden_act",
+                    format!("`{act}` is not supported (only silu)"),
+                ));
+            }
+        }
+        if let Some(f) = self.opt_f64("partial_rotary_factor")? {
+            if f != 1.0 {
+                return Err(self.field(
+                    "partial_rotary_factor",
+                    format!("{f} is not implemented (only 1.0: every dimension rotated)"),
+                ));
+            }
+        }
+        let max_positions = self.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+        let (rope_theta, rope_scaling) = self.rope(max_positions)?;
+        let num_layers = self.usize("num_hidden_layers")?;
+        let attention_bias = self.opt_bool("attention_bias")?.unwrap_or(false);
+        let bias = match family {
+            Family::Llama => ProjectionBias {
+                qkv: attention_bias,
+                o: attention_bias,
+                mlp: self.opt_bool("mlp_bias")?.unwrap_or(false),
+            },
+            // transformers' Qwen2 has q/k/v biases always, and none elsewhere.
+            Family::Qwen2 => ProjectionBias {
+                qkv: true,
+                o: false,
+                mlp: false,
+            },
+            Family::Qwen3 => ProjectionBias {
+                qkv: attention_bias,
+                o: attention_bias,
+                mlp: false,
+            },
+            Family::Mistral | Family::Gpt2 => ProjectionBias::default(),
+        };
+        Ok(ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: self.usize("vocab_size")?,
+            hidden_size: hidden,
+            intermediate_size: self.usize("intermediate_size")?,
+            num_layers,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            max_position_embeddings: max_positions,
+            norm_eps: self.non_negative("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            tie_word_embeddings: self.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            family: Some(family),
+            rope_scaling,
+            bias,
+            qk_norm: family == Family::Qwen3,
+            sliding_window: self.sliding_window(family, num_layers)?,
+        })
+    }
+
+    /// The window as transformers derives it: Mistral's `sliding_window` (4096 when absent) on every
+    /// layer; Qwen's only under `use_sliding_window`, on the layers `layer_types` marks (by default
+    /// those from `max_window_layers` on).
+    fn sliding_window(&self, family: Family, layers: usize) -> Result<Option<SlidingWindow>> {
+        let size = |default: Option<usize>| -> Result<Option<usize>> {
+            match self.v.get("sliding_window") {
+                None => Ok(default),
+                Some(Value::Null) => Ok(None),
+                Some(_) => self.opt_usize("sliding_window"),
+            }
+        };
+        match family {
+            Family::Mistral => Ok(size(Some(4096))?.map(|size| SlidingWindow {
+                size,
+                first_layer: 0,
+            })),
+            Family::Qwen2 | Family::Qwen3 => {
+                let enabled = self.opt_bool("use_sliding_window")?.unwrap_or(false);
+                let size = size(Some(4096))?.filter(|_| enabled);
+                let from = self.opt_usize("max_window_layers")?.unwrap_or(28);
+                let first_layer = match self.v.get("layer_types").filter(|v| !v.is_null()) {
+                    None => from.min(layers),
+                    Some(types) => self.first_sliding_layer(types, layers)?,
+                };
+                Ok(size
+                    .filter(|_| first_layer < layers)
+                    .map(|size| SlidingWindow { size, first_layer }))
+            }
+            Family::Llama | Family::Gpt2 => Ok(None),
+        }
+    }
+
+    /// `layer_types` as the first layer of a run of sliding layers that lasts to the end: the one
+    /// pattern ferrotron implements (and the one transformers derives by default).
+    fn first_sliding_layer(&self, types: &Value, layers: usize) -> Result<usize> {
+        let bad = |msg: String| self.field("layer_types", msg);
+        let types = types
+            .as_array()
+            .ok_or_else(|| bad(format!("expected a list, found {types}")))?;
+        if types.len() != layers {
+            return Err(bad(format!("{} entries for {layers} layers", types.len())));
+        }
+        let mut sliding = Vec::with_capacity(layers);
+        for t in types {
+            sliding.push(match t.as_str() {
+                Some("full_attention") => false,
+                Some("sliding_attention") => true,
+                _ => {
+                    return Err(bad(format!(
+                        "`{t}` is not implemented (only full_attention and sliding_attention)"
+                    )))
+                }
+            });
+        }
+        let first = sliding.iter().position(|&s| s).unwrap_or(layers);
+        if sliding[first..].iter().any(|&s| !s) {
+            return Err(bad(
+                "full-attention layers after sliding ones are not implemented (sliding layers must \
+                 run from one layer to the last)"
+                    .into(),
+            ));
+        }
+        Ok(first)
+    }
+
+    /// `rope_theta` and the scaling, from `rope_parameters` (transformers 5) or `rope_scaling` with a
+    /// top-level `rope_theta` (earlier versions).
+    fn rope(&self, max_positions: usize) -> Result<(f64, RopeScaling)> {
+        let top_theta = self.opt_f64("rope_theta")?;
+        let params = self.v.get("rope_parameters").filter(|v| !v.is_null());
+        let scaling = self.v.get("rope_scaling").filter(|v| !v.is_null());
+        let (key, obj) = match (params, scaling) {
+            (Some(p), Some(s)) if p != s => {
+                // transformers 5 reads rope_parameters; ferrotron will not guess between two.
+                let p_type = p.get("rope_type").or_else(|| p.get("type"));
+                let s_type = s.get("rope_type").or_else(|| s.get("type"));
+                if p_type.is_some() && s_type.is_some() && p_type != s_type {
+                    return Err(self.field(
+                        "rope_scaling",
+                        "disagrees with rope_parameters: give one of them".into(),
+                    ));
+                }
+                ("rope_parameters", Some(p))
+            }
+            (Some(p), _) => ("rope_parameters", Some(p)),
+            (None, Some(s)) => ("rope_scaling", Some(s)),
+            (None, None) => ("rope_parameters", None),
+        };
+        let empty = Map::new();
+        let obj = match obj {
+            None => &empty,
+            Some(Value::Object(o)) => o,
+            Some(other) => {
+                return Err(self.field(key, format!("expected an object, found {other}")))
+            }
+        };
+        if obj.values().any(Value::is_object) {
+            return Err(self.field(
+                key,
+                "RoPE parameters per layer type are not implemented".into(),
+            ));
+        }
+        let at = |k: &str| format!("{key}.{k}");
+        let num = |k: &str| -> Result<Option<f64>> {
+            match obj.get(k).filter(|v| !v.is_null()) {
+                None => Ok(None),
+                Some(v) => match v.as_f64() {
+                    Some(x) if x.is_finite() => Ok(Some(x)),
+                    _ => Err(self.field(&at(k), format!("expected a finite number, found {v}"))),
+                },
+            }
+        };
+        let theta = match num("rope_theta")?.or(top_theta) {
+            None => 10000.0,
+            Some(t) if t > 0.0 && t.is_finite() => t,
+            Some(t) => return Err(self.field("rope_theta", format!("{t} must be positive"))),
+        };
+        let rope_type = match obj.get("rope_type").or_else(|| obj.get("type")) {
+            None | Some(Value::Null) => "default".to_string(),
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => {
+                return Err(self.field(
+                    &at("rope_type"),
+                    format!("expected a string, found {other}"),
+                ))
+            }
+        };
+        let Some(keys) = rope_keys(&rope_type) else {
+            return Err(self.field(
+                &at("rope_type"),
+                format!(
+                    "`{rope_type}` is not implemented (ferrotron implements default, linear, \
+                     dynamic, llama3 and yarn)"
+                ),
+            ));
+        };
+        for k in obj.keys() {
+            let common = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
+            if !common.contains(&k.as_str()) && !keys.contains(&k.as_str()) {
+                return Err(self.field(
+                    &at(k),
+                    format!("not a parameter of rope_type `{rope_type}` that ferrotron implements"),
+                ));
+            }
+        }
+        if let Some(f) = num("partial_rotary_factor")? {
+            if f != 1.0 {
+                return Err(self.field(
+                    &at("partial_rotary_factor"),
+                    format!("{f} is not implemented (only 1.0)"),
+                ));
+            }
+        }
+        let required = |k: &str| -> Result<f64> {
+            match num(k)? {
+                Some(x) if x > 0.0 => Ok(x),
+                Some(x) => Err(self.field(&at(k), format!("{x} must be positive"))),
+                None => Err(self.field(&at(k), format!("missing (rope_type `{rope_type}`)"))),
+            }
+        };
+        let original = || -> Result<f64> {
+            Ok(num("original_max_position_embeddings")?.unwrap_or(max_positions as f64))
+        };
+        let scaling = match rope_type.as_str() {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear {
+                factor: required("factor")?,
+            },
+            "dynamic" => RopeScaling::Dynamic {
+                factor: required("factor")?,
+            },
+            "llama3" => {
+                let (low, high) = (required("low_freq_factor")?, required("high_freq_factor")?);
+                if low == high {
+                    return Err(self.field(
+                        &at("high_freq_factor"),
+                        "equals low_freq_factor: the ramp between them has no width".into(),
+                    ));
+                }
+                RopeScaling::Llama3 {
+                    factor: required("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: original()?,
+                }
+            }
+            "yarn" => {
+                let original = original()?;
+                let factor = match num("factor")? {
+                    None => max_positions as f64 / original,
+                    Some(_) => required("factor")?,
+                };
+                let attention_factor = match num("attention_factor")? {
+                    Some(a) => a,
+                    None => match (num("mscale")?, num("mscale_all_dim")?) {
+                        (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                            yarn_mscale(factor, m) / yarn_mscale(factor, all)
+                        }
+                        _ => yarn_mscale(factor, 1.0),
+                    },
+                };
+                // transformers: `get("beta_fast") or 32`, so 0 also means the default.
+                let or = |k: &str, d: f64| -> Result<f64> {
+                    Ok(num(k)?.filter(|&x| x != 0.0).unwrap_or(d))
+                };
+                let truncate = match obj.get("truncate") {
+                    None | Some(Value::Null) => true,
+                    Some(Value::Bool(b)) => *b,
+                    Some(other) => {
+                        return Err(self.field(
+                            &at("truncate"),
+                            format!("expected true or false, found {other}"),
+                        ))
+                    }
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: original,
+                    attention_factor,
+                    beta_fast: or("beta_fast", 32.0)?,
+                    beta_slow: or("beta_slow", 1.0)?,
+                    truncate,
+                }
+            }
+            _ => unreachable!("rope_keys knows only the types above"),
+        };
+        Ok((theta, scaling))
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.v.get(key).filter(|v| !v.is_null())
+    }
+    fn string(&self, key: &str) -> Result<String> {
+        self.opt_string(key)?
+            .ok_or_else(|| self.field(key, "missing".into()))
+    }
+    fn opt_string(&self, key: &str) -> Result<Option<String>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(other) => Err(self.field(key, format!("expected a string, found {other}"))),
+        }
+    }
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.field(key, "missing".into()))
+    }
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                // Bounded here, before any size is multiplied out of it.
+                Some(n) if n as usize > MAX_DIMENSION => Err(self.field(
+                    key,
+                    format!("{n} is beyond the largest size handled ({MAX_DIMENSION})"),
+                )),
+                Some(n) => Ok(Some(n as usize)),
+                None => Err(self.field(key, format!("expected a non-negative integer, found {v}"))),
+            },
+        }
+    }
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(self.field(key, format!("expected a finite number, found {v}"))),
+            },
+        }
+    }
+    /// A norm's epsilon: absent means `default`; negative is refused (it would take the root of a
+    /// negative number on a zero row).
+    fn non_negative(&self, key: &str, default: f64) -> Result<f64> {
+        match self.opt_f64(key)? {
+            None => Ok(default),
+            Some(x) if x >= 0.0 => Ok(x),
+            Some(x) => Err(self.field(key, format!("{x} must not be negative"))),
+        }
+    }
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.field(key, format!("expected true or false, found {v}"))),
+        }
+    }
+    /// A boolean key whose other value is not implemented.
+    fn require_bool(&self, key: &str, implemented: bool) -> Result<()> {
+        match self.opt_bool(key)? {
+            Some(b) if b != implemented => {
+                Err(self.field(key, format!("{b} is not implemented (only {implemented})")))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ModelConfig> {
+        ModelConfig::from_hf_json(text, Path::new("config.json"))
+    }
+
+    #[test]
+    fn rope_theta_top_level_or_nested() {
+        let base = r#""model_type":"llama","vocab_size":32,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":1,"num_attention_heads":2"#;
+        let top = parse(&format!("{{{base},\"rope_theta\":500000.0}}")).unwrap();
+        assert_eq!(top.rope_theta, 500000.0);
+        let nested = parse(&format!(
+            "{{{base},\"rope_parameters\":{{\"rope_theta\":1234.0}}}}"
+        ))
+        .unwrap();
+        assert_eq!(nested.rope_theta, 1234.0);
+        assert_eq!(nested.num_kv_heads, 2);
+        assert_eq!(nested.head_dim, 4);
+    }
+
+    #[test]
+    fn errors_name_file_and_field() {
+        let e = parse(r#"{"model_type":"bert"}"#).unwrap_err().to_string();
+        assert!(
+            e.contains("config.json") && e.contains("model_type") && e.contains("bert"),
+            "{e}"
+        );
+        let e = parse(r#"{"model_type":"gpt2","n_embd":"x"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("n_embd"), "{e}");
+        let e = parse(r#"{"model_type":"gpt2","n_embd":64}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("n_head") && e.contains("missing"), "{e}");
+        let e = parse("{not json").unwrap_err().to_string();
+        assert!(e.contains("not valid JSON"), "{e}");
+    }
+
+    fn refusal(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    fn llama_with(extra: &str) -> String {
+        format!(
+            r#"{{"model_type":"llama","vocab_size":32,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":2,"num_attention_heads":2{extra}}}"#
+        )
+    }
+
+    /// Published configs beyond the presets, as their model cards give them.
+    #[test]
+    fn published_configs_load_with_their_features() {
+        // Llama 3.2 1B: tied embeddings, llama3 scaling by 32.
+        let llama32 = parse(
+            r#"{"architectures":["LlamaForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+            "bos_token_id":128000,"eos_token_id":128001,"head_dim":64,"hidden_act":"silu",
+            "hidden_size":2048,"initializer_range":0.02,"intermediate_size":8192,
+            "max_position_embeddings":131072,"mlp_bias":false,"model_type":"llama",
+            "num_attention_heads":32,"num_hidden_layers":16,"num_key_value_heads":8,
+            "pretraining_tp":1,"rms_norm_eps":1e-05,"rope_scaling":{"factor":32.0,
+            "high_freq_factor":4.0,"low_freq_factor":1.0,"original_max_position_embeddings":8192,
+            "rope_type":"llama3"},"rope_theta":500000.0,"tie_word_embeddings":true,
+            "torch_dtype":"bfloat16","transformers_version":"4.45.0.dev0","use_cache":true,
+            "vocab_size":128256}"#,
+        )
+        .unwrap();
+        assert_eq!(llama32.num_params(), 1_235_814_400);
+        assert!(
+            matches!(llama32.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0)
+        );
+        // Qwen2.5 with YaRN as its model card tells users to enable it (old `type` key).
+        let qwen = parse(
+            r#"{"model_type":"qwen2","vocab_size":32,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":2,"num_attention_heads":2,"rope_theta":1000000.0,
+            "rope_scaling":{"factor":4.0,"original_max_position_embeddings":32768,"type":"yarn"},
+            "use_sliding_window":false,"sliding_window":131072,"max_window_layers":28}"#,
+        )
+        .unwrap();
+        match qwen.rope_scaling {
+            RopeScaling::Yarn {
+                factor,
+                attention_factor,
+                original_max_position_embeddings,
+                ..
+            } => {
+                assert_eq!((factor, original_max_position_embeddings), (4.0, 32768.0));
+                assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-15);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(qwen.rope_theta, 1e6);
+        assert!(qwen.sliding_window.is_none() && qwen.bias.qkv);
+    }
+
+    #[test]
+    fn every_unimplemented_key_or_value_is_refused_by_name() {
+        let cases = [
+            (
+                llama_with(r#","rope_scaling":{"rope_type":"longrope","factor":2.0}"#),
+                "longrope",
+            ),
+            (
+                llama_with(r#","rope_parameters":{"rope_type":"su","factor":2.0}"#),
+                "`su`",
+            ),
+            (
+                llama_with(r#","rope_scaling":{"rope_type":"linear"}"#),
+                "rope_scaling.factor",
+            ),
+            (
+                llama_with(r#","rope_scaling":{"rope_type":"linear","factor":2.0,"beta_fast":4}"#),
+                "rope_scaling.beta_fast",
+            ),
+            (llama_with(r#","some_new_key":1"#), "some_new_key"),
+            (
+                llama_with(r#","quantization_config":{"bits":4}"#),
+                "quantized",
+            ),
+            (
+                llama_with(r#","partial_rotary_factor":0.5"#),
+                "partial_rotary_factor",
+            ),
+            (llama_with(r#","hidden_act":"gelu""#), "hidden_act"),
+            (llama_with(r#","rope_theta":0"#), "rope_theta"),
+            (llama_with(r#","rms_norm_eps":-1"#), "rms_norm_eps"),
+            // Keys that exist in another family are not this family's.
+            (llama_with(r#","sliding_window":4096"#), "sliding_window"),
+            (
+                llama_with(r#","attention_bias":false"#).replace("llama", "mistral"),
+                "attention_bias",
+            ),
+            (
+                llama_with(
+                    r#","use_sliding_window":true,"sliding_window":8,
+                    "layer_types":["sliding_attention","full_attention"]"#,
+                )
+                .replace("llama", "qwen2"),
+                "layer_types",
+            ),
+            (llama_with("").replace("llama", "phi3"), "phi3"),
+            (llama_with("").replace("llama", "gemma2"), "gemma2"),
+        ];
+        for (text, named) in cases {
+            let e = refusal(&text);
+            assert!(e.contains(named), "{named}: {e}");
+        }
+    }
+
+    #[test]
+    fn windows_and_biases_follow_transformers_defaults() {
+        // Mistral without the key: transformers' default window of 4096, on every layer.
+        let m = parse(&llama_with("").replace("llama", "mistral")).unwrap();
+        assert_eq!(
+            (m.attention_window(0), m.attention_window(1)),
+            (Some(4096), Some(4096))
+        );
+        let m =
+            parse(&llama_with(r#","sliding_window":null"#).replace("llama", "mistral")).unwrap();
+        assert_eq!(m.attention_window(0), None);
+        // Qwen2: a window only under use_sliding_window, from max_window_layers on.
+        let q = parse(
+            &llama_with(r#","sliding_window":8,"max_window_layers":1"#).replace("llama", "qwen2"),
+        )
+        .unwrap();
+        assert_eq!(q.sliding_window, None);
+        let q = parse(
+            &llama_with(r#","use_sliding_window":true,"sliding_window":8,"max_window_layers":1"#)
+                .replace("llama", "qwen2"),
+        )
+        .unwrap();
+        assert_eq!(
+            (q.attention_window(0), q.attention_window(1)),
+            (None, Some(8))
+        );
+        assert!(q.bias.qkv && !q.bias.o && !q.bias.mlp);
+        // Qwen3's head_dim defaults to 128, whatever hidden / heads is.
+        let q3 = parse(&llama_with("").replace("llama", "qwen3")).unwrap();
+        assert_eq!(q3.head_dim, 128);
+        assert!(q3.qk_norm);
+        let l = parse(&llama_with(r#","attention_bias":true,"mlp_bias":true"#)).unwrap();
+        assert_eq!(
+            l.bias,
+            ProjectionBias {
+                qkv: true,
+                o: true,
+                mlp: true
+            }
+        );
+    }
+
+    #[test]
+    fn the_written_config_reads_back_as_the_same_model() {
+        for name in crate::model::PRESET_NAMES {
+            let cfg = crate::model::preset(name).unwrap();
+            let text = serde_json::to_string(&cfg.to_hf_json()).unwrap();
+            let mut back = parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            back.family = cfg.family;
+            assert_eq!(back, cfg, "{name}");
+        }
+    }
+}
