@@ -898,6 +898,16 @@ mod tests {
                 .replace("llama", "qwen2"),
                 "layer_types",
             ),
+            (
+                llama_with(r#","mlp_bias":true"#).replace("llama", "qwen3"),
+                "mlp_bias",
+            ),
+            (
+                r#"{"model_type":"gpt2","vocab_size":32,"n_embd":8,"n_layer":1,"n_head":2,
+                "n_positions":16,"rotary_dim":4}"#
+                    .to_string(),
+                "rotary_dim",
+            ),
             (llama_with("").replace("llama", "phi3"), "phi3"),
             (llama_with("").replace("llama", "gemma2"), "gemma2"),
         ];
