@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes the README's pictures of the reports: a profile of dp=2,tp=2,pp=2 on llama-small, a plan of
+# Makes the pictures in docs/profile.md of the reports: a profile of dp=2,tp=2,pp=2 on llama-small, a plan of
 # Llama-3-70B on 64 A100s, and a short training run with --report, each rendered in headless
 # Chromium (`apt-get install chromium`) and saved under docs/images/.
 set -euo pipefail

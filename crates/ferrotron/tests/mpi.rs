@@ -273,7 +273,7 @@ fn auto_plans_for_the_job_s_ranks() {
     );
 }
 
-/// The README's `mpirun` commands, shortened like the others (`tests/readme.rs`), in a directory
+/// The README's and the guides' `mpirun` commands, shortened like the others (`tests/readme.rs`), in a directory
 /// laid out like a fresh clone.
 #[test]
 fn readme_mpirun_commands_run() {
@@ -288,7 +288,7 @@ fn readme_mpirun_commands_run() {
         let bin = words
             .iter()
             .position(|w| w.ends_with("target/release/ferrotron"))
-            .expect("the README runs target/release/ferrotron");
+            .expect("the guides run target/release/ferrotron");
         words[bin] = env!("CARGO_BIN_EXE_ferrotron").to_string();
         let out = Command::new("mpirun")
             .args(&words)
@@ -297,7 +297,8 @@ fn readme_mpirun_commands_run() {
             .expect("mpirun runs");
         assert!(
             out.status.success(),
-            "README line {}: `mpirun {}` failed:\n{}",
+            "{} line {}: `mpirun {}` failed:\n{}",
+            c.page,
             c.line,
             words.join(" "),
             String::from_utf8_lossy(&out.stderr)

@@ -473,10 +473,10 @@ fn trials_table(trials: &[Trial]) -> String {
 }
 
 /// Twenty faults of a random kind on a random host at a random moment (`FERROTRON_FAULT_TRIALS`,
-/// `FERROTRON_FAULT_SEED` to change them), each bounded in time: the table goes in the README.
+/// `FERROTRON_FAULT_SEED` to change them), each bounded in time: the table goes in docs/checkpoints.md.
 /// `cargo test --release -p ferrotron --features mpi --test multihost -- --ignored randomized`
 #[test]
-#[ignore = "about 10 minutes; run by hand for the README's table"]
+#[ignore = "about 10 minutes; run by hand for docs/checkpoints.md's table"]
 fn randomized_fault_trials() {
     use rand::{Rng, SeedableRng};
     let n: usize = std::env::var("FERROTRON_FAULT_TRIALS").map_or(20, |v| v.parse().unwrap());
@@ -508,7 +508,7 @@ fn randomized_fault_trials() {
 
 /// Kill → first optimizer step on the new layout for the embedded default run's model.
 #[test]
-#[ignore = "about 2 minutes; run by hand for the README's figure"]
+#[ignore = "about 2 minutes; run by hand for docs/checkpoints.md's figure"]
 fn llama_small_recovers_from_a_killed_host() {
     let job = Job {
         model: "llama-small",

@@ -137,7 +137,7 @@ fn family_keys(f: Family) -> (&'static [&'static str], &'static [&'static str]) 
                 "scale_attn_weights",
                 "scale_attn_by_inverse_layer_idx",
                 "add_cross_attention",
-                // Dropout is not applied (see README's model table).
+                // Dropout is not applied (see docs/models.md).
                 "resid_pdrop",
                 "embd_pdrop",
                 "attn_pdrop",

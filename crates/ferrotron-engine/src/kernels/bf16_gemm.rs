@@ -534,7 +534,7 @@ impl Tiles for Avx512 {
     /// Panels are `[pair][MR]` and `[pair][NR]`: pairs `s..e` are a run of each.
     const DEPTH_RANGES: bool = true;
     /// Measured on Zen 4: 14% fewer elements packed a step, the step no slower (the AMX path keeps
-    /// a packing per thread: sharing measured 2–18% slower on its host, see the README).
+    /// a packing per thread: sharing measured 2–18% slower on its host, see docs/performance.md).
     const SHARED_B: bool = true;
     unsafe fn micro(
         kp: usize,

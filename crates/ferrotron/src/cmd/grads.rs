@@ -13,7 +13,7 @@ pub struct GradsArgs {
     /// safetensors file with an int64 `input_ids` tensor of shape [batch, seq].
     #[arg(long)]
     tokens: PathBuf,
-    /// Layout spec (see the README).
+    /// Layout spec (see docs/train.md).
     #[arg(long, default_value = "")]
     layout: String,
     /// Output safetensors: `loss` and `grad.<name>` for every parameter, full Hugging Face shapes

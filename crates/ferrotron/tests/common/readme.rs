@@ -1,14 +1,32 @@
-//! The README's commands, as a new user would type them: every `cargo run --release -- …` and
-//! `mpirun … target/release/ferrotron …` line of its indented command blocks, run in order in a
-//! fresh directory that holds only what a clone has (`tests/fixtures`, `data`), shortened so the
-//! suite stays fast. So no README example can rot.
+//! The README's and the guides' commands, as a new user would type them: every
+//! `cargo run --release -- …` and `mpirun … target/release/ferrotron …` line of their indented
+//! command blocks, run in order (the README, then `docs/` in [`PAGES`]' order) in a fresh directory
+//! that holds only what a clone has (`tests/fixtures`, `data`), shortened so the suite stays fast.
+//! So no documented example can rot.
 
 use std::path::{Path, PathBuf};
 
-/// One README command: its line number and its words (continuation lines joined, the trailing
-/// `# comment` removed).
+/// The pages whose commands run, in the order a reader meets them: later guides use what earlier
+/// commands made (the default run's `runs/default/model`, a checkpoint to resume).
+pub const PAGES: &[&str] = &[
+    "README.md",
+    "docs/train.md",
+    "docs/models.md",
+    "docs/plan.md",
+    "docs/parallelism.md",
+    "docs/checkpoints.md",
+    "docs/lora.md",
+    "docs/profile.md",
+    "docs/bad-input.md",
+    "docs/verification.md",
+    "docs/performance.md",
+];
+
+/// One documented command: its page, line number and words (continuation lines joined, the
+/// trailing `# comment` removed).
 #[derive(Debug, Clone)]
 pub struct ReadmeCommand {
+    pub page: &'static str,
     pub line: usize,
     pub words: Vec<String>,
 }
@@ -17,9 +35,13 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Every command of the README's indented blocks whose first word is `cargo` or `mpirun`.
+/// Every command of the pages' indented blocks whose first word is `cargo` or `mpirun`.
 pub fn commands() -> Vec<ReadmeCommand> {
-    let text = std::fs::read_to_string(repo().join("README.md")).expect("README.md");
+    PAGES.iter().flat_map(|page| page_commands(page)).collect()
+}
+
+fn page_commands(page: &'static str) -> Vec<ReadmeCommand> {
+    let text = std::fs::read_to_string(repo().join(page)).expect(page);
     let mut out = Vec::new();
     let mut pending: Option<(usize, String)> = None;
     for (i, line) in text.lines().enumerate() {
@@ -42,6 +64,7 @@ pub fn commands() -> Vec<ReadmeCommand> {
         let command = joined.split(" # ").next().unwrap_or("").trim();
         let command = command.split("  #").next().unwrap_or("").trim();
         out.push(ReadmeCommand {
+            page,
             line: start,
             words: command.split_whitespace().map(str::to_string).collect(),
         });
@@ -49,9 +72,9 @@ pub fn commands() -> Vec<ReadmeCommand> {
     out
 }
 
-/// The README's `run.toml` example (its only TOML block).
+/// The `run.toml` example of the training guide (its only TOML block).
 pub fn toml_example() -> String {
-    let text = std::fs::read_to_string(repo().join("README.md")).expect("README.md");
+    let text = std::fs::read_to_string(repo().join("docs/train.md")).expect("docs/train.md");
     let start = text.find("```toml\n").expect("a TOML block") + "```toml\n".len();
     let end = start + text[start..].find("```").expect("its end");
     text[start..end].to_string()
