@@ -5,6 +5,7 @@ pub mod error;
 pub mod layout;
 pub mod model;
 pub mod plan;
+pub mod precision;
 pub mod rank;
 pub mod schedule;
 pub mod topology;

@@ -13,26 +13,7 @@ use std::path::{Path, PathBuf};
 /// Tensors by name: (shape, values).
 pub type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
-/// Storage precision of a written checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StorageDtype {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl StorageDtype {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "f32" | "fp32" | "float32" => Ok(Self::F32),
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "f16" | "fp16" | "float16" => Ok(Self::F16),
-            other => Err(EngineError::Invalid(format!(
-                "unknown dtype `{other}` (f32, bf16, f16)"
-            ))),
-        }
-    }
-}
+pub use ferrotron_core::precision::StorageDtype;
 
 /// Buffers a model directory carries that are not parameters; skipped on load.
 fn is_known_buffer(name: &str) -> bool {

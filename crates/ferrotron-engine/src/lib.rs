@@ -4,10 +4,12 @@
 /// The 16-bit float types the public interfaces take (bf16 compute copies).
 pub use half;
 pub mod error;
+mod half_storage;
 pub mod hf;
 pub mod kernels;
 pub mod lora;
 pub mod memory;
+pub mod model_source;
 pub mod transformer;
 
 pub use error::{EngineError, Result};
@@ -17,6 +19,7 @@ pub mod data;
 pub mod optim;
 pub mod parallel;
 pub mod paths;
+mod pieces;
 pub mod runtime;
 
 /// Training frees and reallocates the same large activation buffers every step. glibc would hand them

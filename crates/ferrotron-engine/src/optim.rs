@@ -254,3 +254,48 @@ mod tests {
         assert!((global_grad_norm(&g) - 1.0).abs() < 1e-5);
     }
 }
+
+/// How the learning rate follows a change of the effective batch (a run that continues another
+/// with a different number of tokens per optimizer step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScaling {
+    /// Keep this run's configured `lr` and `min_lr`.
+    None,
+    /// Multiply the earlier run's by the ratio of tokens per step (Goyal et al. 2017).
+    Linear,
+    /// Multiply by its square root (the rule for adaptive optimizers, Malladi et al. 2022).
+    Sqrt,
+}
+
+impl LrScaling {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Linear => "linear",
+            Self::Sqrt => "sqrt",
+        }
+    }
+
+    /// The factor on the earlier run's learning rates for `ratio` = new / old tokens per step
+    /// (`None`: keep this run's).
+    pub fn factor(self, ratio: f64) -> Option<f64> {
+        match self {
+            Self::None => None,
+            Self::Linear => Some(ratio),
+            Self::Sqrt => Some(ratio.sqrt()),
+        }
+    }
+}
+
+impl std::str::FromStr for LrScaling {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(Self::None),
+            "linear" => Ok(Self::Linear),
+            "sqrt" => Ok(Self::Sqrt),
+            _ => Err(format!("`lr_scaling`: `{s}` is none of none, linear, sqrt")),
+        }
+    }
+}

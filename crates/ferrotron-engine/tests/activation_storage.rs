@@ -4,9 +4,10 @@
 mod common;
 
 use common::*;
+use ferrotron_core::precision::Half;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
-use ferrotron_engine::transformer::{Half, Transformer};
+use ferrotron_engine::transformer::Transformer;
 
 #[test]
 fn a_16_bit_stash_halves_and_keeps_the_gradients_close() {

@@ -7,11 +7,12 @@ mod common;
 use common::*;
 use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::MixedPrecision;
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::comm::ThreadWorld;
 use ferrotron_engine::hf;
 use ferrotron_engine::parallel::{MeshStep, PipelineRun};
-use ferrotron_engine::transformer::{Half, ParamStore, TokenBatch};
+use ferrotron_engine::transformer::{ParamStore, TokenBatch};
 use std::time::Duration;
 
 /// bf16's unit roundoff: 8 significant bits, rounding to nearest.
@@ -29,7 +30,7 @@ fn bf16_step(
     let part = StagePartition::for_model(cfg, l.pp * l.vpp).unwrap();
     let step = MeshStep::new(cfg, params, batch, &l, &part)
         .unwrap()
-        .with_precision(Some(Half::Bf16), None);
+        .with_precision(MixedPrecision::Bf16);
     let results = ThreadWorld::new(step.world())
         .timeout(Duration::from_secs(60))
         .run(|c| step.run_device(c, 0));

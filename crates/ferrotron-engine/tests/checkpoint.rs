@@ -178,7 +178,7 @@ fn resume_zero1_dp4_on_zero3_dp2_tp2_and_back() {
 #[test]
 fn mixed_precision_resumes_bitwise_with_its_loss_scaler() {
     let cfg = |tag: &str| TrainConfig {
-        precision: "fp16".into(),
+        precision: ferrotron_core::precision::MixedPrecision::Fp16,
         loss_scale: 1024.0,
         loss_scale_window: 2,
         ..config(tag, "dp=2,tp=2,zero=2")

@@ -169,8 +169,8 @@ fn five_adamw_steps_on_the_mesh_give_the_unsplit_parameters() {
 
 #[test]
 fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
+    use ferrotron_core::precision::MixedPrecision;
     use ferrotron_engine::parallel::LossScaling;
-    use ferrotron_engine::transformer::Half;
     let adam = AdamWConfig::default();
     let lr = LrSchedule {
         peak_lr: 1e-3,
@@ -183,17 +183,12 @@ fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
         .map(|k| random_batch(cfg.vocab_size, 8, 16, 200 + k))
         .collect();
     let (want, _) = unsplit_training(&cfg, &params, &batches, adam, &lr, 1.0);
-    for (storage, scaling) in [
-        (Half::Bf16, None),
-        (
-            Half::F16,
-            Some(LossScaling {
-                initial: 1024.0,
-                growth_interval: 1000,
-                inject_nonfinite_at: None,
-            }),
-        ),
-    ] {
+    let scaling = LossScaling {
+        initial: 1024.0,
+        growth_interval: 1000,
+        inject_nonfinite_at: None,
+    };
+    for precision in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
         for zero in 0..=3 {
             let l = LayoutSpec::parse(&format!("dp=2,tp=2,pp=2,zero={zero},mbs=1"))
                 .unwrap()
@@ -202,7 +197,8 @@ fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
             let results = ThreadWorld::new(8).timeout(Duration::from_secs(60)).run(
                 |c| -> ferrotron_engine::error::Result<Vec<f64>> {
                     let mut step = MeshStep::new(&cfg, &params, &batches[0], &l, &part)?
-                        .with_precision(Some(storage), scaling);
+                        .with_precision(precision)
+                        .with_loss_scaling(scaling);
                     let mut losses = Vec::new();
                     step.train_device(
                         c,
@@ -226,7 +222,7 @@ fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
             for (k, (a, b)) in losses.iter().zip(&want).enumerate() {
                 assert!(
                     (a - b).abs() / b <= 5e-3,
-                    "{storage:?} {l} step {k}: {a} vs f32 {b}"
+                    "{precision:?} {l} step {k}: {a} vs f32 {b}"
                 );
             }
         }
@@ -235,7 +231,7 @@ fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
 
 #[test]
 fn mixed_precision_moves_half_the_bytes() {
-    use ferrotron_engine::transformer::Half;
+    use ferrotron_core::precision::MixedPrecision;
     let (cfg, params) = hf::load_model(&fixture("llama_tiny")).unwrap();
     let batch = random_batch(cfg.vocab_size, 8, 16, 9);
     let lr = LrSchedule {
@@ -248,11 +244,11 @@ fn mixed_precision_moves_half_the_bytes() {
         .unwrap()
         .layout;
     let part = StagePartition::for_model(&cfg, 2).unwrap();
-    let bytes = |storage: Option<Half>| -> Vec<[u64; 3]> {
+    let bytes = |precision: MixedPrecision| -> Vec<[u64; 3]> {
         ThreadWorld::new(8)
             .run(|c| -> ferrotron_engine::error::Result<[u64; 3]> {
                 let mut step =
-                    MeshStep::new(&cfg, &params, &batch, &l, &part)?.with_precision(storage, None);
+                    MeshStep::new(&cfg, &params, &batch, &l, &part)?.with_precision(precision);
                 let mut sent = [0; 3];
                 step.train_device(
                     c,
@@ -275,7 +271,7 @@ fn mixed_precision_moves_half_the_bytes() {
             .map(|r| r.unwrap().unwrap())
             .collect()
     };
-    let (full, half) = (bytes(None), bytes(Some(Half::Bf16)));
+    let (full, half) = (bytes(MixedPrecision::F32), bytes(MixedPrecision::Bf16));
     for (d, (f, h)) in full.iter().zip(&half).enumerate() {
         for (g, name) in ["tp", "dp", "pp"].iter().enumerate() {
             // Weights, gradients and activations move in 2 bytes; the loss's row statistics (f32,

@@ -303,7 +303,7 @@ fn lora_composes_with_mixed_precision_on_the_3d_mesh() {
     train(&f32_run, &mut |_| {}).unwrap();
     for precision in ["bf16", "fp16"] {
         let cfg = TrainConfig {
-            precision: precision.into(),
+            precision: ferrotron_core::precision::MixedPrecision::parse(precision).unwrap(),
             ..from_reference(&format!("mp-{precision}"), layout, 5)
         };
         train(&cfg, &mut |_| {}).unwrap();

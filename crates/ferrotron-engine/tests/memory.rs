@@ -239,17 +239,17 @@ fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
 /// on one device, where there are none: the bf16 compute copy is read as it is, never widened.
 #[test]
 fn bf16_memory_matches_the_planner_on_one_device_and_the_3d_mesh() {
-    use ferrotron_core::plan::{evaluate, MemoryTerms, Precision};
+    use ferrotron_core::plan::{evaluate, MemoryTerms, StateDtypes};
+    use ferrotron_core::precision::MixedPrecision;
     use ferrotron_engine::comm::ThreadWorld;
     use ferrotron_engine::memory::Accounts;
     use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
     use ferrotron_engine::parallel::{MeshStep, Training};
-    use ferrotron_engine::transformer::Half;
     let (cfg, params, batch) = mid_sized_llama();
     let (seq, b) = (batch.seq, batch.batch);
     let mut input = f32_plan_input(&cfg, seq, b);
     input.precision =
-        Precision::parse("weights=bf16,grads=bf16,master=fp32,optimizer=fp32").unwrap();
+        StateDtypes::parse("weights=bf16,grads=bf16,master=fp32,optimizer=fp32").unwrap();
     let lr = LrSchedule {
         peak_lr: 1e-3,
         min_lr: 1e-4,
@@ -269,7 +269,7 @@ fn bf16_memory_matches_the_planner_on_one_device_and_the_3d_mesh() {
             .run(|c| -> ferrotron_engine::error::Result<(MemoryTerms, u64)> {
                 let mut step = MeshStep::new(&cfg, &params, &batch, &l, &part)?
                     .with_account_base(accounts.base)
-                    .with_precision(Some(Half::Bf16), None);
+                    .with_precision(MixedPrecision::Bf16);
                 let mut last = None;
                 step.train_device(
                     c,

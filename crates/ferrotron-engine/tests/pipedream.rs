@@ -7,10 +7,11 @@ mod common;
 use common::*;
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::MixedPrecision;
 use ferrotron_engine::hf;
 use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
 use ferrotron_engine::runtime::{train_steps, DelayedReference};
-use ferrotron_engine::transformer::{Half, ParamStore, TokenBatch};
+use ferrotron_engine::transformer::{ParamStore, TokenBatch};
 
 /// f32 relative tolerance per parameter tensor after six AdamW steps (reduction orders differ).
 const TOL: f64 = 1e-5;
@@ -43,7 +44,7 @@ fn pipeline(
     batches: &[TokenBatch],
     clip: f64,
     drain_after: &(dyn Fn(usize) -> bool + Sync),
-    storage: Option<Half>,
+    precision: MixedPrecision,
 ) -> ParamStore {
     train_steps(
         cfg,
@@ -54,7 +55,7 @@ fn pipeline(
         &lr(),
         clip,
         drain_after,
-        storage,
+        precision,
     )
     .unwrap()
 }
@@ -66,7 +67,15 @@ fn check(model: &str, spec: &str, clip: f64, drain_after: &(dyn Fn(usize) -> boo
     let batches: Vec<TokenBatch> = (0..STEPS)
         .map(|k| random_batch(cfg.vocab_size, batch, 16, 40 + k as u64))
         .collect();
-    let got = pipeline(&cfg, &params, &layout, &batches, clip, drain_after, None);
+    let got = pipeline(
+        &cfg,
+        &params,
+        &layout,
+        &batches,
+        clip,
+        drain_after,
+        MixedPrecision::F32,
+    );
     let lr = lr();
     let reference = DelayedReference {
         cfg: &cfg,
@@ -74,7 +83,7 @@ fn check(model: &str, spec: &str, clip: f64, drain_after: &(dyn Fn(usize) -> boo
         adam: adam(),
         lr: &lr,
         clip,
-        precision: None,
+        precision: MixedPrecision::F32,
     };
     let want = reference
         .train(&params, STEPS, &|k| batches[k].clone(), drain_after)
@@ -93,7 +102,15 @@ fn check(model: &str, spec: &str, clip: f64, drain_after: &(dyn Fn(usize) -> boo
         schedule: ferrotron_core::layout::Schedule::OneFOneB,
         ..layout
     };
-    let undelayed = pipeline(&cfg, &params, &sync, &batches, clip, drain_after, None);
+    let undelayed = pipeline(
+        &cfg,
+        &params,
+        &sync,
+        &batches,
+        clip,
+        drain_after,
+        MixedPrecision::F32,
+    );
     let apart = rel_err(&undelayed.tensors[1], &want.tensors[1]);
     assert!(
         apart > 1e-4,
@@ -220,7 +237,7 @@ fn what_the_asynchronous_executor_does_not_run_is_refused_by_name() {
         ("pp=4,mbs=4,schedule=2bw", "f32", "needs at least pp=4"),
     ] {
         let cfg = TrainConfig {
-            precision: precision.into(),
+            precision: MixedPrecision::parse(precision).unwrap(),
             ..run_config("refused", layout, 2)
         };
         let e = train(&cfg, &mut |_| {}).unwrap_err().to_string();
@@ -257,7 +274,7 @@ fn measured(
     layout: &Layout,
     batch: &TokenBatch,
     steps: usize,
-    storage: Option<Half>,
+    precision: MixedPrecision,
 ) -> Vec<(f64, f64, ferrotron_engine::memory::MemoryTerms)> {
     use ferrotron_engine::comm::ThreadWorld;
     use ferrotron_engine::parallel::{MeshStep, Training};
@@ -269,7 +286,7 @@ fn measured(
         .run(|c| {
             let mut step = MeshStep::new(cfg, params, batch, layout, &part)?
                 .with_account_base(accounts.base)
-                .with_precision(storage, None);
+                .with_precision(precision);
             let (mut busy, mut span, mut mem) = (0.0, 0.0, Default::default());
             step.train_device(
                 c,
@@ -306,15 +323,18 @@ fn the_stashed_versions_take_the_memory_the_planner_predicts() {
     // bf16: the versions are 16-bit compute copies (a stashed one is copied when the next update
     // writes), the updates' stores 16-bit, beside the f32 main gradients of the update applied.
     for (precision, storage) in [
-        ("weights=fp32,grads=fp32,master=fp32,optimizer=fp32", None),
+        (
+            "weights=fp32,grads=fp32,master=fp32,optimizer=fp32",
+            MixedPrecision::F32,
+        ),
         (
             "weights=bf16,grads=bf16,master=fp32,optimizer=fp32",
-            Some(Half::Bf16),
+            MixedPrecision::Bf16,
         ),
     ] {
         let input = ferrotron_core::plan::PlanInput {
             memory_reserve: 0.0,
-            precision: ferrotron_core::plan::Precision::parse(precision).unwrap(),
+            precision: ferrotron_core::plan::StateDtypes::parse(precision).unwrap(),
             ..f32_plan_input(&cfg, 32, 4)
         };
         for schedule in ["1f1b", "2bw", "pipedream"] {
@@ -353,7 +373,15 @@ fn two_bw_is_the_published_update_rule() {
     let batches: Vec<TokenBatch> = (0..STEPS)
         .map(|k| random_batch(cfg.vocab_size, 4, 16, 70 + k as u64))
         .collect();
-    let got = pipeline(&cfg, &params, &layout, &batches, 0.0, &|_| false, None);
+    let got = pipeline(
+        &cfg,
+        &params,
+        &layout,
+        &batches,
+        0.0,
+        &|_| false,
+        MixedPrecision::F32,
+    );
     let (be, lr) = (CpuBackend::default(), lr());
     let mut opt = AdamW::new(adam(), &params);
     let (mut previous, mut w) = (params.clone(), params.clone());
@@ -442,7 +470,7 @@ fn asynchronous_pipelines_in_bf16_train_as_the_bf16_delayed_reference() {
                 .map(|k| random_batch(cfg.vocab_size, layout.dp * m, 16, 40 + k as u64))
                 .collect();
             let run = |l: &Layout| {
-                let bf16 = Some(Half::Bf16);
+                let bf16 = MixedPrecision::Bf16;
                 train_steps(&cfg, &params, l, &batches, adam, &lr, clip, &never, bf16).unwrap()
             };
             let got = run(&layout);
@@ -452,7 +480,7 @@ fn asynchronous_pipelines_in_bf16_train_as_the_bf16_delayed_reference() {
                 adam,
                 lr: &lr,
                 clip,
-                precision: Some(Half::Bf16),
+                precision: MixedPrecision::Bf16,
             };
             let want = reference
                 .train(&params, STEPS, &|k| batches[k].clone(), &never)

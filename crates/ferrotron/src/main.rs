@@ -1,6 +1,7 @@
 //! `ferrotron`: plan, train, verify and profile transformer training runs that do not fit on one device.
 
 mod cmd;
+mod machine;
 mod report;
 
 use clap::{CommandFactory, FromArgMatches, Subcommand};

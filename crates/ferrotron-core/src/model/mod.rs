@@ -2,6 +2,7 @@
 //! shapes, and how much work and memory a layer costs. No parallelism and no arithmetic on tensors.
 
 mod config;
+mod flops;
 mod hf_config;
 mod lora;
 mod params;
@@ -12,6 +13,7 @@ pub use config::{
     Activation, Arch, Family, ModelConfig, NormKind, PositionKind, ProjectionBias, SlidingWindow,
     MAX_DIMENSION, MAX_PARAMS,
 };
+pub use flops::{head_forward_flops, layer_forward_flops, layer_matmul_params};
 pub use lora::{
     adapter_parts, projection_split, AdapterHalf, LoraConfig, LoraTarget, TargetSplit, MAX_RANK,
     PEFT_PREFIX,

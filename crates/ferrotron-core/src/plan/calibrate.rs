@@ -2,7 +2,7 @@
 //! schedule simulation and cost model as `plan`), and the constants named by [`FitParam`] are moved
 //! to minimise the runs' squared log errors. The memory and byte arithmetic is exact and is not fitted.
 
-use super::{evaluate, Plan, PlanInput, PlanModel, Precision};
+use super::{evaluate, Plan, PlanInput, PlanModel, StateDtypes};
 use crate::error::{ConfigError, Result};
 use crate::layout::Layout;
 use crate::topology::Cluster;
@@ -25,7 +25,7 @@ pub struct MeasuredRun {
     pub seq: usize,
     pub global_batch: usize,
     pub nodes: usize,
-    pub precision: Precision,
+    pub precision: StateDtypes,
     pub measured: Measured,
 }
 

@@ -10,6 +10,7 @@ mod memory;
 mod search;
 mod spec;
 
+pub use crate::precision::{Dtype, StateDtypes};
 pub use cost::{
     gemm_time, layer_forward_flops, layer_gemm_shapes, layer_time, links, step_flops,
     tp_bytes_per_device, LayerTime, Links, Traffic,
@@ -20,7 +21,7 @@ pub use memory::{
     stage_activation_stash, stage_memory,
 };
 pub use search::{search, why_no_layout};
-pub use spec::{ActivationModel, Dtype, OptimizerKind, PlanModel, Precision, PLAN_MODEL_PRESETS};
+pub use spec::{ActivationModel, OptimizerKind, PlanModel, PLAN_MODEL_PRESETS};
 
 use crate::error::{ConfigError, Result};
 use crate::layout::{Layout, Schedule};
@@ -88,7 +89,7 @@ pub struct PlanInput {
     pub cluster: Cluster,
     pub seq: usize,
     pub global_batch: usize,
-    pub precision: Precision,
+    pub precision: StateDtypes,
     pub optimizer: OptimizerKind,
     pub activation_model: ActivationModel,
     /// LoRA on a frozen base: gradients, master weights and optimizer state for the adapters only.
@@ -112,7 +113,7 @@ impl PlanInput {
             cluster,
             seq,
             global_batch,
-            precision: Precision::default(),
+            precision: StateDtypes::default(),
             optimizer: OptimizerKind::Adam,
             activation_model: ActivationModel::Ferrotron,
             lora: None,

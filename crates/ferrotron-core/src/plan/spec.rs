@@ -3,6 +3,7 @@
 
 use crate::error::{ConfigError, Result};
 use crate::model::{preset, Arch, ModelConfig, MAX_DIMENSION, MAX_PARAMS, PRESET_NAMES};
+use crate::precision::StateDtypes;
 use std::path::Path;
 
 /// What the planner knows of the model.
@@ -154,114 +155,6 @@ impl PlanModel {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum Dtype {
-    Fp32,
-    Bf16,
-    Fp16,
-    Fp8,
-}
-
-impl Dtype {
-    pub fn bytes(self) -> f64 {
-        match self {
-            Dtype::Fp32 => 4.0,
-            Dtype::Bf16 | Dtype::Fp16 => 2.0,
-            Dtype::Fp8 => 1.0,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Fp32 => "fp32",
-            Dtype::Bf16 => "bf16",
-            Dtype::Fp16 => "fp16",
-            Dtype::Fp8 => "fp8",
-        }
-    }
-    fn parse(field: &str, s: &str) -> Result<Self> {
-        Ok(match s {
-            "fp32" | "f32" => Dtype::Fp32,
-            "bf16" => Dtype::Bf16,
-            "fp16" | "f16" => Dtype::Fp16,
-            "fp8" => Dtype::Fp8,
-            other => {
-                return Err(ConfigError::Field {
-                    file: "--precision".into(),
-                    field: field.into(),
-                    msg: format!("`{other}` is not fp32, bf16, fp16 or fp8"),
-                })
-            }
-        })
-    }
-}
-
-/// Storage dtypes of each model-state term. A master copy exists only when it differs from the weights.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct Precision {
-    pub weights: Dtype,
-    pub grads: Dtype,
-    pub master: Dtype,
-    pub optimizer: Dtype,
-}
-
-impl Default for Precision {
-    /// Mixed precision as the source text counts it: 2 + 2 + 4 + 8 = 16 bytes per parameter.
-    fn default() -> Self {
-        Self {
-            weights: Dtype::Bf16,
-            grads: Dtype::Bf16,
-            master: Dtype::Fp32,
-            optimizer: Dtype::Fp32,
-        }
-    }
-}
-
-impl Precision {
-    /// `weights=bf16,grads=fp32,master=fp32,optimizer=fp32` (any subset; the rest default).
-    pub fn parse(spec: &str) -> Result<Self> {
-        let mut p = Precision::default();
-        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (k, v) = item.split_once('=').ok_or_else(|| ConfigError::Field {
-                file: "--precision".into(),
-                field: item.into(),
-                msg: "expected key=value".into(),
-            })?;
-            let d = Dtype::parse(k, v)?;
-            match k {
-                "weights" => p.weights = d,
-                "grads" => p.grads = d,
-                "master" => p.master = d,
-                "optimizer" => p.optimizer = d,
-                other => {
-                    return Err(ConfigError::Field {
-                        file: "--precision".into(),
-                        field: other.into(),
-                        msg: "unknown key (weights, grads, master, optimizer)".into(),
-                    })
-                }
-            }
-        }
-        Ok(p)
-    }
-    /// The text `parse` takes back: `weights=bf16,grads=bf16,master=fp32,optimizer=fp32`.
-    pub fn spec(&self) -> String {
-        format!(
-            "weights={},grads={},master={},optimizer={}",
-            self.weights.name(),
-            self.grads.name(),
-            self.master.name(),
-            self.optimizer.name()
-        )
-    }
-    pub fn master_bytes(&self) -> f64 {
-        if self.master == self.weights {
-            0.0
-        } else {
-            self.master.bytes()
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
     Adam,
@@ -284,7 +177,7 @@ impl OptimizerKind {
             }),
         }
     }
-    pub fn state_bytes(self, p: &Precision) -> f64 {
+    pub fn state_bytes(self, p: &StateDtypes) -> f64 {
         match self {
             Self::Adam => 2.0 * p.optimizer.bytes(),
             Self::Sgd => p.optimizer.bytes(),

@@ -135,7 +135,7 @@ fn zero_paper_model_state_arithmetic() {
     }
     // Megatron's 2 + 4 + 12 with fp32 gradients is expressible too.
     let mut meg = params_only(1e9, 8);
-    meg.precision = Precision::parse("grads=fp32").unwrap();
+    meg.precision = StateDtypes::parse("grads=fp32").unwrap();
     let m = evaluate(
         &meg,
         &Layout {
@@ -201,7 +201,7 @@ fn bad_input_names_the_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("n_head") || e.contains("heads"), "{e}");
-    let e = Precision::parse("weights=int3").unwrap_err().to_string();
+    let e = StateDtypes::parse("weights=int3").unwrap_err().to_string();
     assert!(e.contains("weights") && e.contains("int3"), "{e}");
     // The asynchronous schedules train in f32 or bf16, not under fp16's skipped steps.
     let two_bw = Layout {
@@ -212,7 +212,8 @@ fn bad_input_names_the_field() {
     };
     assert!(evaluate(&input, &two_bw).is_ok());
     let fp16 = PlanInput {
-        precision: Precision::parse("weights=fp16,grads=fp16,master=fp32,optimizer=fp32").unwrap(),
+        precision: StateDtypes::parse("weights=fp16,grads=fp16,master=fp32,optimizer=fp32")
+            .unwrap(),
         ..small_input("llama2-7b")
     };
     let e = evaluate(&fp16, &two_bw).unwrap_err().to_string();
@@ -556,7 +557,7 @@ fn calibration_recovers_constants_that_made_the_runs() {
                 seq: 2048,
                 global_batch: row.7,
                 nodes: row.6 / 8,
-                precision: Precision::default(),
+                precision: StateDtypes::default(),
                 measured: Measured::StepTime(1.0),
             };
             r.measured = Measured::StepTime(r.predict(&truth).unwrap());

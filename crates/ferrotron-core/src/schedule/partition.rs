@@ -73,7 +73,7 @@ impl StagePartition {
     /// the output layer on the last.
     pub fn for_model(cfg: &ModelConfig, stages: usize) -> Result<Self> {
         // Training FLOPs per token: three times the forward's.
-        let per_layer = 3.0 * crate::plan::layer_forward_flops(cfg, 1, 1);
+        let per_layer = 3.0 * crate::model::layer_forward_flops(cfg, 1, 1);
         let head = 6.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
         Self::uniform(cfg.num_layers, stages, per_layer, head)
     }
@@ -155,7 +155,7 @@ impl StagePartition {
         });
         let mut p = Self::explicit(starts.collect(), cfg.num_layers)?;
         // Costs in the same units as `for_model`: per-layer FLOPs, the head on the last stage.
-        let layer = 3.0 * crate::plan::layer_forward_flops(cfg, 1, 1);
+        let layer = 3.0 * crate::model::layer_forward_flops(cfg, 1, 1);
         let head = 6.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
         p.costs = p
             .layers

@@ -50,7 +50,7 @@ pub struct Manifest {
     pub layout: String,
     pub world_size: usize,
     /// `f32`, `bf16` or `fp16` (the stored values are always the f32 master weights).
-    pub precision: String,
+    pub precision: ferrotron_core::precision::MixedPrecision,
     pub optimizer: OptimizerState,
     pub lr_schedule: Option<LrSchedule>,
     /// fp16 dynamic loss scaling: the scale and the clean steps since it last changed.

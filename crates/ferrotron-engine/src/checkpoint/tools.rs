@@ -91,7 +91,7 @@ pub fn import_hf(hf_dir: &Path, layout: &Layout, out_root: &Path) -> Result<Path
         model: cfg.clone(),
         layout: String::new(),
         world_size: 0,
-        precision: "f32".into(),
+        precision: ferrotron_core::precision::MixedPrecision::F32,
         optimizer: OptimizerState {
             step: 0,
             adamw: AdamWConfig::default(),
@@ -259,8 +259,8 @@ pub fn export_merged(
             )))
         }
     };
-    let (cfg, base_params, source) = crate::runtime::resolve_model(&base_spec, 0)?;
-    if matches!(source, crate::runtime::ModelSource::Preset(_)) {
+    let (cfg, base_params, source) = crate::model_source::resolve_model(&base_spec, 0)?;
+    if matches!(source, crate::model_source::ModelSource::Preset(_)) {
         return Err(EngineError::Invalid(format!(
             "the adapters' base is the preset `{base_spec}`, whose weights were drawn from a \
              seed, not saved: name the base model directory with `--base DIR`"

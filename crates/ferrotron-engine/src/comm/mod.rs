@@ -20,6 +20,7 @@ pub use ring::Pending;
 pub use stats::{CommStats, OpStats};
 pub use threads::{LinkModel, ThreadComm, ThreadWorld};
 
+use ferrotron_core::precision::Half;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -125,8 +126,8 @@ macro_rules! half_element {
         }
     };
 }
-half_element!(half::bf16, "bf16");
-half_element!(half::f16, "f16");
+half_element!(half::bf16, Half::Bf16.name());
+half_element!(half::f16, Half::F16.name());
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {

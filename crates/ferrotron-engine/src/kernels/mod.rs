@@ -5,23 +5,13 @@
 //! [`Backend`] is the narrow interface the model executor calls; [`CpuBackend`] implements it with a
 //! GEMM crate and fused, threaded element-wise loops. A CUDA backend implements the same trait.
 
-mod activation;
-mod attention;
 pub mod bf16_convert;
-pub mod bf16_gemm;
-mod cpu;
-mod embedding;
-#[cfg(test)]
-mod finite_difference;
+pub mod cpu;
 pub mod float;
-mod linear;
-mod loss;
-mod norm;
 mod rope;
 pub mod simd;
-mod small_gemm;
 
-pub use cpu::CpuBackend;
+pub use cpu::{bf16_gemm, CpuBackend};
 pub use rope::RopeTable;
 
 use ferrotron_core::model::WeightLayout;

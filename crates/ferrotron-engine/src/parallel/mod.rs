@@ -2,14 +2,14 @@
 //! nothing of them.
 
 pub mod data;
-mod half;
 mod mesh;
 mod pipedream;
 mod pipeline;
 pub mod tensor;
 
-pub use mesh::{Device, LossScaling, MeshStep, Resume, StepReport, Training};
-pub use pipeline::{
-    action_event, pipeline_step, pipeline_steps, pipeline_steps_of, DeviceResult, PipelineRun,
+pub use mesh::{
+    pipeline_step, pipeline_steps, pipeline_steps_of, Device, LossScaling, MeshStep, Resume,
+    StepReport, Training,
 };
+pub use pipeline::{action_event, DeviceResult, PipelineRun};
 pub use tensor::{TpGroup, TpShard};

@@ -129,8 +129,7 @@ impl SegmentRun<'_> {
         let run = &self.run;
         let sched = run.schedule;
         let list = &sched.actions[run.stage];
-        let be = CpuBackend::with_threads(run.threads.max(1))
-            .bf16(run.wire.0 == Some(crate::transformer::Half::Bf16));
+        let be = CpuBackend::with_threads(run.threads.max(1)).computing(run.precision.products());
         let updates = sched.micro_batches.div_ceil(sched.micro_batches_per_update);
         let mut left: Vec<usize> = vec![0; updates];
         for a in list {

@@ -2,22 +2,18 @@
 //! simulates — receiving activations from the previous stage and gradients from the next, stashing
 //! each in-flight micro-batch's activations until its backward is done, and accumulating weight
 //! gradients over its micro-batches. The mesh around it (tensor-parallel groups, data-parallel
-//! replicas) is in `mesh.rs`.
+//! replicas) and the runners of a whole step are in `mesh/`.
 
 use super::data::ZeroState;
-use super::mesh::MeshStep;
 use super::tensor::TpGroup;
-use crate::comm::{Comm, CommStats, ThreadWorld};
+use crate::comm::{Comm, CommStats};
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
 use crate::transformer::{
-    ForwardState, ParamStore, StageInput, TokenBatch, Trained, Transformer, WeightGrads,
+    ForwardState, ParamStore, StageInput, TokenBatch, Transformer, WeightGrads,
 };
-use ferrotron_core::layout::Layout;
-use ferrotron_core::model::ModelConfig;
-use ferrotron_core::schedule::{Action, PipelineSchedule, StagePartition};
+use ferrotron_core::schedule::{Action, PipelineSchedule};
 use std::collections::HashMap;
-use std::time::Duration;
 
 /// The result of one pipelined forward/backward over a batch.
 pub struct PipelineRun {
@@ -167,8 +163,8 @@ pub(crate) struct StageRun<'a> {
     pub account: usize,
     /// Extra compute per action (device seconds): a device made slow on purpose (tests, profiling).
     pub extra_compute_s: f64,
-    /// The format the boundary tensors travel in.
-    pub wire: super::half::Wire,
+    /// The run's precision: the products' arithmetic and the format the boundary tensors travel in.
+    pub precision: ferrotron_core::precision::MixedPrecision,
     /// Kernel threads this device computes on (1 when devices share the process's cores).
     pub threads: usize,
 }
@@ -231,8 +227,7 @@ impl StageRun<'_> {
     ) -> Result<StageOutcome> {
         // Several devices in one process compute on one thread each (a device's clock is its
         // thread's CPU time); a device with the process to itself uses its cores.
-        let be = CpuBackend::with_threads(self.threads.max(1))
-            .bf16(self.wire.0 == Some(crate::transformer::Half::Bf16));
+        let be = CpuBackend::with_threads(self.threads.max(1)).computing(self.precision.products());
         let mut pass = Pass::default();
         let now = tpg.comm().device_time();
         pass.out
@@ -404,7 +399,7 @@ impl StageRun<'_> {
     ) -> Result<Vec<f32>> {
         let mut x = vec![0f32; self.boundary];
         timed(tpg, pass, format!("recv {what} from {from}"), || {
-            self.wire.recv(*tpg.comm(), from, &mut x, tag)
+            crate::half_storage::Wire::of(self.precision).recv(*tpg.comm(), from, &mut x, tag)
         })?;
         Ok(x)
     }
@@ -420,7 +415,7 @@ impl StageRun<'_> {
         pass: &mut Pass,
     ) -> Result<()> {
         timed(tpg, pass, format!("send {what} to {to}"), || {
-            self.wire.send(*tpg.comm(), to, data, tag)
+            crate::half_storage::Wire::of(self.precision).send(*tpg.comm(), to, data, tag)
         })?;
         Ok(())
     }
@@ -452,69 +447,4 @@ fn timed<C: Comm, E>(
         .transfers
         .push((label, t0, tpg.comm().device_time()));
     Ok(())
-}
-
-/// One forward and backward of `batch` through a pipeline of `partition.stages()` stages (each a
-/// tensor-parallel group of `layout.tp` devices), in micro-batches of `layout.micro_batch_size`
-/// sequences, on the threads backend.
-pub fn pipeline_step(
-    cfg: &ModelConfig,
-    params: &ParamStore,
-    batch: &TokenBatch,
-    layout: &Layout,
-    partition: &StagePartition,
-    timeout: Duration,
-) -> Result<PipelineRun> {
-    pipeline_steps(cfg, params, batch, layout, partition, timeout, 0)
-}
-
-/// As [`pipeline_step`], after running the same step `warmup` times on the same stages (discarded):
-/// what a profile measures, with first-touch allocation out of the way.
-#[allow(clippy::too_many_arguments)]
-pub fn pipeline_steps(
-    cfg: &ModelConfig,
-    params: &ParamStore,
-    batch: &TokenBatch,
-    layout: &Layout,
-    partition: &StagePartition,
-    timeout: Duration,
-    warmup: usize,
-) -> Result<PipelineRun> {
-    let trained = Trained::full(params);
-    pipeline_steps_of(cfg, trained, batch, layout, partition, timeout, warmup)
-}
-
-/// [`pipeline_steps`] of what `trained` says trains (the whole model, or LoRA adapters on its
-/// frozen base).
-#[allow(clippy::too_many_arguments)]
-pub fn pipeline_steps_of(
-    cfg: &ModelConfig,
-    trained: Trained,
-    batch: &TokenBatch,
-    layout: &Layout,
-    partition: &StagePartition,
-    timeout: Duration,
-    warmup: usize,
-) -> Result<PipelineRun> {
-    let accounts = crate::memory::Accounts::claim(layout.world_size());
-    let step = MeshStep::new(cfg, trained.params, batch, layout, partition)?
-        .with_account_base(accounts.base);
-    let step = match trained.lora {
-        Some((base, lora)) => step.with_lora(base, lora),
-        None => step,
-    };
-    let wall = std::time::Instant::now();
-    let results = ThreadWorld::new(step.world())
-        .timeout(timeout)
-        .run(|c| step.run_device(c, warmup));
-    let wall_time_s = wall.elapsed().as_secs_f64();
-    let results = results
-        .into_iter()
-        .enumerate()
-        .map(|(r, res)| {
-            res.map_err(|e| EngineError::Invalid(format!("device {r}: {e}")))?
-                .map_err(|e| EngineError::Invalid(format!("device {r}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    step.combine(results, wall_time_s)
 }

@@ -14,9 +14,9 @@
 //!   their gradients are identical on every device by construction (every device sees every row);
 //!   with it each device sees its rows only, so their gradients are summed over the group.
 
-use super::half::Wire;
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
+use crate::half_storage::Wire;
 use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
 use ferrotron_core::model::{
     adapter_parts, projection_split, AdapterHalf, Arch, ModelConfig, ParamSpec, TargetSplit,

@@ -43,7 +43,7 @@ impl CheckpointPlan {
                 model: model.clone(),
                 layout: layout.to_string(),
                 world_size: layout.world_size(),
-                precision: cfg.precision.clone(),
+                precision: cfg.precision,
                 optimizer: OptimizerState {
                     step: 0,
                     adamw: adam,

@@ -5,8 +5,9 @@
 
 use crate::data;
 use crate::error::{EngineError, Result};
-use crate::optim::{AdamWConfig, LrSchedule};
-use crate::transformer::Half;
+use crate::optim::{AdamWConfig, LrScaling, LrSchedule};
+use crate::parallel::LossScaling;
+use ferrotron_core::precision::MixedPrecision;
 use std::path::PathBuf;
 
 /// Every setting of a training run. Each is a key of `run.toml` and a `ferrotron train` flag.
@@ -86,7 +87,7 @@ pub struct TrainConfig {
     /// The `--layout` spec, e.g. `dp=2,tp=2,pp=2,zero=1,mbs=2`, or `auto` (empty: one device).
     #[arg(long, default_value = "")]
     pub layout: String,
-    /// Precision of the saved model: f32, bf16 or f16.
+    /// StateDtypes of the saved model: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub save_dtype: String,
     /// Where trained tokenizers are cached (default: `$XDG_CACHE_HOME/ferrotron` or
@@ -122,13 +123,13 @@ pub struct TrainConfig {
     pub slow_device_ms: f64,
     /// `f32`, or mixed precision `bf16` / `fp16`: weights, gradients and activations stored (and
     /// moved) in 16 bits, master weights and Adam moments in f32.
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
+    #[arg(long, default_value_t = MixedPrecision::F32)]
+    pub precision: MixedPrecision,
     /// fp16: the initial loss scale ...
-    #[arg(long, default_value_t = 65536.0)]
+    #[arg(long, default_value_t = LossScaling::DEFAULT.initial)]
     pub loss_scale: f64,
     /// ... and how many clean steps double it (an inf/NaN halves it and skips the step).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = LossScaling::DEFAULT.growth_interval)]
     pub loss_scale_window: usize,
     /// Testing: put an inf into the gradients at this step (fp16 must skip it).
     #[arg(long)]
@@ -153,7 +154,7 @@ pub struct TrainConfig {
     /// `linear` or `sqrt` (the earlier run's, times the ratio or its square root). Without it such a
     /// run is refused.
     #[arg(long)]
-    pub lr_scaling: Option<String>,
+    pub lr_scaling: Option<LrScaling>,
     /// Fine-tune LoRA adapters of this rank on the frozen model: the base gets no gradients,
     /// optimizer state or master copy (without it, every parameter trains).
     #[arg(long)]
@@ -245,18 +246,6 @@ impl TrainConfig {
         })
     }
 
-    /// The 16-bit format of a mixed-precision run.
-    pub fn storage(&self) -> Result<Option<Half>> {
-        match self.precision.as_str() {
-            "f32" | "fp32" => Ok(None),
-            "bf16" => Ok(Some(Half::Bf16)),
-            "fp16" | "f16" => Ok(Some(Half::F16)),
-            other => Err(EngineError::Invalid(format!(
-                "train config `precision`: `{other}` (expected f32, bf16 or fp16)"
-            ))),
-        }
-    }
-
     /// `lora_targets` as a list (empty: every projection).
     pub fn lora_targets(&self) -> Vec<String> {
         self.lora_targets
@@ -328,9 +317,6 @@ impl TrainConfig {
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0) {
             return bad("min_lr", "must be a non-negative number");
         }
-        if let Some(rule) = &self.lr_scaling {
-            super::effective_batch::LrScaling::parse(rule)?;
-        }
         if let Some(r) = self.lora_rank {
             if r == 0 || r > ferrotron_core::model::MAX_RANK {
                 return bad(
@@ -372,7 +358,6 @@ impl TrainConfig {
                 "must be a non-negative number of milliseconds",
             );
         }
-        self.storage()?;
         if !matches!(self.backend.as_str(), "threads" | "mpi") {
             return bad("backend", "expected `threads` or `mpi`");
         }

@@ -9,9 +9,10 @@
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
-use crate::transformer::{Half, ParamStore, TokenBatch, Transformer};
+use crate::transformer::{ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::MixedPrecision;
 use ferrotron_core::schedule::{build_async, Action, StagePartition};
 
 /// What the reference trains: the layout whose schedule it follows, the optimizer and clipping.
@@ -22,9 +23,9 @@ pub struct DelayedReference<'a> {
     pub lr: &'a LrSchedule,
     /// Clip each update's gradient to this global norm (0: off).
     pub clip: f64,
-    /// `Some(Half::Bf16)`: every version computed as bf16 mixed precision does (its bf16 compute
-    /// copy, bf16 products and stash); the master weights, the sums and Adam stay f32.
-    pub precision: Option<Half>,
+    /// bf16: every version computed as bf16 mixed precision does (its bf16 compute copy, bf16
+    /// products and stash); the master weights, the sums and Adam stay f32.
+    pub precision: MixedPrecision,
 }
 
 impl DelayedReference<'_> {
@@ -91,23 +92,20 @@ impl DelayedReference<'_> {
             tie_word_embeddings: false,
             ..cfg.clone()
         };
-        let bf16 = match self.precision {
-            None => false,
-            Some(Half::Bf16) => true,
-            Some(Half::F16) => {
-                return Err(EngineError::Invalid(
-                    "the delayed-update reference computes in f32 or bf16".into(),
-                ))
-            }
-        };
-        let be = CpuBackend::default().bf16(bf16);
+        if self.precision.needs_loss_scaling() {
+            return Err(EngineError::Invalid(format!(
+                "the delayed-update reference computes in f32 or bf16, not {}",
+                self.precision
+            )));
+        }
+        let be = CpuBackend::default().computing(self.precision.products());
         for u in 0..updates {
             let mut g = ParamStore::zeros(untied.param_specs());
             for mb in u * per_update..(u + 1) * per_update {
                 let (step, i) = (start + mb / m, mb % m);
                 let batch = batch_of(step);
                 let mut weights = self.mixed_versions(&untied, &partition, &history, &version, mb);
-                if bf16 {
+                if self.precision == MixedPrecision::Bf16 {
                     weights = weights.bf16_compute_copy();
                 }
                 let tf = Transformer::new(&untied, &weights);

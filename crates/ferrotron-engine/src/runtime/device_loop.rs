@@ -3,105 +3,21 @@
 //! and finally gather the trained model onto device 0. The unsplit model is the 1×1×1 mesh and runs
 //! here too.
 
-use super::checkpointing::{device_arrays, restore_device, CheckpointPlan};
+use super::checkpointing::{device_arrays, restore_device};
 use super::config::TrainConfig;
-use super::metrics::DeviceSummary;
 use super::metrics::{collect_figures, Figures, StepFigures};
-use crate::checkpoint::{save_distributed, Checkpoint};
+use super::training_run::TrainingRun;
+use crate::checkpoint::save_distributed;
 use crate::comm::Comm;
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
 use crate::memory::{self, format_terms, MemoryTerms};
-use crate::optim::{AdamWConfig, LrSchedule};
-use crate::parallel::{LossScaling, MeshStep, Resume, Training};
-use crate::transformer::{Half, ParamStore, TokenBatch, Trained};
+use crate::parallel::{MeshStep, Training};
+use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::{evaluate, PlanInput};
+use ferrotron_core::plan::evaluate;
 use ferrotron_core::schedule::StagePartition;
-
-/// Everything a run on one layout needs.
-pub(super) struct TrainingRun<'a> {
-    pub cfg: &'a TrainConfig,
-    pub model_cfg: &'a ModelConfig,
-    /// What trains: every parameter, or LoRA adapters on the frozen base.
-    pub trained: Trained<'a>,
-    pub layout: Layout,
-    pub input: &'a PlanInput,
-    /// Every step's global batch from `start` on (the same for every device).
-    pub batches: &'a [TokenBatch],
-    pub val_batches: &'a [TokenBatch],
-    pub adam: AdamWConfig,
-    pub schedule: LrSchedule,
-    pub initial_val_loss: Option<f64>,
-    /// The first step to run (0, or where the run resumes); `batches` starts there.
-    pub start: usize,
-    /// The data loader's position after each step's batch, from `start` on.
-    pub loader_after: &'a [serde_json::Value],
-    pub checkpoints: &'a CheckpointPlan,
-    /// The checkpoint the run resumes from (the devices' optimizer state comes from it).
-    pub resume: Option<&'a Checkpoint>,
-    /// Kernel threads per device (more than one only for a device with the process to itself).
-    pub kernel_threads: usize,
-}
-
-impl TrainingRun<'_> {
-    /// The batch of (0-based) step `k`.
-    pub fn batch(&self, k: usize) -> &TokenBatch {
-        &self.batches[k - self.start]
-    }
-
-    fn is_eval(&self, step: usize) -> bool {
-        let cfg = self.cfg;
-        cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every) || step + 1 == cfg.steps
-    }
-
-    /// The mesh step of this run, with its precision, resume point, drills and threads.
-    fn mesh_step<'s>(
-        &'s self,
-        partition: &'s StagePartition,
-        restore: &'s (dyn Fn(&mut crate::parallel::Device) -> Result<()> + Sync),
-    ) -> Result<MeshStep<'s>> {
-        let cfg = self.cfg;
-        let storage = cfg.storage()?;
-        let step = MeshStep::new(
-            self.model_cfg,
-            self.trained.params,
-            self.batch(self.start),
-            &self.layout,
-            partition,
-        )?;
-        let step = match self.trained.lora {
-            Some((base, lora)) => step.with_lora(base, lora),
-            None => step,
-        };
-        Ok(step
-            .with_resume(self.resume.map(|ck| Resume {
-                step: self.start,
-                loss_scaler: ck.manifest.loss_scaler.map(|s| (s.scale, s.clean_steps)),
-                restore,
-            }))
-            .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)))
-            .with_kernel_threads(self.kernel_threads)
-            .with_precision(
-                storage,
-                (storage == Some(Half::F16)).then_some(LossScaling {
-                    initial: cfg.loss_scale,
-                    growth_interval: cfg.loss_scale_window,
-                    inject_nonfinite_at: cfg.inject_nonfinite_step,
-                }),
-            ))
-    }
-}
-
-/// What the run produced, on the device that reports it.
-pub(super) struct RunOutcome {
-    pub params: ParamStore,
-    pub last_loss: f64,
-    pub last_val: Option<f64>,
-    pub tokens_per_s: f64,
-    pub devices: Vec<DeviceSummary>,
-}
 
 /// The validation loss of the whole model `params`: the host's work, not a device's, so it is kept
 /// off the device's memory account.

@@ -6,42 +6,10 @@
 //! dp × mbs sequences.
 
 use super::config::TrainConfig;
-use super::source::ModelSource;
 use crate::checkpoint::Checkpoint;
 use crate::error::{EngineError, Result};
+use crate::model_source::ModelSource;
 use std::path::Path;
-
-/// How the learning rate follows a change of the effective batch.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum LrScaling {
-    /// Keep this run's configured `lr` and `min_lr`.
-    None,
-    /// Multiply the earlier run's by the ratio of tokens per step (Goyal et al. 2017).
-    Linear,
-    /// Multiply by its square root (the rule for adaptive optimizers, Malladi et al. 2022).
-    Sqrt,
-}
-
-impl LrScaling {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "none" => Ok(Self::None),
-            "linear" => Ok(Self::Linear),
-            "sqrt" => Ok(Self::Sqrt),
-            _ => Err(EngineError::Invalid(format!(
-                "train config `lr_scaling`: `{s}` is none of none, linear, sqrt"
-            ))),
-        }
-    }
-
-    fn factor(self, ratio: f64) -> Option<f64> {
-        match self {
-            Self::None => None,
-            Self::Linear => Some(ratio),
-            Self::Sqrt => Some(ratio.sqrt()),
-        }
-    }
-}
 
 /// What the run this one continues trained with.
 #[derive(Debug, Clone, PartialEq)]
@@ -188,7 +156,7 @@ pub fn guard(
         sequences_per_update(cfg.batch_size, &cfg.layout),
         cfg.seq_len
     );
-    let Some(rule) = cfg.lr_scaling.as_deref() else {
+    let Some(rule) = cfg.lr_scaling else {
         return Err(EngineError::Invalid(format!(
             "the effective batch changes: {sizes}. The learning rate that worked belongs to the \
              old batch; say how it follows with --lr-scaling none (keep --lr {:e}), linear \
@@ -198,8 +166,8 @@ pub fn guard(
             e.lr * ratio.sqrt()
         )));
     };
-    let rule_name = rule.to_string();
-    let note = match LrScaling::parse(rule)?.factor(ratio) {
+    let rule_name = rule.name();
+    let note = match rule.factor(ratio) {
         None => format!(
             "effective batch: {sizes}; --lr-scaling none keeps lr {:e} (min_lr {:e})",
             cfg.lr, cfg.min_lr
@@ -238,7 +206,7 @@ mod tests {
             seq_len,
             lr: 1e-3,
             min_lr: 1e-4,
-            lr_scaling: lr_scaling.map(String::from),
+            lr_scaling: lr_scaling.map(|r| r.parse().unwrap()),
             ..TrainConfig::default()
         }
     }

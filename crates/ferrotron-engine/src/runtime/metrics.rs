@@ -2,11 +2,12 @@
 //! `metrics.jsonl` beside the planner's prediction, with straggler warnings; and each device's
 //! summary over the run.
 
-use super::device_loop::{RunOutcome, TrainingRun};
+use super::training_run::TrainingRun;
 use crate::error::{EngineError, Result};
 use crate::memory::{DeviceMemory, MemoryTerms};
 use crate::parallel::StepReport as DeviceStep;
 use crate::transformer::ParamStore;
+use ferrotron_core::precision::MixedPrecision;
 use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
@@ -171,6 +172,15 @@ pub(super) struct StepFigures {
     pub skipped: bool,
 }
 
+/// What the run produced, on the device that reports it.
+pub(super) struct RunOutcome {
+    pub params: ParamStore,
+    pub last_loss: f64,
+    pub last_val: Option<f64>,
+    pub tokens_per_s: f64,
+    pub devices: Vec<DeviceSummary>,
+}
+
 /// Writes `metrics.jsonl` and keeps each device's running summary (device 0's side).
 pub(super) struct MetricsWriter<'a> {
     run: &'a TrainingRun<'a>,
@@ -324,8 +334,8 @@ impl<'a> MetricsWriter<'a> {
             "tokens_per_step".into(),
             (cfg.batch_size * cfg.seq_len).into(),
         );
-        if self.run.cfg.storage().ok().flatten().is_some() {
-            extra.insert("precision".into(), self.run.cfg.precision.clone().into());
+        if self.run.cfg.precision != MixedPrecision::F32 {
+            extra.insert("precision".into(), self.run.cfg.precision.name().into());
             extra.insert("loss_scale".into(), f.loss_scale.into());
             extra.insert("skipped".into(), f.skipped.into());
         }

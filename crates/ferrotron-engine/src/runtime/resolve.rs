@@ -5,7 +5,7 @@ use super::config::{parse_bytes, TrainConfig};
 use crate::error::{EngineError, Result};
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::{check_layout, search, why_no_layout, PlanInput, PlanModel, Precision};
+use ferrotron_core::plan::{check_layout, search, why_no_layout, PlanInput, PlanModel};
 use ferrotron_core::topology::Cluster;
 
 /// The cluster cut to the `devices` a job has (an MPI world): whole nodes of the cluster's size, or
@@ -50,11 +50,7 @@ pub fn plan_input(
     // and the communication buffers are estimates (within ~10% of what the tracking allocator
     // measures).
     Ok(PlanInput {
-        precision: Precision::parse(if cfg.storage()?.is_some() {
-            "weights=bf16,grads=bf16,master=fp32,optimizer=fp32"
-        } else {
-            "weights=fp32,grads=fp32,master=fp32,optimizer=fp32"
-        })?,
+        precision: cfg.precision.state_dtypes(),
         force_cross_node_tp: cfg.force_cross_node_tp,
         ..PlanInput::new(
             PlanModel::Shape(model.clone()),

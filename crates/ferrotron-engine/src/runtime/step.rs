@@ -4,9 +4,10 @@ use crate::error::{EngineError, Result};
 use crate::kernels::Backend;
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::{pipeline_steps_of, MeshStep, PipelineRun, Training};
-use crate::transformer::{Half, ParamStore, TokenBatch, Trained, Transformer};
+use crate::transformer::{ParamStore, TokenBatch, Trained, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::MixedPrecision;
 use ferrotron_core::schedule::StagePartition;
 use std::time::Duration;
 
@@ -128,8 +129,8 @@ pub fn layout_step_on<C: Comm>(
 
 /// The parameters after `batches.len()` optimizer steps of `params` under `layout` on the threads
 /// backend (one batch per step; the pipeline drained after each step `drain_after` names, for an
-/// asynchronous schedule), gathered whole; `storage` is the 16-bit format under mixed precision
-/// (the master weights are returned).
+/// asynchronous schedule), gathered whole, under the precision policy `precision` (the master
+/// weights are returned).
 #[allow(clippy::too_many_arguments)]
 pub fn train_steps(
     cfg: &ModelConfig,
@@ -140,7 +141,7 @@ pub fn train_steps(
     lr: &LrSchedule,
     clip: f64,
     drain_after: &(dyn Fn(usize) -> bool + Sync),
-    storage: Option<Half>,
+    precision: MixedPrecision,
 ) -> Result<ParamStore> {
     let partition = StagePartition::for_layout(cfg, layout)?;
     let first = batches
@@ -153,7 +154,7 @@ pub fn train_steps(
             let mut step = MeshStep::new(cfg, params, first, layout, &partition)?
                 .with_account_base(accounts.base)
                 .with_drain_after(drain_after)
-                .with_precision(storage, None);
+                .with_precision(precision);
             let mut dev = step.train_device(
                 c,
                 &Training {

@@ -3,19 +3,21 @@
 
 use super::checkpointing::CheckpointPlan;
 use super::config::TrainConfig;
-use super::device_loop::{validation_loss, RunOutcome, TrainingRun};
+use super::device_loop::validation_loss;
 use super::effective_batch;
 use super::lora_run;
+use super::metrics::RunOutcome;
 use super::metrics::{DeviceSummary, StepReport};
 use super::resolve::{plan_input, resolve_layout};
 use super::run_dir;
-use super::source::{resolve_model, ModelSource};
+use super::training_run::TrainingRun;
 use super::world::World;
 use crate::checkpoint::Checkpoint;
 use crate::data::{self, SequenceSampler, TokenSplit};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::lora::Adapters;
+use crate::model_source::{resolve_model, ModelSource};
 use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;

@@ -3,8 +3,10 @@
 //! the job has, which process reports, and how the devices are started.
 
 use super::config::TrainConfig;
-use super::device_loop::{layout_facts, run_device, with_prediction, RunOutcome, TrainingRun};
+use super::device_loop::{layout_facts, run_device, with_prediction};
+use super::metrics::RunOutcome;
 use super::metrics::{MetricsWriter, StepFigures, StepReport};
+use super::training_run::TrainingRun;
 use crate::comm::{ClockSource, ThreadWorld};
 use crate::error::{EngineError, Result};
 use crate::memory;

@@ -3,12 +3,13 @@
 //! bits, and as the trained weights are: under bf16 its matrices are read by the kernels as they
 //! are, the rest (and every tensor under f16) widened one unit at a time while that unit computes.
 
-use super::kept::{Half, Kept};
+use super::kept::Kept;
 use super::residency::{units_of, Unit};
 use super::ParamStore;
 use crate::kernels::{bf16_convert, CpuBackend};
 use crate::memory::{self, Term};
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::Half;
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -3,15 +3,9 @@
 //! activation memory — is 2-byte.
 
 use crate::kernels::Backend;
+use ferrotron_core::precision::Half;
 use half::slice::HalfFloatSliceExt;
 use std::borrow::Cow;
-
-/// A 16-bit storage format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Half {
-    Bf16,
-    F16,
-}
 
 #[derive(Debug, Clone, Default)]
 pub(crate) enum Kept {

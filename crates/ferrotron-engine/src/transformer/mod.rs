@@ -6,13 +6,15 @@ mod collectives;
 mod frozen;
 mod kept;
 mod layer;
+mod linear;
+mod norm;
 mod params;
 mod residency;
 mod weights;
 
 pub use collectives::{ShardCollectives, Unsplit};
+use ferrotron_core::precision::Half;
 pub use frozen::FrozenBase;
-pub use kept::Half;
 use kept::Kept;
 pub use params::ParamStore;
 pub use residency::{units_of, Residency, Resident, Unit};
@@ -22,7 +24,9 @@ use weights::{WeightJob, WeightSink};
 use crate::kernels::{Backend, RopeTable, MASKED_ID};
 use ferrotron_core::layout::Recompute;
 use ferrotron_core::model::{Arch, LoraConfig, ModelConfig, WeightLayout};
-use layer::{Adapter, LayerActs, LayerIds, Lin, NormIds, NormStash, Weights};
+use layer::{LayerActs, LayerIds};
+use linear::{Adapter, Lin, Weights};
+use norm::{NormIds, NormStash};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 

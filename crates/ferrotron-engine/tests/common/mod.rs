@@ -160,10 +160,11 @@ pub fn f32_plan_input(
     seq: usize,
     batch: usize,
 ) -> ferrotron_core::plan::PlanInput {
-    use ferrotron_core::plan::{PlanInput, PlanModel, Precision};
+    use ferrotron_core::plan::{PlanInput, PlanModel, StateDtypes};
     let cluster = ferrotron_core::topology::Cluster::parse("this-machine").unwrap();
     PlanInput {
-        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32").unwrap(),
+        precision: StateDtypes::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")
+            .unwrap(),
         memory_reserve: 0.0,
         ..PlanInput::new(PlanModel::Shape(cfg.clone()), cluster, seq, batch)
     }

@@ -1,6 +1,11 @@
+use crate::machine::peak::{
+    best_peak, best_time, bf16_peak_gflops, bf16_peak_gflops_of, fma_peak_gflops, time_beside_peak,
+    KERNEL_REPS, PEAK_REPS,
+};
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use ferrotron_core::model::preset;
+use ferrotron_core::precision::{MixedPrecision, Products};
 use ferrotron_engine::comm::ThreadWorld;
 use ferrotron_engine::kernels::{bf16_gemm, CpuBackend};
 use ferrotron_engine::optim::{AdamW, AdamWConfig};
@@ -143,8 +148,8 @@ pub struct KernelBench {
     threads: usize,
     /// The linear layers' products in `f32`, or in `bf16` (f32 accumulation, on the best bf16
     /// instructions of this CPU; the table then shows each shape beside the measured bf16 peak).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
-    precision: String,
+    #[arg(long, default_value_t = MixedPrecision::F32)]
+    precision: MixedPrecision,
 }
 
 #[derive(Args)]
@@ -170,8 +175,8 @@ pub struct TrainBench {
     /// `f32`, or mixed precision `bf16` (the linear layers' products in bf16 on the CPU's bf16
     /// dot-product instructions; 16-bit weights, gradients and activations) or `fp16` (16-bit
     /// storage with loss scaling, f32 products).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "fp16"])]
-    precision: String,
+    #[arg(long, default_value_t = MixedPrecision::F32)]
+    precision: MixedPrecision,
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
@@ -210,7 +215,7 @@ fn train(b: TrainBench) -> Result<()> {
     } else {
         CpuBackend::with_threads(b.threads)
     }
-    .bf16(b.precision == "bf16");
+    .computing(b.precision.products());
     let mut params = ParamStore::init_random(&cfg, 0);
     let tf = Transformer::new(&cfg, &params);
     let mut grads = params.zeros_like();
@@ -277,10 +282,10 @@ fn train(b: TrainBench) -> Result<()> {
         b.precision,
         be.threads
     );
-    if b.precision != "f32" {
+    if b.precision != MixedPrecision::F32 {
         println!(
             "(the bare kernels below run the products in {}, on f32 weights; the training loop stores weights, gradients and activations in 16 bits)",
-            if b.precision == "bf16" { "bf16" } else { "f32" }
+            b.precision.products().name()
         );
     }
     println!(
@@ -364,21 +369,9 @@ fn engine_step_times(
         weight_decay: 0.1,
     };
     let mut results = ThreadWorld::new(1).clock(ClockSource::Wall).run(|c| {
-        use ferrotron_engine::parallel::LossScaling;
-        use ferrotron_engine::transformer::Half;
-        let storage = match b.precision.as_str() {
-            "bf16" => Some(Half::Bf16),
-            "fp16" => Some(Half::F16),
-            _ => None,
-        };
-        let scaling = (storage == Some(Half::F16)).then_some(LossScaling {
-            initial: 65536.0,
-            growth_interval: 2000,
-            inject_nonfinite_at: None,
-        });
         let mut step = MeshStep::new(cfg, &params, &batches[0], &layout, &partition)?
             .with_kernel_threads(threads)
-            .with_precision(storage, scaling);
+            .with_precision(b.precision);
         let mut times = Vec::new();
         step.train_device(
             c,
@@ -403,72 +396,17 @@ fn engine_step_times(
 
 /// What a measurement is timed by: elapsed time, or the calling thread's CPU time (the clock device
 /// time runs on, which a virtual machine's stolen time does not move).
-#[derive(Clone, Copy)]
-pub(crate) enum Clock {
-    Wall,
-    ThreadCpu,
-}
-
-impl Clock {
-    /// Seconds since some fixed point of this clock (on this thread).
-    fn now(self, epoch: Instant) -> f64 {
-        match self {
-            Clock::Wall => epoch.elapsed().as_secs_f64(),
-            Clock::ThreadCpu => ferrotron_engine::comm::thread_cpu_time(),
-        }
-    }
-}
-
-/// The median of `reps` runs of `f` (after one to warm up) on `clock`.
-pub(crate) fn time_on(clock: Clock, reps: usize, f: impl FnMut()) -> f64 {
-    let t = sorted_times(clock, reps, f);
-    t[t.len() / 2]
-}
-
-/// The fastest of `reps` timed calls of `f` (after one warm-up): what the code can do when nothing
-/// else on a shared machine slows it, the measure to hold against a peak measured the same way.
-fn best_time(reps: usize, f: impl FnMut()) -> f64 {
-    sorted_times(Clock::Wall, reps, f)[0]
-}
-
-fn sorted_times(clock: Clock, reps: usize, mut f: impl FnMut()) -> Vec<f64> {
-    f();
-    let epoch = Instant::now();
-    let mut t: Vec<f64> = (0..reps.max(1))
-        .map(|_| {
-            let t0 = clock.now(epoch);
-            f();
-            clock.now(epoch) - t0
-        })
-        .collect();
-    t.sort_by(|a, b| a.total_cmp(b));
-    t
-}
-
-/// Timings of each kernel in `bench kernels`, and measurements of each peak: the best of them is
-/// reported, since a shared virtual machine only ever slows a run (its AMX rate here swings 2×
-/// within seconds), so that kernel and peak are compared at the machine's best.
-const KERNEL_REPS: usize = 9;
-const PEAK_REPS: usize = 3;
-
-/// The highest of [`PEAK_REPS`] measurements of a peak (GFLOP/s and what it ran on).
-fn best_peak<T>(mut measure: impl FnMut() -> Option<(f64, T)>) -> Option<(f64, T)> {
-    (0..PEAK_REPS)
-        .filter_map(|_| measure())
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-}
-
 fn kernels(b: KernelBench) -> Result<()> {
     use ferrotron_core::model::WeightLayout;
     use ferrotron_engine::kernels::{AttnShape, Backend, LinearShape, Matrix};
     let cfg = preset(&b.model)?;
-    let bf16 = b.precision == "bf16";
+    let bf16 = b.precision.products() == Products::Bf16;
     let be = if b.threads == 0 {
         CpuBackend::default()
     } else {
         CpuBackend::with_threads(b.threads)
     }
-    .bf16(bf16);
+    .computing(b.precision.products());
     let rows = b.batch * b.seq;
     let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
@@ -682,141 +620,6 @@ fn kernels(b: KernelBench) -> Result<()> {
         (t - copy) * 1e3
     );
     Ok(())
-}
-
-/// The CPU's f32 multiply-add peak on `threads` threads, for reading every GFLOP/s above as a fraction
-/// of what the cores can do: twelve independent FMA chains per thread, 16 lanes wide with AVX-512 or
-/// 8 with AVX2.
-pub(crate) fn fma_peak_gflops(threads: usize) -> Option<(f64, &'static str)> {
-    fma_peak_gflops_on(Clock::Wall, threads)
-}
-
-/// [`fma_peak_gflops`], each thread timed on `clock`: the sum of the threads' rates.
-pub(crate) fn fma_peak_gflops_on(clock: Clock, threads: usize) -> Option<(f64, &'static str)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        const ITERS: usize = 40_000_000;
-        let (run, isa): (fn(usize) -> f64, _) = if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the feature was detected just above.
-            (|n| unsafe { fma_chains_avx512(n) }, "AVX-512")
-        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the features were detected just above.
-            (|n| unsafe { fma_chains_avx2(n) }, "AVX2")
-        } else {
-            return None;
-        };
-        Some((peak_rate(clock, threads, || run(ITERS)) / 1e9, isa))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (clock, threads);
-        None
-    }
-}
-
-/// The sum over `threads` threads of the FLOP rate of `run` (which returns the FLOP it did), each
-/// timed on `clock`.
-fn peak_rate(clock: Clock, threads: usize, run: impl Fn() -> f64 + Sync) -> f64 {
-    std::thread::scope(|s| {
-        let runs: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let epoch = Instant::now();
-                    let t0 = clock.now(epoch);
-                    let flop = run();
-                    flop / (clock.now(epoch) - t0)
-                })
-            })
-            .collect();
-        runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
-    })
-}
-
-/// The bf16 peak of `threads` threads on `path` (GFLOP/s), from chains of its
-/// instruction; `None` where it has none.
-pub(crate) fn bf16_peak_gflops(path: bf16_gemm::Path, threads: usize) -> Option<f64> {
-    bf16_peak_gflops_of(path, threads, 40_000_000)
-}
-
-/// [`bf16_peak_gflops`] from `iters` rounds of each thread's chains.
-fn bf16_peak_gflops_of(path: bf16_gemm::Path, threads: usize, iters: usize) -> Option<f64> {
-    bf16_gemm::peak_chains(path, 1)?;
-    Some(
-        peak_rate(Clock::Wall, threads, || {
-            bf16_gemm::peak_chains(path, iters).unwrap_or(0.0)
-        }) / 1e9,
-    )
-}
-
-/// The fastest of [`KERNEL_REPS`] timings of a product of `gflop` (after one warm-up) and, where
-/// `peak_now` measures a peak, the median of each timing's fraction of the peak measured just
-/// before it: this VM's AMX rate moves 2× within seconds, so a kernel's best timing and the best
-/// peak may come from different moments, while a pair sees one.
-fn time_beside_peak(
-    gflop: f64,
-    peak_now: &dyn Fn() -> Option<f64>,
-    mut f: impl FnMut(),
-) -> (f64, Option<f64>) {
-    f();
-    let (mut times, mut fractions) = (Vec::new(), Vec::new());
-    for _ in 0..KERNEL_REPS {
-        let peak = peak_now();
-        let t0 = Instant::now();
-        f();
-        let t = t0.elapsed().as_secs_f64();
-        times.push(t);
-        fractions.extend(peak.map(|p| gflop / t / p));
-    }
-    times.sort_by(f64::total_cmp);
-    fractions.sort_by(f64::total_cmp);
-    let median = fractions.get(fractions.len() / 2).copied();
-    (times[0], median)
-}
-
-/// FLOP done by `iters` rounds of 12 independent 16-lane fused multiply-adds.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn fma_chains_avx512(iters: usize) -> f64 {
-    use std::arch::x86_64::*;
-    // Opaque operands, so that the compiler cannot fold or hoist the chains.
-    let (b, c) = (
-        _mm512_set1_ps(std::hint::black_box(0.999_9)),
-        _mm512_set1_ps(1e-4),
-    );
-    let mut acc: [__m512; 12] =
-        std::array::from_fn(|i| _mm512_set1_ps(std::hint::black_box(i as f32)));
-    for _ in 0..iters {
-        for a in acc.iter_mut() {
-            *a = _mm512_fmadd_ps(*a, b, c);
-        }
-    }
-    std::hint::black_box(acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum::<f32>());
-    (iters * 12 * 16 * 2) as f64
-}
-
-/// FLOP done by `iters` rounds of 12 independent 8-lane fused multiply-adds.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn fma_chains_avx2(iters: usize) -> f64 {
-    use std::arch::x86_64::*;
-    let (b, c) = (
-        _mm256_set1_ps(std::hint::black_box(0.999_9)),
-        _mm256_set1_ps(1e-4),
-    );
-    let mut acc: [__m256; 12] =
-        std::array::from_fn(|i| _mm256_set1_ps(std::hint::black_box(i as f32)));
-    for _ in 0..iters {
-        for a in acc.iter_mut() {
-            *a = _mm256_fmadd_ps(*a, b, c);
-        }
-    }
-    let mut lanes = [0f32; 8];
-    for a in acc {
-        // SAFETY: `lanes` holds 8 floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
-        std::hint::black_box(lanes);
-    }
-    (iters * 12 * 8 * 2) as f64
 }
 
 /// The threads backend's table; `ferrotron-mpi-selftest bench` prints the MPI backend's.

@@ -7,7 +7,7 @@
 use anyhow::Result;
 use ferrotron_core::layout::{Layout, Schedule};
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::{evaluate, PlanInput, PlanModel, Precision};
+use ferrotron_core::plan::{evaluate, PlanInput, PlanModel, StateDtypes};
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_core::topology::Cluster;
 use ferrotron_engine::comm::ThreadWorld;
@@ -96,7 +96,7 @@ pub fn run(cfg: &ModelConfig, params: &ParamStore, p: usize, seq: usize) -> Resu
         last = p - 1
     );
     let input = PlanInput {
-        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
+        precision: StateDtypes::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
         memory_reserve: 0.0,
         ..PlanInput::new(
             PlanModel::Shape(cfg.clone()),

@@ -6,7 +6,7 @@
 use anyhow::Result;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{LoraConfig, ModelConfig};
-use ferrotron_core::plan::{evaluate, PlanInput, PlanModel, Precision};
+use ferrotron_core::plan::{evaluate, PlanInput, PlanModel, StateDtypes};
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_core::topology::Cluster;
 use ferrotron_engine::comm::{ClockSource, ThreadWorld};
@@ -99,7 +99,7 @@ fn measure(
     });
     let (steps, fwd, bwd, memory) = results.remove(0)??;
     let input = PlanInput {
-        precision: Precision::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
+        precision: StateDtypes::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
         lora: lora.cloned(),
         memory_reserve: 0.0,
         ..PlanInput::new(

@@ -2,7 +2,7 @@
 //! TOML file, or ferrotron's own profiles), or measure this machine, and write a cluster file that
 //! `--cluster FILE` takes wherever a cluster is asked for.
 
-use super::calibrate_machine;
+use crate::machine::{this_machine, write_cluster};
 use crate::report::Table;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -10,7 +10,7 @@ use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::plan::calibrate::{
     fit_with_errors, FitParam, Measured, MeasuredRun, RunErrors, DEFAULT_FIT,
 };
-use ferrotron_core::plan::{PlanModel, Precision};
+use ferrotron_core::plan::{PlanModel, StateDtypes};
 use ferrotron_core::topology::Cluster;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -107,7 +107,7 @@ fn run_entry(i: usize, e: RunEntry, file: &Path) -> Result<MeasuredRun> {
         seq: e.seq,
         global_batch: e.global_batch,
         nodes: e.nodes,
-        precision: Precision::parse(e.precision.as_deref().unwrap_or("")).with_context(at)?,
+        precision: StateDtypes::parse(e.precision.as_deref().unwrap_or("")).with_context(at)?,
         measured,
     })
 }
@@ -145,7 +145,7 @@ fn read_profile(dir: &Path) -> Result<(MeasuredRun, String)> {
             seq: r.seq,
             global_batch: r.global_batch,
             nodes: cluster.nodes,
-            precision: Precision::parse(&r.precision)?,
+            precision: StateDtypes::parse(&r.precision)?,
             measured: Measured::StepTime(r.step_time_s.measured),
         },
         r.cluster,
@@ -168,7 +168,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
             );
         }
         let base = Cluster::parse(a.cluster.as_deref().unwrap_or("this-machine"))?;
-        return calibrate_machine::run(base, &a.out);
+        return this_machine::run(base, &a.out);
     }
     let mut runs = Vec::new();
     let mut profile_clusters = Vec::new();
@@ -258,24 +258,6 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         runs.len()
     );
     write_cluster(&a.out, &fitted, &header)
-}
-
-/// Writes a cluster file atomically (a temporary beside it, then renamed).
-pub fn write_cluster(path: &Path, c: &Cluster, header: &str) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("{}: cannot create", dir.display()))?;
-    }
-    let tmp = path.with_extension("toml.tmp");
-    std::fs::write(&tmp, c.to_toml(header))
-        .with_context(|| format!("{}: cannot write", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot write", path.display()))?;
-    println!(
-        "cluster file: {} (use it as --cluster {})",
-        path.display(),
-        path.display()
-    );
-    Ok(())
 }
 
 fn error_table(runs: &[MeasuredRun], errors: &[RunErrors]) -> Table {

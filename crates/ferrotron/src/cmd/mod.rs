@@ -5,7 +5,6 @@ mod bench_lora;
 mod bench_predict;
 mod bench_zero3;
 pub mod calibrate;
-mod calibrate_machine;
 pub mod checkpoint;
 pub mod grads;
 pub mod launch;

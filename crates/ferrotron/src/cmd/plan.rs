@@ -2,7 +2,7 @@ use anyhow::Result;
 use clap::Args;
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::plan::{
-    self, search_notes, ActivationModel, OptimizerKind, Plan, PlanInput, PlanModel, Precision,
+    self, search_notes, ActivationModel, OptimizerKind, Plan, PlanInput, PlanModel, StateDtypes,
 };
 use ferrotron_core::topology::Cluster;
 use ferrotron_engine::memory::format_bytes;
@@ -228,7 +228,7 @@ pub fn input_from(
     activation_model: &str,
 ) -> Result<PlanInput> {
     Ok(PlanInput {
-        precision: Precision::parse(precision)?,
+        precision: StateDtypes::parse(precision)?,
         optimizer: OptimizerKind::parse(optimizer)?,
         activation_model: ActivationModel::parse(activation_model)?,
         ..PlanInput::new(

@@ -1,5 +1,6 @@
 use anyhow::{bail, Result};
 use clap::Args;
+use ferrotron_core::precision::MixedPrecision;
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::parallel::TpShard;
@@ -235,7 +236,15 @@ fn verify_async(
     };
     let never = |_: usize| false;
     let got = train_steps(
-        cfg, params, layout, &batches, adam, &lr, a.clip, &never, None,
+        cfg,
+        params,
+        layout,
+        &batches,
+        adam,
+        &lr,
+        a.clip,
+        &never,
+        MixedPrecision::F32,
     )?;
     let reference = DelayedReference {
         cfg,
@@ -243,7 +252,7 @@ fn verify_async(
         adam,
         lr: &lr,
         clip: a.clip,
-        precision: None,
+        precision: MixedPrecision::F32,
     };
     let want = reference.train(params, steps, &|k| batches[k].clone(), &never)?;
     let (mut worst_name, mut worst) = (String::new(), 0f64);

@@ -10,8 +10,8 @@
 
 use super::{HalfStore, ZeroState};
 use crate::comm::{Comm, CommError};
+use crate::half_storage::{Half16, HalfGrads};
 use crate::memory::{self, Term};
-use crate::parallel::half::{Half16, HalfGrads};
 use crate::transformer::{ParamStore, Residency, Unit};
 
 /// One update's gradients, in the state's format, held outside the state while they accumulate.

@@ -14,9 +14,9 @@
 //! - **ZeRO-3**: parameters sharded too: a unit's parameters are all-gathered just before the executor
 //!   uses them (forward, and again in backward) and freed after.
 
-use super::half::HalfParts;
 use super::tensor::TpGroup;
 use crate::comm::{Comm, Group, Pending};
+use crate::half_storage::HalfParts;
 use crate::memory::{self, Term};
 use crate::optim::AdamW;
 use crate::transformer::{ParamStore, Unit};
@@ -26,18 +26,7 @@ use std::ops::Range;
 
 pub use crate::transformer::units_of;
 
-/// This rank's piece of a tensor of `len` elements padded to a multiple of `dp`.
-pub(crate) fn piece(len: usize, dp: usize, rank: usize) -> Range<usize> {
-    let n = len.div_ceil(dp);
-    rank * n..(rank + 1) * n
-}
-
-/// The part of a tensor of `len` elements a rank owns (its piece without the padding).
-pub(crate) fn owned(len: usize, dp: usize, rank: usize) -> Range<usize> {
-    let r = piece(len, dp, rank);
-    let end = r.end.min(len);
-    r.start.min(end)..end
-}
+pub(crate) use crate::pieces::{owned, piece};
 
 /// Rank `rank`'s piece of each tensor, padded, concatenated.
 fn own_pieces(tensors: &[&[f32]], dp: usize, rank: usize) -> Vec<f32> {
@@ -185,7 +174,7 @@ impl ZeroState {
         dp_rank: usize,
         micro_batches: usize,
         adam: crate::optim::AdamWConfig,
-        storage: Option<crate::transformer::Half>,
+        storage: Option<ferrotron_core::precision::Half>,
     ) -> Self {
         let dp = dp_group.size();
         let (units, visits_per_step) = unit_index(cfg, &params, micro_batches);
@@ -215,10 +204,10 @@ impl ZeroState {
         let (grads, grad_pieces, half) = match storage {
             Some(h) => {
                 let half = match h {
-                    crate::transformer::Half::Bf16 => {
+                    ferrotron_core::precision::Half::Bf16 => {
                         HalfStore::Bf16(HalfParts::new(&mut params, stage, dp, dp_rank))
                     }
-                    crate::transformer::Half::F16 => {
+                    ferrotron_core::precision::Half::F16 => {
                         HalfStore::F16(HalfParts::new(&mut params, stage, dp, dp_rank))
                     }
                 };

@@ -4,25 +4,29 @@
 //!
 //! Ranks follow the design's order: `rank = tp_rank + tp · (dp_rank + dp · stage)`.
 //!
-//! `train.rs` runs a device through optimizer steps; `gather.rs` brings whole tensors to rank 0.
+//! `train.rs` runs a device through optimizer steps; `gather.rs` brings whole tensors to rank 0;
+//! `runners.rs` runs one step of the whole mesh on threads.
 
 mod gather;
+mod runners;
 mod segments;
 mod train;
 
+pub use runners::{pipeline_step, pipeline_steps, pipeline_steps_of};
 pub use train::{LossScaling, StepReport, Training};
 
 use super::data::ZeroState;
-use super::half::Wire;
 use super::pipeline::{DeviceResult, StageOutcome, StageRun};
 use super::tensor::{finish_grads, TpGroup, TpShard};
 use crate::comm::{Comm, DeviceMesh, Dim, Group, ReduceOp};
 use crate::error::{EngineError, Result};
+use crate::half_storage::Wire;
 use crate::memory::{self, Term};
 use crate::optim::AdamWConfig;
-use crate::transformer::{FrozenBase, Half, ParamStore, TokenBatch, Transformer};
+use crate::transformer::{FrozenBase, ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{LoraConfig, ModelConfig, ParamSpec};
+use ferrotron_core::precision::MixedPrecision;
 use ferrotron_core::schedule::{build, build_async, PipelineSchedule, StagePartition};
 
 /// Everything every device of a step shares: the model, the layout, its schedule, and the batch cut
@@ -43,10 +47,10 @@ pub struct MeshStep<'a> {
     account_base: usize,
     /// A device made slow on purpose, and by how much per action (device seconds).
     slow_device: Option<(usize, f64)>,
-    /// Mixed precision: the 16-bit format of weights, gradients and activations.
-    storage: Option<Half>,
-    /// fp16: dynamic loss scaling, and the scale now.
-    loss_scaling: Option<LossScaling>,
+    /// The run's precision policy: storage, wire format and products follow from it.
+    precision: MixedPrecision,
+    /// Dynamic loss scaling's settings (used when the policy needs it: fp16), and the scale now.
+    loss_scaling: LossScaling,
     loss_scale: f64,
     clean_steps: usize,
     /// Training resumed from a checkpoint: where, and how each device restores its state.
@@ -146,8 +150,8 @@ impl<'a> MeshStep<'a> {
             total_tokens: batch.predicted_tokens().max(1),
             account_base: 0,
             slow_device: None,
-            storage: None,
-            loss_scaling: None,
+            precision: MixedPrecision::F32,
+            loss_scaling: LossScaling::DEFAULT,
             loss_scale: 1.0,
             clean_steps: 0,
             resume: None,
@@ -205,17 +209,31 @@ impl<'a> MeshStep<'a> {
 
     /// The fp16 loss scaler's state: the scale and the clean steps since it last changed.
     pub fn loss_scaler(&self) -> Option<(f64, usize)> {
-        self.loss_scaling
+        self.loss_scaling()
             .map(|_| (self.loss_scale, self.clean_steps))
     }
 
-    /// Mixed precision: weights, gradients and activations stored (and moved) in `storage`; master
-    /// weights and optimizer state in f32. fp16 should come with loss scaling.
-    pub fn with_precision(mut self, storage: Option<Half>, scaling: Option<LossScaling>) -> Self {
-        self.storage = storage;
-        self.loss_scaling = scaling;
-        self.loss_scale = scaling.map_or(1.0, |s| s.initial);
+    /// The run's precision policy: under mixed precision, weights, gradients and activations are
+    /// stored (and moved) in 16 bits, master weights and optimizer state in f32; bf16 multiplies in
+    /// bf16; fp16 scales the loss ([`MeshStep::with_loss_scaling`]'s settings).
+    pub fn with_precision(mut self, precision: MixedPrecision) -> Self {
+        self.precision = precision;
+        self.loss_scale = self.loss_scaling().map_or(1.0, |s| s.initial);
         self
+    }
+
+    /// Dynamic loss scaling's settings, for a policy that scales the loss.
+    pub fn with_loss_scaling(mut self, scaling: LossScaling) -> Self {
+        self.loss_scaling = scaling;
+        self.loss_scale = self.loss_scaling().map_or(1.0, |s| s.initial);
+        self
+    }
+
+    /// Dynamic loss scaling, when the policy needs it.
+    pub(super) fn loss_scaling(&self) -> Option<LossScaling> {
+        self.precision
+            .needs_loss_scaling()
+            .then_some(self.loss_scaling)
     }
 
     /// Makes device `rank` compute `seconds` longer per action: a straggler, injected.
@@ -315,13 +333,13 @@ impl<'a> MeshStep<'a> {
                     Transformer::stage(&local, p, r.clone())
                         .with_recompute(layout.recompute)
                         .with_vocab_slice(shard.vocab_slice(cfg))
-                        .with_activation_storage(self.storage)
+                        .with_activation_storage(self.precision.storage())
                 };
                 match (&base_shard, self.frozen) {
                     (Some(b), Some((_, lora))) => {
                         let _weights = memory::scope(Term::Weights);
                         let mine = b.subset(|n| cfg.stage_owns(n, r));
-                        let base = FrozenBase::new(&local, mine, self.storage);
+                        let base = FrozenBase::new(&local, mine, self.precision.storage());
                         chunk(base.names()).with_lora(lora, &store, base)
                     }
                     _ => chunk(&store),
@@ -338,7 +356,7 @@ impl<'a> MeshStep<'a> {
             d,
             self.m,
             adam,
-            self.storage,
+            self.precision.storage(),
         );
         zero.set_threaded_update(self.kernel_threads > 1);
         zero.set_prefetch(self.zero3_prefetch);
@@ -383,12 +401,12 @@ impl<'a> MeshStep<'a> {
                 Some((r, s)) if r == dev.rank => s,
                 _ => 0.0,
             },
-            wire: Wire(self.storage),
+            precision: self.precision,
             threads: self.kernel_threads,
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
-        let tpg = TpGroup::new(c, tp_group.clone(), dev.shard).with_wire(Wire(self.storage));
+        let tpg = TpGroup::new(c, tp_group.clone(), dev.shard).with_wire(Wire::of(self.precision));
         let out = {
             let _activations = memory::scope(Term::Activations);
             run.execute(&tpg, &mut dev.zero, &dev.chunks)?

@@ -7,12 +7,12 @@ use super::train::{StepReport, Training};
 use super::{micro_batches, Device, MeshStep};
 use crate::comm::{Comm, CommStats, Dim, ReduceOp};
 use crate::error::{EngineError, Result};
+use crate::half_storage::Wire;
 use crate::memory::{self, Term};
-use crate::parallel::half::Wire;
 use crate::parallel::pipedream::SegmentRun;
 use crate::parallel::pipeline::StageRun;
 use crate::parallel::tensor::TpGroup;
-use crate::transformer::{Half, TokenBatch};
+use crate::transformer::TokenBatch;
 use ferrotron_core::layout::Schedule;
 use ferrotron_core::schedule::build_async;
 
@@ -26,7 +26,7 @@ impl MeshStep<'_> {
                  one chunk per stage)"
             )))
         };
-        if self.storage == Some(Half::F16) {
+        if self.precision.needs_loss_scaling() {
             return refuse(
                 "fp16's loss scaling skips the steps whose gradients overflow, and an asynchronous \
                  pipeline applies every update it has begun (use bf16)"
@@ -128,7 +128,7 @@ impl MeshStep<'_> {
                     Some((r, secs)) if r == dev.rank => secs,
                     _ => 0.0,
                 },
-                wire: Wire(self.storage),
+                precision: self.precision,
                 threads: self.kernel_threads,
             },
             mesh: self,
@@ -145,7 +145,7 @@ impl MeshStep<'_> {
         let (started, wall) = (c.device_time(), std::time::Instant::now());
         let chunks = std::mem::take(&mut dev.chunks);
         let out = {
-            let tpg = TpGroup::new(c, tp_group, dev.shard).with_wire(Wire(self.storage));
+            let tpg = TpGroup::new(c, tp_group, dev.shard).with_wire(Wire::of(self.precision));
             let _activations = memory::scope(Term::Activations);
             seg.execute(&tpg, dev, &chunks)
         };

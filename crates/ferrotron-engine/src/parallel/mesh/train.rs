@@ -20,6 +20,15 @@ pub struct LossScaling {
     pub inject_nonfinite_at: Option<usize>,
 }
 
+impl LossScaling {
+    /// The usual start: 2¹⁶, doubled after 1000 clean steps.
+    pub const DEFAULT: LossScaling = LossScaling {
+        initial: 65536.0,
+        growth_interval: 1000,
+        inject_nonfinite_at: None,
+    };
+}
+
 /// What one optimizer step measured on one device.
 #[derive(Debug, Clone)]
 pub struct StepReport {
@@ -85,7 +94,7 @@ impl MeshStep<'_> {
         if let Some(r) = self.resume {
             (r.restore)(&mut dev)?;
             first = r.step;
-            if let (Some(_), Some((scale, clean))) = (self.loss_scaling, r.loss_scaler) {
+            if let (Some(_), Some((scale, clean))) = (self.loss_scaling(), r.loss_scaler) {
                 (self.loss_scale, self.clean_steps) = (scale, clean);
             }
         }
@@ -202,7 +211,7 @@ impl MeshStep<'_> {
         dev: &mut Device,
         step: usize,
     ) -> Result<bool> {
-        let Some(ls) = self.loss_scaling else {
+        let Some(ls) = self.loss_scaling() else {
             return Ok(false);
         };
         if ls.inject_nonfinite_at == Some(step) && c.rank() == 0 {

@@ -1,6 +1,25 @@
-//! The CPU backend: GEMM from the `gemm` crate, element-wise work fused per row and spread over threads.
+//! The CPU backend: the ops of [`Backend`] as threaded, fused loops over rows, the f32 GEMM from the
+//! `gemm` crate and our bf16 GEMM. The op files take the threading helper ([`Threads`]) and, where
+//! it matters, the products' arithmetic; only this file knows the backend.
 
-use super::float::Real;
+mod activation;
+mod attention;
+pub mod bf16_gemm;
+mod embedding;
+mod f32_gemm;
+#[cfg(test)]
+mod finite_difference;
+mod linear;
+mod loss;
+mod norm;
+mod rotate;
+pub(crate) mod small_gemm;
+mod threads;
+
+pub(crate) use threads::Threads;
+
+use super::{bf16_convert, AttnShape, Backend, LinearShape, Matrix, RopeTable};
+use ferrotron_core::precision::Products;
 use rayon::prelude::*;
 
 /// CPU kernels. `threads` is how many cores one device may use: 1 keeps every kernel on the calling
@@ -8,9 +27,9 @@ use rayon::prelude::*;
 #[derive(Debug, Clone)]
 pub struct CpuBackend {
     pub threads: usize,
-    /// The linear layers' products in bf16 (operands rounded to bf16, f32 accumulation: bf16
-    /// mixed precision), or in f32.
-    pub bf16_products: bool,
+    /// The arithmetic of the linear layers' and attention's products: f32, or bf16 operands with
+    /// f32 accumulation (bf16 mixed precision).
+    pub products: Products,
 }
 
 impl Default for CpuBackend {
@@ -25,7 +44,6 @@ impl CpuBackend {
     /// `other` memory term, so that the workspace, whose size depends on the CPU, is not counted as
     /// the activations of whatever step first multiplies.
     pub fn reserve_workspace(&self) {
-        use super::Backend;
         const N: usize = 256;
         let (a, b) = (vec![0f32; N * N], vec![0f32; N * N]);
         let mut c = vec![0f32; N * N];
@@ -40,114 +58,20 @@ impl CpuBackend {
     pub fn with_threads(threads: usize) -> Self {
         Self {
             threads,
-            bf16_products: false,
+            products: Products::F32,
         }
     }
 
-    /// The linear layers' products in bf16 when `on` (see [`super::bf16_gemm`]).
-    pub fn bf16(mut self, on: bool) -> Self {
-        self.bf16_products = on;
+    /// The products in this arithmetic (see [`bf16_gemm`]).
+    pub fn computing(mut self, products: Products) -> Self {
+        self.products = products;
         self
     }
 
-    pub(crate) fn parallelism(&self, work: usize) -> gemm::Parallelism {
-        // Below ~1 MFLOP the fork/join costs more than it saves.
-        if self.threads > 1 && work >= 1 << 20 {
-            gemm::Parallelism::Rayon(self.threads)
-        } else {
-            gemm::Parallelism::None
-        }
-    }
-
-    /// Runs `f(row_index, out_row)` over the rows of `out`, in parallel when worth it.
-    pub(crate) fn for_rows<T: Real, F>(&self, out: &mut [T], width: usize, f: F)
-    where
-        F: Fn(usize, &mut [T]) + Sync + Send,
-    {
-        if width == 0 {
-            return;
-        }
-        if self.threads > 1 && out.len() >= 1 << 14 {
-            let rows_per_task = (out.len() / width).div_ceil(self.threads * 4).max(1);
-            out.par_chunks_mut(rows_per_task * width)
-                .enumerate()
-                .for_each(|(c, chunk)| {
-                    for (i, row) in chunk.chunks_mut(width).enumerate() {
-                        f(c * rows_per_task + i, row)
-                    }
-                });
-        } else {
-            for (i, row) in out.chunks_mut(width).enumerate() {
-                f(i, row)
-            }
-        }
-    }
-
-    /// Runs `f(offset, a_chunk, b_chunk)` over matching chunks of two equally long outputs.
-    pub(crate) fn for_pairs<T: Real, F>(&self, a: &mut [T], b: &mut [T], chunk: usize, f: F)
-    where
-        F: Fn(usize, &mut [T], &mut [T]) + Sync + Send,
-    {
-        assert_eq!(a.len(), b.len());
-        if self.threads > 1 && a.len() >= 4 * chunk {
-            a.par_chunks_mut(chunk)
-                .zip(b.par_chunks_mut(chunk))
-                .enumerate()
-                .for_each(|(i, (a, b))| f(i * chunk, a, b));
-        } else {
-            f(0, a, b)
-        }
-    }
-
-    /// Runs `f(scratch, task)` for `task in 0..n`, in parallel when `threads > 1`, with a scratch
-    /// buffer made by `init` once per run of tasks on a thread (not once per task), its contents
-    /// left by the previous task.
-    pub(crate) fn for_tasks_with<S, I, F>(&self, n: usize, init: I, f: F)
-    where
-        I: Fn() -> S + Sync + Send,
-        F: Fn(&mut S, usize) + Sync + Send,
-    {
-        if self.threads > 1 && n > 1 {
-            (0..n).into_par_iter().for_each_init(init, f)
-        } else {
-            let mut scratch = init();
-            (0..n).for_each(|task| f(&mut scratch, task))
-        }
-    }
-
-    /// Runs `f(task)` for `task in 0..n`, in parallel when `threads > 1`.
-    pub(crate) fn for_tasks<F>(&self, n: usize, f: F)
-    where
-        F: Fn(usize) + Sync + Send,
-    {
-        if self.threads > 1 && n > 1 {
-            (0..n).into_par_iter().for_each(f)
-        } else {
-            (0..n).for_each(f)
-        }
+    fn cores(&self) -> Threads {
+        Threads::new(self.threads)
     }
 }
-
-/// A raw pointer that may cross threads; used only where tasks write provably disjoint elements.
-pub(crate) struct SendPtr<T>(pub *mut T);
-impl<T> Clone for SendPtr<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for SendPtr<T> {}
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
-
-impl<T> SendPtr<T> {
-    /// Through a method, so closures capture the whole `SendPtr` (not its raw-pointer field).
-    pub fn get(self) -> *mut T {
-        self.0
-    }
-}
-
-use super::{activation, attention, bf16_convert, embedding, linear, loss, norm, rope};
-use super::{AttnShape, Backend, LinearShape, Matrix, RopeTable};
 
 impl Backend for CpuBackend {
     fn matmul(
@@ -161,7 +85,7 @@ impl Backend for CpuBackend {
         c_rs: usize,
         acc: bool,
     ) {
-        linear::gemm_strided(self, m, n, k, a, b, c, c_rs, acc, true)
+        f32_gemm::gemm_strided(&self.cores(), m, n, k, a, b, c, c_rs, acc, true)
     }
     fn linear_forward(
         &self,
@@ -172,8 +96,8 @@ impl Backend for CpuBackend {
         y: &mut [f32],
     ) {
         match w {
-            Matrix::F32(w) => linear::forward(self, s, x, w, bias, y),
-            Matrix::Bf16(w) => linear::forward_bf16(self, s, x, w, bias, y),
+            Matrix::F32(w) => linear::forward(&self.cores(), self.products, s, x, w, bias, y),
+            Matrix::Bf16(w) => linear::forward_bf16(&self.cores(), self.products, s, x, w, bias, y),
         }
     }
     fn linear_backward_input(
@@ -185,8 +109,12 @@ impl Backend for CpuBackend {
         acc: bool,
     ) {
         match w {
-            Matrix::F32(w) => linear::backward_input(self, s, dy, w, dx, acc),
-            Matrix::Bf16(w) => linear::backward_input_bf16(self, s, dy, w, dx, acc),
+            Matrix::F32(w) => {
+                linear::backward_input(&self.cores(), self.products, s, dy, w, dx, acc)
+            }
+            Matrix::Bf16(w) => {
+                linear::backward_input_bf16(&self.cores(), self.products, s, dy, w, dx, acc)
+            }
         }
     }
     fn linear_backward_weight(
@@ -197,7 +125,7 @@ impl Backend for CpuBackend {
         dw: &mut [f32],
         db: Option<&mut [f32]>,
     ) {
-        linear::backward_weight(self, s, dy, x, dw, db)
+        linear::backward_weight(&self.cores(), self.products, s, dy, x, dw, db)
     }
     fn embedding_forward(
         &self,
@@ -208,15 +136,15 @@ impl Backend for CpuBackend {
         acc: bool,
     ) {
         match table {
-            Matrix::F32(t) => embedding::forward(self, ids, t, dim, out, acc),
-            Matrix::Bf16(t) => embedding::forward_bf16(self, ids, t, dim, out, acc),
+            Matrix::F32(t) => embedding::forward(&self.cores(), ids, t, dim, out, acc),
+            Matrix::Bf16(t) => embedding::forward_bf16(&self.cores(), ids, t, dim, out, acc),
         }
     }
     fn embedding_backward_weight(&self, ids: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]) {
         embedding::backward_weight(ids, dout, dim, dtable)
     }
     fn rmsnorm_forward(&self, x: &[f32], w: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
-        norm::rms_forward(self, x, w, eps, y, rstd)
+        norm::rms_forward(&self.cores(), x, w, eps, y, rstd)
     }
     fn rmsnorm_backward_input(
         &self,
@@ -227,7 +155,7 @@ impl Backend for CpuBackend {
         dx: &mut [f32],
         acc: bool,
     ) {
-        norm::rms_backward_input(self, dy, x, w, rstd, dx, acc)
+        norm::rms_backward_input(&self.cores(), dy, x, w, rstd, dx, acc)
     }
     fn rmsnorm_backward_weight(&self, dy: &[f32], x: &[f32], rstd: &[f32], dw: &mut [f32]) {
         norm::rms_backward_weight(dy, x, rstd, dw)
@@ -242,7 +170,7 @@ impl Backend for CpuBackend {
         mean: &mut [f32],
         rstd: &mut [f32],
     ) {
-        norm::layer_forward(self, x, w, b, eps, y, mean, rstd)
+        norm::layer_forward(&self.cores(), x, w, b, eps, y, mean, rstd)
     }
     fn layernorm_backward_input(
         &self,
@@ -254,7 +182,7 @@ impl Backend for CpuBackend {
         dx: &mut [f32],
         acc: bool,
     ) {
-        norm::layer_backward_input(self, dy, x, w, mean, rstd, dx, acc)
+        norm::layer_backward_input(&self.cores(), dy, x, w, mean, rstd, dx, acc)
     }
     fn layernorm_backward_weight(
         &self,
@@ -268,10 +196,10 @@ impl Backend for CpuBackend {
         norm::layer_backward_weight(dy, x, mean, rstd, dw, db)
     }
     fn rope_forward(&self, table: &RopeTable, positions: &[u32], heads: usize, x: &mut [f32]) {
-        rope::rotate(self, table, positions, heads, x, false)
+        rotate::rotate(&self.cores(), table, positions, heads, x, false)
     }
     fn rope_backward(&self, table: &RopeTable, positions: &[u32], heads: usize, dx: &mut [f32]) {
-        rope::rotate(self, table, positions, heads, dx, true)
+        rotate::rotate(&self.cores(), table, positions, heads, dx, true)
     }
     fn attention_forward(
         &self,
@@ -282,7 +210,7 @@ impl Backend for CpuBackend {
         out: &mut [f32],
         probs: &mut [f32],
     ) {
-        attention::forward(self, s, q, k, v, out, probs)
+        attention::forward(&self.cores(), self.products, s, q, k, v, out, probs)
     }
     fn attention_backward(
         &self,
@@ -296,10 +224,22 @@ impl Backend for CpuBackend {
         dk: &mut [f32],
         dv: &mut [f32],
     ) {
-        attention::backward(self, s, dout, q, k, v, probs, dq, dk, dv)
+        attention::backward(
+            &self.cores(),
+            self.products,
+            s,
+            dout,
+            q,
+            k,
+            v,
+            probs,
+            dq,
+            dk,
+            dv,
+        )
     }
     fn swiglu_forward(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        activation::swiglu_forward(self, gate, up, out)
+        activation::swiglu_forward(&self.cores(), gate, up, out)
     }
     fn swiglu_backward(
         &self,
@@ -309,13 +249,13 @@ impl Backend for CpuBackend {
         dgate: &mut [f32],
         dup: &mut [f32],
     ) {
-        activation::swiglu_backward(self, dout, gate, up, dgate, dup)
+        activation::swiglu_backward(&self.cores(), dout, gate, up, dgate, dup)
     }
     fn gelu_forward(&self, x: &[f32], out: &mut [f32]) {
-        activation::gelu_forward(self, x, out)
+        activation::gelu_forward(&self.cores(), x, out)
     }
     fn gelu_backward(&self, dout: &[f32], x: &[f32], dx: &mut [f32]) {
-        activation::gelu_backward(self, dout, x, dx)
+        activation::gelu_backward(&self.cores(), dout, x, dx)
     }
     fn cross_entropy(
         &self,
@@ -324,10 +264,10 @@ impl Backend for CpuBackend {
         targets: &[Option<u32>],
         scale: f32,
     ) -> f64 {
-        loss::cross_entropy(self, logits, vocab, targets, scale)
+        loss::cross_entropy(&self.cores(), logits, vocab, targets, scale)
     }
     fn shard_logit_max(&self, logits: &[f32], vocab: usize, valid: usize, max: &mut [f32]) {
-        loss::shard_logit_max(self, logits, vocab, valid, max)
+        loss::shard_logit_max(&self.cores(), logits, vocab, valid, max)
     }
     fn shard_exp_sums(
         &self,
@@ -339,7 +279,16 @@ impl Backend for CpuBackend {
         max: &[f32],
         sums: &mut [f64],
     ) {
-        loss::shard_exp_sums(self, logits, vocab, valid, start, targets, max, sums)
+        loss::shard_exp_sums(
+            &self.cores(),
+            logits,
+            vocab,
+            valid,
+            start,
+            targets,
+            max,
+            sums,
+        )
     }
     fn shard_softmax_grad(
         &self,
@@ -351,11 +300,20 @@ impl Backend for CpuBackend {
         sums: &[f64],
         scale: f32,
     ) {
-        loss::shard_softmax_grad(self, exp_logits, vocab, valid, start, targets, sums, scale)
+        loss::shard_softmax_grad(
+            &self.cores(),
+            exp_logits,
+            vocab,
+            valid,
+            start,
+            targets,
+            sums,
+            scale,
+        )
     }
     fn add_assign(&self, y: &mut [f32], x: &[f32]) {
         assert_eq!(y.len(), x.len(), "add_assign: lengths");
-        self.for_rows(y, 4096, |c, yc| {
+        self.cores().for_rows(y, 4096, |c, yc| {
             yc.iter_mut().zip(&x[c * 4096..]).for_each(|(y, x)| *y += x)
         });
     }

@@ -244,9 +244,9 @@ pub fn runs_here(path: Path) -> bool {
     }
 }
 
-/// [`super::extent`] of an operand's view.
+/// [`crate::kernels::extent`] of an operand's view.
 fn extent(rows: usize, cols: usize, (rs, cs): (usize, usize)) -> usize {
-    super::extent(rows, cols, rs, cs)
+    crate::kernels::extent(rows, cols, rs, cs)
 }
 
 /// `c[m×n] (+)= a[m×k]·b[k×n]` with the operands rounded to bf16 and the products summed in f32;
@@ -579,7 +579,7 @@ unsafe fn blocked<P: Tiles>(
     threads: usize,
 ) {
     let (mr, nr) = (P::MR, P::NR);
-    let c = super::cpu::SendPtr(c);
+    let c = super::threads::SendPtr(c);
     let shared = P::SHARED_B && (m >= n || m >= 4 * threads * mr);
     if threads > 1 && !shared {
         // Each thread its own part of `c` along the longer side, and its own panels of both.
@@ -633,7 +633,7 @@ unsafe fn blocked<P: Tiles>(
                     AtomicUsize::new(0),
                     AtomicUsize::new(0),
                 );
-                let pb_ptr = super::cpu::SendPtr(pb.as_mut_ptr());
+                let pb_ptr = super::threads::SendPtr(pb.as_mut_ptr());
                 for_each_part(parts, |_| unsafe {
                     loop {
                         let g = taken.fetch_add(1, Ordering::Relaxed);
@@ -1218,8 +1218,8 @@ fn fallback(
         let _other = crate::memory::scope(crate::memory::Term::Other);
         (dense(a, m, k), dense(b, k, n))
     };
-    let be = super::CpuBackend::single_threaded();
-    super::linear::gemm_strided(&be, m, n, k, (&a, k, 1), (&b, n, 1), c, c_rs, acc, false);
+    let one = super::threads::Threads::new(1);
+    super::f32_gemm::gemm_strided(&one, m, n, k, (&a, k, 1), (&b, n, 1), c, c_rs, acc, false);
 }
 
 #[cfg(test)]

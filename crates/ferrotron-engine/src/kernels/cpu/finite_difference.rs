@@ -2,9 +2,12 @@
 //! shapes including odd and prime sizes. With h = 1e-5 the truncation error (h²·f''') and the
 //! rounding error (ε₆₄/h ≈ 2e-11) are both far below the 1e-7 relative tolerance.
 
-use super::float::Real;
+use super::threads::Threads;
 use super::*;
+use crate::kernels::float::Real;
+use crate::kernels::{AttnShape, LinearShape, RopeTable};
 use ferrotron_core::model::WeightLayout;
+use ferrotron_core::precision::Products;
 use rand::{Rng, SeedableRng};
 
 const H: f64 = 1e-5;
@@ -43,8 +46,8 @@ fn check(name: &str, inputs: &[Vec<f64>], analytic: &[Vec<f64>], f: impl Fn(&[Ve
     }
 }
 
-fn be() -> CpuBackend {
-    CpuBackend::with_threads(2)
+fn be() -> Threads {
+    Threads::new(2)
 }
 
 #[test]
@@ -69,6 +72,7 @@ fn linear_both_layouts_with_and_without_bias() {
                     let mut y = vec![0.0; rows * o];
                     linear::forward(
                         &be(),
+                        Products::F32,
                         s,
                         &inp[0],
                         &inp[1],
@@ -78,10 +82,11 @@ fn linear_both_layouts_with_and_without_bias() {
                     dot(&y, &wy)
                 };
                 let mut dx = vec![0.0; rows * i];
-                linear::backward_input(&be(), s, &wy, &w, &mut dx, false);
+                linear::backward_input(&be(), Products::F32, s, &wy, &w, &mut dx, false);
                 let (mut dw, mut db) = (vec![0.0; i * o], vec![0.0; o]);
                 linear::backward_weight(
                     &be(),
+                    Products::F32,
                     s,
                     &wy,
                     &x,
@@ -171,11 +176,11 @@ fn rope_rotation() {
         );
         let f = |inp: &[Vec<f64>]| {
             let mut y = inp[0].clone();
-            rope::rotate(&be(), &table, &positions, heads, &mut y, false);
+            rotate::rotate(&be(), &table, &positions, heads, &mut y, false);
             dot(&y, &wy)
         };
         let mut dx = wy.clone();
-        rope::rotate(&be(), &table, &positions, heads, &mut dx, true);
+        rotate::rotate(&be(), &table, &positions, heads, &mut dx, true);
         check(&format!("rope {rows}x{heads}x{d}"), &[x], &[dx], f);
     }
 }
@@ -199,11 +204,12 @@ fn attn_shape((batch, seq, heads, kv_heads, head_dim): Dims) -> AttnShape {
 /// outputs start as NaN: attention writes every element of them (the executor does not zero them
 /// first), so an element it misses shows.
 fn attention_run<T: Real>(s: AttnShape, q: &[T], k: &[T], v: &[T], dout: &[T]) -> [Vec<T>; 5] {
-    attention_run_on(&be(), s, q, k, v, dout)
+    attention_run_on(&be(), Products::F32, s, q, k, v, dout)
 }
 
 fn attention_run_on<T: Real>(
-    be: &CpuBackend,
+    be: &Threads,
+    products: Products,
     s: AttnShape,
     q: &[T],
     k: &[T],
@@ -212,9 +218,11 @@ fn attention_run_on<T: Real>(
 ) -> [Vec<T>; 5] {
     let garbage = |n: usize| vec![T::of(f64::NAN); n];
     let (mut out, mut p) = (garbage(q.len()), garbage(s.probs_len()));
-    attention::forward(be, s, q, k, v, &mut out, &mut p);
+    attention::forward(be, products, s, q, k, v, &mut out, &mut p);
     let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
-    attention::backward(be, s, dout, q, k, v, &p, &mut dq, &mut dk, &mut dv);
+    attention::backward(
+        be, products, s, dout, q, k, v, &p, &mut dq, &mut dk, &mut dv,
+    );
     [out, p, dq, dk, dv]
 }
 
@@ -248,7 +256,16 @@ fn causal_attention_with_grouped_query_heads() {
         let wy = randn(&mut r, rows * s.q_width());
         let f = |inp: &[Vec<f64>]| {
             let (mut out, mut p) = (vec![0.0; rows * s.q_width()], vec![0.0; s.probs_len()]);
-            attention::forward(&be(), s, &inp[0], &inp[1], &inp[2], &mut out, &mut p);
+            attention::forward(
+                &be(),
+                Products::F32,
+                s,
+                &inp[0],
+                &inp[1],
+                &inp[2],
+                &mut out,
+                &mut p,
+            );
             dot(&out, &wy)
         };
         let [_, _, dq, dk, dv] = attention_run(s, &q, &k, &v, &wy);
@@ -345,7 +362,13 @@ fn f32_kernels_agree_with_f64_kernels() {
 
 /// Attention on `be` in f32 against the f64 attention (`gemm` crate) on the same inputs: each of
 /// its five outputs within `bound` in relative norm.
-fn attention_agrees_with_f64(be: &CpuBackend, seed: u64, shapes: &[Dims], bound: f64) {
+fn attention_agrees_with_f64(
+    be: &Threads,
+    products: Products,
+    seed: u64,
+    shapes: &[Dims],
+    bound: f64,
+) {
     let mut r = rng(seed);
     for &dims in shapes {
         let s = attn_shape(dims);
@@ -355,7 +378,7 @@ fn attention_agrees_with_f64(be: &CpuBackend, seed: u64, shapes: &[Dims], bound:
         let narrow = |x: &[f64]| -> Vec<f32> { x.iter().map(|&e| e as f32).collect() };
         let want = attention_run(s, &q, &k, &v, &dout);
         let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| narrow(x));
-        let got = attention_run_on(be, s, &q, &k, &v, &dout);
+        let got = attention_run_on(be, products, s, &q, &k, &v, &dout);
         for ((name, want), got) in ["out", "probs", "dq", "dk", "dv"]
             .iter()
             .zip(&want)
@@ -374,7 +397,7 @@ fn f32_attention_agrees_with_f64_attention() {
     // 64-row blocks and the kernel's 4-row and 16-lane tails; head widths 64, 17 and 5. f32 rounding
     // of inputs and products: ~1e-7 relative (measured 0.4–2.6e-7), with margin.
     let shapes = [(2, 130, 4, 2, 64), (1, 67, 3, 1, 5), (1, 9, 2, 2, 17)];
-    attention_agrees_with_f64(&be(), 9, &shapes, 2e-6);
+    attention_agrees_with_f64(&be(), Products::F32, 9, &shapes, 2e-6);
 }
 
 #[test]
@@ -387,5 +410,5 @@ fn bf16_attention_agrees_with_f64_attention_within_the_bf16_bound() {
     // up to 3.5e-3 (dQ, dK; the probabilities 6e-4). A tile or depth skipped that was needed, or
     // an element left unwritten, is O(1).
     let shapes = [(2, 130, 4, 2, 64), (1, 67, 3, 1, 32), (1, 9, 2, 2, 16)];
-    attention_agrees_with_f64(&be().bf16(true), 10, &shapes, 3.0 * 2f64.powi(-8));
+    attention_agrees_with_f64(&be(), Products::Bf16, 10, &shapes, 3.0 * 2f64.powi(-8));
 }

@@ -1,8 +1,8 @@
 //! Softmax cross-entropy fused with its gradient, row by row.
 
-use super::float::Real;
-use super::simd::{self, simd_kernel};
-use super::CpuBackend;
+use super::threads::Threads;
+use crate::kernels::float::Real;
+use crate::kernels::simd::{self, simd_kernel};
 use rayon::prelude::*;
 
 simd_kernel! {
@@ -52,7 +52,7 @@ simd_kernel! {
 }
 
 pub(crate) fn cross_entropy<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
     logits: &mut [T],
     vocab: usize,
     targets: &[Option<u32>],
@@ -67,7 +67,7 @@ pub(crate) fn cross_entropy<T: Real>(
         targets.iter().flatten().all(|&t| (t as usize) < vocab),
         "cross_entropy: target beyond vocab"
     );
-    let losses: Vec<f64> = if be.threads > 1 {
+    let losses: Vec<f64> = if threads.count() > 1 {
         logits
             .par_chunks_mut(vocab)
             .zip(targets.par_iter())
@@ -92,12 +92,12 @@ fn local_target(target: u32, start: u32, valid: usize) -> Option<usize> {
 
 /// Runs `f(row, i)` over the rows of `buf`, in parallel when the backend may.
 fn each_row<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
     buf: &mut [T],
     width: usize,
     f: impl Fn(&mut [T], usize) + Sync + Send,
 ) {
-    if be.threads > 1 {
+    if threads.count() > 1 {
         buf.par_chunks_mut(width)
             .enumerate()
             .for_each(|(i, r)| f(r, i));
@@ -107,7 +107,7 @@ fn each_row<T: Real>(
 }
 
 pub(crate) fn shard_logit_max<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
     logits: &[T],
     vocab: usize,
     valid: usize,
@@ -118,14 +118,14 @@ pub(crate) fn shard_logit_max<T: Real>(
         vocab * max.len(),
         "shard_logit_max: logits length"
     );
-    each_row(be, max, 1, |m, i| {
+    each_row(threads, max, 1, |m, i| {
         m[0] = row_max(&logits[i * vocab..][..valid])
     });
 }
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn shard_exp_sums<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
     logits: &mut [T],
     vocab: usize,
     valid: usize,
@@ -158,7 +158,7 @@ pub(crate) fn shard_exp_sums<T: Real>(
         s[0] = sum;
         s[1] = shifted_target;
     };
-    if be.threads > 1 {
+    if threads.count() > 1 {
         rows.into_par_iter().enumerate().for_each(work);
     } else {
         rows.into_iter().enumerate().for_each(work);
@@ -167,7 +167,7 @@ pub(crate) fn shard_exp_sums<T: Real>(
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn shard_softmax_grad<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
     exp_logits: &mut [T],
     vocab: usize,
     valid: usize,
@@ -181,7 +181,7 @@ pub(crate) fn shard_softmax_grad<T: Real>(
         vocab * targets.len(),
         "shard_softmax_grad: logits length"
     );
-    each_row(be, exp_logits, vocab, |row, i| {
+    each_row(threads, exp_logits, vocab, |row, i| {
         let Some(target) = targets[i] else {
             row.fill(T::ZERO);
             return;

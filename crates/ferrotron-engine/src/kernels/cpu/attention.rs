@@ -1,11 +1,13 @@
 //! Causal softmax attention with grouped-query heads. Q, K, V are token-major (`[tokens, heads·d]`);
 //! each head is read in place through strides, so no transposes are materialised.
 
-use super::cpu::SendPtr;
-use super::float::Real;
-use super::simd::{self, simd_kernel};
 use super::small_gemm::{self, Causal};
-use super::{extent, AttnShape, CpuBackend};
+use super::threads::SendPtr;
+use super::threads::Threads;
+use crate::kernels::float::Real;
+use crate::kernels::simd::{self, simd_kernel};
+use crate::kernels::{extent, AttnShape};
+use ferrotron_core::precision::Products;
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
 /// concurrent tasks write disjoint elements. Under bf16 products (`bf16`, f32 values, `c` rows
@@ -91,8 +93,8 @@ fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usiz
 
 /// Whether attention's products run on the bf16 GEMM, which reads a head of K or V in place as
 /// the transposed right operand (its packing transposes anyway): then no transposed copy is made.
-fn bf16_reads_heads_in_place<T: Real>(be: &CpuBackend) -> bool {
-    be.bf16_products
+fn bf16_reads_heads_in_place<T: Real>(products: Products) -> bool {
+    products == Products::Bf16
         && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
         && super::bf16_gemm::best_path() != super::bf16_gemm::Path::F32Gemm
 }
@@ -115,8 +117,8 @@ fn head_transposed_view<T: Real>(
 /// Row blocks `[r0, r1)` of a `t`-row causal score matrix: blocks of 64 rows, whose products skip
 /// the blocks of keys past their last query; on the bf16 GEMM, which skips them tile by tile (and
 /// packs each operand once per product), one block of all `t`.
-fn row_blocks<T: Real>(be: &CpuBackend, t: usize) -> impl Iterator<Item = (usize, usize)> {
-    let block = if bf16_reads_heads_in_place::<T>(be) {
+fn row_blocks<T: Real>(products: Products, t: usize) -> impl Iterator<Item = (usize, usize)> {
+    let block = if bf16_reads_heads_in_place::<T>(products) {
         t.max(1)
     } else {
         64
@@ -163,8 +165,10 @@ fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, probs: 
     assert_eq!(probs, s.probs_len(), "attention: probs length");
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
+    products: Products,
     s: AttnShape,
     q: &[T],
     k: &[T],
@@ -176,18 +180,19 @@ pub(crate) fn forward<T: Real>(
     let (t, d, qw, kw) = (s.seq, s.head_dim, s.q_width(), s.kv_width());
     let scale = T::ONE / T::of(d as f64).sqrt();
     let (out_p, probs_p) = (SendPtr(out.as_mut_ptr()), SendPtr(probs.as_mut_ptr()));
-    be.for_tasks(s.batch * s.heads, |task| {
+    threads.for_tasks(s.batch * s.heads, |task| {
         let (b, h) = (task / s.heads, task % s.heads);
         let kvh = h / (s.heads / s.kv_heads);
         let (qo, ko) = (b * t * qw + h * d, b * t * kw + kvh * d);
         // SAFETY: each task owns head h of sequence b: its T×T block of `probs` and its column
         // block of `out`; lengths were checked above.
-        let kt = (!bf16_reads_heads_in_place::<T>(be)).then(|| transposed_head(k, ko, kw, t, d));
+        let kt =
+            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, t, d));
         let kt_view = head_transposed_view(&kt, k, ko, kw, t);
         unsafe {
             let p = probs_p.get().add(task * t * t);
             // Row block [r0, r1) attends to keys [0, r1): the masked upper triangle is skipped.
-            for (r0, r1) in row_blocks::<T>(be, t) {
+            for (r0, r1) in row_blocks::<T>(products, t) {
                 let (m, pb) = (r1 - r0, p.add(r0 * t));
                 // S = Q·Kᵀ, then softmax, then O = P·V
                 gemm_raw(
@@ -197,7 +202,7 @@ pub(crate) fn forward<T: Real>(
                     (pb, t, 1),
                     false,
                     Causal::Columns(r0),
-                    be.bf16_products,
+                    products == Products::Bf16,
                 );
                 for (i, row) in std::slice::from_raw_parts_mut(pb, m * t)
                     .chunks_exact_mut(t)
@@ -212,7 +217,7 @@ pub(crate) fn forward<T: Real>(
                     (out_p.get().add(qo + r0 * qw), qw, 1),
                     false,
                     Causal::DepthUpTo(r0),
-                    be.bf16_products,
+                    products == Products::Bf16,
                 );
             }
         }
@@ -221,7 +226,8 @@ pub(crate) fn forward<T: Real>(
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
+    products: Products,
     s: AttnShape,
     dout: &[T],
     q: &[T],
@@ -249,14 +255,15 @@ pub(crate) fn backward<T: Real>(
     // dK/dV one after another, so no two tasks write the same element.
     // dS, a head's T×T scratch, is written where it is read (each row up to the block's last key).
     let scratch = || vec![T::ZERO; t * t];
-    be.for_tasks_with(s.batch * s.kv_heads, scratch, |ds, task| {
+    threads.for_tasks_with(s.batch * s.kv_heads, scratch, |ds, task| {
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let ko = b * t * kw + kvh * d;
-        let vt = (!bf16_reads_heads_in_place::<T>(be)).then(|| transposed_head(v, ko, kw, t, d));
+        let vt =
+            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(v, ko, kw, t, d));
         let vt_view = head_transposed_view(&vt, v, ko, kw, t);
         // The first block writes dK and dV at its keys; with several blocks, later ones reach
         // keys it did not: those start from zero.
-        let one_block = row_blocks::<T>(be, t).nth(1).is_none();
+        let one_block = row_blocks::<T>(products, t).nth(1).is_none();
         if !one_block {
             for r in 0..t {
                 // SAFETY: row r of this task's head of dK and dV, inside them (checked above).
@@ -270,7 +277,7 @@ pub(crate) fn backward<T: Real>(
             let h = kvh * group + j;
             let qo = b * t * qw + h * d;
             let p = &probs[(b * s.heads + h) * t * t..][..t * t];
-            for (bi, (r0, r1)) in row_blocks::<T>(be, t).enumerate() {
+            for (bi, (r0, r1)) in row_blocks::<T>(products, t).enumerate() {
                 let (m, first) = (r1 - r0, j == 0 && bi == 0 && one_block);
                 let (dsb, pb) = (&mut ds[r0 * t..r1 * t], &p[r0 * t..r1 * t]);
                 let (dor, qr) = (dout[qo + r0 * qw..].as_ptr(), q[qo + r0 * qw..].as_ptr());
@@ -285,7 +292,7 @@ pub(crate) fn backward<T: Real>(
                         (dsb.as_mut_ptr(), t, 1),
                         false,
                         Causal::Columns(r0),
-                        be.bf16_products,
+                        products == Products::Bf16,
                     );
                     gemm_raw(
                         (r1, d, m),
@@ -294,7 +301,7 @@ pub(crate) fn backward<T: Real>(
                         (dv_p.get().add(ko), kw, 1),
                         !first,
                         Causal::DepthFrom(r0),
-                        be.bf16_products,
+                        products == Products::Bf16,
                     );
                 }
                 // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale; zero past the diagonal.
@@ -312,7 +319,7 @@ pub(crate) fn backward<T: Real>(
                         (dq_p.get().add(qo + r0 * qw), qw, 1),
                         false,
                         Causal::DepthUpTo(r0),
-                        be.bf16_products,
+                        products == Products::Bf16,
                     );
                     gemm_raw(
                         (r1, d, m),
@@ -321,7 +328,7 @@ pub(crate) fn backward<T: Real>(
                         (dk_p.get().add(ko), kw, 1),
                         !first,
                         Causal::DepthFrom(r0),
-                        be.bf16_products,
+                        products == Products::Bf16,
                     );
                 }
             }

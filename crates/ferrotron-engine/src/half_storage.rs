@@ -13,10 +13,10 @@
 //! - gradients (16-bit): whole under ZeRO 0–1, pieces under ZeRO 2–3;
 //! - master weights and moments (f32): whole under ZeRO-0, pieces from ZeRO-1 on.
 
-use super::data::{owned as own, piece};
 use crate::comm::{Comm, CommError, Element, Group, ReduceOp};
 use crate::kernels::bf16_convert;
 use crate::memory::{self, Term};
+use crate::pieces::{owned as own, piece};
 use crate::transformer::ParamStore;
 use std::sync::Arc;
 
@@ -434,17 +434,17 @@ impl<T: Half16> HalfParts<T> {
 /// The format f32 values travel in: themselves, or rounded to 16 bits (mixed precision: activations
 /// and their gradients between devices are 2-byte, and sums form in f32 at every ring step).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Wire(pub Option<crate::transformer::Half>);
+pub struct Wire(pub Option<ferrotron_core::precision::Half>);
 
 macro_rules! by_format {
     ($wire:expr, $f32:expr, $t:ident => $half:expr) => {
         match $wire.0 {
             None => $f32,
-            Some(crate::transformer::Half::Bf16) => {
+            Some(ferrotron_core::precision::Half::Bf16) => {
                 type $t = half::bf16;
                 $half
             }
-            Some(crate::transformer::Half::F16) => {
+            Some(ferrotron_core::precision::Half::F16) => {
                 type $t = half::f16;
                 $half
             }
@@ -453,6 +453,11 @@ macro_rules! by_format {
 }
 
 impl Wire {
+    /// The format a run's policy sends activations and gradients in.
+    pub fn of(precision: ferrotron_core::precision::MixedPrecision) -> Self {
+        Self(precision.wire())
+    }
+
     pub fn all_reduce<C: Comm>(
         &self,
         c: &mut C,

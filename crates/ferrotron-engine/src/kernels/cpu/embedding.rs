@@ -1,17 +1,18 @@
 //! Token (and learned position) embedding lookup and its scatter-add gradient.
 
-use super::float::Real;
-use super::{CpuBackend, MASKED_ID};
+use super::threads::Threads;
+use crate::kernels::float::Real;
+use crate::kernels::MASKED_ID;
 
 pub(crate) fn forward<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
     ids: &[u32],
     table: &[T],
     dim: usize,
     out: &mut [T],
     acc: bool,
 ) {
-    lookup(be, ids, table.len(), dim, out, acc, |id, o| {
+    lookup(threads, ids, table.len(), dim, out, acc, |id, o| {
         let src = &table[id * dim..][..dim];
         if acc {
             o.iter_mut().zip(src).for_each(|(o, &s)| *o += s);
@@ -23,14 +24,14 @@ pub(crate) fn forward<T: Real>(
 
 /// [`forward`] from a bf16 table (the compute copy under bf16 mixed precision), rows widened.
 pub(crate) fn forward_bf16(
-    be: &CpuBackend,
+    threads: &Threads,
     ids: &[u32],
     table: &[half::bf16],
     dim: usize,
     out: &mut [f32],
     acc: bool,
 ) {
-    lookup(be, ids, table.len(), dim, out, acc, |id, o| {
+    lookup(threads, ids, table.len(), dim, out, acc, |id, o| {
         let src = &table[id * dim..][..dim];
         if acc {
             o.iter_mut().zip(src).for_each(|(o, s)| *o += s.to_f32());
@@ -43,7 +44,7 @@ pub(crate) fn forward_bf16(
 /// Row `t` of `out` from row `ids[t]` of a table of `table_len` elements (`row`), or zero (or
 /// unchanged, accumulating) for a masked id.
 fn lookup<T: Real>(
-    be: &CpuBackend,
+    threads: &Threads,
     ids: &[u32],
     table_len: usize,
     dim: usize,
@@ -56,7 +57,7 @@ fn lookup<T: Real>(
         ids.iter().all(|&i| (i as usize) < rows || i == MASKED_ID),
         "embedding: id beyond the table"
     );
-    be.for_rows(out, dim, |t, o| {
+    threads.for_rows(out, dim, |t, o| {
         if ids[t] == MASKED_ID {
             if !acc {
                 o.fill(T::ZERO);

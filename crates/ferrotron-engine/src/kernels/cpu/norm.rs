@@ -1,13 +1,13 @@
 //! RMSNorm (Llama) and LayerNorm (GPT-2): forward, input gradient, weight gradient.
 
-use super::cpu::SendPtr;
-use super::float::Real;
-use super::simd::{self, simd_kernel};
-use super::CpuBackend;
+use super::threads::SendPtr;
+use super::threads::Threads;
+use crate::kernels::float::Real;
+use crate::kernels::simd::{self, simd_kernel};
 
 simd_kernel! {
     pub(crate) fn rms_forward<T: Real>(
-        be: &CpuBackend,
+        threads: &Threads,
         x: &[T],
         w: &[T],
         eps: T,
@@ -19,7 +19,7 @@ simd_kernel! {
         // Each row's statistic in the same task as its output (a pass on the calling thread
         // first would leave the other cores waiting).
         let rstd_p = SendPtr(rstd.as_mut_ptr());
-        be.for_rows(y, n, |i, yr| {
+        threads.for_rows(y, n, |i, yr| {
             let xr = &x[i * n..(i + 1) * n];
             let ms = simd::sum_sq_f64(xr) / n as f64;
             let r = T::of(1.0 / (ms + eps.to_f64()).sqrt());
@@ -34,7 +34,7 @@ simd_kernel! {
 
 simd_kernel! {
     pub(crate) fn rms_backward_input<T: Real>(
-        be: &CpuBackend,
+        threads: &Threads,
         dy: &[T],
         x: &[T],
         w: &[T],
@@ -43,7 +43,7 @@ simd_kernel! {
         acc: bool,
     ) {
         let n = w.len();
-        be.for_rows(dx, n, |i, dxr| {
+        threads.for_rows(dx, n, |i, dxr| {
             let (xr, dyr, r) = (&x[i * n..(i + 1) * n], &dy[i * n..(i + 1) * n], rstd[i]);
             let dot = simd::dot3_f64(dyr, w, xr);
             let c = T::of(dot / n as f64) * r * r * r;
@@ -71,7 +71,7 @@ simd_kernel! {
 simd_kernel! {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn layer_forward<T: Real>(
-        be: &CpuBackend,
+        threads: &Threads,
         x: &[T],
         w: &[T],
         b: &[T],
@@ -88,7 +88,7 @@ simd_kernel! {
             *r = T::of(1.0 / (var + eps.to_f64()).sqrt());
         }
         let (mean, rstd): (&[T], &[T]) = (mean, rstd);
-        be.for_rows(y, n, |i, yr| {
+        threads.for_rows(y, n, |i, yr| {
             let (xr, m, r) = (&x[i * n..(i + 1) * n], mean[i], rstd[i]);
             for (((y, &x), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
                 *y = (x - m) * r * w + b;
@@ -100,7 +100,7 @@ simd_kernel! {
 simd_kernel! {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn layer_backward_input<T: Real>(
-        be: &CpuBackend,
+        threads: &Threads,
         dy: &[T],
         x: &[T],
         w: &[T],
@@ -110,7 +110,7 @@ simd_kernel! {
         acc: bool,
     ) {
         let n = w.len();
-        be.for_rows(dx, n, |i, dxr| {
+        threads.for_rows(dx, n, |i, dxr| {
             let (xr, dyr, m, r) = (
                 &x[i * n..(i + 1) * n],
                 &dy[i * n..(i + 1) * n],

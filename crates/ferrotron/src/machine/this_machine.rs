@@ -2,8 +2,8 @@
 //! does on this CPU — the f32 FMA peak, GEMMs over a range of shapes, attention, the memory-bound
 //! kernels, and collectives in device time — and write the `this-machine` cluster from it.
 
-use super::bench::{fma_peak_gflops_on, time_on, Clock};
-use super::calibrate::write_cluster;
+use super::peak::{fma_peak_gflops_on, time_on, Clock};
+use super::write_cluster;
 use crate::report::Table;
 use anyhow::{bail, Result};
 use ferrotron_core::model::WeightLayout;

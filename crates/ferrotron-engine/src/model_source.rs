@@ -1,3 +1,5 @@
+//! The model a run starts from: a Hugging Face directory, or a preset drawn from a seed.
+
 use crate::error::{EngineError, Result};
 use crate::hf;
 use crate::transformer::ParamStore;
