@@ -215,6 +215,8 @@ impl Default for Layout {
 /// A parsed `--layout`: either a concrete layout (keys may still say `auto`) or "let the planner choose".
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayoutSpec {
+    /// The spec as written (trimmed): what a settings file records and `Display` prints.
+    pub text: String,
     pub layout: Layout,
     /// Keys whose value was `auto` (or the whole spec was `auto`): the planner fills them.
     pub auto_keys: Vec<String>,
@@ -238,11 +240,50 @@ pub const LAYOUT_KEYS: &[&str] = &[
     "stages",
 ];
 
+impl Default for LayoutSpec {
+    /// One device.
+    fn default() -> Self {
+        Self::parse("").expect("the empty spec parses")
+    }
+}
+
+impl fmt::Display for LayoutSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::str::FromStr for LayoutSpec {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::parse(s)
+    }
+}
+
+impl serde::Serialize for LayoutSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for LayoutSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::parse(&s).map_err(|e| serde::de::Error::custom(e.to_string()))
+    }
+}
+
 impl LayoutSpec {
+    /// Whether the planner chooses some of the layout (`auto`, or a key that says `auto`).
+    pub fn is_auto(&self) -> bool {
+        !self.auto_keys.is_empty()
+    }
+
     /// Parses `dp=2,tp=2,pp=2,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,recompute=none` (any subset),
     /// optionally `stages=5+6+…` (layers per virtual stage), or `auto`.
     pub fn parse(spec: &str) -> Result<Self> {
         let mut out = LayoutSpec {
+            text: spec.trim().to_string(),
             layout: Layout::default(),
             auto_keys: Vec::new(),
             given_keys: Vec::new(),

@@ -62,7 +62,7 @@ fn config(tag: &str, layout: &str) -> TrainConfig {
         eval_every: 0,
         eval_batches: 1,
         checkpoint_every: 3,
-        layout: layout.into(),
+        layout: layout.parse().unwrap(),
         out_dir: temp_dir(tag),
         ..TrainConfig::default()
     }

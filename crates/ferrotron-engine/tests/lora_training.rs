@@ -45,7 +45,7 @@ fn config(tag: &str, model: &str, layout: &str, steps: usize) -> TrainConfig {
         eval_every: 0,
         eval_batches: 2,
         lora_rank: Some(4),
-        layout: layout.into(),
+        layout: layout.parse().unwrap(),
         out_dir: temp_dir(tag),
         ..TrainConfig::default()
     }

@@ -198,7 +198,7 @@ fn run_config(tag: &str, layout: &str, steps: usize) -> ferrotron_engine::runtim
         adam_eps: 1e-6,
         eval_every: 0,
         eval_batches: 2,
-        layout: layout.into(),
+        layout: layout.parse().unwrap(),
         out_dir: dir.join("run"),
         ..Default::default()
     }

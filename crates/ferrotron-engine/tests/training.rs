@@ -172,7 +172,7 @@ fn bad_settings_and_data_are_refused_clearly() {
     });
     assert!(e.contains("llama-huge") && e.contains("preset"), "{e}");
     let e = err(TrainConfig {
-        layout: "dp=16".into(),
+        layout: "dp=16".parse().unwrap(),
         ..base.clone()
     });
     assert!(
@@ -181,7 +181,7 @@ fn bad_settings_and_data_are_refused_clearly() {
     );
     // A tensor-parallel group across two nodes of two devices each.
     let e = err(TrainConfig {
-        layout: "tp=4".into(),
+        layout: "tp=4".parse().unwrap(),
         cluster: "this-machine,nodes=2,devices_per_node=2".into(),
         ..base.clone()
     });
@@ -207,20 +207,23 @@ fn bad_settings_and_data_are_refused_clearly() {
     });
     assert!(e.contains("loss_scale"), "{e}");
     let e = err(TrainConfig {
-        layout: "dp=2".into(),
+        layout: "dp=2".parse().unwrap(),
         slow_device: Some(5),
         ..base.clone()
     });
     assert!(e.contains("slow_device") && e.contains("2 devices"), "{e}");
     let e = err(TrainConfig {
-        layout: "tp=3".into(),
+        layout: "tp=3".parse().unwrap(),
         ..base.clone()
     });
     assert!(e.contains("tp=3") && e.contains("heads"), "{e}");
-    let e = err(TrainConfig {
-        layout: "tp=zero".into(),
-        ..base.clone()
-    });
+    // A layout is a value from the settings boundary on: a bad one is refused there.
+    let toml = serde_json::json!({ "layout": "tp=zero" })
+        .as_object()
+        .cloned();
+    let e = TrainConfig::layered(toml, &base, &|_| false, "run.toml")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("tp"), "{e}");
     // A tokenizer with more tokens than the model's vocabulary.
     let (_, big) = data::train_or_load_tokenizer(
@@ -285,7 +288,7 @@ fn losses(layout: &str, steps: usize) -> Vec<f64> {
         .collect();
     let cfg = TrainConfig {
         steps,
-        layout: layout.into(),
+        layout: layout.parse().unwrap(),
         ..tiny_config(&format!("track-{steps}-{tag}"))
     };
     train(&cfg, &mut |_| {}).unwrap();
@@ -346,7 +349,7 @@ fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_t
     // dp=2 keeps the whole model state on each device: 4.26M parameters × 16 bytes alone are 68 MB.
     let e = train(
         &TrainConfig {
-            layout: "dp=2".into(),
+            layout: "dp=2".parse().unwrap(),
             ..base.clone()
         },
         &mut |_| {},
@@ -364,7 +367,7 @@ fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_t
     // The planner picks a layout that fits in 40 MB, and it runs within it.
     let summary = train(
         &TrainConfig {
-            layout: "auto".into(),
+            layout: "auto".parse().unwrap(),
             out_dir: temp_dir("capacity-auto"),
             ..base.clone()
         },
@@ -384,7 +387,7 @@ fn an_injected_slow_device_is_named_as_a_straggler() {
     let cfg = TrainConfig {
         steps: 5,
         batch_size: 8,
-        layout: "dp=2,pp=2".into(),
+        layout: "dp=2,pp=2".parse().unwrap(),
         eval_every: 0,
         slow_device: Some(3),
         slow_device_ms: 5.0,

@@ -235,6 +235,35 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// Whether tensor parallelism of degree `tp` can split this model — every device takes whole
+    /// query heads, whole KV heads (or whole replicas of them) and some of the MLP's columns — and
+    /// if not, why. The one statement of the rule: the planner and the engine both ask it.
+    pub fn tensor_parallel_split(&self, tp: usize) -> std::result::Result<(), String> {
+        if tp == 0 {
+            return Err("tp must be at least 1".into());
+        }
+        if !self.num_heads.is_multiple_of(tp) {
+            return Err(format!(
+                "{} attention heads do not divide over {tp} devices (tp must divide the heads)",
+                self.num_heads
+            ));
+        }
+        let kv = self.num_kv_heads;
+        if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
+            return Err(format!(
+                "{kv} key/value heads neither divide over {tp} devices nor replicate evenly onto \
+                 them (tp must divide the KV heads or be a multiple of them)"
+            ));
+        }
+        if self.intermediate_size < tp {
+            return Err(format!(
+                "the MLP's {} columns are fewer than the {tp} devices",
+                self.intermediate_size
+            ));
+        }
+        Ok(())
+    }
+
     /// Shape rules every model must satisfy; returns (field, message) on failure.
     pub fn validate(&self) -> std::result::Result<(), (String, String)> {
         let positive = [

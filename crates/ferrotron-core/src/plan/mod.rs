@@ -304,23 +304,8 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
         ));
     }
     if let PlanModel::Shape(cfg) = &input.model {
-        if !cfg.num_heads.is_multiple_of(l.tp) {
-            return Err(rule(
-                "tp",
-                format!(
-                    "{} attention heads are not divisible by tp={}",
-                    cfg.num_heads, l.tp
-                ),
-            ));
-        }
-        if !(cfg.num_kv_heads.is_multiple_of(l.tp) || l.tp.is_multiple_of(cfg.num_kv_heads)) {
-            return Err(rule(
-                "tp",
-                format!(
-                    "{} KV heads neither divide nor are divided by tp={}",
-                    cfg.num_kv_heads, l.tp
-                ),
-            ));
+        if let Err(why) = cfg.tensor_parallel_split(l.tp) {
+            return Err(rule("tp", format!("tp={}: {why}", l.tp)));
         }
         if l.pp * l.vpp > cfg.num_layers {
             return Err(rule(

@@ -464,7 +464,7 @@ fn with_no_layout_to_run_the_search_says_what_each_cut_breaks() {
         ("dp=3,tp=1,pp=1", "does not divide among dp=3 replicas"),
         (
             "dp=1,tp=3,pp=1",
-            "4 attention heads are not divisible by tp=3",
+            "4 attention heads do not divide over 3 devices",
         ),
         (
             "dp=1,tp=1,pp=3",

@@ -62,29 +62,7 @@ impl TpShard {
                 "tensor parallelism tp={size}: {what}"
             )))
         };
-        if size == 0 {
-            return bad("tp must be at least 1".into());
-        }
-        if !cfg.num_heads.is_multiple_of(size) {
-            return bad(format!(
-                "{} attention heads do not divide over {size} devices (tp must divide the heads)",
-                cfg.num_heads
-            ));
-        }
-        let kv = cfg.num_kv_heads;
-        if !kv.is_multiple_of(size) && !size.is_multiple_of(kv) {
-            return bad(format!(
-                "{kv} key/value heads neither divide over {size} devices nor replicate evenly onto them \
-                 (tp must divide the KV heads or be a multiple of them)"
-            ));
-        }
-        if cfg.intermediate_size < size {
-            return bad(format!(
-                "the MLP's {} columns are fewer than the devices",
-                cfg.intermediate_size
-            ));
-        }
-        Ok(())
+        cfg.tensor_parallel_split(size).or_else(bad)
     }
 
     pub fn new(

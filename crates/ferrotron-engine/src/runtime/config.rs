@@ -7,6 +7,7 @@ use crate::data;
 use crate::error::{EngineError, Result};
 use crate::optim::{AdamWConfig, LrScaling, LrSchedule};
 use crate::parallel::LossScaling;
+use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::precision::MixedPrecision;
 use std::path::PathBuf;
 
@@ -86,7 +87,7 @@ pub struct TrainConfig {
     pub threads: usize,
     /// The `--layout` spec, e.g. `dp=2,tp=2,pp=2,zero=1,mbs=2`, or `auto` (empty: one device).
     #[arg(long, default_value = "")]
-    pub layout: String,
+    pub layout: LayoutSpec,
     /// StateDtypes of the saved model: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub save_dtype: String,

@@ -16,7 +16,6 @@ use crate::parallel::{MeshStep, Training};
 use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::evaluate;
 use ferrotron_core::schedule::StagePartition;
 
 /// The validation loss of the whole model `params`: the host's work, not a device's, so it is kept
@@ -147,10 +146,9 @@ pub(super) fn layout_facts(
 ) -> Result<(StagePartition, Coords, Vec<MemoryTerms>)> {
     let layout = run.layout;
     let partition = StagePartition::for_layout(run.model_cfg, &layout)?;
-    let plan = evaluate(run.input, &layout)?;
     let grid = layout.rank_grid(run.input.cluster.devices_per_node);
     let coords = (0..layout.world_size()).map(|r| grid.coords(r)).collect();
-    Ok((partition, coords, plan.memory_bytes_per_stage))
+    Ok((partition, coords, run.plan.memory_bytes_per_stage.clone()))
 }
 
 fn capacity(cfg: &TrainConfig) -> Result<Option<u64>> {

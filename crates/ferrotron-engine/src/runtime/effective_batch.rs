@@ -9,6 +9,7 @@ use super::config::TrainConfig;
 use crate::checkpoint::Checkpoint;
 use crate::error::{EngineError, Result};
 use crate::model_source::ModelSource;
+use ferrotron_core::layout::{LayoutSpec, Schedule};
 use std::path::Path;
 
 /// What the run this one continues trained with.
@@ -21,17 +22,17 @@ pub struct EarlierRun {
     pub lr: f64,
     pub min_lr: f64,
     /// Its `--layout` (its schedule may update more often than once a step).
-    pub layout: String,
+    pub layout: LayoutSpec,
 }
 
 /// Sequences per optimizer update: the batch, or under `schedule=pipedream` (an update after every
 /// micro-batch) dp × mbs.
-fn sequences_per_update(batch_size: usize, layout: &str) -> usize {
-    match ferrotron_core::layout::LayoutSpec::parse(layout) {
-        Ok(l) if l.layout.schedule == ferrotron_core::layout::Schedule::PipeDream => {
-            l.layout.dp.max(1) * l.layout.micro_batch_size.max(1)
-        }
-        _ => batch_size,
+fn sequences_per_update(batch_size: usize, layout: &LayoutSpec) -> usize {
+    let l = &layout.layout;
+    if l.schedule == Schedule::PipeDream {
+        l.dp.max(1) * l.micro_batch_size.max(1)
+    } else {
+        batch_size
     }
 }
 
@@ -47,11 +48,8 @@ impl EarlierRun {
             seq_len: v.get("seq_len")?.as_u64()? as usize,
             lr: v.get("lr")?.as_f64()?,
             min_lr: v.get("min_lr")?.as_f64()?,
-            layout: v
-                .get("layout")
-                .and_then(|l| l.as_str())
-                .unwrap_or("")
-                .to_string(),
+            layout: LayoutSpec::parse(v.get("layout").and_then(|l| l.as_str()).unwrap_or(""))
+                .ok()?,
         })
     }
 
@@ -196,7 +194,7 @@ mod tests {
             seq_len,
             lr: 4e-3,
             min_lr: 4e-4,
-            layout: String::new(),
+            layout: LayoutSpec::default(),
         }
     }
 
@@ -215,7 +213,7 @@ mod tests {
     fn the_same_tokens_per_step_pass_unchanged_whatever_the_layout() {
         let mut cfg = run(16, 128, None);
         for layout in ["", "dp=2", "tp=2,pp=2", "dp=2,zero=3,mbs=4"] {
-            cfg.layout = layout.into();
+            cfg.layout = layout.parse().unwrap();
             let (out, note) = guard(&cfg, Some(&earlier(16, 128))).unwrap();
             assert_eq!((out.lr, note), (1e-3, None));
         }
@@ -250,12 +248,12 @@ mod tests {
     fn pipedream_updates_per_micro_batch_so_its_layout_is_its_batch() {
         let e = earlier(16, 128);
         let mut cfg = run(16, 128, None);
-        cfg.layout = "pp=4,mbs=2,schedule=pipedream".into();
+        cfg.layout = "pp=4,mbs=2,schedule=pipedream".parse().unwrap();
         let err = guard(&cfg, Some(&e)).unwrap_err().to_string();
         assert!(err.contains("256 in this run"), "{err}");
         assert!(describe(&cfg).contains("dp × mbs = 2 sequences"));
         // 2BW updates once per step: the batch is the step's.
-        cfg.layout = "pp=4,mbs=2,schedule=2bw".into();
+        cfg.layout = "pp=4,mbs=2,schedule=2bw".parse().unwrap();
         assert!(guard(&cfg, Some(&e)).unwrap().1.is_none());
     }
 }

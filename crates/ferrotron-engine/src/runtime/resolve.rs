@@ -3,9 +3,9 @@
 
 use super::config::{parse_bytes, TrainConfig};
 use crate::error::{EngineError, Result};
-use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::{check_layout, search, why_no_layout, PlanInput, PlanModel};
+use ferrotron_core::plan::{evaluate, search, why_no_layout, Plan, PlanInput, PlanModel};
 use ferrotron_core::topology::Cluster;
 
 /// The cluster cut to the `devices` a job has (an MPI world): whole nodes of the cluster's size, or
@@ -64,23 +64,18 @@ pub fn plan_input(
 /// The layouts to try, in order: the given one (checked against the model, batch and cluster), or
 /// under `auto` the planner's layouts that fit the job's devices, fastest first. When none does,
 /// the error says why for each way to cut the devices.
-pub fn resolve_layout(spec: &LayoutSpec, input: &PlanInput) -> Result<Vec<Layout>> {
-    if spec.auto_keys.is_empty() {
-        if !(spec.layout.is_single_device() && spec.layout.zero == 0) {
-            // The model's own divisibility first (heads, KV heads), then the cluster's rules.
-            if let PlanModel::Shape(model) = &input.model {
-                crate::parallel::TpShard::check(model, spec.layout.tp)?;
-            }
-            check_layout(input, &spec.layout)?;
+pub fn resolve_layout(spec: &LayoutSpec, input: &PlanInput) -> Result<Vec<Plan>> {
+    if !spec.is_auto() {
+        // The model's own divisibility first (heads, KV heads), then the cluster's rules in the
+        // planner's evaluation, which is the run's prediction.
+        if let PlanModel::Shape(model) = &input.model {
+            crate::parallel::TpShard::check(model, spec.layout.tp)?;
         }
-        return Ok(vec![spec.layout]);
+        return Ok(vec![evaluate(input, &spec.layout)?]);
     }
     let devices = input.cluster.world_size();
-    let candidates: Vec<Layout> = search(input)
-        .map_err(|e| EngineError::Invalid(format!("layout auto: {e}")))?
-        .into_iter()
-        .map(|p| p.layout)
-        .collect();
+    let candidates =
+        search(input).map_err(|e| EngineError::Invalid(format!("layout auto: {e}")))?;
     if candidates.is_empty() {
         let reasons = why_no_layout(input);
         return Err(EngineError::Invalid(format!(

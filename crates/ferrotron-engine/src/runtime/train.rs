@@ -19,8 +19,9 @@ use crate::hf::{self, StorageDtype};
 use crate::lora::Adapters;
 use crate::model_source::{resolve_model, ModelSource};
 use crate::transformer::{ParamStore, TokenBatch, Trained};
-use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::plan::Plan;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone)]
@@ -214,15 +215,19 @@ fn default_cache_dir() -> PathBuf {
 }
 
 /// The drill's slow device must be one of the devices of every layout that may run.
-fn check_slow_device(cfg: &TrainConfig, candidates: &[Layout]) -> Result<()> {
+fn check_slow_device(cfg: &TrainConfig, candidates: &[Plan]) -> Result<()> {
     let Some(d) = cfg.slow_device else {
         return Ok(());
     };
-    let devices = candidates.iter().map(Layout::world_size).min().unwrap_or(1);
+    let devices = candidates
+        .iter()
+        .map(|p| p.layout.world_size())
+        .min()
+        .unwrap_or(1);
     if d >= devices {
         return Err(EngineError::Invalid(format!(
             "train config `slow_device`: device {d}, but layout `{}` has {devices} devices",
-            candidates[0]
+            candidates[0].layout
         )));
     }
     Ok(())
@@ -234,7 +239,6 @@ fn check_slow_device(cfg: &TrainConfig, candidates: &[Layout]) -> Result<()> {
 pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     cfg.check()?;
     let save_dtype = StorageDtype::parse(&cfg.save_dtype)?;
-    let layout_spec = LayoutSpec::parse(&cfg.layout)?;
     let mut world = World::open(cfg)?;
     let sp = StartingPoint::resolve(cfg)?;
     // The LR follows the effective batch only as the user says (before the run directory is
@@ -261,7 +265,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             sp.params.numel()
         );
     }
-    let candidates = resolve_layout(&layout_spec, &input)?;
+    let candidates = resolve_layout(&cfg.layout, &input)?;
     check_slow_device(cfg, &candidates)?;
     let data = TrainingData::prepare(cfg, &sp, world.reporter())?;
     if world.reporter() {
@@ -280,9 +284,10 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         None
     };
     let metrics_path = cfg.out_dir.join("metrics.jsonl");
-    let auto = !layout_spec.auto_keys.is_empty();
+    let auto = cfg.layout.is_auto();
     let mut tried = Vec::new();
-    for &layout in candidates.iter().take(if auto { AUTO_ATTEMPTS } else { 1 }) {
+    for plan in candidates.iter().take(if auto { AUTO_ATTEMPTS } else { 1 }) {
+        let layout = plan.layout;
         let checkpoints = CheckpointPlan::new(
             cfg,
             &sp.model,
@@ -301,6 +306,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             trained: sp.trained(),
             layout,
             input: &input,
+            plan,
             batches: &data.batches,
             val_batches: &data.val_batches,
             adam,

@@ -10,7 +10,7 @@ use crate::parallel::{LossScaling, MeshStep, Resume};
 use crate::transformer::{TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::plan::PlanInput;
+use ferrotron_core::plan::{Plan, PlanInput};
 use ferrotron_core::schedule::StagePartition;
 
 /// Everything a run on one layout needs.
@@ -21,6 +21,9 @@ pub(super) struct TrainingRun<'a> {
     pub trained: Trained<'a>,
     pub layout: Layout,
     pub input: &'a PlanInput,
+    /// The planner's evaluation of `layout` (made once, when the layout was resolved): its
+    /// per-stage memory is what every device's measurement is put beside.
+    pub plan: &'a Plan,
     /// Every step's global batch from `start` on (the same for every device).
     pub batches: &'a [TokenBatch],
     pub val_batches: &'a [TokenBatch],

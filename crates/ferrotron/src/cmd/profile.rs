@@ -6,7 +6,7 @@ use crate::report::profile::ProfileFacts;
 use crate::report::Table;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferrotron_core::plan::{evaluate, simulated_timeline};
+use ferrotron_core::plan::simulated_timeline;
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::comm::{Comm, ThreadWorld};
 use ferrotron_engine::memory::{self, format_bytes};
@@ -24,7 +24,7 @@ pub struct ProfileArgs {
     model: String,
     /// The layout to profile (every key given, or `auto` for the planner's choice).
     #[arg(long)]
-    layout: String,
+    layout: ferrotron_core::layout::LayoutSpec,
     /// Sequences per step (the global batch).
     #[arg(long, default_value_t = 8)]
     batch: usize,
@@ -101,10 +101,8 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         );
     }
     let input = plan_input(&cfg, &model, None)?;
-    let layout = ferrotron_engine::runtime::resolve_layout(
-        &ferrotron_core::layout::LayoutSpec::parse(&a.layout)?,
-        &input,
-    )?[0];
+    let plan = ferrotron_engine::runtime::resolve_layout(&a.layout, &input)?.swap_remove(0);
+    let layout = plan.layout;
     if let Some(d) = a.slow_device {
         if d >= layout.world_size() {
             bail!(
@@ -116,7 +114,6 @@ pub fn run(a: ProfileArgs) -> Result<()> {
     if !(a.slow_device_ms.is_finite() && a.slow_device_ms >= 0.0 && a.threshold >= 0.0) {
         bail!("--slow-device-ms and --threshold must be non-negative numbers");
     }
-    let plan = evaluate(&input, &layout)?;
     let predicted_timeline = simulated_timeline(&input, &layout)?;
     // The planner's idle fraction of each stage: its simulated schedule's gaps.
     let predicted_idle: Vec<f64> = (0..layout.pp)

@@ -83,10 +83,10 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
             eprintln!(
                 "resuming from {} on layout `{}`",
                 dir.display(),
-                if cfg.layout.is_empty() {
+                if cfg.layout.text.is_empty() {
                     "dp=1,tp=1,pp=1"
                 } else {
-                    &cfg.layout
+                    &cfg.layout.text
                 }
             );
         }

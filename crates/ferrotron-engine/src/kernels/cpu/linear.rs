@@ -9,7 +9,6 @@ use crate::kernels::LinearShape;
 use ferrotron_core::model::WeightLayout;
 use ferrotron_core::precision::Products;
 
-
 /// A linear layer's product: on the bf16 GEMM when the backend says so (the operands are f32 here),
 /// else [`gemm_strided`].
 #[allow(clippy::too_many_arguments)]
