@@ -3,6 +3,7 @@
 mod cmd;
 mod machine;
 mod report;
+mod supervisor;
 
 use clap::{CommandFactory, FromArgMatches, Subcommand};
 

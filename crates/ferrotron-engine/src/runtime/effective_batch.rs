@@ -241,7 +241,9 @@ mod tests {
         assert!(note.unwrap().contains("keeps lr 1e-3"));
         // Tokens per step count, not sequences: a longer sequence is a bigger batch.
         assert!(guard(&run(16, 256, None), Some(&e)).is_err());
-        assert!(guard(&run(8, 128, Some("cubic")), Some(&e)).is_err());
+        // An unknown rule is refused where it is parsed, naming it.
+        let bad = "cubic".parse::<crate::optim::LrScaling>().unwrap_err();
+        assert!(bad.contains("cubic") && bad.contains("sqrt"), "{bad}");
     }
 
     #[test]

@@ -19,7 +19,8 @@
 //! The tile registers are not known to the compiler, so nothing but this file touches them; each
 //! call configures them and releases them before it returns.
 
-use super::{pack, Operand, Tiles};
+use super::pack::pack;
+use super::{Operand, Tiles};
 use std::arch::asm;
 
 /// Rows of a micro-tile (two accumulator tiles down).
@@ -136,7 +137,7 @@ impl Tiles for Amx {
             // not follow), 16 rows converted at a time and scattered one tile row apart.
             // SAFETY: the caller checked the view; AVX512_BF16 is present where AMX is.
             unsafe {
-                super::pack_across_k(
+                super::pack::pack_across_k(
                     a, cs, t0, tmax, k0, kmax, row_at, pair_at, TILE_PAIRS, 16, out,
                 )
             };
@@ -146,7 +147,7 @@ impl Tiles for Amx {
             }
         }
         let at = |p: usize, t: usize| row_at(t) + pair_at(p);
-        super::zero_padding(out, rows.div_ceil(MR) * MR, tmax, kp, kmax.div_ceil(2), at);
+        super::pack::zero_padding(out, rows.div_ceil(MR) * MR, tmax, kp, kmax.div_ceil(2), at);
     }
     unsafe fn begin() {
         asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
