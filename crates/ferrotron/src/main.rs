@@ -2,6 +2,7 @@
 
 mod cmd;
 mod machine;
+mod profiling;
 mod report;
 mod supervisor;
 

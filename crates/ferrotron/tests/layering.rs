@@ -44,7 +44,10 @@ const LAYERS: &[(&str, &[&str])] = &[
             "runtime",
         ],
     ),
-    ("ferrotron", &["report", "machine", "supervisor", "cmd"]),
+    (
+        "ferrotron",
+        &["report", "machine", "profiling", "supervisor", "cmd"],
+    ),
 ];
 
 type Module = Vec<String>;

@@ -1,13 +1,10 @@
-use crate::machine::peak::{
-    best_peak, best_time, bf16_peak_gflops, bf16_peak_gflops_of, fma_peak_gflops, time_beside_peak,
-    KERNEL_REPS, PEAK_REPS,
-};
+use crate::machine::peak::{KERNEL_REPS, PEAK_REPS};
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use ferrotron_core::model::preset;
 use ferrotron_core::precision::{MixedPrecision, Products};
 use ferrotron_engine::comm::ThreadWorld;
-use ferrotron_engine::kernels::{bf16_gemm, CpuBackend};
+use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::optim::{AdamW, AdamWConfig};
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use rand::{Rng, SeedableRng};
@@ -397,10 +394,8 @@ fn engine_step_times(
 /// What a measurement is timed by: elapsed time, or the calling thread's CPU time (the clock device
 /// time runs on, which a virtual machine's stolen time does not move).
 fn kernels(b: KernelBench) -> Result<()> {
-    use ferrotron_core::model::WeightLayout;
-    use ferrotron_engine::kernels::{AttnShape, Backend, LinearShape, Matrix};
+    use crate::machine::kernel_bench::{self, Peaks};
     let cfg = preset(&b.model)?;
-    let bf16 = b.precision.products() == Products::Bf16;
     let be = if b.threads == 0 {
         CpuBackend::default()
     } else {
@@ -408,67 +403,15 @@ fn kernels(b: KernelBench) -> Result<()> {
     }
     .computing(b.precision.products());
     let rows = b.batch * b.seq;
-    let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-    let mut rand_vec =
-        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
     println!(
         "ferrotron bench kernels: {} shapes, {rows} rows, threads {}; each kernel the best of {KERNEL_REPS} timings, each peak the best of {PEAK_REPS}",
         b.model, be.threads
     );
-    let f32_peak = match best_peak(|| fma_peak_gflops(be.threads)) {
-        Some((gflops, isa)) => {
-            println!(
-                "f32 FMA peak of {} threads: {gflops:.1} GFLOP/s ({isa}, independent FMA chains)",
-                be.threads
-            );
-            Some(gflops)
-        }
-        None => {
-            println!("f32 FMA peak: not measured on this CPU");
-            None
-        }
-    };
-    let peak = if bf16 {
-        use bf16_gemm::Path;
-        let best = bf16_gemm::best_path();
-        let mut best_peak_gflops = None;
-        for path in [Path::Amx, Path::Avx512Bf16] {
-            let measured = best_peak(|| bf16_peak_gflops(path, be.threads).map(|g| (g, ())));
-            if let Some((gf, ())) = measured {
-                println!(
-                    "bf16 peak of {} threads on {}: {gf:.1} GFLOP/s (chains of the instruction, no loads)",
-                    be.threads,
-                    path.name()
-                );
-                if path == best {
-                    best_peak_gflops = Some(gf);
-                }
-            }
-        }
-        println!("bf16 products run on: {}", best.name());
-        best_peak_gflops.or(f32_peak)
-    } else {
-        f32_peak
-    };
-    let of_peak =
-        |gflops: f64| peak.map_or(String::new(), |p| format!("{:.0}%", 100.0 * gflops / p));
-    // Under bf16, a short peak measurement (about 10 ms) before each timing of a product: an AMX
-    // iteration is 4,096 FLOP a thread, an AVX512_BF16 one 768.
-    let path = bf16_gemm::best_path();
-    let short = match path {
-        bf16_gemm::Path::Amx => 4_000_000,
-        _ => 1_000_000,
-    };
-    let peak_now = || bf16_peak_gflops_of(path, be.threads, short);
-    let no_peak = || None;
-    let peak_now: &dyn Fn() -> Option<f64> = if bf16 { &peak_now } else { &no_peak };
-    // The paired column, under bf16 only (empty where this CPU has no bf16 peak to pair with).
-    let beside = |fraction: Option<f64>| match (bf16, fraction) {
-        (false, _) => String::new(),
-        (true, Some(f)) => format!(" {:.0}% |", 100.0 * f),
-        (true, None) => " |".to_string(),
-    };
+    let peaks = Peaks::measure(&be);
+    for line in &peaks.lines {
+        println!("{line}");
+    }
+    let bf16 = be.products == Products::Bf16;
     let (head, rule) = if bf16 {
         (" of the peak just before (median of pairs) |", "---|")
     } else {
@@ -478,147 +421,14 @@ fn kernels(b: KernelBench) -> Result<()> {
         "| kernel | shape | ms | GFLOP/s | of {} peak |{head}\n|---|---|---|---|---|{rule}",
         b.precision
     );
-    for (name, i, o) in [
-        ("linear q/o", h, h),
-        ("linear gate/up", h, f),
-        ("linear down", f, h),
-        ("linear lm_head", h, v),
-        // Not a layer of the preset: the large square product the bf16 peak target is stated for.
-        ("large gemm", 2048, 2048),
-    ] {
-        let s = LinearShape {
-            rows,
-            in_dim: i,
-            out_dim: o,
-            layout: WeightLayout::OutIn,
-        };
-        let (x, w, dy) = (rand_vec(rows * i), rand_vec(o * i), rand_vec(rows * o));
-        let (mut y, mut dx, mut dw) = (
-            vec![0f32; rows * o],
-            vec![0f32; rows * i],
-            vec![0f32; o * i],
-        );
-        let gf = 2.0 * (rows * i * o) as f64 / 1e9;
-        // Under bf16 the weights are the bf16 compute copy, as in training.
-        let wb: Vec<ferrotron_engine::half::bf16> = w
-            .iter()
-            .map(|&v| ferrotron_engine::half::bf16::from_f32(v))
-            .collect();
-        let wm = if bf16 {
-            Matrix::Bf16(&wb)
-        } else {
-            Matrix::F32(&w)
-        };
-        let (t, fr) = time_beside_peak(gf, peak_now, || be.linear_forward(s, &x, wm, None, &mut y));
-        println!(
-            "| {name} fwd | {rows}x{i} -> {o} | {:.2} | {:.1} | {} |{}",
-            t * 1e3,
-            gf / t,
-            of_peak(gf / t),
-            beside(fr)
-        );
-        let (t, fr) = time_beside_peak(gf, peak_now, || {
-            be.linear_backward_input(s, &dy, wm, &mut dx, false)
-        });
-        println!(
-            "| {name} bwd input | | {:.2} | {:.1} | {} |{}",
-            t * 1e3,
-            gf / t,
-            of_peak(gf / t),
-            beside(fr)
-        );
-        let (t, fr) = time_beside_peak(gf, peak_now, || {
-            be.linear_backward_weight(s, &dy, &x, &mut dw, None)
-        });
-        println!(
-            "| {name} bwd weight | | {:.2} | {:.1} | {} |{}",
-            t * 1e3,
-            gf / t,
-            of_peak(gf / t),
-            beside(fr)
-        );
+    let rows_printed = [
+        kernel_bench::linear_rows(&be, &cfg, rows, &peaks),
+        kernel_bench::attention_rows(&be, &cfg, b.batch, b.seq),
+        kernel_bench::elementwise_rows(&be, &cfg, rows),
+    ];
+    for line in rows_printed.iter().flatten() {
+        println!("{line}");
     }
-    let a = AttnShape {
-        batch: b.batch,
-        seq: b.seq,
-        heads: cfg.num_heads,
-        kv_heads: cfg.num_kv_heads,
-        head_dim: cfg.head_dim,
-        window: None,
-    };
-    let (q, k, vv, dout) = (
-        rand_vec(rows * a.q_width()),
-        rand_vec(rows * a.kv_width()),
-        rand_vec(rows * a.kv_width()),
-        rand_vec(rows * a.q_width()),
-    );
-    let (mut out, mut probs) = (vec![0f32; rows * a.q_width()], vec![0f32; a.probs_len()]);
-    let (mut dq, mut dk, mut dv) = (
-        vec![0f32; q.len()],
-        vec![0f32; k.len()],
-        vec![0f32; vv.len()],
-    );
-    // Causal: half of the full QK^T and PV work.
-    let gf = 2.0 * 2.0 * (b.batch * a.heads * b.seq * b.seq * a.head_dim) as f64 / 2.0 / 1e9;
-    let t = best_time(KERNEL_REPS, || {
-        be.attention_forward(a, &q, &k, &vv, &mut out, &mut probs)
-    });
-    println!(
-        "| attention fwd | {}x{}h x{} | {:.2} | {:.1} | |",
-        b.batch,
-        a.heads,
-        b.seq,
-        t * 1e3,
-        gf / t
-    );
-    let t = best_time(KERNEL_REPS, || {
-        be.attention_backward(a, &dout, &q, &k, &vv, &probs, &mut dq, &mut dk, &mut dv)
-    });
-    println!(
-        "| attention bwd | | {:.2} | {:.1} | |",
-        t * 1e3,
-        2.0 * gf / t
-    );
-    let (x, w) = (rand_vec(rows * h), rand_vec(h));
-    let (mut y, mut rstd, mut dx, mut dw) = (
-        vec![0f32; rows * h],
-        vec![0f32; rows],
-        vec![0f32; rows * h],
-        vec![0f32; h],
-    );
-    let t = best_time(KERNEL_REPS, || {
-        be.rmsnorm_forward(&x, &w, 1e-5, &mut y, &mut rstd)
-    });
-    println!("| rmsnorm fwd | {rows}x{h} | {:.2} | | |", t * 1e3);
-    let t = best_time(KERNEL_REPS, || {
-        be.rmsnorm_backward_input(&y, &x, &w, &rstd, &mut dx, false);
-        be.rmsnorm_backward_weight(&y, &x, &rstd, &mut dw)
-    });
-    println!("| rmsnorm bwd | {rows}x{h} | {:.2} | | |", t * 1e3);
-    let (g, u) = (rand_vec(rows * f), rand_vec(rows * f));
-    let (mut o, mut dg, mut du) = (
-        vec![0f32; rows * f],
-        vec![0f32; rows * f],
-        vec![0f32; rows * f],
-    );
-    let t = best_time(KERNEL_REPS, || be.swiglu_forward(&g, &u, &mut o));
-    println!("| swiglu fwd | {rows}x{f} | {:.2} | | |", t * 1e3);
-    let t = best_time(KERNEL_REPS, || {
-        be.swiglu_backward(&o, &g, &u, &mut dg, &mut du)
-    });
-    println!("| swiglu bwd | {rows}x{f} | {:.2} | | |", t * 1e3);
-    let logits = rand_vec(rows * v);
-    let targets: Vec<Option<u32>> = (0..rows).map(|r| Some((r % v) as u32)).collect();
-    let mut l = logits.clone();
-    let copy = best_time(KERNEL_REPS, || l.copy_from_slice(&logits));
-    let t = best_time(KERNEL_REPS, || {
-        l.copy_from_slice(&logits);
-        be.cross_entropy(&mut l, v, &targets, 1.0);
-    });
-    println!(
-        "| cross-entropy | {rows}x{v} | {:.2} | | |",
-        (t - copy) * 1e3
-    );
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! Measuring this machine: the peaks of its cores (`peak`), and what one device of the threads
 //! backend does on it, fitted into the `this-machine` cluster file (`this_machine`).
 
+pub mod kernel_bench;
 pub mod peak;
 pub mod this_machine;
 
