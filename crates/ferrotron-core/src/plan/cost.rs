@@ -312,34 +312,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         0.0
     };
     let head_fwd = head_time(input, cfg, l);
-    // Beyond the layers' (the collectives `tp_bytes_per_device` counts): the embedding's reduction on
-    // the first virtual stage (an all-reduce forward; under sequence parallelism a reduce-scatter
-    // forward and an all-gather backward), and on the last the output layer's (an all-reduce of its
-    // input gradient; or a gather forward, another and a reduce-scatter backward) and the loss's
-    // (row maxima gathered in f32, two f64 sums per row all-reduced). Each half of an all-reduce
-    // moves half its bytes in t − 1 ring steps.
-    let (embed_comm, head_comm) = if l.tp > 1 {
-        let eff = cal.link_efficiency;
-        let half = ring_time(ar_bytes / 2.0, l.tp - 1, &links.tp, eff);
-        let rows = (l.micro_batch_size * input.seq) as f64;
-        let loss = ring_time((t - 1.0) * rows * 4.0, l.tp - 1, &links.tp, eff)
-            + 2.0
-                * ring_time(
-                    2.0 * (t - 1.0) / t * rows * 8.0,
-                    2 * (l.tp - 1),
-                    &links.tp,
-                    eff,
-                );
-        if l.sequence_parallel {
-            ((half, half), (half + loss, 2.0 * half))
-        } else {
-            ((2.0 * half, 0.0), (loss, 2.0 * half))
-        }
-    } else {
-        ((0.0, 0.0), (0.0, 0.0))
-    };
+    let (embed_comm, head_comm) = edge_comm(input, l, ar_bytes, &links.tp, cal.link_efficiency);
     let nv = l.pp * l.vpp;
-    let d = l.dp as f64;
     // What the optimizer updates, and so what data parallelism reduces and gathers: every
     // parameter, or with LoRA the adapters (the frozen base never moves).
     let trainable = match &input.lora {
@@ -350,26 +324,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         input.precision.grads.bytes(),
         input.precision.weights.bytes(),
     );
-    // ZeRO-3 gathers a unit's parameters for every micro-batch's forward and again for its
-    // backward, and reduce-scatters the unit's gradients as the backward finishes them. The next
-    // unit is prefetched, so the transfer hides behind compute as far as `dp_overlap` says;
-    // assembling the whole unit in memory (and summing the gradients) is work on the device.
     let stage_layers = super::stage_layers(cfg, l, 0).max(1) as f64;
-    // Per virtual stage and micro-batch: (forward, backward) as (exposed transfer, memory work).
-    let zero3 = |layers: f64| -> [(f64, f64); 2] {
-        if l.zero < 3 || l.dp <= 1 {
-            return [(0.0, 0.0); 2];
-        }
-        // The first stage's parameters shared out by layers: its embedding rides along with them.
-        let p = trainable * layers / stage_layers;
-        let ring = (d - 1.0) / d;
-        let hidden = 1.0 - cal.dp_overlap;
-        let link = |bytes: f64| ring_time(ring * bytes, l.dp - 1, &links.dp, cal.link_efficiency);
-        let bw = c.memory_bandwidth_bytes_per_s;
-        let gather = (link(p * w_b) * hidden, 2.0 * p * w_b / bw);
-        let scatter = (link(p * grad_b) * hidden, 3.0 * p * grad_b / bw);
-        [gather, (gather.0 + scatter.0, gather.1 + scatter.1)]
-    };
+    let zero3 = |layers: f64| zero3_costs(input, l, trainable * layers / stage_layers);
     let action_comm: Vec<(f64, f64)> = (0..nv)
         .map(|vs| {
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
@@ -418,74 +374,15 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let tp_bytes = (0..l.pp)
         .map(|stage| tp_bytes_per_device(input, cfg, l, stage))
         .fold(0.0, f64::max);
-    // Each device sends its boundary activation forward and its gradient backward, per micro-batch,
-    // for every chunk that has a neighbour in that direction (the first virtual stage has none
-    // behind it, the last none ahead; under sequence parallelism the boundary is this device's rows);
-    // the busiest device's figure. A tied embedding's gradient is summed between the end stages.
-    let pp_bytes = if l.pp > 1 {
-        let nv = l.pp * l.vpp;
-        let rows_here = if l.sequence_parallel && l.tp > 1 {
-            t
-        } else {
-            1.0
-        };
-        let tied = if cfg.tie_word_embeddings && input.lora.is_none() {
-            2.0 * 0.5 * super::memory::padded_vocab(cfg, l.tp) as f64 * cfg.hidden_size as f64 / t
-                * input.precision.grads.bytes()
-        } else {
-            0.0
-        };
-        (0..l.pp)
-            .map(|s| {
-                let chunks = (0..l.vpp).map(|k| k * l.pp + s);
-                let sends: usize = chunks
-                    .map(|vs| usize::from(vs + 1 < nv) + usize::from(vs > 0))
-                    .sum();
-                let ends = if s == 0 || s == l.pp - 1 { tied } else { 0.0 };
-                sends as f64 * m as f64 * boundary / rows_here + ends
-            })
-            .fold(0.0, f64::max)
-    } else {
-        0.0
-    };
-
-    let dp_bytes = if l.dp > 1 {
-        let ring = (d - 1.0) / d;
-        let m = m as f64;
-        match l.zero {
-            // All-reduce of the gradients.
-            0 => 2.0 * ring * trainable * grad_b,
-            // Reduce-scatter the gradients, all-gather the updated parameters.
-            1 => ring * trainable * grad_b + ring * trainable * w_b,
-            // Gradients are not kept whole, so each micro-batch's are reduce-scattered as its
-            // backward finishes them (accumulation happens in the shards).
-            2 => m * ring * trainable * grad_b + ring * trainable * w_b,
-            // ...and every unit's parameters are gathered for each micro-batch's forward and again
-            // for its backward.
-            _ => m * ring * trainable * grad_b + 2.0 * m * ring * trainable * w_b,
-        }
-    } else {
-        0.0
-    };
+    let pp_bytes = pp_bytes(input, cfg, l, m, boundary);
+    let dp_bytes = dp_bytes(l, m, trainable, grad_b, w_b);
     // ZeRO-3's collectives are priced inside the actions above.
     let dp_time = if l.dp > 1 && l.zero < 3 {
         ring_time(dp_bytes, 2 * (l.dp - 1), &links.dp, cal.link_efficiency) * (1.0 - cal.dp_overlap)
     } else {
         0.0
     };
-    // AdamW reads each trainable parameter's gradient, master copy and two moments and writes all but
-    // the gradient back, plus the compute-precision copy: memory-bound, on this device's shard.
-    let pr = &input.precision;
-    let optimizer_bytes = pr.grads.bytes()
-        + 2.0 * pr.master_bytes()
-        + 2.0 * input.optimizer.state_bytes(pr)
-        + if pr.master_bytes() > 0.0 {
-            pr.weights.bytes()
-        } else {
-            0.0
-        };
-    let shard = if l.zero >= 1 { d } else { 1.0 };
-    let optimizer_time = trainable / shard * optimizer_bytes / c.memory_bandwidth_bytes_per_s;
+    let optimizer_time = optimizer_time(input, l, trainable);
     Costs {
         optimizer_time,
         traffic: Traffic {
@@ -497,4 +394,133 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         action_comm,
         dp_time,
     }
+}
+
+/// ZeRO-3 per virtual stage and micro-batch, for `p` parameters (the first stage's shared out by
+/// layers: its embedding rides along with them): (forward, backward), each as (exposed transfer,
+/// memory work). A unit's parameters are gathered for every micro-batch's forward and again for its
+/// backward, and its gradients reduce-scattered as the backward finishes them; the next unit is
+/// prefetched, so the transfer hides behind compute as far as `dp_overlap` says; assembling the
+/// whole unit in memory (and summing the gradients) is work on the device.
+fn zero3_costs(input: &PlanInput, l: &Layout, p: f64) -> [(f64, f64); 2] {
+    if l.zero < 3 || l.dp <= 1 {
+        return [(0.0, 0.0); 2];
+    }
+    let c = &input.cluster;
+    let cal = &c.calibration;
+    let dp_link = links(c, l).dp;
+    let (grad_b, w_b) = (
+        input.precision.grads.bytes(),
+        input.precision.weights.bytes(),
+    );
+    let d = l.dp as f64;
+    let ring = (d - 1.0) / d;
+    let hidden = 1.0 - cal.dp_overlap;
+    let link = |bytes: f64| ring_time(ring * bytes, l.dp - 1, &dp_link, cal.link_efficiency);
+    let bw = c.memory_bandwidth_bytes_per_s;
+    let gather = (link(p * w_b) * hidden, 2.0 * p * w_b / bw);
+    let scatter = (link(p * grad_b) * hidden, 3.0 * p * grad_b / bw);
+    [gather, (gather.0 + scatter.0, gather.1 + scatter.1)]
+}
+
+/// The tensor-parallel collectives beyond the layers' (those `tp_bytes_per_device` counts), as
+/// (forward, backward) of the first virtual stage and of the last: the embedding's reduction on the
+/// first (an all-reduce forward; under sequence parallelism a reduce-scatter forward and an
+/// all-gather backward), and on the last the output layer's (an all-reduce of its input gradient;
+/// or a gather forward, another and a reduce-scatter backward) and the loss's (row maxima gathered
+/// in f32, two f64 sums per row all-reduced). Each half of an all-reduce moves half its bytes in
+/// t − 1 ring steps.
+fn edge_comm(
+    input: &PlanInput,
+    l: &Layout,
+    ar_bytes: f64,
+    link: &Link,
+    eff: f64,
+) -> ((f64, f64), (f64, f64)) {
+    if l.tp <= 1 {
+        return ((0.0, 0.0), (0.0, 0.0));
+    }
+    let t = l.tp as f64;
+    let half = ring_time(ar_bytes / 2.0, l.tp - 1, link, eff);
+    let rows = (l.micro_batch_size * input.seq) as f64;
+    let loss = ring_time((t - 1.0) * rows * 4.0, l.tp - 1, link, eff)
+        + 2.0 * ring_time(2.0 * (t - 1.0) / t * rows * 8.0, 2 * (l.tp - 1), link, eff);
+    if l.sequence_parallel {
+        ((half, half), (half + loss, 2.0 * half))
+    } else {
+        ((2.0 * half, 0.0), (loss, 2.0 * half))
+    }
+}
+
+/// Pipeline bytes of the busiest device per step: each device sends its boundary activation forward
+/// and its gradient backward, per micro-batch, for every chunk that has a neighbour in that
+/// direction (the first virtual stage has none behind it, the last none ahead; under sequence
+/// parallelism the boundary is this device's rows). A tied embedding's gradient is summed between
+/// the end stages.
+fn pp_bytes(input: &PlanInput, cfg: &ModelConfig, l: &Layout, m: usize, boundary: f64) -> f64 {
+    if l.pp <= 1 {
+        return 0.0;
+    }
+    let t = l.tp as f64;
+    let nv = l.pp * l.vpp;
+    let rows_here = if l.sequence_parallel && l.tp > 1 {
+        t
+    } else {
+        1.0
+    };
+    let tied = if cfg.tie_word_embeddings && input.lora.is_none() {
+        2.0 * 0.5 * super::memory::padded_vocab(cfg, l.tp) as f64 * cfg.hidden_size as f64 / t
+            * input.precision.grads.bytes()
+    } else {
+        0.0
+    };
+    (0..l.pp)
+        .map(|s| {
+            let chunks = (0..l.vpp).map(|k| k * l.pp + s);
+            let sends: usize = chunks
+                .map(|vs| usize::from(vs + 1 < nv) + usize::from(vs > 0))
+                .sum();
+            let ends = if s == 0 || s == l.pp - 1 { tied } else { 0.0 };
+            sends as f64 * m as f64 * boundary / rows_here + ends
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Data-parallel bytes per device per step for the ZeRO stage: `trainable` parameters, gradients of
+/// `grad_b` bytes and weights of `w_b`, over `m` micro-batches.
+fn dp_bytes(l: &Layout, m: usize, trainable: f64, grad_b: f64, w_b: f64) -> f64 {
+    if l.dp <= 1 {
+        return 0.0;
+    }
+    let d = l.dp as f64;
+    let ring = (d - 1.0) / d;
+    let m = m as f64;
+    match l.zero {
+        // All-reduce of the gradients.
+        0 => 2.0 * ring * trainable * grad_b,
+        // Reduce-scatter the gradients, all-gather the updated parameters.
+        1 => ring * trainable * grad_b + ring * trainable * w_b,
+        // Gradients are not kept whole, so each micro-batch's are reduce-scattered as its
+        // backward finishes them (accumulation happens in the shards).
+        2 => m * ring * trainable * grad_b + ring * trainable * w_b,
+        // ...and every unit's parameters are gathered for each micro-batch's forward and again
+        // for its backward.
+        _ => m * ring * trainable * grad_b + 2.0 * m * ring * trainable * w_b,
+    }
+}
+
+/// AdamW reads each trainable parameter's gradient, master copy and two moments and writes all but
+/// the gradient back, plus the compute-precision copy: memory-bound, on this device's shard.
+fn optimizer_time(input: &PlanInput, l: &Layout, trainable: f64) -> f64 {
+    let pr = &input.precision;
+    let optimizer_bytes = pr.grads.bytes()
+        + 2.0 * pr.master_bytes()
+        + 2.0 * input.optimizer.state_bytes(pr)
+        + if pr.master_bytes() > 0.0 {
+            pr.weights.bytes()
+        } else {
+            0.0
+        };
+    let shard = if l.zero >= 1 { l.dp as f64 } else { 1.0 };
+    trainable / shard * optimizer_bytes / input.cluster.memory_bandwidth_bytes_per_s
 }

@@ -129,9 +129,6 @@ fn run(
 ) -> Result<Timeline> {
     let (p, m, v) = (s.stages, s.micro_batches, s.chunks);
     let nv = p * v;
-    let bad = |stage: usize, a: &Action, why: &str| {
-        ConfigError::Invalid(format!("schedule: stage {stage}, action {a}: {why}"))
-    };
     if s.actions.len() != p {
         return Err(ConfigError::Invalid(format!(
             "schedule: {} action lists for {p} stages",
@@ -146,49 +143,7 @@ fn run(
     if s.is_async() {
         check_versions(s, updates)?;
     }
-    // Completeness: each stage runs every (micro-batch, chunk) forward once and its backward once
-    // (and, asynchronous, every update once).
-    for (stage, list) in s.actions.iter().enumerate() {
-        let mut seen = vec![[false; 4]; m * v];
-        let mut updated = vec![false; updates];
-        for a in list {
-            if let Action::Update { step } = *a {
-                if step >= updates {
-                    return Err(bad(stage, a, "an update this schedule does not have"));
-                }
-                if std::mem::replace(&mut updated[step], true) {
-                    return Err(bad(stage, a, "appears twice"));
-                }
-                continue;
-            }
-            if a.mb() >= m || a.chunk() >= v {
-                return Err(bad(stage, a, "micro-batch or chunk out of range"));
-            }
-            let slot = &mut seen[a.mb() * v + a.chunk()][kind_index(a)];
-            if *slot {
-                return Err(bad(stage, a, "appears twice"));
-            }
-            *slot = true;
-        }
-        if let Some(u) = updated.iter().position(|&d| !d) {
-            return Err(bad(stage, &Action::Update { step: u }, "missing"));
-        }
-        for (i, k) in seen.iter().enumerate() {
-            let full = k[1];
-            let split = k[2] && k[3];
-            if !k[0] || full == split || (full && (k[2] || k[3])) {
-                let f = Action::Forward {
-                    mb: i / v,
-                    chunk: i % v,
-                };
-                return Err(bad(
-                    stage,
-                    &f,
-                    "missing its forward or its (single) backward",
-                ));
-            }
-        }
-    }
+    check_complete(s, updates)?;
 
     const NOT_YET: f64 = f64::INFINITY;
     // Completion times by (micro-batch, virtual stage): forward done, input gradient available.
@@ -289,6 +244,57 @@ fn run(
         busy,
         peak_in_flight: peak,
     })
+}
+
+/// Completeness: each stage runs every (micro-batch, chunk) forward once and its backward once
+/// (and, asynchronous, every update once).
+fn check_complete(s: &PipelineSchedule, updates: usize) -> Result<()> {
+    let (m, v) = (s.micro_batches, s.chunks);
+    let bad = |stage: usize, a: &Action, why: &str| {
+        ConfigError::Invalid(format!("schedule: stage {stage}, action {a}: {why}"))
+    };
+    for (stage, list) in s.actions.iter().enumerate() {
+        let mut seen = vec![[false; 4]; m * v];
+        let mut updated = vec![false; updates];
+        for a in list {
+            if let Action::Update { step } = *a {
+                if step >= updates {
+                    return Err(bad(stage, a, "an update this schedule does not have"));
+                }
+                if std::mem::replace(&mut updated[step], true) {
+                    return Err(bad(stage, a, "appears twice"));
+                }
+                continue;
+            }
+            if a.mb() >= m || a.chunk() >= v {
+                return Err(bad(stage, a, "micro-batch or chunk out of range"));
+            }
+            let slot = &mut seen[a.mb() * v + a.chunk()][kind_index(a)];
+            if *slot {
+                return Err(bad(stage, a, "appears twice"));
+            }
+            *slot = true;
+        }
+        if let Some(u) = updated.iter().position(|&d| !d) {
+            return Err(bad(stage, &Action::Update { step: u }, "missing"));
+        }
+        for (i, k) in seen.iter().enumerate() {
+            let full = k[1];
+            let split = k[2] && k[3];
+            if !k[0] || full == split || (full && (k[2] || k[3])) {
+                let f = Action::Forward {
+                    mb: i / v,
+                    chunk: i % v,
+                };
+                return Err(bad(
+                    stage,
+                    &f,
+                    "missing its forward or its (single) backward",
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn kind_index(a: &Action) -> usize {

@@ -331,60 +331,73 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             }
             other => other?,
         };
-        let summary = |out: Option<RunOutcome>| -> Result<TrainSummary> {
-            let reporter = out.is_some();
-            let out = out.unwrap_or(RunOutcome {
-                params: ParamStore::zeros(Vec::new()),
-                last_loss: f64::NAN,
-                last_val: None,
-                tokens_per_s: 0.0,
-                devices: Vec::new(),
-            });
-            if reporter {
-                let dir = cfg.out_dir.join("model");
-                match &sp.adapters {
-                    // LoRA: the adapters as PEFT writes them, and the model with them merged.
-                    Some(a) => {
-                        let trained = Adapters {
-                            config: a.config.clone(),
-                            params: out.params.clone(),
-                        };
-                        let adapter_dir = cfg.out_dir.join("adapter");
-                        trained.save_peft(
-                            &adapter_dir,
-                            &sp.model,
-                            Some(&base_model_name(&cfg.model)),
-                        )?;
-                        let merged = trained.merge(&sp.model, &sp.params)?;
-                        hf::save_model(&dir, &sp.model, &merged, save_dtype)?;
-                    }
-                    None => hf::save_model(&dir, &sp.model, &out.params, save_dtype)?,
-                }
-                copy_file(&data.tokenizer_path, &dir.join("tokenizer.json"))?;
-            }
-            Ok(TrainSummary {
-                initial_val_loss,
-                final_val_loss: out.last_val,
-                final_train_loss: out.last_loss,
-                tokens_per_s: out.tokens_per_s,
-                num_params: sp.params.numel(),
-                trained_params: sp.trained().params.numel(),
-                model_dir: cfg.out_dir.join("model"),
-                train_tokens: data.train_tokens,
-                val_tokens: data.val_tokens,
-                tokenizer: data.tokenizer_path.clone(),
-                layout,
-                devices: out.devices,
-                reporter,
-            })
-        };
-        return summary(outcome);
+        return finish(
+            cfg,
+            &sp,
+            &data,
+            (layout, initial_val_loss),
+            save_dtype,
+            outcome,
+        );
     }
     Err(EngineError::RunOutOfMemory(format!(
         "layout auto: the planner's {} best layouts went out of memory when run:\n{}",
         tried.len(),
         tried.join("\n")
     )))
+}
+
+/// What a finished run leaves — on the reporting process the model (with LoRA, the adapters as
+/// PEFT writes them and the model with them merged) and its tokenizer — and its summary.
+fn finish(
+    cfg: &TrainConfig,
+    sp: &StartingPoint,
+    data: &TrainingData,
+    (layout, initial_val_loss): (Layout, Option<f64>),
+    save_dtype: StorageDtype,
+    out: Option<RunOutcome>,
+) -> Result<TrainSummary> {
+    let reporter = out.is_some();
+    let out = out.unwrap_or(RunOutcome {
+        params: ParamStore::zeros(Vec::new()),
+        last_loss: f64::NAN,
+        last_val: None,
+        tokens_per_s: 0.0,
+        devices: Vec::new(),
+    });
+    if reporter {
+        let dir = cfg.out_dir.join("model");
+        match &sp.adapters {
+            // LoRA: the adapters as PEFT writes them, and the model with them merged.
+            Some(a) => {
+                let trained = Adapters {
+                    config: a.config.clone(),
+                    params: out.params.clone(),
+                };
+                let adapter_dir = cfg.out_dir.join("adapter");
+                trained.save_peft(&adapter_dir, &sp.model, Some(&base_model_name(&cfg.model)))?;
+                let merged = trained.merge(&sp.model, &sp.params)?;
+                hf::save_model(&dir, &sp.model, &merged, save_dtype)?;
+            }
+            None => hf::save_model(&dir, &sp.model, &out.params, save_dtype)?,
+        }
+        copy_file(&data.tokenizer_path, &dir.join("tokenizer.json"))?;
+    }
+    Ok(TrainSummary {
+        initial_val_loss,
+        final_val_loss: out.last_val,
+        final_train_loss: out.last_loss,
+        tokens_per_s: out.tokens_per_s,
+        num_params: sp.params.numel(),
+        trained_params: sp.trained().params.numel(),
+        model_dir: cfg.out_dir.join("model"),
+        train_tokens: data.train_tokens,
+        val_tokens: data.val_tokens,
+        tokenizer: data.tokenizer_path.clone(),
+        layout,
+        devices: out.devices,
+        reporter,
+    })
 }
 
 /// `metrics.jsonl`: a resumed run continues the metrics of the run it resumes.

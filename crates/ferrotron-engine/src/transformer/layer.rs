@@ -299,31 +299,28 @@ pub(crate) fn forward(
     (out, acts)
 }
 
-/// Turns `dx` (the gradient at the block's output, on this device's rows) into the gradient at its
-/// input, in place.
+/// The MLP branch's backward: `out = x_mid + down(act(in(norm2(x_mid))))`, its input gradient added
+/// into `dx`. The split region sees every row: the gradient at its output is gathered, its input
+/// gradient (a partial sum) reduced back.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(
-    m: &Transformer,
+fn mlp_backward(
+    cfg: &ModelConfig,
     be: &dyn Backend,
     tp: &dyn ShardCollectives,
     p: Weights,
     g: &mut WeightSink,
     ids: &LayerIds,
-    mut a: LayerActs,
+    a: &mut LayerActs,
     dx: &mut [f32],
-    positions: &[u32],
-    (batch, seq): (usize, usize),
+    rows: usize,
 ) {
-    let cfg = &m.cfg;
-    let (rows, f) = (batch * seq, cfg.intermediate_size);
-    // MLP branch: out = x_mid + down(act(in(norm2(x_mid)))). The split region sees every row: the
-    // gradient at its output is gathered, its input gradient (a partial sum) reduced back.
+    let f = cfg.intermediate_size;
     let dact = {
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
         ids.mlp_out.backward_new(be, p, g, dout, &a.mlp_act.get(be))
     };
-    drop(a.mlp_act);
+    drop(std::mem::take(&mut a.mlp_act));
     let dn2 = {
         let n2_out = a.n2_out.get(be);
         let n2_all = tp.gather_rows(&n2_out);
@@ -357,6 +354,26 @@ pub(crate) fn backward(
     ids.norm2
         .backward(be, p, g, &dn2, &a.x_mid.get(be), &a.n2, dx, true);
     drop(dn2);
+}
+
+/// Turns `dx` (the gradient at the block's output, on this device's rows) into the gradient at its
+/// input, in place.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    m: &Transformer,
+    be: &dyn Backend,
+    tp: &dyn ShardCollectives,
+    p: Weights,
+    g: &mut WeightSink,
+    ids: &LayerIds,
+    mut a: LayerActs,
+    dx: &mut [f32],
+    positions: &[u32],
+    (batch, seq): (usize, usize),
+) {
+    let cfg = &m.cfg;
+    let rows = batch * seq;
+    mlp_backward(cfg, be, tp, p, g, ids, &mut a, dx, rows);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
     let dattn = {

@@ -1,7 +1,7 @@
 use crate::report::run::{device_table, DeviceRow};
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrotron_engine::runtime::{launcher_rank, train, TrainConfig};
+use ferrotron_engine::runtime::{launcher_rank, train, TrainConfig, TrainSummary};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
@@ -67,30 +67,44 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
     let cfg = resolve(&args, matches)?;
     cfg.check()?;
     // Under mpirun only rank 0 speaks; the others' output would repeat it.
-    let speaks = cfg.backend != "mpi" || launcher_rank().is_none_or(|r| r == 0);
-    if speaks {
-        eprintln!(
-            "ferrotron train: model {}, data {}, {} steps x {} sequences x {} tokens -> {}",
-            cfg.model,
-            cfg.data,
-            cfg.steps,
-            cfg.batch_size,
-            cfg.seq_len,
-            cfg.out_dir.display()
-        );
-        if let Some(from) = &cfg.resume {
-            let dir = ferrotron_engine::checkpoint::Checkpoint::resolve(from)?;
-            eprintln!(
-                "resuming from {} on layout `{}`",
-                dir.display(),
-                if cfg.layout.text.is_empty() {
-                    "dp=1,tp=1,pp=1"
-                } else {
-                    &cfg.layout.text
-                }
-            );
-        }
+    if cfg.backend != "mpi" || launcher_rank().is_none_or(|r| r == 0) {
+        announce(&cfg)?;
     }
+    let summary = train_with_progress(&cfg)?;
+    if !summary.reporter {
+        return Ok(()); // an MPI rank other than 0: rank 0 reports
+    }
+    print_summary(&cfg, &summary)
+}
+
+/// What the run will do, said before it starts.
+fn announce(cfg: &TrainConfig) -> Result<()> {
+    eprintln!(
+        "ferrotron train: model {}, data {}, {} steps x {} sequences x {} tokens -> {}",
+        cfg.model,
+        cfg.data,
+        cfg.steps,
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.out_dir.display()
+    );
+    if let Some(from) = &cfg.resume {
+        let dir = ferrotron_engine::checkpoint::Checkpoint::resolve(from)?;
+        eprintln!(
+            "resuming from {} on layout `{}`",
+            dir.display(),
+            if cfg.layout.text.is_empty() {
+                "dp=1,tp=1,pp=1"
+            } else {
+                &cfg.layout.text
+            }
+        );
+    }
+    Ok(())
+}
+
+/// Trains, with a progress bar and the evaluations and warnings as they come.
+fn train_with_progress(cfg: &TrainConfig) -> Result<TrainSummary> {
     let pb = ProgressBar::new(cfg.steps as u64);
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg} ETA {eta}")
@@ -98,7 +112,7 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
             .progress_chars("=> "),
     );
     let mut last_val = None;
-    let summary = train(&cfg, &mut |r| {
+    let summary = train(cfg, &mut |r| {
         for w in &r.warnings {
             // Printed whether or not the bar is shown (a hidden bar drops its log lines).
             pb.suspend(|| eprintln!("warning at step {}: {w}", r.step));
@@ -120,9 +134,12 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
         pb.set_position(r.step as u64);
     })?;
     pb.finish_and_clear();
-    if !summary.reporter {
-        return Ok(()); // an MPI rank other than 0: rank 0 reports
-    }
+    Ok(summary)
+}
+
+/// The run's summary: parameters, tokens, losses, per device memory measured beside predicted,
+/// and where everything went.
+fn print_summary(cfg: &TrainConfig, summary: &TrainSummary) -> Result<()> {
     let trained = if summary.trained_params == summary.num_params {
         String::new()
     } else {
@@ -150,39 +167,7 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
         summary.model_dir.display(),
         summary.tokenizer.display()
     );
-    if !summary.devices.is_empty() {
-        let rows: Vec<DeviceRow> = summary
-            .devices
-            .iter()
-            .map(|d| DeviceRow {
-                device: d.device,
-                stage: d.stage,
-                dp_rank: d.dp_rank,
-                tp_rank: d.tp_rank,
-                measured: d.peak_memory_bytes,
-                predicted: d.predicted_memory_bytes,
-                idle_fraction: d.idle_fraction,
-                extra: vec![
-                    ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
-                    format!("{:.4}", d.step_time_s),
-                    format!("{:.4}", d.wall_step_time_s),
-                ],
-            })
-            .collect();
-        let caption = format!(
-            "layout {}: per device, measured peak memory / the planner's prediction",
-            summary.layout
-        );
-        print!(
-            "{}",
-            device_table(
-                &caption,
-                &rows,
-                &["sent/step", "step (device s)", "step (wall s)"]
-            )
-            .markdown()
-        );
-    }
+    print_devices(summary);
     println!("metrics: {}", cfg.out_dir.join("metrics.jsonl").display());
     if cfg.report {
         let path = cfg.out_dir.join("report.html");
@@ -198,4 +183,42 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
             .display()
     );
     Ok(())
+}
+
+/// Per device, measured peak memory beside the planner's prediction, idle, bytes and step time.
+fn print_devices(summary: &TrainSummary) {
+    if summary.devices.is_empty() {
+        return;
+    }
+    let rows: Vec<DeviceRow> = summary
+        .devices
+        .iter()
+        .map(|d| DeviceRow {
+            device: d.device,
+            stage: d.stage,
+            dp_rank: d.dp_rank,
+            tp_rank: d.tp_rank,
+            measured: d.peak_memory_bytes,
+            predicted: d.predicted_memory_bytes,
+            idle_fraction: d.idle_fraction,
+            extra: vec![
+                ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
+                format!("{:.4}", d.step_time_s),
+                format!("{:.4}", d.wall_step_time_s),
+            ],
+        })
+        .collect();
+    let caption = format!(
+        "layout {}: per device, measured peak memory / the planner's prediction",
+        summary.layout
+    );
+    print!(
+        "{}",
+        device_table(
+            &caption,
+            &rows,
+            &["sent/step", "step (device s)", "step (wall s)"]
+        )
+        .markdown()
+    );
 }

@@ -60,6 +60,62 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let layout = super::concrete_layout(&a.layout)?;
     let model = super::backend::StepModel::load(&a.model, a.adapter.as_deref())?;
     let (cfg, trained) = (&model.cfg, model.trained());
+    let batch = verify_batch(&a, cfg)?;
+    if layout.schedule.is_async() || a.steps.is_some() {
+        return verify_async(&a, &model, &layout, &batch);
+    }
+    let be = CpuBackend::default();
+    let backend = super::backend::Backend::parse(&a.backend)?;
+    let (loss, grads, run) = match backend {
+        super::backend::Backend::Threads => layout_step_of(cfg, trained, &batch, &layout, &be)?,
+        super::backend::Backend::Mpi => {
+            match super::backend::mpi_layout_step(cfg, trained, &batch, &layout)? {
+                Some((loss, grads, run)) => (loss, grads, Some(run)),
+                None => return Ok(()), // rank 0 reports
+            }
+        }
+    };
+    describe_split(&layout, &model, backend)?;
+    let mut reference = trained.params.zeros_like();
+    let want = run_step(
+        &trained.unsplit(cfg),
+        &be,
+        trained.params,
+        &mut reference,
+        &batch,
+        batch.batch,
+    )?;
+    if let (Some(path), Some(run)) = (&a.trace, &run) {
+        std::fs::write(path, serde_json::to_string(&run.chrome_trace())?)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        println!("trace written to {} (open in Perfetto)", path.display());
+    }
+    let loss_err = (loss - want.loss).abs() / want.loss.abs().max(1e-30);
+    let (worst_name, worst) = worst_relative_error(&grads, &reference);
+    println!(
+        "layout {layout} on {} sequences of {} tokens",
+        batch.batch, batch.seq
+    );
+    println!(
+        "loss: unsplit {:.8}, split {loss:.8}, relative difference {loss_err:.2e}",
+        want.loss
+    );
+    println!(
+        "worst gradient: {worst_name} relative error {worst:.2e} (tolerance {:.0e})",
+        a.tolerance
+    );
+    if loss_err > a.tolerance || worst > a.tolerance {
+        bail!(
+            "the layout does not compute the unsplit model's function within {:.0e}",
+            a.tolerance
+        );
+    }
+    println!("OK: the split computes the same loss and gradients");
+    Ok(())
+}
+
+/// The batch to verify on: the token file's, or seeded random tokens of the model's vocabulary.
+fn verify_batch(a: &VerifyArgs, cfg: &ferrotron_core::model::ModelConfig) -> Result<TokenBatch> {
     let batch = match &a.tokens {
         Some(path) => ferrotron_engine::data::read_token_file(path)?,
         None => {
@@ -83,20 +139,40 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         Some(path) => anyhow::anyhow!("{}: {e}", path.display()),
         None => anyhow::anyhow!("--batch {} --seq {}: {e}", a.batch, a.seq),
     })?;
-    if layout.schedule.is_async() || a.steps.is_some() {
-        return verify_async(&a, &model, &layout, &batch);
-    }
-    let be = CpuBackend::default();
-    let backend = super::backend::Backend::parse(&a.backend)?;
-    let (loss, grads, run) = match backend {
-        super::backend::Backend::Threads => layout_step_of(cfg, trained, &batch, &layout, &be)?,
-        super::backend::Backend::Mpi => {
-            match super::backend::mpi_layout_step(cfg, trained, &batch, &layout)? {
-                Some((loss, grads, run)) => (loss, grads, Some(run)),
-                None => return Ok(()), // rank 0 reports
-            }
+    Ok(batch)
+}
+
+/// The largest relative error (L2 over a tensor) of any tensor of `got` against `want`, and its
+/// name.
+fn worst_relative_error(
+    got: &ferrotron_engine::transformer::ParamStore,
+    want: &ferrotron_engine::transformer::ParamStore,
+) -> (String, f64) {
+    let (mut worst_name, mut worst) = (String::new(), 0f64);
+    for (spec, g) in got.specs.iter().zip(&got.tensors) {
+        let w = want.get(&spec.name).expect("the same parameters");
+        let num: f64 = g
+            .iter()
+            .zip(w)
+            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+            .sum();
+        let den: f64 = w.iter().map(|&y| (y as f64).powi(2)).sum();
+        let e = (num / den.max(1e-300)).sqrt();
+        if e > worst {
+            (worst, worst_name) = (e, spec.name.clone());
         }
-    };
+    }
+    (worst_name, worst)
+}
+
+/// How the layout splits the model, in words: the pipeline's chunks, the tensor-parallel split,
+/// the MPI ranks, the adapters.
+fn describe_split(
+    layout: &ferrotron_core::layout::Layout,
+    model: &super::backend::StepModel,
+    backend: super::backend::Backend,
+) -> Result<()> {
+    let cfg = &model.cfg;
     if layout.pp > 1 {
         let partition = StagePartition::for_model(cfg, layout.pp * layout.vpp)?;
         let stages: Vec<String> = partition
@@ -125,54 +201,6 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             ad.params.specs.len()
         );
     }
-    let mut reference = trained.params.zeros_like();
-    let want = run_step(
-        &trained.unsplit(cfg),
-        &be,
-        trained.params,
-        &mut reference,
-        &batch,
-        batch.batch,
-    )?;
-    if let (Some(path), Some(run)) = (&a.trace, &run) {
-        std::fs::write(path, serde_json::to_string(&run.chrome_trace())?)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        println!("trace written to {} (open in Perfetto)", path.display());
-    }
-    let loss_err = (loss - want.loss).abs() / want.loss.abs().max(1e-30);
-    let (mut worst_name, mut worst) = (String::new(), 0f64);
-    for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
-        let r = reference.get(&spec.name).expect("same parameters");
-        let num: f64 = g
-            .iter()
-            .zip(r)
-            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
-            .sum();
-        let den: f64 = r.iter().map(|&y| (y as f64).powi(2)).sum();
-        let e = (num / den.max(1e-300)).sqrt();
-        if e > worst {
-            (worst, worst_name) = (e, spec.name.clone());
-        }
-    }
-    println!(
-        "layout {layout} on {} sequences of {} tokens",
-        batch.batch, batch.seq
-    );
-    println!(
-        "loss: unsplit {:.8}, split {loss:.8}, relative difference {loss_err:.2e}",
-        want.loss
-    );
-    println!(
-        "worst gradient: {worst_name} relative error {worst:.2e} (tolerance {:.0e})",
-        a.tolerance
-    );
-    if loss_err > a.tolerance || worst > a.tolerance {
-        bail!(
-            "the layout does not compute the unsplit model's function within {:.0e}",
-            a.tolerance
-        );
-    }
-    println!("OK: the split computes the same loss and gradients");
     Ok(())
 }
 
@@ -186,32 +214,7 @@ fn verify_async(
 ) -> Result<()> {
     use ferrotron_engine::optim::{AdamWConfig, LrSchedule};
     use ferrotron_engine::runtime::{train_steps, DelayedReference};
-    let name = layout.schedule.name();
-    let Some(steps) = a.steps else {
-        bail!(
-            "schedule={name} is asynchronous: it changes the optimizer's semantics over steps, so \
-             it is verified by training: give --steps K (compared with the single-device trainer \
-             that applies the same delays)"
-        );
-    };
-    if !layout.schedule.is_async() {
-        bail!(
-            "--steps compares an asynchronous schedule (schedule=2bw or pipedream) with its \
-             delayed-update reference; `{name}` is verified on one step without it"
-        );
-    }
-    if steps == 0 {
-        bail!("--steps 0: give at least one step");
-    }
-    if !(a.clip.is_finite() && a.clip >= 0.0) {
-        bail!("--clip {}: must be a non-negative norm (0: off)", a.clip);
-    }
-    if super::backend::Backend::parse(&a.backend)? != super::backend::Backend::Threads {
-        bail!("--steps runs the pipeline on threads (--backend threads)");
-    }
-    if model.adapters.is_some() {
-        bail!("--steps with --adapter: LoRA under an asynchronous schedule is not implemented");
-    }
+    let steps = async_steps(a, layout, model)?;
     let (cfg, params) = (&model.cfg, &model.params);
     // Each step its own batch: the seeded batch shifted by the step (or the given one each time).
     let batches: Vec<TokenBatch> = (0..steps)
@@ -255,19 +258,7 @@ fn verify_async(
         precision: MixedPrecision::F32,
     };
     let want = reference.train(params, steps, &|k| batches[k].clone(), &never)?;
-    let (mut worst_name, mut worst) = (String::new(), 0f64);
-    for (spec, (g, w)) in want.specs.iter().zip(got.tensors.iter().zip(&want.tensors)) {
-        let num: f64 = g
-            .iter()
-            .zip(w)
-            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
-            .sum();
-        let den: f64 = w.iter().map(|&y| (y as f64).powi(2)).sum();
-        let e = (num / den.max(1e-300)).sqrt();
-        if e > worst {
-            (worst, worst_name) = (e, spec.name.clone());
-        }
-    }
+    let (worst_name, worst) = worst_relative_error(&got, &want);
     println!(
         "layout {layout}: {steps} steps of {} sequences of {} tokens (AdamW, lr 1e-3, clip {}), \
          against the single-device trainer that applies the schedule's delays",
@@ -311,4 +302,40 @@ fn describe_tp_split(cfg: &ferrotron_core::model::ModelConfig, tp: usize) -> Res
         "each of {tp} devices holds {} heads, {kv}, {} MLP columns, {vocab}",
         first.num_heads, first.intermediate_size
     ))
+}
+
+/// The steps `--steps` asks an asynchronous schedule to be verified over, after refusing what that
+/// verification does not run.
+fn async_steps(
+    a: &VerifyArgs,
+    layout: &ferrotron_core::layout::Layout,
+    model: &super::backend::StepModel,
+) -> Result<usize> {
+    let name = layout.schedule.name();
+    let Some(steps) = a.steps else {
+        bail!(
+            "schedule={name} is asynchronous: it changes the optimizer's semantics over steps, so \
+             it is verified by training: give --steps K (compared with the single-device trainer \
+             that applies the same delays)"
+        );
+    };
+    if !layout.schedule.is_async() {
+        bail!(
+            "--steps compares an asynchronous schedule (schedule=2bw or pipedream) with its \
+             delayed-update reference; `{name}` is verified on one step without it"
+        );
+    }
+    if steps == 0 {
+        bail!("--steps 0: give at least one step");
+    }
+    if !(a.clip.is_finite() && a.clip >= 0.0) {
+        bail!("--clip {}: must be a non-negative norm (0: off)", a.clip);
+    }
+    if super::backend::Backend::parse(&a.backend)? != super::backend::Backend::Threads {
+        bail!("--steps runs the pipeline on threads (--backend threads)");
+    }
+    if model.adapters.is_some() {
+        bail!("--steps with --adapter: LoRA under an asynchronous schedule is not implemented");
+    }
+    Ok(steps)
 }

@@ -161,7 +161,44 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
         "f32 FMA peak per thread with {cores} busy: {:.1} GFLOP/s ({isa})",
         peak / 1e9
     );
+    let (gemm_max, gemm_half) = gemm_curve(&be, peak);
+    let attention_efficiency = attention_efficiency(&be, peak);
+    let bandwidth = memory_bound_bandwidth(&be);
+    let (link_efficiency, latency) = links(&base)?;
+    let mut c = base;
+    c.name = "this-machine".into();
+    c.peak_flops = peak;
+    c.memory_bandwidth_bytes_per_s = bandwidth;
+    c.calibration.gemm_efficiency_max = gemm_max.min(1.0);
+    c.calibration.gemm_half_width = gemm_half.max(1e-3);
+    c.calibration.attention_efficiency = attention_efficiency;
+    c.calibration.link_efficiency = link_efficiency;
+    c.intra_node.latency_s = latency;
+    println!(
+        "GEMM curve: max {:.1}% of peak, half at width {:.0}; attention {:.1}% of peak; memory-bound \
+         kernels {:.1} GB/s; threads all-reduce and point-to-point {:.0}% of the modelled link (the rest: \
+         their adds and copies); latency per message {:.1} µs",
+        100.0 * c.calibration.gemm_efficiency_max,
+        c.calibration.gemm_half_width,
+        100.0 * attention_efficiency,
+        bandwidth / 1e9,
+        100.0 * link_efficiency,
+        latency * 1e6
+    );
+    let header = format!(
+        "ferrotron calibrate --this-machine on {cpu}: one device = one thread; links are the threads \
+         backend's modelled interconnect"
+    );
+    write_cluster(out, &c, &header)?;
+    let cache = this_machine_cache();
+    write_cluster(&cache, &c, &header)?;
+    println!("`--cluster this-machine` now means this calibration on this CPU");
+    Ok(())
+}
 
+/// The GEMM efficiency curve (its maximum and the width where it is half), from the products of
+/// [`GEMM_SHAPES`] on every core at once; its table printed.
+fn gemm_curve(be: &CpuBackend, peak: f64) -> (f64, f64) {
     let mut table = Table::new(
         format!("GEMMs of {ROWS} rows, forward + both gradients, one thread per core"),
         &[
@@ -174,7 +211,7 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
     );
     let mut points = Vec::new();
     for (n, k) in GEMM_SHAPES {
-        let t = on_every_core(|| gemm_seconds(&be, ROWS, n, k));
+        let t = on_every_core(|| gemm_seconds(be, ROWS, n, k));
         let flops = 3.0 * 2.0 * (ROWS * n * k) as f64;
         points.push((((n * k) as f64).sqrt(), flops / t / peak));
     }
@@ -189,8 +226,12 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
         ]);
     }
     print!("{}", table.markdown());
+    (gemm_max, gemm_half)
+}
 
-    // Attention of llama-small's shape; FLOPs counted full (4·T·s·q_dim forward), as the planner does.
+/// Attention of llama-small's shape, forward and backward, as a fraction of the peak; FLOPs counted
+/// full (4·T·s·q_dim forward), as the planner does.
+fn attention_efficiency(be: &CpuBackend, peak: f64) -> f64 {
     let a = AttnShape {
         batch: 1,
         seq: ROWS,
@@ -221,9 +262,11 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
         })
     });
     let attn_flops = 3.0 * 4.0 * (ROWS * ROWS * a.q_width()) as f64;
-    let attention_efficiency = (attn_flops / t_attn / peak).min(1.0);
+    (attn_flops / t_attn / peak).min(1.0)
+}
 
-    // Memory-bound kernels: bytes read and written over their time.
+/// The memory-bound kernels' bandwidth: bytes read and written over their time.
+fn memory_bound_bandwidth(be: &CpuBackend) -> f64 {
     let (h, f) = (256usize, 704usize);
     let (x, w) = (rand_vec(ROWS * h, 8), rand_vec(h, 9));
     let (y, rstd, dx, dw) = (
@@ -254,9 +297,12 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
     // rmsnorm: forward reads 1 writes 1, backward reads 2 writes 1 (and x again for the weight);
     // swiglu: forward reads 2 writes 1, backward reads 3 writes 2.
     let mem_bytes = 4.0 * (ROWS * (2 * h + 4 * h + 3 * f + 5 * f)) as f64;
-    let bandwidth = mem_bytes / t_mem;
+    mem_bytes / t_mem
+}
 
-    // Collectives: device time of a threads all-reduce against the link model it is charged by.
+/// The collectives' efficiency against the link model they are charged by (the device time of a
+/// threads all-reduce and of a large point-to-point message), and the latency per message.
+fn links(base: &Cluster) -> Result<(f64, f64)> {
     let link = LinkModel {
         intra: base.intra_node,
         inter: base.inter_node,
@@ -288,34 +334,5 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
     let small = 256usize;
     let latency =
         (p2p_device_time(small, link)? - wire(small) / link_efficiency).max(intra.latency_s);
-
-    let mut c = base;
-    c.name = "this-machine".into();
-    c.peak_flops = peak;
-    c.memory_bandwidth_bytes_per_s = bandwidth;
-    c.calibration.gemm_efficiency_max = gemm_max.min(1.0);
-    c.calibration.gemm_half_width = gemm_half.max(1e-3);
-    c.calibration.attention_efficiency = attention_efficiency;
-    c.calibration.link_efficiency = link_efficiency;
-    c.intra_node.latency_s = latency;
-    println!(
-        "GEMM curve: max {:.1}% of peak, half at width {:.0}; attention {:.1}% of peak; memory-bound \
-         kernels {:.1} GB/s; threads all-reduce and point-to-point {:.0}% of the modelled link (the rest: \
-         their adds and copies); latency per message {:.1} µs",
-        100.0 * c.calibration.gemm_efficiency_max,
-        c.calibration.gemm_half_width,
-        100.0 * attention_efficiency,
-        bandwidth / 1e9,
-        100.0 * link_efficiency,
-        latency * 1e6
-    );
-    let header = format!(
-        "ferrotron calibrate --this-machine on {cpu}: one device = one thread; links are the threads \
-         backend's modelled interconnect"
-    );
-    write_cluster(out, &c, &header)?;
-    let cache = this_machine_cache();
-    write_cluster(&cache, &c, &header)?;
-    println!("`--cluster this-machine` now means this calibration on this CPU");
-    Ok(())
+    Ok((link_efficiency, latency))
 }
