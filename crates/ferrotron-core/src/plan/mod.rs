@@ -304,33 +304,46 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
         ));
     }
     if let PlanModel::Shape(cfg) = &input.model {
-        if let Err(why) = cfg.tensor_parallel_split(l.tp) {
-            return Err(rule("tp", format!("tp={}: {why}", l.tp)));
-        }
-        if l.pp * l.vpp > cfg.num_layers {
-            return Err(rule(
-                "pp",
-                format!(
-                    "{} layers cannot fill pp·vpp = {} stages (each needs at least one layer)",
-                    cfg.num_layers,
-                    l.pp * l.vpp
-                ),
-            ));
-        }
-        StagePartition::for_layout(cfg, l)?;
-        if input.seq > cfg.max_position_embeddings && cfg.arch == crate::model::Arch::Gpt2 {
-            return Err(rule(
-                "seq",
-                format!(
-                    "sequence length {} exceeds the model's {} learned positions",
-                    input.seq, cfg.max_position_embeddings
-                ),
-            ));
-        }
-        let m = input.global_batch / (l.dp * l.micro_batch_size);
-        if l.schedule == Schedule::Interleaved && l.vpp > 1 && !m.is_multiple_of(l.pp) {
-            return Err(rule("schedule", format!("interleaving needs the {m} micro-batches per pipeline to be a multiple of pp={}", l.pp)));
-        }
+        check_model_rules(input, cfg, l)?;
+    }
+    Ok(())
+}
+
+/// The rules a layout keeps on a model given by its shape: the tensor-parallel split, enough layers
+/// for the stages, learned positions for the sequence, interleaving's micro-batches.
+fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result<()> {
+    if let Err(why) = cfg.tensor_parallel_split(l.tp) {
+        return Err(rule("tp", format!("tp={}: {why}", l.tp)));
+    }
+    if l.pp * l.vpp > cfg.num_layers {
+        return Err(rule(
+            "pp",
+            format!(
+                "{} layers cannot fill pp·vpp = {} stages (each needs at least one layer)",
+                cfg.num_layers,
+                l.pp * l.vpp
+            ),
+        ));
+    }
+    StagePartition::for_layout(cfg, l)?;
+    if input.seq > cfg.max_position_embeddings && cfg.arch == crate::model::Arch::Gpt2 {
+        return Err(rule(
+            "seq",
+            format!(
+                "sequence length {} exceeds the model's {} learned positions",
+                input.seq, cfg.max_position_embeddings
+            ),
+        ));
+    }
+    let m = input.global_batch / (l.dp * l.micro_batch_size);
+    if l.schedule == Schedule::Interleaved && l.vpp > 1 && !m.is_multiple_of(l.pp) {
+        return Err(rule(
+            "schedule",
+            format!(
+                "interleaving needs the {m} micro-batches per pipeline to be a multiple of pp={}",
+                l.pp
+            ),
+        ));
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! model or one pipeline stage of it (a contiguous range of layers). It knows nothing about devices or
 //! communication; the parallel runtime decides what runs where.
 
+mod batch;
 mod collectives;
 mod frozen;
 mod kept;
@@ -9,9 +10,11 @@ mod layer;
 mod linear;
 mod norm;
 mod params;
+mod passes;
 mod residency;
 mod weights;
 
+pub use batch::TokenBatch;
 pub use collectives::{ShardCollectives, Unsplit};
 use ferrotron_core::precision::Half;
 pub use frozen::FrozenBase;
@@ -29,62 +32,6 @@ use linear::{Adapter, Lin, Weights};
 use norm::{NormIds, NormStash};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
-
-/// A batch of `batch` sequences of `seq` token ids, row-major.
-#[derive(Debug, Clone)]
-pub struct TokenBatch {
-    pub ids: Vec<u32>,
-    pub batch: usize,
-    pub seq: usize,
-}
-
-impl TokenBatch {
-    /// Next-token targets: position t of a sequence predicts t+1; the last position predicts nothing.
-    pub fn targets(&self) -> Vec<Option<u32>> {
-        (0..self.batch * self.seq)
-            .map(|i| (i % self.seq + 1 < self.seq).then(|| self.ids[i + 1]))
-            .collect()
-    }
-    pub fn predicted_tokens(&self) -> usize {
-        self.batch * self.seq.saturating_sub(1)
-    }
-
-    /// Why this batch cannot be a training step of `cfg`'s model, if it cannot: no rows, sequences
-    /// too short to predict a token (a loss of 0 over nothing would look like a result), ids outside
-    /// the vocabulary, or sequences longer than the model's positions.
-    pub fn check(&self, cfg: &ModelConfig) -> std::result::Result<(), String> {
-        if self.batch == 0 {
-            return Err("the batch has no sequences (shape [0, seq])".into());
-        }
-        if self.seq < 2 {
-            return Err(format!(
-                "sequences of {} token(s) predict nothing: the loss needs at least 2 tokens per sequence",
-                self.seq
-            ));
-        }
-        if self.ids.len() != self.batch * self.seq {
-            return Err(format!(
-                "{} token ids for a batch of {} × {}",
-                self.ids.len(),
-                self.batch,
-                self.seq
-            ));
-        }
-        if let Some(bad) = self.ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
-            return Err(format!(
-                "token id {bad} is outside the model's vocabulary of {}",
-                cfg.vocab_size
-            ));
-        }
-        if self.seq > cfg.max_sequence_length() {
-            return Err(format!(
-                "sequence length {} exceeds the model's max_position_embeddings {}",
-                self.seq, cfg.max_position_embeddings
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// What a stage receives: token ids (the first stage) or the previous stage's hidden states (this
 /// device's rows of them under sequence parallelism).
@@ -426,129 +373,6 @@ impl Transformer {
         units
     }
 
-    /// [`Transformer::forward_stage`] with the parameters held by `res`, one unit at a time.
-    pub fn forward_stage_in(
-        &self,
-        be: &dyn Backend,
-        tp: &dyn ShardCollectives,
-        res: &mut dyn Residency,
-        input: StageInput,
-    ) -> ForwardState {
-        res.begin_pass(&self.pass_units(false));
-        let h = self.cfg.hidden_size;
-        let (batch, seq) = match &input {
-            StageInput::Tokens(b) => (b.batch, b.seq),
-            StageInput::Hidden { batch, seq, .. } => (*batch, *seq),
-        };
-        assert!(
-            seq <= self.cfg.max_sequence_length(),
-            "sequence longer than the model's positions"
-        );
-        let rows = batch * seq;
-        let (block, blocks) = tp.row_block();
-        assert!(
-            rows.is_multiple_of(blocks),
-            "rows do not split over the sequence-parallel group"
-        );
-        let positions: Vec<u32> = (0..rows).map(|i| (i % seq) as u32).collect();
-        let mine = &positions[block * rows / blocks..(block + 1) * rows / blocks];
-        let (mut x, ids) = match input {
-            StageInput::Tokens(b) => {
-                let embed = self
-                    .embed
-                    .expect("token input needs the stage with the embedding");
-                let local = self.vocab.local_ids(&b.ids);
-                let mut x = Vec::new();
-                res.params(Unit::Embedding, &mut |p| {
-                    self.weights(Unit::Embedding, p, &mut |w| {
-                        let mut e = be.zeros(rows * h);
-                        be.embedding_forward(&local, w.base.matrix(embed), h, &mut e, false);
-                        // Each device looked up the ids its vocabulary slice holds: the rows sum
-                        // over the group.
-                        x = tp.reduce(e);
-                        if let Some(wpe) = self.pos_embed {
-                            be.embedding_forward(mine, w.base.matrix(wpe), h, &mut x, true);
-                        }
-                    })
-                });
-                (x, local)
-            }
-            StageInput::Hidden { x, .. } => (x, Vec::new()),
-        };
-        assert_eq!(x.len(), rows / blocks * h, "stage input has the wrong size");
-        let (mut layers, mut layer_inputs) = (Vec::with_capacity(self.layers.len()), Vec::new());
-        for (i, ids) in self.layers.iter().enumerate() {
-            let input = (self.recompute == Recompute::Full).then(|| x.clone());
-            let mut layer_in = Some(x);
-            let mut result = None;
-            let unit = Unit::Layer(self.layer_range.start + i);
-            res.params(unit, &mut |p| {
-                self.weights(unit, p, &mut |w| {
-                    let x = layer_in.take().expect("a layer runs once");
-                    result = Some(layer::forward(
-                        self,
-                        be,
-                        tp,
-                        w,
-                        ids,
-                        x,
-                        (batch, seq),
-                        &positions,
-                    ));
-                })
-            });
-            let (out, mut acts) = result.expect("the layer ran");
-            match (input, self.recompute) {
-                (Some(input), _) => {
-                    layer_inputs.push(Kept::keep(be, input, self.activation_storage))
-                }
-                (None, Recompute::Selective) => {
-                    layer::drop_probs(&mut acts);
-                    layers.push(acts)
-                }
-                (None, _) => layers.push(acts),
-            }
-            x = out;
-        }
-        let mut state = ForwardState {
-            rows,
-            batch,
-            seq,
-            positions,
-            ids,
-            layers,
-            layer_inputs,
-            final_in: Kept::Empty,
-            final_norm: None,
-            final_out: Kept::Empty,
-            logits: Vec::new(),
-            output: Vec::new(),
-        };
-        match (&self.final_norm, &self.head) {
-            (Some(norm), Some(head)) => {
-                res.params(Unit::Head, &mut |p| {
-                    self.weights(Unit::Head, p, &mut |w| {
-                        let normed = norm.forward(be, w.base, &x, self.cfg.norm_eps as f32);
-                        let normed_all = tp.gather_rows(&normed.out);
-                        let normed_in = normed_all.as_deref().unwrap_or(&normed.out);
-                        let logits = head.product(be, w.base, normed_in, rows, false);
-                        let mut normed = normed;
-                        state.final_out = Kept::keep(
-                            be,
-                            std::mem::take(&mut normed.out),
-                            self.activation_storage,
-                        );
-                        state.final_norm = Some(normed);
-                        state.logits = logits;
-                    })
-                });
-                state.final_in = Kept::keep(be, x, self.activation_storage);
-            }
-            _ => state.output = x,
-        }
-        state
-    }
-
     /// Takes the cross-entropy of `state.logits` against `targets` and back-propagates
     /// `loss_scale · Σ row losses` into `grads` (accumulating). Returns the unscaled loss sum.
     pub fn backward(
@@ -609,124 +433,6 @@ impl Transformer {
             true,
         );
         (loss, dx, w.expect("deferred weight gradients"))
-    }
-
-    /// [`Transformer::backward_stage`] with the parameters (and, unless `defer_weights`, the
-    /// gradients) held by `res`, one unit at a time. With `defer_weights` the weight gradients are
-    /// returned for later instead (zero-bubble schedules).
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward_stage_in(
-        &self,
-        be: &dyn Backend,
-        tp: &dyn ShardCollectives,
-        res: &mut dyn Residency,
-        mut state: ForwardState,
-        dout: Option<Vec<f32>>,
-        targets: &[Option<u32>],
-        loss_scale: f32,
-        defer_weights: bool,
-    ) -> (f64, Option<Vec<f32>>, Option<WeightGrads>) {
-        res.begin_pass(&self.pass_units(true));
-        let (rows, h) = (state.rows, self.cfg.hidden_size);
-        let blocks = tp.row_block().1;
-        let mut jobs = Vec::new();
-        // Runs one unit's backward with its parameters present and its weight gradients going
-        // where they should.
-        let mut in_unit = |unit: Unit, f: &mut dyn FnMut(Weights, &mut WeightSink)| {
-            if defer_weights {
-                res.params(unit, &mut |p| {
-                    self.weights(unit, p, &mut |w| f(w, &mut WeightSink::Later(&mut jobs)))
-                })
-            } else {
-                res.params_and_grads(unit, &mut |p, g| {
-                    self.weights(unit, p, &mut |w| f(w, &mut WeightSink::Now(g)))
-                })
-            }
-        };
-        let mut loss_sum = 0.0;
-        let mut dx = match (&self.final_norm, &self.head, state.final_norm.take()) {
-            (Some(norm), Some(head), Some(stash)) => {
-                loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
-                let dlogits = std::mem::take(&mut state.logits);
-                let mut dx = be.zeros(rows / blocks * h);
-                let final_in = std::mem::take(&mut state.final_in).into_f32(be);
-                let final_out = std::mem::take(&mut state.final_out).into_f32(be);
-                in_unit(Unit::Head, &mut |p, sink| {
-                    let normed_all = tp.gather_rows(&final_out);
-                    let normed = normed_all.as_deref().unwrap_or(&final_out);
-                    let dnormed = head.backward_new(be, p, sink, &dlogits, normed);
-                    drop(normed_all);
-                    let dnormed = tp.reduce(dnormed);
-                    norm.backward(be, p, sink, &dnormed, &final_in, &stash, &mut dx, false);
-                });
-                dx
-            }
-            _ => dout.expect("a stage without the loss needs the gradient at its output"),
-        };
-        assert_eq!(
-            dx.len(),
-            rows / blocks * h,
-            "output gradient has the wrong size"
-        );
-        let dims = (state.batch, state.seq);
-        let first = self.layer_range.start;
-        let positions = &state.positions;
-        if state.layer_inputs.is_empty() {
-            for ((i, ids), acts) in self
-                .layers
-                .iter()
-                .enumerate()
-                .zip(state.layers.drain(..))
-                .rev()
-            {
-                let mut acts = Some(acts);
-                in_unit(Unit::Layer(first + i), &mut |p, sink| {
-                    let acts = acts.take().expect("a layer's backward runs once");
-                    layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
-                });
-            }
-        } else {
-            // Full recompute: run each layer's forward again from its kept input, then its backward.
-            for ((i, ids), input) in self
-                .layers
-                .iter()
-                .enumerate()
-                .zip(state.layer_inputs.drain(..))
-                .rev()
-            {
-                let mut input = Some(input);
-                in_unit(Unit::Layer(first + i), &mut |p, sink| {
-                    let x = input
-                        .take()
-                        .expect("a layer's backward runs once")
-                        .into_f32(be);
-                    let (_, acts) = layer::forward(self, be, tp, p, ids, x, dims, positions);
-                    layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
-                });
-            }
-        }
-        let loss_and_dx = match self.embed {
-            Some(embed) => {
-                let block = tp.row_block().0;
-                let mine = &positions[block * rows / blocks..(block + 1) * rows / blocks];
-                // The embedding's rows are every row's: gather them back from the sequence shards.
-                let dx_all = tp.gather_rows(&dx);
-                let dx_all = dx_all.as_deref().unwrap_or(&dx);
-                in_unit(Unit::Embedding, &mut |w, sink| {
-                    if w.frozen() {
-                        return;
-                    }
-                    if let Some(wpe) = self.pos_embed {
-                        embedding_grad(be, sink, wpe, mine, &dx, h);
-                    }
-                    embedding_grad(be, sink, embed, &state.ids, dx_all, h);
-                });
-                (loss_sum, None)
-            }
-            None => (loss_sum, Some(dx)),
-        };
-        let deferred = defer_weights.then_some(WeightGrads(jobs));
-        (loss_and_dx.0, loss_and_dx.1, deferred)
     }
 
     /// One forward and backward over `batch`, gradients accumulated into `grads`. Returns the mean loss.

@@ -170,29 +170,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         let base = Cluster::parse(a.cluster.as_deref().unwrap_or("this-machine"))?;
         return this_machine::run(base, &a.out);
     }
-    let mut runs = Vec::new();
-    let mut profile_clusters = Vec::new();
-    if let Some(path) = &a.runs {
-        runs.extend(read_runs(path)?);
-    }
-    for dir in &a.profile {
-        let (run, cluster) = read_profile(dir)?;
-        runs.push(run);
-        profile_clusters.push(cluster);
-    }
-    if runs.is_empty() {
-        bail!("nothing to fit: give --runs FILE.toml, --profile DIR… or --this-machine");
-    }
-    let base_spec = match (&a.cluster, a.runs.is_some(), profile_clusters.first()) {
-        (Some(c), _, _) => c.clone(),
-        (None, false, Some(first)) => {
-            if profile_clusters.iter().any(|c| c != first) {
-                bail!("the profiles were measured on different clusters ({}); name the one to fit with --cluster", profile_clusters.join(", "));
-            }
-            first.clone()
-        }
-        _ => "dgx-a100-80g".to_string(),
-    };
+    let (runs, base_spec) = measured_runs(&a)?;
     let start = Cluster::parse(&base_spec)?;
     let (fitted, errors) = if a.leave_one_out {
         fit_with_errors(&runs, &start, &params)?
@@ -258,6 +236,35 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         runs.len()
     );
     write_cluster(&a.out, &fitted, &header)
+}
+
+/// The runs to fit (the `--runs` file's and the `--profile` directories') and the cluster to start
+/// the fit from: `--cluster`, or the profiles' own (all the same), or a DGX A100.
+fn measured_runs(a: &CalibrateArgs) -> Result<(Vec<MeasuredRun>, String)> {
+    let mut runs = Vec::new();
+    let mut profile_clusters = Vec::new();
+    if let Some(path) = &a.runs {
+        runs.extend(read_runs(path)?);
+    }
+    for dir in &a.profile {
+        let (run, cluster) = read_profile(dir)?;
+        runs.push(run);
+        profile_clusters.push(cluster);
+    }
+    if runs.is_empty() {
+        bail!("nothing to fit: give --runs FILE.toml, --profile DIR… or --this-machine");
+    }
+    let base_spec = match (&a.cluster, a.runs.is_some(), profile_clusters.first()) {
+        (Some(c), _, _) => c.clone(),
+        (None, false, Some(first)) => {
+            if profile_clusters.iter().any(|c| c != first) {
+                bail!("the profiles were measured on different clusters ({}); name the one to fit with --cluster", profile_clusters.join(", "));
+            }
+            first.clone()
+        }
+        _ => "dgx-a100-80g".to_string(),
+    };
+    Ok((runs, base_spec))
 }
 
 fn error_table(runs: &[MeasuredRun], errors: &[RunErrors]) -> Table {

@@ -3,6 +3,7 @@ pub mod bench;
 mod bench_async;
 mod bench_lora;
 mod bench_predict;
+mod bench_train;
 mod bench_zero3;
 pub mod calibrate;
 pub mod checkpoint;
@@ -26,4 +27,15 @@ pub fn concrete_layout(spec: &str) -> anyhow::Result<ferrotron_core::layout::Lay
         );
     }
     Ok(parsed.layout)
+}
+
+/// Counts that must be at least 1: a clear error from the argument parser rather than a panic later.
+pub(crate) fn positive() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
+}
+
+/// A device count the threads backend runs: 1 to [`ferrotron_engine::comm::ThreadWorld::MAX_DEVICES`].
+pub(crate) fn device_count() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new()
+        .range(1..=ferrotron_engine::comm::ThreadWorld::MAX_DEVICES as u64)
 }

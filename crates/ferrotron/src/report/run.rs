@@ -126,7 +126,58 @@ pub fn run_page(dir: &Path) -> Result<String> {
     let steps = read_steps(dir)?;
     let capacity = capacity(dir)?;
     let last = steps.last().expect("at least one step");
+    let [loss, speed, idle] = charts(&steps);
+    let (memory, table) = memory_section(&steps, capacity);
+    let warnings: Vec<String> = steps
+        .iter()
+        .flat_map(|s| {
+            s.warnings
+                .iter()
+                .map(move |w| format!("step {}: {w}", s.step))
+        })
+        .collect();
+    let speeds: Vec<f64> = steps.iter().skip(1).map(|s| s.tokens_per_s).collect();
+    let mean_speed = if speeds.is_empty() {
+        last.tokens_per_s
+    } else {
+        speeds.iter().sum::<f64>() / speeds.len() as f64
+    };
+    let val = steps.iter().rev().find_map(|s| s.val_loss);
     let devices = last.devices.len();
+    let summary = format!(
+        "{} steps on layout `{}` ({} device{}): training loss {:.4} → {:.4}{}; {:.0} tokens/s (mean after the first step)",
+        steps.len(),
+        last.layout,
+        devices,
+        if devices == 1 { "" } else { "s" },
+        steps[0].loss,
+        last.loss,
+        val.map_or(String::new(), |v| format!(", last validation loss {v:.4}")),
+        mean_speed
+    );
+    let straggler_section = if warnings.is_empty() {
+        Section::new("straggler warnings").note("none: no device fell behind its stage")
+    } else {
+        Section::new("straggler warnings").list(&warnings)
+    };
+    Ok(page(
+        &format!("ferrotron train: {}", dir.display()),
+        &[
+            Section::new("run").note(summary),
+            Section::new("loss and speed").pictures(&[&loss, &speed]),
+            Section::new("memory per device")
+                .note(super::memory::AT_PEAK_NOTE)
+                .pictures(&[&memory])
+                .table(&table),
+            Section::new("idle per device over the steps").pictures(&[&idle]),
+            straggler_section,
+        ],
+    ))
+}
+
+/// The run's line charts: loss (training and validation), tokens per second, idle per device.
+fn charts(steps: &[StepLine]) -> [String; 3] {
+    let devices = steps.last().map_or(0, |l| l.devices.len());
     let step_of = |s: &StepLine| s.step as f64;
     let loss = line_chart(
         "loss",
@@ -181,7 +232,14 @@ pub fn run_page(dir: &Path) -> Result<String> {
             })
             .collect::<Vec<_>>(),
     );
-    // Each device's highest figure of each term over the run.
+    [loss, speed, idle]
+}
+
+/// Memory per device: each at its highest total over the run, by what it held then (the bars),
+/// and each term's highest figure beside the planner's prediction (the table).
+fn memory_section(steps: &[StepLine], capacity: u64) -> (String, Table) {
+    let last = steps.last().expect("at least one step");
+    let devices = last.devices.len();
     let peaks: Vec<MemoryTerms> = (0..devices)
         .map(|d| {
             steps
@@ -192,7 +250,6 @@ pub fn run_page(dir: &Path) -> Result<String> {
                 })
         })
         .collect();
-    // Each device at its highest total over the run, by what it held then.
     let bars: Vec<(String, MemoryTerms)> = (0..devices)
         .map(|d| {
             let at_peak = steps
@@ -233,48 +290,5 @@ pub fn run_page(dir: &Path) -> Result<String> {
         &rows,
         &[],
     );
-    let warnings: Vec<String> = steps
-        .iter()
-        .flat_map(|s| {
-            s.warnings
-                .iter()
-                .map(move |w| format!("step {}: {w}", s.step))
-        })
-        .collect();
-    let speeds: Vec<f64> = steps.iter().skip(1).map(|s| s.tokens_per_s).collect();
-    let mean_speed = if speeds.is_empty() {
-        last.tokens_per_s
-    } else {
-        speeds.iter().sum::<f64>() / speeds.len() as f64
-    };
-    let val = steps.iter().rev().find_map(|s| s.val_loss);
-    let summary = format!(
-        "{} steps on layout `{}` ({} device{}): training loss {:.4} → {:.4}{}; {:.0} tokens/s (mean after the first step)",
-        steps.len(),
-        last.layout,
-        devices,
-        if devices == 1 { "" } else { "s" },
-        steps[0].loss,
-        last.loss,
-        val.map_or(String::new(), |v| format!(", last validation loss {v:.4}")),
-        mean_speed
-    );
-    let straggler_section = if warnings.is_empty() {
-        Section::new("straggler warnings").note("none: no device fell behind its stage")
-    } else {
-        Section::new("straggler warnings").list(&warnings)
-    };
-    Ok(page(
-        &format!("ferrotron train: {}", dir.display()),
-        &[
-            Section::new("run").note(summary),
-            Section::new("loss and speed").pictures(&[&loss, &speed]),
-            Section::new("memory per device")
-                .note(super::memory::AT_PEAK_NOTE)
-                .pictures(&[&memory])
-                .table(&table),
-            Section::new("idle per device over the steps").pictures(&[&idle]),
-            straggler_section,
-        ],
-    ))
+    (memory, table)
 }
