@@ -68,6 +68,7 @@ impl CpuBackend {
         self
     }
 
+    #[inline]
     fn cores(&self) -> Threads {
         Threads::new(self.threads)
     }

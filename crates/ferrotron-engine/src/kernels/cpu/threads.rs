@@ -12,6 +12,7 @@ pub(crate) struct Threads {
 }
 
 impl Threads {
+    #[inline]
     pub(crate) fn new(threads: usize) -> Self {
         Self {
             threads: threads.max(1),
@@ -19,6 +20,7 @@ impl Threads {
     }
 
     /// How many cores.
+    #[inline]
     pub(crate) fn count(&self) -> usize {
         self.threads
     }
