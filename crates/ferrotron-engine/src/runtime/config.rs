@@ -1,7 +1,8 @@
-//! The settings of a training run: one struct is the `ferrotron train` flags, the keys of `run.toml`
-//! and the defaults. Each field's name is its flag (`--batch-size`) and its key (`batch_size`); its
-//! `default_value` is the default; its doc comment is the help text. Flags override the file, the
-//! file overrides the defaults.
+//! The settings of a training run: one declaration is the `ferrotron train` flags, the keys of
+//! `run.toml` and the defaults. Each field's name is its flag (`--batch-size`) and its key
+//! (`batch_size`); the expression after it is the default; its doc comment is the help text. Flags
+//! override the file, the file overrides the defaults. The engine builds without clap: the flags
+//! exist under the `cli` feature, which the command-line program turns on.
 
 use crate::data;
 use crate::error::{EngineError, Result};
@@ -11,188 +12,179 @@ use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::precision::MixedPrecision;
 use std::path::PathBuf;
 
-/// Every setting of a training run. Each is a key of `run.toml` and a `ferrotron train` flag.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, clap::Args)]
-#[serde(default, deny_unknown_fields)]
-pub struct TrainConfig {
-    /// A preset (llama-small, llama-tiny, gpt2-tiny, llama-bench), trained from scratch, or a
-    /// Hugging Face model directory, fine-tuned.
-    #[arg(long, default_value = "llama-small")]
-    pub model: String,
-    /// `builtin:gnu-manuals`, or comma-separated text files or directories of text files.
-    #[arg(long, default_value = data::BUILTIN_NAME)]
-    pub data: String,
-    /// A tokenizer.json (default: the model directory's, or one trained on the data and cached).
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 240)]
-    pub steps: usize,
-    /// Sequences per optimizer step (the effective batch, whatever the layout).
-    #[arg(long, default_value_t = 16)]
-    pub batch_size: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 128)]
-    pub seq_len: usize,
-    /// Peak learning rate (after warm-up; cosine decay to `min_lr`).
-    #[arg(long, default_value_t = 3e-3)]
-    pub lr: f64,
-    /// The learning rate the cosine decay ends at.
-    #[arg(long, default_value_t = 3e-4)]
-    pub min_lr: f64,
-    /// Steps of linear warm-up from 0 to `lr`.
-    #[arg(long, default_value_t = 20)]
-    pub warmup_steps: usize,
-    /// AdamW's decoupled weight decay.
-    #[arg(long, default_value_t = 0.1)]
-    pub weight_decay: f32,
-    /// Adam's first-moment decay.
-    #[arg(long, default_value_t = 0.9)]
-    pub beta1: f32,
-    /// Adam's second-moment decay.
-    #[arg(long, default_value_t = 0.95)]
-    pub beta2: f32,
-    /// Adam's epsilon.
-    #[arg(long, default_value_t = 1e-8)]
-    pub adam_eps: f32,
-    /// Clip the global gradient norm to this (0: no clipping).
-    #[arg(long, default_value_t = 1.0)]
-    pub grad_clip: f64,
-    /// Seeds the preset's initial weights and the data order.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Evaluate the validation loss every this many steps (and before the first and after the last).
-    #[arg(long, default_value_t = 40)]
-    pub eval_every: usize,
-    /// Validation batches per evaluation (at most; fewer when less is held out).
-    #[arg(long, default_value_t = 8)]
-    pub eval_batches: usize,
-    /// Fraction of the token stream (its tail) held out for validation.
-    #[arg(long, default_value_t = 0.05)]
-    pub val_fraction: f64,
-    /// Run directory: metrics.jsonl, train_config.json, model/, checkpoints/.
-    #[arg(long, default_value = "runs/default")]
-    pub out_dir: PathBuf,
-    /// When `out_dir` (or the checkpoint directory) already holds a run, replace it: its metrics,
-    /// model and checkpoints are deleted. Without this or `resume` such a directory is refused.
-    #[arg(long, default_value_t = false)]
-    pub overwrite: bool,
-    /// At the end of the run, write `report.html` into `out_dir`: loss, tokens/s, memory per device
-    /// by term, idle per device over the steps and straggler warnings, from `metrics.jsonl`.
-    #[arg(long, default_value_t = false)]
-    pub report: bool,
-    /// Kernel threads of a device that has the process to itself (0: all cores). Several devices
-    /// in one process compute on one thread each.
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
-    /// The `--layout` spec, e.g. `dp=2,tp=2,pp=2,zero=1,mbs=2`, or `auto` (empty: one device).
-    #[arg(long, default_value = "")]
-    pub layout: LayoutSpec,
-    /// StateDtypes of the saved model: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub save_dtype: String,
-    /// Where trained tokenizers are cached (default: `$XDG_CACHE_HOME/ferrotron` or
-    /// `~/.cache/ferrotron`).
-    #[arg(long)]
-    pub cache_dir: Option<PathBuf>,
-    /// The cluster the devices stand for (a `ferrotron plan --cluster` spec): node placement, the
-    /// planner's predictions, and the device memory `layout = "auto"` plans for.
-    #[arg(long, default_value = "this-machine")]
-    pub cluster: String,
-    /// Memory of each device, e.g. `64MiB`, `1.5GB` (default: the cluster's). Going over it is an
-    /// out-of-memory error with the per-term breakdown.
-    #[arg(long)]
-    pub device_memory: Option<String>,
-    /// Allow a tensor-parallel group to span nodes.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
-    pub force_cross_node_tp: bool,
-    /// Where the devices run: `threads` (one process) or `mpi` (one rank per device under mpirun;
-    /// needs a build with the `mpi` feature).
-    #[arg(long, default_value = "threads")]
-    pub backend: String,
-    /// Warn of a straggler when a device computes this fraction above the devices' median ...
-    #[arg(long, default_value_t = 0.2)]
-    pub straggler_threshold: f64,
-    /// ... for this many steps in a row.
-    #[arg(long, default_value_t = 3)]
-    pub straggler_steps: usize,
-    /// Drills: make this device compute `slow_device_ms` longer per action.
-    #[arg(long)]
-    pub slow_device: Option<usize>,
-    /// How much longer the drill's slow device computes per action.
-    #[arg(long, default_value_t = 10.0)]
-    pub slow_device_ms: f64,
-    /// `f32`, or mixed precision `bf16` / `fp16`: weights, gradients and activations stored (and
-    /// moved) in 16 bits, master weights and Adam moments in f32.
-    #[arg(long, default_value_t = MixedPrecision::F32)]
-    pub precision: MixedPrecision,
-    /// fp16: the initial loss scale ...
-    #[arg(long, default_value_t = LossScaling::DEFAULT.initial)]
-    pub loss_scale: f64,
-    /// ... and how many clean steps double it (an inf/NaN halves it and skips the step).
-    #[arg(long, default_value_t = LossScaling::DEFAULT.growth_interval)]
-    pub loss_scale_window: usize,
-    /// Testing: put an inf into the gradients at this step (fp16 must skip it).
-    #[arg(long)]
-    pub inject_nonfinite_step: Option<usize>,
-    /// Save a sharded checkpoint every this many steps (0: only after the last step, which always
-    /// saves one).
-    #[arg(long, default_value_t = 0)]
-    pub checkpoint_every: usize,
-    /// Where checkpoints go (default: `<out_dir>/checkpoints`).
-    #[arg(long)]
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Keep only the newest this many checkpoints (0: keep all).
-    #[arg(long, default_value_t = 0)]
-    pub keep_checkpoints: usize,
-    /// Continue from this checkpoint (a `step-NNNNNN` directory, or a checkpoint directory whose
-    /// `latest` names one), on this run's layout: the parameters and Adam moments are resharded
-    /// to it, the data loader, LR schedule and loss scaler continue where they were.
-    #[arg(long)]
-    pub resume: Option<PathBuf>,
-    /// When this run continues one (`resume`, or fine-tuning a run's `model/`) with a different
-    /// number of tokens per optimizer step: how the LR follows — `none` (keep `lr` and `min_lr`),
-    /// `linear` or `sqrt` (the earlier run's, times the ratio or its square root). Without it such a
-    /// run is refused.
-    #[arg(long)]
-    pub lr_scaling: Option<LrScaling>,
-    /// Fine-tune LoRA adapters of this rank on the frozen model: the base gets no gradients,
-    /// optimizer state or master copy (without it, every parameter trains).
-    #[arg(long)]
-    pub lora_rank: Option<usize>,
-    /// LoRA's alpha: the adapters' product is scaled by alpha / rank (default: twice the rank).
-    #[arg(long)]
-    pub lora_alpha: Option<f64>,
-    /// The projections the adapters target, comma-separated (default: every projection —
-    /// q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; GPT-2 c_attn,c_proj,c_fc).
-    #[arg(long, default_value = "")]
-    pub lora_targets: String,
-    /// Start LoRA from this PEFT adapter directory (adapter_config.json +
-    /// adapter_model.safetensors): its rank, alpha and targets.
-    #[arg(long)]
-    pub adapter: Option<PathBuf>,
-    /// Seconds a device waits for a peer (a message, a collective) before it names the peer and
-    /// ends the run (default: 600 on threads, 60 under MPI).
-    #[arg(long)]
-    pub peer_timeout: Option<f64>,
+/// Declares the settings once: each field's doc comment (the help text), its flag and key (the
+/// field's name), its type and its default. It makes the struct (serde for the TOML keys; with the
+/// `cli` feature, clap for the flags, whose defaults are these same expressions) and its `Default`.
+/// A `value` shows its default in `--help` (through `Display`), a `path` likewise for a path, an
+/// `option` has none. The brackets hold further `#[arg(…)]` settings.
+macro_rules! settings {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident { $($body:tt)* }
+    ) => {
+        settings!(@fields [$(#[$meta])*] $name [] [] $($body)*);
+    };
+    (@fields $meta:tt $name:ident [$($fields:tt)*] [$($defaults:tt)*]
+        $(#[doc = $doc:expr])* value [$($extra:tt)*] $field:ident : $ty:ty = $default:expr; $($rest:tt)*
+    ) => {
+        settings!(@fields $meta $name
+            [$($fields)* $(#[doc = $doc])*
+                #[cfg_attr(feature = "cli", arg(long, default_value_t = $default, $($extra)*))]
+                pub $field: $ty,]
+            [$($defaults)* $field: $default,]
+            $($rest)*);
+    };
+    (@fields $meta:tt $name:ident [$($fields:tt)*] [$($defaults:tt)*]
+        $(#[doc = $doc:expr])* path [$($extra:tt)*] $field:ident : $ty:ty = $default:expr; $($rest:tt)*
+    ) => {
+        settings!(@fields $meta $name
+            [$($fields)* $(#[doc = $doc])*
+                #[cfg_attr(feature = "cli", arg(long, default_value_os_t = $default, $($extra)*))]
+                pub $field: $ty,]
+            [$($defaults)* $field: $default,]
+            $($rest)*);
+    };
+    (@fields $meta:tt $name:ident [$($fields:tt)*] [$($defaults:tt)*]
+        $(#[doc = $doc:expr])* option [$($extra:tt)*] $field:ident : $ty:ty; $($rest:tt)*
+    ) => {
+        settings!(@fields $meta $name
+            [$($fields)* $(#[doc = $doc])*
+                #[cfg_attr(feature = "cli", arg(long, $($extra)*))]
+                pub $field: $ty,]
+            [$($defaults)* $field: None,]
+            $($rest)*);
+    };
+    (@fields [$(#[$meta:meta])*] $name:ident [$($fields:tt)*] [$($defaults:tt)*]) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+        #[cfg_attr(feature = "cli", derive(clap::Args))]
+        #[serde(default, deny_unknown_fields)]
+        pub struct $name { $($fields)* }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self { $($defaults)* }
+            }
+        }
+    };
 }
 
-impl Default for TrainConfig {
-    /// The embedded default run: a ~4M-parameter Llama trained from scratch on the bundled manuals.
-    /// The defaults are the flags' defaults above.
-    fn default() -> Self {
-        use clap::{FromArgMatches, Parser};
-        #[derive(Parser)]
-        struct Defaults {
-            #[command(flatten)]
-            cfg: TrainConfig,
-        }
-        let matches = <Defaults as clap::CommandFactory>::command()
-            .try_get_matches_from(["defaults"])
-            .expect("every setting has a default or is optional");
-        Defaults::from_arg_matches(&matches)
-            .expect("the defaults parse")
-            .cfg
+settings! {
+    /// Every setting of a training run. Each is a key of `run.toml` and a `ferrotron train` flag.
+    pub struct TrainConfig {
+        /// A preset (llama-small, llama-tiny, gpt2-tiny, llama-bench), trained from scratch, or a
+        /// Hugging Face model directory, fine-tuned.
+        value [] model: String = String::from("llama-small");
+        /// `builtin:gnu-manuals`, or comma-separated text files or directories of text files.
+        value [] data: String = String::from(data::BUILTIN_NAME);
+        /// A tokenizer.json (default: the model directory's, or one trained on the data and cached).
+        option [] tokenizer: Option<PathBuf>;
+        /// Optimizer steps.
+        value [] steps: usize = 240;
+        /// Sequences per optimizer step (the effective batch, whatever the layout).
+        value [] batch_size: usize = 16;
+        /// Tokens per sequence.
+        value [] seq_len: usize = 128;
+        /// Peak learning rate (after warm-up; cosine decay to `min_lr`).
+        value [] lr: f64 = 3e-3;
+        /// The learning rate the cosine decay ends at.
+        value [] min_lr: f64 = 3e-4;
+        /// Steps of linear warm-up from 0 to `lr`.
+        value [] warmup_steps: usize = 20;
+        /// AdamW's decoupled weight decay.
+        value [] weight_decay: f32 = 0.1;
+        /// Adam's first-moment decay.
+        value [] beta1: f32 = 0.9;
+        /// Adam's second-moment decay.
+        value [] beta2: f32 = 0.95;
+        /// Adam's epsilon.
+        value [] adam_eps: f32 = 1e-8;
+        /// Clip the global gradient norm to this (0: no clipping).
+        value [] grad_clip: f64 = 1.0;
+        /// Seeds the preset's initial weights and the data order.
+        value [] seed: u64 = 0;
+        /// Evaluate the validation loss every this many steps (and before the first and after the last).
+        value [] eval_every: usize = 40;
+        /// Validation batches per evaluation (at most; fewer when less is held out).
+        value [] eval_batches: usize = 8;
+        /// Fraction of the token stream (its tail) held out for validation.
+        value [] val_fraction: f64 = 0.05;
+        /// Run directory: metrics.jsonl, train_config.json, model/, checkpoints/.
+        path [] out_dir: PathBuf = PathBuf::from("runs/default");
+        /// When `out_dir` (or the checkpoint directory) already holds a run, replace it: its metrics,
+        /// model and checkpoints are deleted. Without this or `resume` such a directory is refused.
+        value [] overwrite: bool = false;
+        /// At the end of the run, write `report.html` into `out_dir`: loss, tokens/s, memory per device
+        /// by term, idle per device over the steps and straggler warnings, from `metrics.jsonl`.
+        value [] report: bool = false;
+        /// Kernel threads of a device that has the process to itself (0: all cores). Several devices
+        /// in one process compute on one thread each.
+        value [] threads: usize = 0;
+        /// The `--layout` spec, e.g. `dp=2,tp=2,pp=2,zero=1,mbs=2`, or `auto` (empty: one device).
+        value [] layout: LayoutSpec = LayoutSpec::default();
+        /// Precision of the saved model: f32, bf16 or f16.
+        value [] save_dtype: String = String::from("f32");
+        /// Where trained tokenizers are cached (default: `$XDG_CACHE_HOME/ferrotron` or
+        /// `~/.cache/ferrotron`).
+        option [] cache_dir: Option<PathBuf>;
+        /// The cluster the devices stand for (a `ferrotron plan --cluster` spec): node placement, the
+        /// planner's predictions, and the device memory `layout = "auto"` plans for.
+        value [] cluster: String = String::from("this-machine");
+        /// Memory of each device, e.g. `64MiB`, `1.5GB` (default: the cluster's). Going over it is an
+        /// out-of-memory error with the per-term breakdown.
+        option [] device_memory: Option<String>;
+        /// Allow a tensor-parallel group to span nodes.
+        value [action = clap::ArgAction::Set] force_cross_node_tp: bool = false;
+        /// Where the devices run: `threads` (one process) or `mpi` (one rank per device under mpirun;
+        /// needs a build with the `mpi` feature).
+        value [] backend: String = String::from("threads");
+        /// Warn of a straggler when a device computes this fraction above the devices' median ...
+        value [] straggler_threshold: f64 = 0.2;
+        /// ... for this many steps in a row.
+        value [] straggler_steps: usize = 3;
+        /// Drills: make this device compute `slow_device_ms` longer per action.
+        option [] slow_device: Option<usize>;
+        /// How much longer the drill's slow device computes per action.
+        value [] slow_device_ms: f64 = 10.0;
+        /// `f32`, or mixed precision `bf16` / `fp16`: weights, gradients and activations stored (and
+        /// moved) in 16 bits, master weights and Adam moments in f32.
+        value [] precision: MixedPrecision = MixedPrecision::F32;
+        /// fp16: the initial loss scale ...
+        value [] loss_scale: f64 = LossScaling::DEFAULT.initial;
+        /// ... and how many clean steps double it (an inf/NaN halves it and skips the step).
+        value [] loss_scale_window: usize = LossScaling::DEFAULT.growth_interval;
+        /// Testing: put an inf into the gradients at this step (fp16 must skip it).
+        option [] inject_nonfinite_step: Option<usize>;
+        /// Save a sharded checkpoint every this many steps (0: only after the last step, which always
+        /// saves one).
+        value [] checkpoint_every: usize = 0;
+        /// Where checkpoints go (default: `<out_dir>/checkpoints`).
+        option [] checkpoint_dir: Option<PathBuf>;
+        /// Keep only the newest this many checkpoints (0: keep all).
+        value [] keep_checkpoints: usize = 0;
+        /// Continue from this checkpoint (a `step-NNNNNN` directory, or a checkpoint directory whose
+        /// `latest` names one), on this run's layout: the parameters and Adam moments are resharded
+        /// to it, the data loader, LR schedule and loss scaler continue where they were.
+        option [] resume: Option<PathBuf>;
+        /// When this run continues one (`resume`, or fine-tuning a run's `model/`) with a different
+        /// number of tokens per optimizer step: how the LR follows — `none` (keep `lr` and `min_lr`),
+        /// `linear` or `sqrt` (the earlier run's, times the ratio or its square root). Without it such a
+        /// run is refused.
+        option [] lr_scaling: Option<LrScaling>;
+        /// Fine-tune LoRA adapters of this rank on the frozen model: the base gets no gradients,
+        /// optimizer state or master copy (without it, every parameter trains).
+        option [] lora_rank: Option<usize>;
+        /// LoRA's alpha: the adapters' product is scaled by alpha / rank (default: twice the rank).
+        option [] lora_alpha: Option<f64>;
+        /// The projections the adapters target, comma-separated (default: every projection —
+        /// q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; GPT-2 c_attn,c_proj,c_fc).
+        value [] lora_targets: String = String::from("");
+        /// Start LoRA from this PEFT adapter directory (adapter_config.json +
+        /// adapter_model.safetensors): its rank, alpha and targets.
+        option [] adapter: Option<PathBuf>;
+        /// Seconds a device waits for a peer (a message, a collective) before it names the peer and
+        /// ends the run (default: 600 on threads, 60 under MPI).
+        option [] peer_timeout: Option<f64>;
     }
 }
 
