@@ -160,6 +160,15 @@ pub enum StorageDtype {
 }
 
 impl StorageDtype {
+    /// The name [`StorageDtype::parse`] takes back.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        }
+    }
+
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "f32" | "fp32" | "float32" => Ok(Self::F32),
@@ -171,6 +180,32 @@ impl StorageDtype {
                 msg: format!("unknown dtype `{other}` (f32, bf16, f16)"),
             }),
         }
+    }
+}
+
+impl std::fmt::Display for StorageDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for StorageDtype {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::parse(s)
+    }
+}
+
+impl serde::Serialize for StorageDtype {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for StorageDtype {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::parse(&s).map_err(|e| serde::de::Error::custom(e.to_string()))
     }
 }
 

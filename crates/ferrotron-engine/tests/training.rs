@@ -186,10 +186,12 @@ fn bad_settings_and_data_are_refused_clearly() {
         ..base.clone()
     });
     assert!(e.contains("tp") && e.contains("node"), "{e}");
-    let e = err(TrainConfig {
-        backend: "carrier-pigeon".into(),
-        ..base.clone()
-    });
+    let toml = serde_json::json!({ "backend": "carrier-pigeon" })
+        .as_object()
+        .cloned();
+    let e = TrainConfig::layered(toml, &base, &|_| false, "run.toml")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("backend"), "{e}");
     // A precision is a value from the settings boundary on: a name it does not know is refused
     // there, naming the key and the value.

@@ -129,6 +129,58 @@ macro_rules! half_element {
 half_element!(half::bf16, Half::Bf16.name());
 half_element!(half::f16, Half::F16.name());
 
+/// Where the devices of a run live: threads of this process, or one MPI rank each (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommBackend {
+    Threads,
+    Mpi,
+}
+
+impl CommBackend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Threads => "threads",
+            Self::Mpi => "mpi",
+        }
+    }
+}
+
+impl std::fmt::Display for CommBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CommBackend {
+    type Err = String;
+    /// `threads`, or `mpi` in a build with the `mpi` feature.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "threads" => Ok(Self::Threads),
+            "mpi" if cfg!(feature = "mpi") => Ok(Self::Mpi),
+            "mpi" => Err(
+                "backend `mpi`: this ferrotron was built without MPI; build it with \
+                 `cargo build --release --features mpi` (needs OpenMPI) and run it under mpirun"
+                    .into(),
+            ),
+            other => Err(format!("backend `{other}`: expected `threads` or `mpi`")),
+        }
+    }
+}
+
+impl serde::Serialize for CommBackend {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for CommBackend {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
     Sum,

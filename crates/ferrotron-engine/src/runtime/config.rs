@@ -4,12 +4,13 @@
 //! override the file, the file overrides the defaults. The engine builds without clap: the flags
 //! exist under the `cli` feature, which the command-line program turns on.
 
+use crate::comm::CommBackend;
 use crate::data;
 use crate::error::{EngineError, Result};
 use crate::optim::{AdamWConfig, LrScaling, LrSchedule};
 use crate::parallel::LossScaling;
 use ferrotron_core::layout::LayoutSpec;
-use ferrotron_core::precision::MixedPrecision;
+use ferrotron_core::precision::{MixedPrecision, StorageDtype};
 use std::path::PathBuf;
 
 /// Declares the settings once: each field's doc comment (the help text), its flag and key (the
@@ -123,7 +124,7 @@ settings! {
         /// The `--layout` spec, e.g. `dp=2,tp=2,pp=2,zero=1,mbs=2`, or `auto` (empty: one device).
         value [] layout: LayoutSpec = LayoutSpec::default();
         /// Precision of the saved model: f32, bf16 or f16.
-        value [] save_dtype: String = String::from("f32");
+        value [] save_dtype: StorageDtype = StorageDtype::F32;
         /// Where trained tokenizers are cached (default: `$XDG_CACHE_HOME/ferrotron` or
         /// `~/.cache/ferrotron`).
         option [] cache_dir: Option<PathBuf>;
@@ -137,7 +138,7 @@ settings! {
         value [action = clap::ArgAction::Set] force_cross_node_tp: bool = false;
         /// Where the devices run: `threads` (one process) or `mpi` (one rank per device under mpirun;
         /// needs a build with the `mpi` feature).
-        value [] backend: String = String::from("threads");
+        value [] backend: CommBackend = CommBackend::Threads;
         /// Warn of a straggler when a device computes this fraction above the devices' median ...
         value [] straggler_threshold: f64 = 0.2;
         /// ... for this many steps in a row.
@@ -349,15 +350,6 @@ impl TrainConfig {
             return bad(
                 "slow_device_ms",
                 "must be a non-negative number of milliseconds",
-            );
-        }
-        if !matches!(self.backend.as_str(), "threads" | "mpi") {
-            return bad("backend", "expected `threads` or `mpi`");
-        }
-        if self.backend == "mpi" && !cfg!(feature = "mpi") {
-            return bad(
-                "backend",
-                "this build has no MPI; build with `--features mpi` (needs OpenMPI) and run under mpirun",
             );
         }
         if !(0.0..1.0).contains(&self.val_fraction) {

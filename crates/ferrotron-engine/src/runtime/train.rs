@@ -238,7 +238,7 @@ fn check_slow_device(cfg: &TrainConfig, candidates: &[Plan]) -> Result<()> {
 /// saves the final model as a Hugging Face directory.
 pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     cfg.check()?;
-    let save_dtype = StorageDtype::parse(&cfg.save_dtype)?;
+    let save_dtype = cfg.save_dtype;
     let mut world = World::open(cfg)?;
     let sp = StartingPoint::resolve(cfg)?;
     // The LR follows the effective batch only as the user says (before the run directory is

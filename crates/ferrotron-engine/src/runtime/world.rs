@@ -38,9 +38,9 @@ pub fn launcher_rank() -> Option<usize> {
 impl World {
     /// The world `cfg.backend` names (under MPI: joins the job).
     pub fn open(cfg: &TrainConfig) -> Result<Self> {
-        match cfg.backend.as_str() {
+        match cfg.backend {
             #[cfg(feature = "mpi")]
-            "mpi" => {
+            crate::comm::CommBackend::Mpi => {
                 let comm =
                     crate::comm::MpiComm::init(cfg.peer_timeout.map(Duration::from_secs_f64))?;
                 super::rank_status::start(crate::comm::Comm::rank(&comm));

@@ -1,31 +1,11 @@
 //! Where a command's devices run: threads in this process, or one MPI rank per device; and what a
 //! one-step command (`grads`, `verify`) trains: the model, or LoRA adapters on it (`--adapter`).
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_engine::parallel::PipelineRun;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Trained};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    Threads,
-    Mpi,
-}
-
-impl Backend {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "threads" => Ok(Self::Threads),
-            "mpi" if cfg!(feature = "mpi") => Ok(Self::Mpi),
-            "mpi" => bail!(
-                "--backend mpi: this ferrotron was built without MPI; build it with \
-                 `cargo build --release --features mpi` (needs OpenMPI) and run it under mpirun"
-            ),
-            other => bail!("--backend `{other}`: expected `threads` or `mpi`"),
-        }
-    }
-}
 
 /// One step under `layout`, this process being device `rank` of the MPI job: rank 0 gets the loss
 /// and gathered gradients, every other rank `None`. A failure on any rank ends the whole job.
@@ -51,7 +31,10 @@ pub fn mpi_layout_step(
     _batch: &TokenBatch,
     _layout: &Layout,
 ) -> Result<Option<(f64, ParamStore, PipelineRun)>> {
-    Backend::parse("mpi").map(|_| None)
+    "mpi"
+        .parse::<ferrotron_engine::comm::CommBackend>()
+        .map(|_| None)
+        .map_err(anyhow::Error::msg)
 }
 
 /// A model directory and, with `--adapter`, PEFT adapters on it: what `grads` and `verify` step.

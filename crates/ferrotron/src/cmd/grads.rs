@@ -1,5 +1,6 @@
 use anyhow::Result;
 use clap::Args;
+use ferrotron_engine::comm::CommBackend;
 use ferrotron_engine::hf::{self, StorageDtype};
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::runtime::layout_step_of;
@@ -25,8 +26,8 @@ pub struct GradsArgs {
     threads: usize,
     /// Where the devices run: `threads` (one process) or `mpi` (one rank per device, under mpirun;
     /// needs a build with `--features mpi`).
-    #[arg(long, default_value = "threads")]
-    backend: String,
+    #[arg(long, default_value_t = CommBackend::Threads)]
+    backend: CommBackend,
     /// A PEFT LoRA adapter directory on the model: the base is frozen, and the output holds the
     /// gradient of every adapter tensor, named as in its `adapter_model.safetensors`.
     #[arg(long)]
@@ -46,13 +47,13 @@ pub fn run(a: GradsArgs) -> Result<()> {
     } else {
         CpuBackend::with_threads(a.threads)
     };
-    let (mean_loss, grads) = match super::backend::Backend::parse(&a.backend)? {
-        super::backend::Backend::Threads => {
+    let (mean_loss, grads) = match a.backend {
+        CommBackend::Threads => {
             let (loss, grads, _) = layout_step_of(cfg, model.trained(), &batch, &layout, &be)?;
             (loss, grads)
         }
         // Every rank computes its device; rank 0 writes the gathered result.
-        super::backend::Backend::Mpi => {
+        CommBackend::Mpi => {
             match super::backend::mpi_layout_step(cfg, model.trained(), &batch, &layout)? {
                 Some((loss, grads, _)) => (loss, grads),
                 None => return Ok(()),

@@ -1,6 +1,7 @@
 use crate::report::run::{device_table, DeviceRow};
 use anyhow::{Context, Result};
 use clap::Args;
+use ferrotron_engine::comm::CommBackend;
 use ferrotron_engine::runtime::{launcher_rank, train, TrainConfig, TrainSummary};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -67,7 +68,7 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
     let cfg = resolve(&args, matches)?;
     cfg.check()?;
     // Under mpirun only rank 0 speaks; the others' output would repeat it.
-    if cfg.backend != "mpi" || launcher_rank().is_none_or(|r| r == 0) {
+    if cfg.backend != CommBackend::Mpi || launcher_rank().is_none_or(|r| r == 0) {
         announce(&cfg)?;
     }
     let summary = train_with_progress(&cfg)?;

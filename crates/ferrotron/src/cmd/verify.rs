@@ -2,6 +2,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use ferrotron_core::precision::MixedPrecision;
 use ferrotron_core::schedule::StagePartition;
+use ferrotron_engine::comm::CommBackend;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::parallel::TpShard;
 use ferrotron_engine::runtime::{layout_step_of, run_step};
@@ -33,8 +34,8 @@ pub struct VerifyArgs {
     tolerance: f64,
     /// Where the split model's devices run: `threads` (one process) or `mpi` (one rank per device,
     /// under mpirun; needs a build with `--features mpi`). Rank 0 runs the unsplit model and reports.
-    #[arg(long, default_value = "threads")]
-    backend: String,
+    #[arg(long, default_value_t = CommBackend::Threads)]
+    backend: CommBackend,
     /// A PEFT LoRA adapter directory on the model: the base is frozen and the adapters' loss and
     /// gradients are compared.
     #[arg(long)]
@@ -65,10 +66,10 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         return verify_async(&a, &model, &layout, &batch);
     }
     let be = CpuBackend::default();
-    let backend = super::backend::Backend::parse(&a.backend)?;
+    let backend = a.backend;
     let (loss, grads, run) = match backend {
-        super::backend::Backend::Threads => layout_step_of(cfg, trained, &batch, &layout, &be)?,
-        super::backend::Backend::Mpi => {
+        CommBackend::Threads => layout_step_of(cfg, trained, &batch, &layout, &be)?,
+        CommBackend::Mpi => {
             match super::backend::mpi_layout_step(cfg, trained, &batch, &layout)? {
                 Some((loss, grads, run)) => (loss, grads, Some(run)),
                 None => return Ok(()), // rank 0 reports
@@ -170,7 +171,7 @@ fn worst_relative_error(
 fn describe_split(
     layout: &ferrotron_core::layout::Layout,
     model: &super::backend::StepModel,
-    backend: super::backend::Backend,
+    backend: CommBackend,
 ) -> Result<()> {
     let cfg = &model.cfg;
     if layout.pp > 1 {
@@ -186,7 +187,7 @@ fn describe_split(
     if layout.tp > 1 {
         println!("tensor parallel: {}", describe_tp_split(cfg, layout.tp)?);
     }
-    if backend == super::backend::Backend::Mpi {
+    if backend == CommBackend::Mpi {
         println!(
             "split run: one MPI rank per device ({} ranks)",
             layout.world_size()
@@ -331,7 +332,7 @@ fn async_steps(
     if !(a.clip.is_finite() && a.clip >= 0.0) {
         bail!("--clip {}: must be a non-negative norm (0: off)", a.clip);
     }
-    if super::backend::Backend::parse(&a.backend)? != super::backend::Backend::Threads {
+    if a.backend != CommBackend::Threads {
         bail!("--steps runs the pipeline on threads (--backend threads)");
     }
     if model.adapters.is_some() {
