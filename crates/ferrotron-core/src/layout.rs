@@ -260,18 +260,7 @@ impl std::str::FromStr for LayoutSpec {
     }
 }
 
-impl serde::Serialize for LayoutSpec {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(&self.text)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for LayoutSpec {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        Self::parse(&s).map_err(|e| serde::de::Error::custom(e.to_string()))
-    }
-}
+crate::serde_as_text!(LayoutSpec);
 
 impl LayoutSpec {
     /// Whether the planner chooses some of the layout (`auto`, or a key that says `auto`).

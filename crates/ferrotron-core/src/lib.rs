@@ -8,6 +8,7 @@ pub mod plan;
 pub mod precision;
 pub mod rank;
 pub mod schedule;
+pub mod text_value;
 pub mod topology;
 
 pub use error::{ConfigError, Result};

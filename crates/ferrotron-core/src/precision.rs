@@ -137,18 +137,7 @@ impl std::str::FromStr for MixedPrecision {
     }
 }
 
-impl serde::Serialize for MixedPrecision {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(self.name())
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for MixedPrecision {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        Self::parse(&s).map_err(|e| serde::de::Error::custom(e.to_string()))
-    }
-}
+crate::serde_as_text!(MixedPrecision);
 
 /// The number format a model is saved in (`save_dtype`, `checkpoint export --dtype`), as
 /// safetensors stores it; `torch_dtype`'s names are accepted too.
@@ -196,18 +185,7 @@ impl std::str::FromStr for StorageDtype {
     }
 }
 
-impl serde::Serialize for StorageDtype {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(self.name())
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for StorageDtype {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        Self::parse(&s).map_err(|e| serde::de::Error::custom(e.to_string()))
-    }
-}
+crate::serde_as_text!(StorageDtype);
 
 /// A number format the planner counts bytes of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -14,6 +14,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "ferrotron-core",
         &[
             "error",
+            "text_value",
             "precision",
             "model",
             "topology",
