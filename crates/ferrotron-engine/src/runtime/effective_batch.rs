@@ -93,7 +93,11 @@ impl EarlierRun {
             serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
         Self::from_settings(settings.display().to_string(), &v)
             .map(Some)
-            .ok_or_else(|| unreadable("no batch_size, seq_len, lr or min_lr".into()))
+            .ok_or_else(|| {
+                unreadable(
+                    "no batch_size, seq_len, lr or min_lr, or a layout that does not parse".into(),
+                )
+            })
     }
 }
 
