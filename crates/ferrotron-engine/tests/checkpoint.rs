@@ -47,24 +47,25 @@ fn model_and_data() -> &'static (PathBuf, PathBuf) {
 
 fn config(tag: &str, layout: &str) -> TrainConfig {
     let (model, corpus) = model_and_data();
-    TrainConfig {
-        model: model.display().to_string(),
-        data: corpus.display().to_string(),
-        steps: 5,
-        batch_size: 8,
-        seq_len: 32,
-        lr: 3e-3,
-        min_lr: 3e-4,
-        warmup_steps: 2,
+    {
+        let mut c = TrainConfig::default();
+        c.input.model = model.display().to_string();
+        c.input.data = corpus.display().to_string();
+        c.optimizer.steps = 5;
+        c.optimizer.batch_size = 8;
+        c.input.seq_len = 32;
+        c.optimizer.lr = 3e-3;
+        c.optimizer.min_lr = 3e-4;
+        c.optimizer.warmup_steps = 2;
         // See data_parallel.rs: with eps = 1e-8 Adam turns f32 rounding of near-zero gradients into
         // 1e-5-sized parameter differences between layouts; 1e-6 keeps updates smooth.
-        adam_eps: 1e-6,
-        eval_every: 0,
-        eval_batches: 1,
-        checkpoint_every: 3,
-        layout: layout.parse().unwrap(),
-        out_dir: temp_dir(tag),
-        ..TrainConfig::default()
+        c.optimizer.adam_eps = 1e-6;
+        c.logging.eval_every = 0;
+        c.logging.eval_batches = 1;
+        c.checkpointing.checkpoint_every = 3;
+        c.parallelism.layout = layout.parse().unwrap();
+        c.checkpointing.out_dir = temp_dir(tag);
+        c
     }
 }
 
@@ -78,12 +79,12 @@ struct Run {
 fn run(cfg: &TrainConfig) -> Run {
     let mut losses = Vec::new();
     train(cfg, &mut |r| losses.push((r.step, r.loss))).unwrap();
-    let root = cfg.out_dir.join("checkpoints");
+    let root = cfg.checkpointing.out_dir.join("checkpoints");
     let (_, params) = checkpoint::load_params(&root).unwrap();
     Run {
         losses,
         params,
-        out: cfg.out_dir.clone(),
+        out: cfg.checkpointing.out_dir.clone(),
     }
 }
 
@@ -139,17 +140,19 @@ fn check_pair(tag: &str, a: &str, b: &str) {
     let full_a = run(&config(&format!("{tag}-a"), a));
     let full_b = run(&config(&format!("{tag}-b"), b));
     for (from, to, full_to, dir) in [(&full_a, b, &full_b, "ab"), (&full_b, a, &full_a, "ba")] {
-        let resumed = run(&TrainConfig {
-            resume: Some(step3(from)),
-            ..config(&format!("{tag}-{dir}"), to)
+        let resumed = run(&{
+            let mut c = config(&format!("{tag}-{dir}"), to);
+            c.checkpointing.resume = Some(step3(from));
+            c
         });
         let (from_layout, _) = if dir == "ab" { (a, b) } else { (b, a) };
         assert_close(&resumed, full_to, &format!("`{from_layout}` → `{to}`"));
     }
     for (full, l) in [(&full_a, a), (&full_b, b)] {
-        let resumed = run(&TrainConfig {
-            resume: Some(step3(full)),
-            ..config(&format!("{tag}-same"), l)
+        let resumed = run(&{
+            let mut c = config(&format!("{tag}-same"), l);
+            c.checkpointing.resume = Some(step3(full));
+            c
         });
         assert_bitwise(&resumed, full, &format!("`{l}` → itself"));
     }
@@ -177,11 +180,12 @@ fn resume_zero1_dp4_on_zero3_dp2_tp2_and_back() {
 
 #[test]
 fn mixed_precision_resumes_bitwise_with_its_loss_scaler() {
-    let cfg = |tag: &str| TrainConfig {
-        precision: ferrotron_core::precision::MixedPrecision::Fp16,
-        loss_scale: 1024.0,
-        loss_scale_window: 2,
-        ..config(tag, "dp=2,tp=2,zero=2")
+    let cfg = |tag: &str| {
+        let mut c = config(tag, "dp=2,tp=2,zero=2");
+        c.numerics.precision = ferrotron_core::precision::MixedPrecision::Fp16;
+        c.numerics.loss_scale = 1024.0;
+        c.numerics.loss_scale_window = 2;
+        c
     };
     let full = run(&cfg("fp16-full"));
     let ck = Checkpoint::open(&step3(&full)).unwrap();
@@ -190,9 +194,10 @@ fn mixed_precision_resumes_bitwise_with_its_loss_scaler() {
         .loss_scaler
         .expect("fp16 records its loss scaler");
     assert_eq!((scaler.scale, scaler.clean_steps), (2048.0, 1));
-    let resumed = run(&TrainConfig {
-        resume: Some(step3(&full)),
-        ..cfg("fp16-resumed")
+    let resumed = run(&{
+        let mut c = cfg("fp16-resumed");
+        c.checkpointing.resume = Some(step3(&full));
+        c
     });
     assert_bitwise(&resumed, &full, "fp16 dp=2,tp=2,zero=2");
 }
@@ -219,13 +224,15 @@ fn offline_reshard_equals_resharding_on_resume() {
             assert!(a == b, "{} {kind:?} changed by resharding", spec.name);
         }
     }
-    let via_offline = run(&TrainConfig {
-        resume: Some(out.clone()),
-        ..config("reshard-offline", "tp=4")
+    let via_offline = run(&{
+        let mut c = config("reshard-offline", "tp=4");
+        c.checkpointing.resume = Some(out.clone());
+        c
     });
-    let via_resume = run(&TrainConfig {
-        resume: Some(step3(&full)),
-        ..config("reshard-online", "tp=4")
+    let via_resume = run(&{
+        let mut c = config("reshard-online", "tp=4");
+        c.checkpointing.resume = Some(step3(&full));
+        c
     });
     assert_bitwise(
         &via_offline,
@@ -256,9 +263,10 @@ fn open_err(dir: &Path) -> String {
 
 #[test]
 fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
-    let full = run(&TrainConfig {
-        steps: 3,
-        ..config("damage-src", "dp=2,tp=2")
+    let full = run(&{
+        let mut c = config("damage-src", "dp=2,tp=2");
+        c.optimizer.steps = 3;
+        c
     });
     let good = step3(&full);
     Checkpoint::open(&good).unwrap();
@@ -378,10 +386,11 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
 
     // A checkpoint of another model: resuming the GPT-2 fixture from it.
     let e = train(
-        &TrainConfig {
-            model: fixture("gpt2_tiny").display().to_string(),
-            resume: Some(good.clone()),
-            ..config("foreign", "")
+        &{
+            let mut c = config("foreign", "");
+            c.input.model = fixture("gpt2_tiny").display().to_string();
+            c.checkpointing.resume = Some(good.clone());
+            c
         },
         &mut |_| {},
     )
@@ -391,10 +400,11 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
 
     // Nothing left to train.
     let e = train(
-        &TrainConfig {
-            steps: 3,
-            resume: Some(good),
-            ..config("done", "")
+        &{
+            let mut c = config("done", "");
+            c.optimizer.steps = 3;
+            c.checkpointing.resume = Some(good);
+            c
         },
         &mut |_| {},
     )
@@ -435,14 +445,16 @@ fn training_from_an_imported_model_equals_training_from_its_directory() {
     let (model, _) = model_and_data();
     let root = temp_dir("import-train");
     checkpoint::import_hf(model, &LayoutSpec::parse("tp=2").unwrap().layout, &root).unwrap();
-    let direct = run(&TrainConfig {
-        checkpoint_every: 0,
-        ..config("import-direct", "dp=2")
+    let direct = run(&{
+        let mut c = config("import-direct", "dp=2");
+        c.checkpointing.checkpoint_every = 0;
+        c
     });
-    let imported = run(&TrainConfig {
-        checkpoint_every: 0,
-        resume: Some(root),
-        ..config("import-resumed", "dp=2")
+    let imported = run(&{
+        let mut c = config("import-resumed", "dp=2");
+        c.checkpointing.checkpoint_every = 0;
+        c.checkpointing.resume = Some(root);
+        c
     });
     assert_eq!(imported.losses.len(), 5);
     assert_bitwise(

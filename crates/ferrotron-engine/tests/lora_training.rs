@@ -29,40 +29,41 @@ fn temp_dir(tag: &str) -> PathBuf {
 fn config(tag: &str, model: &str, layout: &str, steps: usize) -> TrainConfig {
     let corpus = temp_dir(&format!("{tag}-data")).join("manual.txt");
     std::fs::write(&corpus, &data::BUILTIN_CORPUS[..80_000]).unwrap();
-    TrainConfig {
-        model: fixture(model).display().to_string(),
-        data: corpus.display().to_string(),
-        steps,
-        batch_size: 8,
-        seq_len: 32,
-        lr: 1e-2,
-        min_lr: 1e-3,
-        warmup_steps: 2,
+    {
+        let mut c = TrainConfig::default();
+        c.input.model = fixture(model).display().to_string();
+        c.input.data = corpus.display().to_string();
+        c.optimizer.steps = steps;
+        c.optimizer.batch_size = 8;
+        c.input.seq_len = 32;
+        c.optimizer.lr = 1e-2;
+        c.optimizer.min_lr = 1e-3;
+        c.optimizer.warmup_steps = 2;
         // As in data_parallel.rs: Adam's g/(|g| + eps) turns f32 rounding of near-zero gradients
         // into visible differences between layouts when eps is 1e-8.
-        adam_eps: 1e-6,
-        grad_clip: 0.5,
-        eval_every: 0,
-        eval_batches: 2,
-        lora_rank: Some(4),
-        layout: layout.parse().unwrap(),
-        out_dir: temp_dir(tag),
-        ..TrainConfig::default()
+        c.optimizer.adam_eps = 1e-6;
+        c.optimizer.grad_clip = 0.5;
+        c.logging.eval_every = 0;
+        c.logging.eval_batches = 2;
+        c.lora.lora_rank = Some(4);
+        c.parallelism.layout = layout.parse().unwrap();
+        c.checkpointing.out_dir = temp_dir(tag);
+        c
     }
 }
 
 /// The adapters a finished run wrote (`<out_dir>/adapter`, PEFT's format).
 fn trained_adapters(cfg: &TrainConfig) -> Adapters {
     let (model, _) = hf::load_model(&fixture_of(cfg)).unwrap();
-    Adapters::load_peft(&cfg.out_dir.join("adapter"), &model).unwrap()
+    Adapters::load_peft(&cfg.checkpointing.out_dir.join("adapter"), &model).unwrap()
 }
 
 fn fixture_of(cfg: &TrainConfig) -> PathBuf {
-    PathBuf::from(&cfg.model)
+    PathBuf::from(&cfg.input.model)
 }
 
 fn losses(cfg: &TrainConfig) -> Vec<f64> {
-    std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+    std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| {
@@ -84,9 +85,10 @@ fn assert_close(a: &ParamStore, b: &ParamStore, tol: f64, what: &str) {
 #[test]
 fn a_lora_run_trains_only_the_adapters_and_writes_peft_and_merged_models() {
     for model in ["llama_tiny", "gpt2_tiny"] {
-        let cfg = TrainConfig {
-            eval_every: 10,
-            ..config(&format!("run-{model}"), model, "", 20)
+        let cfg = {
+            let mut c = config(&format!("run-{model}"), model, "", 20);
+            c.logging.eval_every = 10;
+            c
         };
         let summary = train(&cfg, &mut |_| {}).unwrap();
         let (first, last) = (
@@ -117,17 +119,21 @@ fn a_lora_run_trains_only_the_adapters_and_writes_peft_and_merged_models() {
                     let path = fixture(model).join("tokenizer.json");
                     let tok = data::load_tokenizer(&path).unwrap();
                     let framing = data::DocumentFraming::for_tokenizer(&tok, &path).unwrap();
-                    data::encode_documents(&tok, &framing, &data::read_corpus(&cfg.data).unwrap())
-                        .unwrap()
+                    data::encode_documents(
+                        &tok,
+                        &framing,
+                        &data::read_corpus(&cfg.input.data).unwrap(),
+                    )
+                    .unwrap()
                 },
-                cfg.val_fraction,
-                cfg.seq_len,
+                cfg.input.val_fraction,
+                cfg.input.seq_len,
             )
             .unwrap()
             .val,
-            cfg.seq_len,
-            cfg.batch_size,
-            cfg.eval_batches,
+            cfg.input.seq_len,
+            cfg.optimizer.batch_size,
+            cfg.logging.eval_batches,
         );
         let tf = Trained::full(&merged).unsplit(&mcfg);
         let be = CpuBackend::default();
@@ -148,11 +154,12 @@ fn a_lora_run_trains_only_the_adapters_and_writes_peft_and_merged_models() {
 /// the first step, where Adam's `g / (√v + eps)` would turn f32 rounding into visible differences
 /// (a fresh adapter's `A` gets exactly zero gradient at step 0 and a tiny one at step 1).
 fn from_reference(tag: &str, layout: &str, steps: usize) -> TrainConfig {
-    TrainConfig {
-        lora_rank: None,
-        adapter: Some(fixture("lora").join("llama_tiny")),
-        lr: 3e-3,
-        ..config(tag, "llama_tiny", layout, steps)
+    {
+        let mut c = config(tag, "llama_tiny", layout, steps);
+        c.lora.lora_rank = None;
+        c.lora.adapter = Some(fixture("lora").join("llama_tiny"));
+        c.optimizer.lr = 3e-3;
+        c
     }
 }
 
@@ -185,16 +192,17 @@ fn a_loaded_peft_adapter_continues_exactly_as_the_one_in_memory() {
     let a = config("continue-a", "gpt2_tiny", "dp=2,mbs=2", 5);
     let (mcfg, _) = hf::load_model(&fixture("gpt2_tiny")).unwrap();
     let lora = ferrotron_core::model::LoraConfig::new(&mcfg, 4, 8.0, &[]).unwrap();
-    let fresh = Adapters::init(&mcfg, lora, a.seed);
+    let fresh = Adapters::init(&mcfg, lora, a.input.seed);
     let dir = temp_dir("continue-peft");
     fresh.save_peft(&dir, &mcfg, None).unwrap();
     let loaded = Adapters::load_peft(&dir, &mcfg).unwrap();
     assert_eq!(loaded.params, fresh.params, "the PEFT round trip is exact");
     train(&a, &mut |_| {}).unwrap();
-    let b = TrainConfig {
-        lora_rank: None,
-        adapter: Some(dir),
-        ..config("continue-b", "gpt2_tiny", "dp=2,mbs=2", 5)
+    let b = {
+        let mut c = config("continue-b", "gpt2_tiny", "dp=2,mbs=2", 5);
+        c.lora.lora_rank = None;
+        c.lora.adapter = Some(dir);
+        c
     };
     train(&b, &mut |_| {}).unwrap();
     assert_eq!(losses(&a), losses(&b));
@@ -204,22 +212,28 @@ fn a_loaded_peft_adapter_continues_exactly_as_the_one_in_memory() {
 #[test]
 fn a_lora_checkpoint_resumes_exactly_on_its_layout_and_reshards_to_another() {
     // Five steps with a checkpoint after the third: the uninterrupted run, and where to resume.
-    let full = TrainConfig {
-        checkpoint_every: 3,
-        ..from_reference("resume-full", "tp=2,pp=2,mbs=2", 5)
+    let full = {
+        let mut c = from_reference("resume-full", "tp=2,pp=2,mbs=2", 5);
+        c.checkpointing.checkpoint_every = 3;
+        c
     };
     train(&full, &mut |_| {}).unwrap();
     let want = trained_adapters(&full);
-    let ck = full.out_dir.join("checkpoints").join("step-000003");
+    let ck = full
+        .checkpointing
+        .out_dir
+        .join("checkpoints")
+        .join("step-000003");
     let manifest = Checkpoint::open(&ck).unwrap().manifest;
     assert_eq!(manifest.lora.as_ref().map(|l| l.rank), Some(4));
     assert_eq!(manifest.tensors.len(), want.params.specs.len());
     for layout in ["tp=2,pp=2,mbs=2", "dp=2,zero=2,mbs=2"] {
         let tag = layout.replace([',', '='], "-");
-        let resumed = TrainConfig {
-            resume: Some(ck.clone()),
-            adapter: None,
-            ..from_reference(&format!("resumed-{tag}"), layout, 5)
+        let resumed = {
+            let mut c = from_reference(&format!("resumed-{tag}"), layout, 5);
+            c.checkpointing.resume = Some(ck.clone());
+            c.lora.adapter = None;
+            c
         };
         train(&resumed, &mut |_| {}).unwrap();
         let got = trained_adapters(&resumed);
@@ -241,11 +255,12 @@ fn a_lora_checkpoint_resumes_exactly_on_its_layout_and_reshards_to_another() {
     );
     assert_eq!(a.params().unwrap(), b.params().unwrap());
     // Resuming adapters and starting from a PEFT adapter at once is ambiguous: refused.
-    let both = TrainConfig {
-        resume: Some(ck.clone()),
-        adapter: Some(full.out_dir.join("adapter")),
-        lora_rank: None,
-        ..config("resume-both", "llama_tiny", "", 5)
+    let both = {
+        let mut c = config("resume-both", "llama_tiny", "", 5);
+        c.checkpointing.resume = Some(ck.clone());
+        c.lora.adapter = Some(full.checkpointing.out_dir.join("adapter"));
+        c.lora.lora_rank = None;
+        c
     };
     let e = train(&both, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("--adapter and --resume"), "{e}");
@@ -302,9 +317,11 @@ fn lora_composes_with_mixed_precision_on_the_3d_mesh() {
     let f32_run = from_reference("mp-f32", layout, 5);
     train(&f32_run, &mut |_| {}).unwrap();
     for precision in ["bf16", "fp16"] {
-        let cfg = TrainConfig {
-            precision: ferrotron_core::precision::MixedPrecision::parse(precision).unwrap(),
-            ..from_reference(&format!("mp-{precision}"), layout, 5)
+        let cfg = {
+            let mut c = from_reference(&format!("mp-{precision}"), layout, 5);
+            c.numerics.precision =
+                ferrotron_core::precision::MixedPrecision::parse(precision).unwrap();
+            c
         };
         train(&cfg, &mut |_| {}).unwrap();
         for (step, (a, b)) in losses(&cfg).iter().zip(losses(&f32_run)).enumerate() {

@@ -188,19 +188,20 @@ fn run_config(tag: &str, layout: &str, steps: usize) -> ferrotron_engine::runtim
     std::fs::create_dir_all(&dir).unwrap();
     let corpus = dir.join("manual.txt");
     std::fs::write(&corpus, &ferrotron_engine::data::BUILTIN_CORPUS[..60_000]).unwrap();
-    ferrotron_engine::runtime::TrainConfig {
-        model: fixture("gpt2_tiny").display().to_string(),
-        data: corpus.display().to_string(),
-        steps,
-        batch_size: 8,
-        seq_len: 32,
-        warmup_steps: 2,
-        adam_eps: 1e-6,
-        eval_every: 0,
-        eval_batches: 2,
-        layout: layout.parse().unwrap(),
-        out_dir: dir.join("run"),
-        ..Default::default()
+    {
+        let mut c = ferrotron_engine::runtime::TrainConfig::default();
+        c.input.model = fixture("gpt2_tiny").display().to_string();
+        c.input.data = corpus.display().to_string();
+        c.optimizer.steps = steps;
+        c.optimizer.batch_size = 8;
+        c.input.seq_len = 32;
+        c.optimizer.warmup_steps = 2;
+        c.optimizer.adam_eps = 1e-6;
+        c.logging.eval_every = 0;
+        c.logging.eval_batches = 2;
+        c.parallelism.layout = layout.parse().unwrap();
+        c.checkpointing.out_dir = dir.join("run");
+        c
     }
 }
 
@@ -208,44 +209,57 @@ fn run_config(tag: &str, layout: &str, steps: usize) -> ferrotron_engine::runtim
 fn an_asynchronous_run_resumes_bitwise_from_its_drained_checkpoint() {
     use ferrotron_engine::runtime::{train, TrainConfig};
     let layout = "pp=2,dp=2,zero=1,mbs=2,schedule=2bw";
-    let full = TrainConfig {
-        checkpoint_every: 3,
-        ..run_config("full", layout, 6)
+    let full = {
+        let mut c = run_config("full", layout, 6);
+        c.checkpointing.checkpoint_every = 3;
+        c
     };
     train(&full, &mut |_| {}).unwrap();
-    let resumed = TrainConfig {
-        resume: Some(full.out_dir.join("checkpoints").join("step-000003")),
-        checkpoint_every: 3,
-        ..run_config("resumed", layout, 6)
+    let resumed = {
+        let mut c = run_config("resumed", layout, 6);
+        c.checkpointing.resume = Some(
+            full.checkpointing
+                .out_dir
+                .join("checkpoints")
+                .join("step-000003"),
+        );
+        c.checkpointing.checkpoint_every = 3;
+        c
     };
     train(&resumed, &mut |_| {}).unwrap();
-    let load = |c: &TrainConfig| hf::load_model(&c.out_dir.join("model")).unwrap().1;
+    let load = |c: &TrainConfig| {
+        hf::load_model(&c.checkpointing.out_dir.join("model"))
+            .unwrap()
+            .1
+    };
     assert_eq!(load(&full), load(&resumed));
     // Every step was reported, with a loss.
-    let lines = std::fs::read_to_string(full.out_dir.join("metrics.jsonl")).unwrap();
+    let lines = std::fs::read_to_string(full.checkpointing.out_dir.join("metrics.jsonl")).unwrap();
     assert_eq!(lines.lines().count(), 6);
     assert!(lines.lines().all(|l| l.contains("\"loss\":")));
 }
 
 #[test]
 fn what_the_asynchronous_executor_does_not_run_is_refused_by_name() {
-    use ferrotron_engine::runtime::{train, TrainConfig};
+    use ferrotron_engine::runtime::train;
     for (layout, precision, want) in [
         ("pp=2,dp=2,zero=3,schedule=2bw", "f32", "zero"),
         ("pp=2,schedule=pipedream", "fp16", "fp16's loss scaling"),
         ("pp=2,vpp=2,schedule=2bw", "f32", "vpp"),
         ("pp=4,mbs=4,schedule=2bw", "f32", "needs at least pp=4"),
     ] {
-        let cfg = TrainConfig {
-            precision: MixedPrecision::parse(precision).unwrap(),
-            ..run_config("refused", layout, 2)
+        let cfg = {
+            let mut c = run_config("refused", layout, 2);
+            c.numerics.precision = MixedPrecision::parse(precision).unwrap();
+            c
         };
         let e = train(&cfg, &mut |_| {}).unwrap_err().to_string();
         assert!(e.contains(want), "{layout} {precision}: {e}");
     }
-    let lora = TrainConfig {
-        lora_rank: Some(2),
-        ..run_config("refused-lora", "pp=2,schedule=2bw", 2)
+    let lora = {
+        let mut c = run_config("refused-lora", "pp=2,schedule=2bw", 2);
+        c.lora.lora_rank = Some(2);
+        c
     };
     let e = train(&lora, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("LoRA"), "{e}");

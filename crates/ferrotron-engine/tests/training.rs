@@ -56,19 +56,20 @@ fn micro_batches_accumulate_to_the_full_batch_gradient() {
 fn tiny_config(tag: &str) -> TrainConfig {
     let corpus = temp_dir(&format!("{tag}-data")).join("manual.txt");
     std::fs::write(&corpus, &data::BUILTIN_CORPUS[..120_000]).unwrap();
-    TrainConfig {
-        model: fixture("llama_tiny").display().to_string(),
-        data: corpus.display().to_string(),
-        steps: 30,
-        batch_size: 8,
-        seq_len: 32,
-        lr: 3e-3,
-        min_lr: 3e-4,
-        warmup_steps: 5,
-        eval_every: 10,
-        eval_batches: 4,
-        out_dir: temp_dir(tag),
-        ..TrainConfig::default()
+    {
+        let mut c = TrainConfig::default();
+        c.input.model = fixture("llama_tiny").display().to_string();
+        c.input.data = corpus.display().to_string();
+        c.optimizer.steps = 30;
+        c.optimizer.batch_size = 8;
+        c.input.seq_len = 32;
+        c.optimizer.lr = 3e-3;
+        c.optimizer.min_lr = 3e-4;
+        c.optimizer.warmup_steps = 5;
+        c.logging.eval_every = 10;
+        c.logging.eval_batches = 4;
+        c.checkpointing.out_dir = temp_dir(tag);
+        c
     }
 }
 
@@ -84,7 +85,7 @@ fn fine_tuning_lowers_validation_loss_and_writes_metrics_and_model() {
     );
     println!("val loss {first} -> {last}");
     assert!(last < first - 0.5);
-    let metrics = std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl")).unwrap();
+    let metrics = std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl")).unwrap();
     let lines: Vec<serde_json::Value> = metrics
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -122,17 +123,19 @@ fn fine_tuning_lowers_validation_loss_and_writes_metrics_and_model() {
 #[test]
 fn same_seed_same_run() {
     let a = train(
-        &TrainConfig {
-            steps: 5,
-            ..tiny_config("det-a")
+        &{
+            let mut c = tiny_config("det-a");
+            c.optimizer.steps = 5;
+            c
         },
         &mut |_| {},
     )
     .unwrap();
     let b = train(
-        &TrainConfig {
-            steps: 5,
-            ..tiny_config("det-b")
+        &{
+            let mut c = tiny_config("det-b");
+            c.optimizer.steps = 5;
+            c
         },
         &mut |_| {},
     )
@@ -144,9 +147,10 @@ fn same_seed_same_run() {
 fn bad_settings_and_data_are_refused_clearly() {
     let base = tiny_config("bad");
     let err = |c: TrainConfig| train(&c, &mut |_| {}).unwrap_err().to_string();
-    let e = err(TrainConfig {
-        seq_len: 300,
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.input.seq_len = 300;
+        c
     });
     assert!(
         e.contains("seq_len 300")
@@ -154,36 +158,41 @@ fn bad_settings_and_data_are_refused_clearly() {
             && e.contains("config.json"),
         "{e}"
     );
-    let empty = base.out_dir.join("empty.txt");
+    let empty = base.checkpointing.out_dir.join("empty.txt");
     std::fs::write(&empty, "  \n").unwrap();
-    let e = err(TrainConfig {
-        data: empty.display().to_string(),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.input.data = empty.display().to_string();
+        c
     });
     assert!(e.contains("empty.txt") && e.contains("empty"), "{e}");
-    let e = err(TrainConfig {
-        data: "/nonexistent/corpus.txt".into(),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.input.data = "/nonexistent/corpus.txt".into();
+        c
     });
     assert!(e.contains("/nonexistent/corpus.txt"), "{e}");
-    let e = err(TrainConfig {
-        model: "llama-huge".into(),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.input.model = "llama-huge".into();
+        c
     });
     assert!(e.contains("llama-huge") && e.contains("preset"), "{e}");
-    let e = err(TrainConfig {
-        layout: "dp=16".parse().unwrap(),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.parallelism.layout = "dp=16".parse().unwrap();
+        c
     });
     assert!(
         e.contains("16 devices") && e.contains("cluster has 8"),
         "{e}"
     );
     // A tensor-parallel group across two nodes of two devices each.
-    let e = err(TrainConfig {
-        layout: "tp=4".parse().unwrap(),
-        cluster: "this-machine,nodes=2,devices_per_node=2".into(),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.parallelism.layout = "tp=4".parse().unwrap();
+        c.parallelism.cluster = "this-machine,nodes=2,devices_per_node=2".into();
+        c
     });
     assert!(e.contains("tp") && e.contains("node"), "{e}");
     let toml = serde_json::json!({ "backend": "carrier-pigeon" })
@@ -202,21 +211,24 @@ fn bad_settings_and_data_are_refused_clearly() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("precision") && e.contains("fp8"), "{e}");
-    let e = err(TrainConfig {
-        precision: ferrotron_core::precision::MixedPrecision::Fp16,
-        loss_scale: 0.0,
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.numerics.precision = ferrotron_core::precision::MixedPrecision::Fp16;
+        c.numerics.loss_scale = 0.0;
+        c
     });
     assert!(e.contains("loss_scale"), "{e}");
-    let e = err(TrainConfig {
-        layout: "dp=2".parse().unwrap(),
-        slow_device: Some(5),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.parallelism.layout = "dp=2".parse().unwrap();
+        c.logging.slow_device = Some(5);
+        c
     });
     assert!(e.contains("slow_device") && e.contains("2 devices"), "{e}");
-    let e = err(TrainConfig {
-        layout: "tp=3".parse().unwrap(),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.parallelism.layout = "tp=3".parse().unwrap();
+        c
     });
     assert!(e.contains("tp=3") && e.contains("heads"), "{e}");
     // A layout is a value from the settings boundary on: a bad one is refused there.
@@ -231,12 +243,13 @@ fn bad_settings_and_data_are_refused_clearly() {
     let (_, big) = data::train_or_load_tokenizer(
         &[data::BUILTIN_CORPUS[..100_000].to_string()],
         1024,
-        &base.out_dir,
+        &base.checkpointing.out_dir,
     )
     .unwrap();
-    let e = err(TrainConfig {
-        tokenizer: Some(big.clone()),
-        ..base.clone()
+    let e = err({
+        let mut c = base.clone();
+        c.input.tokenizer = Some(big.clone());
+        c
     });
     assert!(
         e.contains(&big.display().to_string()) && e.contains("1024") && e.contains("512"),
@@ -288,13 +301,14 @@ fn losses(layout: &str, steps: usize) -> Vec<f64> {
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect();
-    let cfg = TrainConfig {
-        steps,
-        layout: layout.parse().unwrap(),
-        ..tiny_config(&format!("track-{steps}-{tag}"))
+    let cfg = {
+        let mut c = tiny_config(&format!("track-{steps}-{tag}"));
+        c.optimizer.steps = steps;
+        c.parallelism.layout = layout.parse().unwrap();
+        c
     };
     train(&cfg, &mut |_| {}).unwrap();
-    std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+    std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| {
@@ -339,20 +353,22 @@ fn tensor_parallel_training_tracks_the_unsplit_run_for_ten_steps() {
 
 #[test]
 fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_that_fits() {
-    let base = TrainConfig {
-        model: "llama-small".into(),
-        steps: 2,
-        batch_size: 8,
-        seq_len: 64,
-        eval_every: 0,
-        device_memory: Some("40MB".into()),
-        ..tiny_config("capacity")
+    let base = {
+        let mut c = tiny_config("capacity");
+        c.input.model = "llama-small".into();
+        c.optimizer.steps = 2;
+        c.optimizer.batch_size = 8;
+        c.input.seq_len = 64;
+        c.logging.eval_every = 0;
+        c.parallelism.device_memory = Some("40MB".into());
+        c
     };
     // dp=2 keeps the whole model state on each device: 4.26M parameters × 16 bytes alone are 68 MB.
     let e = train(
-        &TrainConfig {
-            layout: "dp=2".parse().unwrap(),
-            ..base.clone()
+        &{
+            let mut c = base.clone();
+            c.parallelism.layout = "dp=2".parse().unwrap();
+            c
         },
         &mut |_| {},
     )
@@ -368,10 +384,11 @@ fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_t
     );
     // The planner picks a layout that fits in 40 MB, and it runs within it.
     let summary = train(
-        &TrainConfig {
-            layout: "auto".parse().unwrap(),
-            out_dir: temp_dir("capacity-auto"),
-            ..base.clone()
+        &{
+            let mut c = base.clone();
+            c.parallelism.layout = "auto".parse().unwrap();
+            c.checkpointing.out_dir = temp_dir("capacity-auto");
+            c
         },
         &mut |_| {},
     )
@@ -386,14 +403,15 @@ fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_t
 
 #[test]
 fn an_injected_slow_device_is_named_as_a_straggler() {
-    let cfg = TrainConfig {
-        steps: 5,
-        batch_size: 8,
-        layout: "dp=2,pp=2".parse().unwrap(),
-        eval_every: 0,
-        slow_device: Some(3),
-        slow_device_ms: 5.0,
-        ..tiny_config("straggler")
+    let cfg = {
+        let mut c = tiny_config("straggler");
+        c.optimizer.steps = 5;
+        c.optimizer.batch_size = 8;
+        c.parallelism.layout = "dp=2,pp=2".parse().unwrap();
+        c.logging.eval_every = 0;
+        c.logging.slow_device = Some(3);
+        c.logging.slow_device_ms = 5.0;
+        c
     };
     let mut warnings = Vec::new();
     train(&cfg, &mut |r| warnings.extend(r.warnings.iter().cloned())).unwrap();
@@ -405,7 +423,7 @@ fn an_injected_slow_device_is_named_as_a_straggler() {
             "{w}"
         );
     }
-    let line = std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+    let line = std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .last()
@@ -418,17 +436,19 @@ fn an_injected_slow_device_is_named_as_a_straggler() {
 #[test]
 fn mixed_precision_training_reaches_the_f32_validation_loss() {
     let run = |precision: &str, inject: Option<usize>| {
-        let cfg = TrainConfig {
-            steps: 200,
-            batch_size: 8,
-            eval_every: 100,
-            precision: ferrotron_core::precision::MixedPrecision::parse(precision).unwrap(),
-            inject_nonfinite_step: inject,
-            ..tiny_config(&format!("mixed-{precision}"))
+        let cfg = {
+            let mut c = tiny_config(&format!("mixed-{precision}"));
+            c.optimizer.steps = 200;
+            c.optimizer.batch_size = 8;
+            c.logging.eval_every = 100;
+            c.numerics.precision =
+                ferrotron_core::precision::MixedPrecision::parse(precision).unwrap();
+            c.numerics.inject_nonfinite_step = inject;
+            c
         };
         let summary = train(&cfg, &mut |_| {}).unwrap();
         let lines: Vec<serde_json::Value> =
-            std::fs::read_to_string(cfg.out_dir.join("metrics.jsonl"))
+            std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl"))
                 .unwrap()
                 .lines()
                 .map(|l| serde_json::from_str(l).unwrap())

@@ -33,9 +33,9 @@ impl CheckpointPlan {
     ) -> Self {
         Self {
             root: cfg.checkpoint_root(),
-            every: cfg.checkpoint_every,
-            keep: cfg.keep_checkpoints,
-            total_steps: cfg.steps,
+            every: cfg.checkpointing.checkpoint_every,
+            keep: cfg.checkpointing.keep_checkpoints,
+            total_steps: cfg.optimizer.steps,
             template: Manifest {
                 format: FORMAT.into(),
                 version: VERSION,
@@ -43,7 +43,7 @@ impl CheckpointPlan {
                 model: model.clone(),
                 layout: layout.to_string(),
                 world_size: layout.world_size(),
-                precision: cfg.precision,
+                precision: cfg.numerics.precision,
                 optimizer: OptimizerState {
                     step: 0,
                     adamw: adam,

@@ -63,11 +63,11 @@ pub(super) fn run_device<C: Comm>(
         .with_drain_after(&drain);
     let world = step.world();
     let training = Training {
-        steps: cfg.steps,
+        steps: cfg.optimizer.steps,
         batch_of: &|k| run.batch(k).clone(),
         adam: run.adam,
         lr: &run.schedule,
-        clip: cfg.grad_clip,
+        clip: cfg.optimizer.grad_clip,
     };
     let mut dev = step.train_device(c, &training, &mut |mesh, c, dev, report| {
         let mine = Figures::of(report);
@@ -152,7 +152,8 @@ pub(super) fn layout_facts(
 }
 
 fn capacity(cfg: &TrainConfig) -> Result<Option<u64>> {
-    cfg.device_memory
+    cfg.parallelism
+        .device_memory
         .as_deref()
         .map(super::config::parse_bytes)
         .transpose()

@@ -103,29 +103,29 @@ impl EarlierRun {
 
 /// One line for the start of every run: tokens per optimizer step and the LR schedule they go with.
 pub fn describe(cfg: &TrainConfig) -> String {
-    let per_update = sequences_per_update(cfg.batch_size, &cfg.layout);
-    let batch = if per_update == cfg.batch_size {
+    let per_update = sequences_per_update(cfg.optimizer.batch_size, &cfg.parallelism.layout);
+    let batch = if per_update == cfg.optimizer.batch_size {
         format!(
             "{} sequences × {} tokens = {} tokens per optimizer step (whatever the layout)",
-            cfg.batch_size,
-            cfg.seq_len,
-            cfg.batch_size * cfg.seq_len
+            cfg.optimizer.batch_size,
+            cfg.input.seq_len,
+            cfg.optimizer.batch_size * cfg.input.seq_len
         )
     } else {
         format!(
             "schedule=pipedream updates after every micro-batch: dp × mbs = {per_update} \
              sequences × {} tokens = {} tokens per optimizer update, {} updates per step of {} \
              sequences",
-            cfg.seq_len,
-            per_update * cfg.seq_len,
-            cfg.batch_size / per_update.max(1),
-            cfg.batch_size
+            cfg.input.seq_len,
+            per_update * cfg.input.seq_len,
+            cfg.optimizer.batch_size / per_update.max(1),
+            cfg.optimizer.batch_size
         )
     };
     format!(
         "effective batch: {batch}; LR: linear warm-up over {} steps to {:e}, cosine decay to {:e} \
          at step {}",
-        cfg.warmup_steps, cfg.lr, cfg.min_lr, cfg.steps
+        cfg.optimizer.warmup_steps, cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.steps
     )
 }
 
@@ -142,7 +142,7 @@ pub fn guard(
     };
     let (before, now) = (
         e.tokens_per_update(),
-        sequences_per_update(cfg.batch_size, &cfg.layout) * cfg.seq_len,
+        sequences_per_update(cfg.optimizer.batch_size, &cfg.parallelism.layout) * cfg.input.seq_len,
     );
     if before == now {
         return Ok((out, None));
@@ -155,15 +155,15 @@ pub fn guard(
         e.seq_len,
         e.lr,
         e.origin,
-        sequences_per_update(cfg.batch_size, &cfg.layout),
-        cfg.seq_len
+        sequences_per_update(cfg.optimizer.batch_size, &cfg.parallelism.layout),
+        cfg.input.seq_len
     );
-    let Some(rule) = cfg.lr_scaling else {
+    let Some(rule) = cfg.optimizer.lr_scaling else {
         return Err(EngineError::Invalid(format!(
             "the effective batch changes: {sizes}. The learning rate that worked belongs to the \
              old batch; say how it follows with --lr-scaling none (keep --lr {:e}), linear \
              (lr {:e}) or sqrt (lr {:e})",
-            cfg.lr,
+            cfg.optimizer.lr,
             e.lr * ratio,
             e.lr * ratio.sqrt()
         )));
@@ -172,15 +172,15 @@ pub fn guard(
     let note = match rule.factor(ratio) {
         None => format!(
             "effective batch: {sizes}; --lr-scaling none keeps lr {:e} (min_lr {:e})",
-            cfg.lr, cfg.min_lr
+            cfg.optimizer.lr, cfg.optimizer.min_lr
         ),
         Some(f) => {
-            out.lr = e.lr * f;
-            out.min_lr = e.min_lr * f;
+            out.optimizer.lr = e.lr * f;
+            out.optimizer.min_lr = e.min_lr * f;
             format!(
                 "effective batch: {sizes}; --lr-scaling {rule_name} (× {f:.4}): lr {:e} -> {:e}, \
                  min_lr {:e} -> {:e}",
-                e.lr, out.lr, e.min_lr, out.min_lr
+                e.lr, out.optimizer.lr, e.min_lr, out.optimizer.min_lr
             )
         }
     };
@@ -203,13 +203,14 @@ mod tests {
     }
 
     fn run(batch_size: usize, seq_len: usize, lr_scaling: Option<&str>) -> TrainConfig {
-        TrainConfig {
-            batch_size,
-            seq_len,
-            lr: 1e-3,
-            min_lr: 1e-4,
-            lr_scaling: lr_scaling.map(|r| r.parse().unwrap()),
-            ..TrainConfig::default()
+        {
+            let mut c = TrainConfig::default();
+            c.optimizer.batch_size = batch_size;
+            c.input.seq_len = seq_len;
+            c.optimizer.lr = 1e-3;
+            c.optimizer.min_lr = 1e-4;
+            c.optimizer.lr_scaling = lr_scaling.map(|r| r.parse().unwrap());
+            c
         }
     }
 
@@ -217,9 +218,9 @@ mod tests {
     fn the_same_tokens_per_step_pass_unchanged_whatever_the_layout() {
         let mut cfg = run(16, 128, None);
         for layout in ["", "dp=2", "tp=2,pp=2", "dp=2,zero=3,mbs=4"] {
-            cfg.layout = layout.parse().unwrap();
+            cfg.parallelism.layout = layout.parse().unwrap();
             let (out, note) = guard(&cfg, Some(&earlier(16, 128))).unwrap();
-            assert_eq!((out.lr, note), (1e-3, None));
+            assert_eq!((out.optimizer.lr, note), (1e-3, None));
         }
         // Nothing earlier known: nothing to guard.
         assert!(guard(&run(8, 64, None), None).unwrap().1.is_none());
@@ -236,12 +237,12 @@ mod tests {
             "{err}"
         );
         let (out, note) = guard(&run(8, 128, Some("linear")), Some(&e)).unwrap();
-        assert_eq!((out.lr, out.min_lr), (2e-3, 2e-4));
+        assert_eq!((out.optimizer.lr, out.optimizer.min_lr), (2e-3, 2e-4));
         assert!(note.unwrap().contains("lr 4e-3 -> 2e-3"));
         let (out, _) = guard(&run(64, 128, Some("sqrt")), Some(&e)).unwrap();
-        assert!((out.lr - 8e-3).abs() < 1e-15);
+        assert!((out.optimizer.lr - 8e-3).abs() < 1e-15);
         let (out, note) = guard(&run(8, 128, Some("none")), Some(&e)).unwrap();
-        assert_eq!(out.lr, 1e-3);
+        assert_eq!(out.optimizer.lr, 1e-3);
         assert!(note.unwrap().contains("keeps lr 1e-3"));
         // Tokens per step count, not sequences: a longer sequence is a bigger batch.
         assert!(guard(&run(16, 256, None), Some(&e)).is_err());
@@ -254,12 +255,12 @@ mod tests {
     fn pipedream_updates_per_micro_batch_so_its_layout_is_its_batch() {
         let e = earlier(16, 128);
         let mut cfg = run(16, 128, None);
-        cfg.layout = "pp=4,mbs=2,schedule=pipedream".parse().unwrap();
+        cfg.parallelism.layout = "pp=4,mbs=2,schedule=pipedream".parse().unwrap();
         let err = guard(&cfg, Some(&e)).unwrap_err().to_string();
         assert!(err.contains("256 in this run"), "{err}");
         assert!(describe(&cfg).contains("dp × mbs = 2 sequences"));
         // 2BW updates once per step: the batch is the step's.
-        cfg.layout = "pp=4,mbs=2,schedule=2bw".parse().unwrap();
+        cfg.parallelism.layout = "pp=4,mbs=2,schedule=2bw".parse().unwrap();
         assert!(guard(&cfg, Some(&e)).unwrap().1.is_none());
     }
 }

@@ -10,10 +10,10 @@ use ferrotron_core::model::{LoraConfig, ModelConfig};
 
 /// The LoRA configuration the flags describe on their own (`None` without `--lora-rank`).
 fn from_flags(cfg: &TrainConfig, model: &ModelConfig) -> Result<Option<LoraConfig>> {
-    let Some(rank) = cfg.lora_rank else {
+    let Some(rank) = cfg.lora.lora_rank else {
         return Ok(None);
     };
-    let alpha = cfg.lora_alpha.unwrap_or(2.0 * rank as f64);
+    let alpha = cfg.lora.lora_alpha.unwrap_or(2.0 * rank as f64);
     Ok(Some(LoraConfig::new(
         model,
         rank,
@@ -29,10 +29,10 @@ fn agree(cfg: &TrainConfig, found: &LoraConfig, what: &str) -> Result<()> {
             "--{flag} {given}: {what} has {has} (leave the flag out to continue them as they are)"
         )))
     };
-    if let Some(r) = cfg.lora_rank.filter(|&r| r != found.rank) {
+    if let Some(r) = cfg.lora.lora_rank.filter(|&r| r != found.rank) {
         return mismatch("lora-rank", r.to_string(), format!("rank {}", found.rank));
     }
-    if let Some(a) = cfg.lora_alpha.filter(|&a| a != found.alpha) {
+    if let Some(a) = cfg.lora.lora_alpha.filter(|&a| a != found.alpha) {
         return mismatch(
             "lora-alpha",
             a.to_string(),
@@ -57,11 +57,11 @@ pub(super) fn resolve(
     model: &ModelConfig,
     resume: Option<&Checkpoint>,
 ) -> Result<Option<Adapters>> {
-    let asks = cfg.lora_rank.is_some() || cfg.adapter.is_some();
+    let asks = cfg.lora.lora_rank.is_some() || cfg.lora.adapter.is_some();
     if let Some(ck) = resume {
         return match (&ck.manifest.lora, asks) {
             (Some(config), _) => {
-                if cfg.adapter.is_some() {
+                if cfg.lora.adapter.is_some() {
                     return Err(EngineError::Invalid(format!(
                         "--adapter and --resume: {} continues its own adapters (with their \
                          optimizer state); give one of the two",
@@ -83,7 +83,7 @@ pub(super) fn resolve(
             (None, false) => Ok(None),
         };
     }
-    if let Some(dir) = &cfg.adapter {
+    if let Some(dir) = &cfg.lora.adapter {
         let adapters = Adapters::load_peft(dir, model)?;
         agree(
             cfg,
@@ -92,7 +92,7 @@ pub(super) fn resolve(
         )?;
         return Ok(Some(adapters));
     }
-    Ok(from_flags(cfg, model)?.map(|config| Adapters::init(model, config, cfg.seed)))
+    Ok(from_flags(cfg, model)?.map(|config| Adapters::init(model, config, cfg.input.seed)))
 }
 
 #[cfg(test)]
@@ -105,18 +105,20 @@ mod tests {
         let model = preset("llama-tiny").unwrap();
         let none = TrainConfig::default();
         assert!(resolve(&none, &model, None).unwrap().is_none());
-        let cfg = TrainConfig {
-            lora_rank: Some(4),
-            lora_targets: "q_proj,v_proj".into(),
-            ..TrainConfig::default()
+        let cfg = {
+            let mut c = TrainConfig::default();
+            c.lora.lora_rank = Some(4);
+            c.lora.lora_targets = "q_proj,v_proj".into();
+            c
         };
         let ad = resolve(&cfg, &model, None).unwrap().unwrap();
         assert_eq!((ad.config.rank, ad.config.alpha), (4, 8.0));
         assert_eq!(ad.params.specs.len(), 4 * 2 * 2);
         let e = agree(
-            &TrainConfig {
-                lora_rank: Some(8),
-                ..cfg.clone()
+            &{
+                let mut c = cfg.clone();
+                c.lora.lora_rank = Some(8);
+                c
             },
             &ad.config,
             "the adapter x",

@@ -311,13 +311,13 @@ impl<'a> MetricsWriter<'a> {
         let warnings = straggler_warnings(
             &busy,
             &mut self.slow_steps,
-            self.run.cfg.straggler_threshold,
-            self.run.cfg.straggler_steps,
+            self.run.cfg.logging.straggler_threshold,
+            self.run.cfg.logging.straggler_steps,
             &self.summaries,
         );
         let report = StepReport {
             step: f.step + 1,
-            total_steps: self.run.cfg.steps,
+            total_steps: self.run.cfg.optimizer.steps,
             loss: f.loss,
             lr: f.lr,
             grad_norm: f.grad_norm,
@@ -332,10 +332,13 @@ impl<'a> MetricsWriter<'a> {
         let cfg = self.run.cfg;
         extra.insert(
             "tokens_per_step".into(),
-            (cfg.batch_size * cfg.seq_len).into(),
+            (cfg.optimizer.batch_size * cfg.input.seq_len).into(),
         );
-        if self.run.cfg.precision != MixedPrecision::F32 {
-            extra.insert("precision".into(), self.run.cfg.precision.name().into());
+        if self.run.cfg.numerics.precision != MixedPrecision::F32 {
+            extra.insert(
+                "precision".into(),
+                self.run.cfg.numerics.precision.name().into(),
+            );
             extra.insert("loss_scale".into(), f.loss_scale.into());
             extra.insert("skipped".into(), f.skipped.into());
         }
@@ -346,7 +349,7 @@ impl<'a> MetricsWriter<'a> {
     }
 
     pub(super) fn finish(mut self, params: ParamStore) -> RunOutcome {
-        let steps = (self.run.cfg.steps - self.run.start).max(1) as f64;
+        let steps = (self.run.cfg.optimizer.steps - self.run.start).max(1) as f64;
         for s in self.summaries.iter_mut() {
             s.idle_fraction /= steps;
             s.step_time_s /= steps;

@@ -39,24 +39,24 @@ pub fn plan_input(
     model: &ModelConfig,
     job_devices: Option<usize>,
 ) -> Result<PlanInput> {
-    let mut cluster = Cluster::parse(&cfg.cluster)?;
+    let mut cluster = Cluster::parse(&cfg.parallelism.cluster)?;
     if let Some(n) = job_devices {
         cluster = cluster_for_job(cluster, n)?;
     }
-    if let Some(m) = &cfg.device_memory {
+    if let Some(m) = &cfg.parallelism.device_memory {
         cluster.device_memory_bytes = parse_bytes(m)?;
     }
     // `layout = "auto"` keeps `PlanInput::new`'s tenth of each device free: the activation model
     // and the communication buffers are estimates (within ~10% of what the tracking allocator
     // measures).
     Ok(PlanInput {
-        precision: cfg.precision.state_dtypes(),
-        force_cross_node_tp: cfg.force_cross_node_tp,
+        precision: cfg.numerics.precision.state_dtypes(),
+        force_cross_node_tp: cfg.parallelism.force_cross_node_tp,
         ..PlanInput::new(
             PlanModel::Shape(model.clone()),
             cluster,
-            cfg.seq_len,
-            cfg.batch_size,
+            cfg.input.seq_len,
+            cfg.optimizer.batch_size,
         )
     })
 }

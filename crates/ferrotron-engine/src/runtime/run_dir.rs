@@ -15,15 +15,15 @@ const RUN_OUTPUTS: [&str; 4] = ["train_config.json", "metrics.jsonl", "model", "
 /// Checks that `cfg` may write its run directory and checkpoint directory, and with `overwrite`
 /// empties them of the earlier run. The reporting process calls it before it writes anything.
 pub(super) fn claim(cfg: &TrainConfig) -> Result<()> {
-    let out = &cfg.out_dir;
+    let out = &cfg.checkpointing.out_dir;
     let checkpoints = cfg.checkpoint_root();
     let holds_run = RUN_FILES.iter().any(|f| out.join(f).exists());
     let holds_checkpoints = checkpoints.join(crate::checkpoint::LATEST).exists();
     if !holds_run && !holds_checkpoints {
         return Ok(());
     }
-    if cfg.overwrite {
-        if let Some(from) = &cfg.resume {
+    if cfg.checkpointing.overwrite {
+        if let Some(from) = &cfg.checkpointing.resume {
             let ck = Checkpoint::resolve(from)?;
             if within(&ck, &checkpoints) {
                 return Err(EngineError::Invalid(format!(
@@ -34,7 +34,7 @@ pub(super) fn claim(cfg: &TrainConfig) -> Result<()> {
         }
         return clear(out, &checkpoints);
     }
-    match &cfg.resume {
+    match &cfg.checkpointing.resume {
         Some(from) => {
             let ck = Checkpoint::resolve(from)?;
             if within(&ck, &checkpoints) {
@@ -125,7 +125,7 @@ fn clear(out: &Path, checkpoints: &Path) -> Result<()> {
 
 /// Writes the run's resolved settings, `train_config.json`, into its (claimed) directory.
 pub(super) fn record_settings(cfg: &TrainConfig) -> Result<()> {
-    let out = &cfg.out_dir;
+    let out = &cfg.checkpointing.out_dir;
     std::fs::create_dir_all(out).map_err(|e| EngineError::io(out, e))?;
     let text = serde_json::to_string_pretty(cfg).expect("the settings serialise");
     crate::hf::write_atomic(&out.join(RUN_FILES[0]), text.as_bytes())

@@ -66,32 +66,37 @@ struct StartingPoint {
 
 impl StartingPoint {
     fn resolve(cfg: &TrainConfig) -> Result<Self> {
-        let (model, mut params, source) = resolve_model(&cfg.model, cfg.seed)?;
-        let resume = cfg.resume.as_deref().map(Checkpoint::open).transpose()?;
+        let (model, mut params, source) = resolve_model(&cfg.input.model, cfg.input.seed)?;
+        let resume = cfg
+            .checkpointing
+            .resume
+            .as_deref()
+            .map(Checkpoint::open)
+            .transpose()?;
         let mut start = 0;
         if let Some(ck) = &resume {
             ck.check_model(&model)?;
-            if ck.manifest.step >= cfg.steps {
+            if ck.manifest.step >= cfg.optimizer.steps {
                 return Err(EngineError::Invalid(format!(
                     "resume: {} is at step {}, and this run has `steps` = {}: nothing is left to \
                      train (raise `steps`)",
                     ck.dir.display(),
                     ck.manifest.step,
-                    cfg.steps
+                    cfg.optimizer.steps
                 )));
             }
             if ck.manifest.lora.is_none() {
                 params = ck.params()?;
             } else {
-                check_base(ck, &cfg.model)?;
+                check_base(ck, &cfg.input.model)?;
             }
             start = ck.manifest.step;
         }
         let adapters = lora_run::resolve(cfg, &model, resume.as_ref())?;
-        if cfg.seq_len > model.max_sequence_length() {
+        if cfg.input.seq_len > model.max_sequence_length() {
             return Err(EngineError::Invalid(format!(
                 "seq_len {} exceeds the model's max_position_embeddings {} ({})",
-                cfg.seq_len,
+                cfg.input.seq_len,
                 model.max_position_embeddings,
                 match &source {
                     ModelSource::HfDir(d) => d.join("config.json").display().to_string(),
@@ -154,15 +159,19 @@ struct TrainingData {
 impl TrainingData {
     /// `reporter`: whether this process tells the user what it does (the first run trains a tokenizer).
     fn prepare(cfg: &TrainConfig, sp: &StartingPoint, reporter: bool) -> Result<Self> {
-        let docs = data::read_corpus(&cfg.data)?;
-        let (tokenizer, tokenizer_path) = match (&cfg.tokenizer, &sp.source) {
+        let docs = data::read_corpus(&cfg.input.data)?;
+        let (tokenizer, tokenizer_path) = match (&cfg.input.tokenizer, &sp.source) {
             (Some(path), _) => (data::load_tokenizer(path)?, path.clone()),
             (None, ModelSource::HfDir(dir)) if dir.join("tokenizer.json").exists() => {
                 let p = dir.join("tokenizer.json");
                 (data::load_tokenizer(&p)?, p)
             }
             _ => {
-                let cache = cfg.cache_dir.clone().unwrap_or_else(default_cache_dir);
+                let cache = cfg
+                    .input
+                    .cache_dir
+                    .clone()
+                    .unwrap_or_else(default_cache_dir);
                 let vocab = sp.model.vocab_size;
                 let cached = data::tokenizer_cache_path(&docs, vocab, &cache);
                 if reporter && !cached.exists() {
@@ -178,23 +187,29 @@ impl TrainingData {
         let framing = data::DocumentFraming::for_tokenizer(&tokenizer, &tokenizer_path)?;
         let split = TokenSplit::new(
             data::encode_documents(&tokenizer, &framing, &docs)?,
-            cfg.val_fraction,
-            cfg.seq_len,
+            cfg.input.val_fraction,
+            cfg.input.seq_len,
         )?;
-        let val_batches =
-            data::validation_batches(&split.val, cfg.seq_len, cfg.batch_size, cfg.eval_batches);
+        let val_batches = data::validation_batches(
+            &split.val,
+            cfg.input.seq_len,
+            cfg.optimizer.batch_size,
+            cfg.logging.eval_batches,
+        );
         let mut sampler = match sp
             .resume
             .as_ref()
             .and_then(|ck| ck.manifest.data_loader.as_ref())
         {
-            Some(position) => SequenceSampler::resumed(position, split.train.len(), cfg.seq_len)?,
-            None => SequenceSampler::new(split.train.len(), cfg.seq_len, cfg.seed),
+            Some(position) => {
+                SequenceSampler::resumed(position, split.train.len(), cfg.input.seq_len)?
+            }
+            None => SequenceSampler::new(split.train.len(), cfg.input.seq_len, cfg.input.seed),
         };
         let mut loader_after = Vec::new();
-        let batches = (sp.start..cfg.steps)
+        let batches = (sp.start..cfg.optimizer.steps)
             .map(|_| {
-                let b = sampler.next_batch(&split.train, cfg.batch_size);
+                let b = sampler.next_batch(&split.train, cfg.optimizer.batch_size);
                 loader_after.push(serde_json::to_value(&sampler).expect("serialisable"));
                 b
             })
@@ -216,7 +231,7 @@ fn default_cache_dir() -> PathBuf {
 
 /// The drill's slow device must be one of the devices of every layout that may run.
 fn check_slow_device(cfg: &TrainConfig, candidates: &[Plan]) -> Result<()> {
-    let Some(d) = cfg.slow_device else {
+    let Some(d) = cfg.logging.slow_device else {
         return Ok(());
     };
     let devices = candidates
@@ -238,7 +253,7 @@ fn check_slow_device(cfg: &TrainConfig, candidates: &[Plan]) -> Result<()> {
 /// saves the final model as a Hugging Face directory.
 pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     cfg.check()?;
-    let save_dtype = cfg.save_dtype;
+    let save_dtype = cfg.checkpointing.save_dtype;
     let mut world = World::open(cfg)?;
     let sp = StartingPoint::resolve(cfg)?;
     // The LR follows the effective batch only as the user says (before the run directory is
@@ -265,7 +280,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             sp.params.numel()
         );
     }
-    let candidates = resolve_layout(&cfg.layout, &input)?;
+    let candidates = resolve_layout(&cfg.parallelism.layout, &input)?;
     check_slow_device(cfg, &candidates)?;
     let data = TrainingData::prepare(cfg, &sp, world.reporter())?;
     if world.reporter() {
@@ -283,8 +298,8 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     } else {
         None
     };
-    let metrics_path = cfg.out_dir.join("metrics.jsonl");
-    let auto = cfg.layout.is_auto();
+    let metrics_path = cfg.checkpointing.out_dir.join("metrics.jsonl");
+    let auto = cfg.parallelism.layout.is_auto();
     let mut tried = Vec::new();
     for plan in candidates.iter().take(if auto { AUTO_ATTEMPTS } else { 1 }) {
         let layout = plan.layout;
@@ -298,7 +313,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         )
         .with_lora(
             sp.adapters.as_ref().map(|a| &a.config),
-            base_model_name(&cfg.model),
+            base_model_name(&cfg.input.model),
         );
         let run = TrainingRun {
             cfg,
@@ -366,7 +381,7 @@ fn finish(
         devices: Vec::new(),
     });
     if reporter {
-        let dir = cfg.out_dir.join("model");
+        let dir = cfg.checkpointing.out_dir.join("model");
         match &sp.adapters {
             // LoRA: the adapters as PEFT writes them, and the model with them merged.
             Some(a) => {
@@ -374,8 +389,12 @@ fn finish(
                     config: a.config.clone(),
                     params: out.params.clone(),
                 };
-                let adapter_dir = cfg.out_dir.join("adapter");
-                trained.save_peft(&adapter_dir, &sp.model, Some(&base_model_name(&cfg.model)))?;
+                let adapter_dir = cfg.checkpointing.out_dir.join("adapter");
+                trained.save_peft(
+                    &adapter_dir,
+                    &sp.model,
+                    Some(&base_model_name(&cfg.input.model)),
+                )?;
                 let merged = trained.merge(&sp.model, &sp.params)?;
                 hf::save_model(&dir, &sp.model, &merged, save_dtype)?;
             }
@@ -390,7 +409,7 @@ fn finish(
         tokens_per_s: out.tokens_per_s,
         num_params: sp.params.numel(),
         trained_params: sp.trained().params.numel(),
-        model_dir: cfg.out_dir.join("model"),
+        model_dir: cfg.checkpointing.out_dir.join("model"),
         train_tokens: data.train_tokens,
         val_tokens: data.val_tokens,
         tokenizer: data.tokenizer_path.clone(),

@@ -49,7 +49,8 @@ impl TrainingRun<'_> {
 
     pub(super) fn is_eval(&self, step: usize) -> bool {
         let cfg = self.cfg;
-        cfg.eval_every > 0 && (step + 1).is_multiple_of(cfg.eval_every) || step + 1 == cfg.steps
+        cfg.logging.eval_every > 0 && (step + 1).is_multiple_of(cfg.logging.eval_every)
+            || step + 1 == cfg.optimizer.steps
     }
 
     /// The mesh step of this run, with its precision, resume point, drills and threads.
@@ -76,13 +77,17 @@ impl TrainingRun<'_> {
                 loss_scaler: ck.manifest.loss_scaler.map(|s| (s.scale, s.clean_steps)),
                 restore,
             }))
-            .with_slow_device(cfg.slow_device.map(|d| (d, cfg.slow_device_ms / 1e3)))
+            .with_slow_device(
+                cfg.logging
+                    .slow_device
+                    .map(|d| (d, cfg.logging.slow_device_ms / 1e3)),
+            )
             .with_kernel_threads(self.kernel_threads)
-            .with_precision(cfg.precision)
+            .with_precision(cfg.numerics.precision)
             .with_loss_scaling(LossScaling {
-                initial: cfg.loss_scale,
-                growth_interval: cfg.loss_scale_window,
-                inject_nonfinite_at: cfg.inject_nonfinite_step,
+                initial: cfg.numerics.loss_scale,
+                growth_interval: cfg.numerics.loss_scale_window,
+                inject_nonfinite_at: cfg.numerics.inject_nonfinite_step,
             }))
     }
 }

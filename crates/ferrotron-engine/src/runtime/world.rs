@@ -38,11 +38,12 @@ pub fn launcher_rank() -> Option<usize> {
 impl World {
     /// The world `cfg.backend` names (under MPI: joins the job).
     pub fn open(cfg: &TrainConfig) -> Result<Self> {
-        match cfg.backend {
+        match cfg.parallelism.backend {
             #[cfg(feature = "mpi")]
             crate::comm::CommBackend::Mpi => {
-                let comm =
-                    crate::comm::MpiComm::init(cfg.peer_timeout.map(Duration::from_secs_f64))?;
+                let comm = crate::comm::MpiComm::init(
+                    cfg.parallelism.peer_timeout.map(Duration::from_secs_f64),
+                )?;
                 super::rank_status::start(crate::comm::Comm::rank(&comm));
                 Ok(World::Mpi(Box::new(comm)))
             }
@@ -162,6 +163,7 @@ fn on_threads(
         let devices = scope.spawn(move || {
             let timeout = run
                 .cfg
+                .parallelism
                 .peer_timeout
                 .map_or(PEER_TIMEOUT, Duration::from_secs_f64);
             let results = ThreadWorld::new(world)

@@ -42,7 +42,7 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     let mpirun = Mpirun::new(&a.mpirun, &a.mpirun_args, a.probe_timeout)?;
     let train: Vec<String> = a.command[1..].to_vec();
     let cfg = super::train::settings_of(&train)?;
-    if cfg.backend == ferrotron_engine::comm::CommBackend::Threads
+    if cfg.parallelism.backend == ferrotron_engine::comm::CommBackend::Threads
         && train.iter().any(|w| w.starts_with("--backend"))
     {
         bail!("launch runs one MPI rank per device: drop `--backend threads` (it implies `--backend mpi`)");

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 /// `ferrotron train`: a TOML file and the settings' flags (one struct, [`TrainConfig`], is both).
 #[derive(Args)]
 pub struct TrainArgs {
-    /// A TOML file with any of the settings below as keys (`batch_size` for `--batch-size`); flags
-    /// win over it.
+    /// A TOML file with any of the settings below as keys (`batch_size` for `--batch-size`), at the
+    /// top level or in its group's table (`[optimizer]`, `[parallelism]`, …); flags win over it.
     #[arg(long)]
     config: Option<PathBuf>,
     #[command(flatten)]
@@ -68,7 +68,7 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
     let cfg = resolve(&args, matches)?;
     cfg.check()?;
     // Under mpirun only rank 0 speaks; the others' output would repeat it.
-    if cfg.backend != CommBackend::Mpi || launcher_rank().is_none_or(|r| r == 0) {
+    if cfg.parallelism.backend != CommBackend::Mpi || launcher_rank().is_none_or(|r| r == 0) {
         announce(&cfg)?;
     }
     let summary = train_with_progress(&cfg)?;
@@ -82,22 +82,22 @@ pub fn run(args: TrainArgs, matches: &clap::ArgMatches) -> Result<()> {
 fn announce(cfg: &TrainConfig) -> Result<()> {
     eprintln!(
         "ferrotron train: model {}, data {}, {} steps x {} sequences x {} tokens -> {}",
-        cfg.model,
-        cfg.data,
-        cfg.steps,
-        cfg.batch_size,
-        cfg.seq_len,
-        cfg.out_dir.display()
+        cfg.input.model,
+        cfg.input.data,
+        cfg.optimizer.steps,
+        cfg.optimizer.batch_size,
+        cfg.input.seq_len,
+        cfg.checkpointing.out_dir.display()
     );
-    if let Some(from) = &cfg.resume {
+    if let Some(from) = &cfg.checkpointing.resume {
         let dir = ferrotron_engine::checkpoint::Checkpoint::resolve(from)?;
         eprintln!(
             "resuming from {} on layout `{}`",
             dir.display(),
-            if cfg.layout.text.is_empty() {
+            if cfg.parallelism.layout.text.is_empty() {
                 "dp=1,tp=1,pp=1"
             } else {
-                &cfg.layout.text
+                &cfg.parallelism.layout.text
             }
         );
     }
@@ -106,7 +106,7 @@ fn announce(cfg: &TrainConfig) -> Result<()> {
 
 /// Trains, with a progress bar and the evaluations and warnings as they come.
 fn train_with_progress(cfg: &TrainConfig) -> Result<TrainSummary> {
-    let pb = ProgressBar::new(cfg.steps as u64);
+    let pb = ProgressBar::new(cfg.optimizer.steps as u64);
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg} ETA {eta}")
             .expect("valid template")
@@ -148,7 +148,7 @@ fn print_summary(cfg: &TrainConfig, summary: &TrainSummary) -> Result<()> {
             " ({:.3}M of them trained: LoRA adapters, written to {} as PEFT writes them; the \
              model below has them merged)",
             summary.trained_params as f64 / 1e6,
-            cfg.out_dir.join("adapter").display()
+            cfg.checkpointing.out_dir.join("adapter").display()
         )
     };
     println!(
@@ -169,18 +169,25 @@ fn print_summary(cfg: &TrainConfig, summary: &TrainSummary) -> Result<()> {
         summary.tokenizer.display()
     );
     print_devices(summary);
-    println!("metrics: {}", cfg.out_dir.join("metrics.jsonl").display());
-    if cfg.report {
-        let path = cfg.out_dir.join("report.html");
-        std::fs::write(&path, crate::report::run::run_page(&cfg.out_dir)?)
-            .with_context(|| format!("{}: cannot write", path.display()))?;
+    println!(
+        "metrics: {}",
+        cfg.checkpointing.out_dir.join("metrics.jsonl").display()
+    );
+    if cfg.logging.report {
+        let path = cfg.checkpointing.out_dir.join("report.html");
+        std::fs::write(
+            &path,
+            crate::report::run::run_page(&cfg.checkpointing.out_dir)?,
+        )
+        .with_context(|| format!("{}: cannot write", path.display()))?;
         println!("report: {}", path.display());
     }
     println!(
         "checkpoints: {} (`ferrotron checkpoint inspect` it; `--resume` it on any layout)",
-        cfg.checkpoint_dir
+        cfg.checkpointing
+            .checkpoint_dir
             .clone()
-            .unwrap_or_else(|| cfg.out_dir.join("checkpoints"))
+            .unwrap_or_else(|| cfg.checkpointing.out_dir.join("checkpoints"))
             .display()
     );
     Ok(())

@@ -65,15 +65,16 @@ pub(crate) fn profile(s: &ProfileSettings) -> Result<Profile> {
     if !(s.slow_device_ms.is_finite() && s.slow_device_ms >= 0.0 && s.threshold >= 0.0) {
         bail!("--slow-device-ms and --threshold must be non-negative numbers");
     }
-    let cfg = TrainConfig {
-        model: s.model.clone(),
-        batch_size: s.batch,
-        seq_len: s.seq,
-        steps: s.steps,
-        cluster: s.cluster.clone(),
-        device_memory: s.device_memory.clone(),
-        layout: s.layout.clone(),
-        ..TrainConfig::default()
+    let cfg = {
+        let mut c = TrainConfig::default();
+        c.input.model = s.model.clone();
+        c.optimizer.batch_size = s.batch;
+        c.input.seq_len = s.seq;
+        c.optimizer.steps = s.steps;
+        c.parallelism.cluster = s.cluster.clone();
+        c.parallelism.device_memory = s.device_memory.clone();
+        c.parallelism.layout = s.layout.clone();
+        c
     };
     let (model, params, _) = resolve_model(&s.model, 0)?;
     if s.seq > model.max_sequence_length() {
@@ -93,6 +94,7 @@ pub(crate) fn profile(s: &ProfileSettings) -> Result<Profile> {
         );
     }
     let capacity = cfg
+        .parallelism
         .device_memory
         .as_deref()
         .map(ferrotron_engine::runtime::parse_bytes)

@@ -66,12 +66,13 @@ pub fn parse_hostfile(text: &str, file: &Path) -> Result<Vec<Host>> {
 /// The cluster a job on `hosts` runs on: the run's, with one node per host of its slots (unless the
 /// run's cluster names its nodes itself, or the hosts have different slots).
 pub(crate) fn cluster_of(cfg: &TrainConfig, hosts: &[Host]) -> Option<String> {
-    let names_nodes = cfg.cluster.contains("nodes=") || cfg.cluster.contains("devices_per_node=");
+    let names_nodes = cfg.parallelism.cluster.contains("nodes=")
+        || cfg.parallelism.cluster.contains("devices_per_node=");
     let slots = hosts[0].slots;
     (!names_nodes && hosts.iter().all(|h| h.slots == slots)).then(|| {
         format!(
             "{},nodes={},devices_per_node={slots}",
-            cfg.cluster,
+            cfg.parallelism.cluster,
             hosts.len()
         )
     })

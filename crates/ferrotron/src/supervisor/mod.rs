@@ -56,7 +56,7 @@ impl Supervisor {
     /// Runs the job until it finishes, relaunching after each host failure.
     pub(crate) fn run(mut self) -> Result<()> {
         let exe = std::env::current_exe().context("cannot find this program")?;
-        let out_dir = &self.cfg.out_dir;
+        let out_dir = &self.cfg.checkpointing.out_dir;
         std::fs::create_dir_all(out_dir)
             .with_context(|| format!("{}: cannot create", out_dir.display()))?;
         let events = Arc::new(Events {
@@ -71,8 +71,8 @@ impl Supervisor {
             serde_json::json!({
                 "hosts": self.hosts.iter().map(|h| &h.name).collect::<Vec<_>>(),
                 "devices": self.devices(),
-                "layout": self.cfg.layout,
-                "out_dir": self.cfg.out_dir,
+                "layout": self.cfg.parallelism.layout,
+                "out_dir": self.cfg.checkpointing.out_dir,
             }),
         )?;
         let (mut restarts, launched) = (0, Instant::now());
@@ -107,7 +107,7 @@ impl Supervisor {
             (command, resume_step) = self.relaunch_command(restarts, &events)?;
             // Records `resumed` while the relaunched job runs (replacing, and so ending, the last).
             watch = Some(ResumeWatch::start(
-                self.cfg.out_dir.join("metrics.jsonl"),
+                self.cfg.checkpointing.out_dir.join("metrics.jsonl"),
                 resume_step,
                 failed_at,
                 events.clone(),
@@ -122,7 +122,7 @@ impl Supervisor {
     /// Runs the job once on the hosts, its output forwarded and kept.
     fn attempt(&self, exe: &std::path::Path, command: &[String]) -> Result<Attempt> {
         let started = Instant::now();
-        let statuses = self.cfg.out_dir.join(".ranks");
+        let statuses = self.cfg.checkpointing.out_dir.join(".ranks");
         let _ = std::fs::remove_dir_all(&statuses);
         std::fs::create_dir_all(&statuses)
             .with_context(|| format!("{}: cannot create", statuses.display()))?;
