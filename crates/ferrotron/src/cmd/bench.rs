@@ -245,11 +245,9 @@ fn comm(b: CommBench) -> Result<()> {
 /// warm-up step, then the measured one. "Predicted" is the schedule simulator with uniform costs
 /// (backward = 2 × forward; zero-bubble halves split evenly; interleaved chunks cost 1/v).
 fn pipeline(b: PipelineBench) -> Result<()> {
-    use ferrotron_core::layout::{Layout, Recompute, Schedule};
+    use ferrotron_core::layout::{Recompute, Schedule};
     use ferrotron_core::model::ModelConfig;
     use ferrotron_core::schedule::{build, simulate, ActionCosts, StagePartition};
-    use ferrotron_engine::parallel::pipeline_steps;
-    use std::time::Duration;
     ferrotron_engine::keep_freed_memory_in_process();
     let p = b.stages;
     let cfg = ModelConfig::llama(64, 256, 704, 2 * p, 4, 4, b.seq, 10000.0);
@@ -278,89 +276,111 @@ fn pipeline(b: PipelineBench) -> Result<()> {
     rows.push((Schedule::OneFOneB, 1, Recompute::Full, 8));
     let mut breakdown = None;
     for (schedule, v, recompute, m) in rows {
-        let batch = TokenBatch {
-            ids: (0..m * b.seq).map(|i| (i * 7 % 64) as u32).collect(),
-            batch: m,
-            seq: b.seq,
-        };
-        let layout = Layout {
-            pp: p,
-            vpp: v,
-            micro_batch_size: 1,
-            schedule,
-            recompute,
-            ..Layout::default()
-        };
-        let part = StagePartition::for_model(&cfg, p * v)?;
-        let run = pipeline_steps(
-            &cfg,
-            &params,
-            &batch,
-            &layout,
-            &part,
-            Duration::from_secs(600),
-            1,
-        )?;
-        let vf = v as f64;
-        let predicted = simulate(
-            &build(schedule, p, m, v)?,
-            &[ActionCosts::uniform(1.0 / vf, 2.0 / vf)],
-        )?
-        .bubble_fraction();
-        println!(
-            "| {}{} | {} | {m} | {:.1}% | {:.1}% | {} | {:.2} MB | {:.3} | {:.3} |",
-            schedule.name(),
-            if v > 1 {
-                format!(" (v={v})")
-            } else {
-                String::new()
-            },
-            recompute.name(),
-            predicted * 100.0,
-            run.bubble_fraction() * 100.0,
-            run.peak_stashed[0],
-            run.peak_stash_bytes[0] as f64 / 1e6,
-            run.step_time_s(),
-            run.wall_time_s
-        );
+        let run = pipeline_row(&cfg, &params, b.seq, (schedule, p, v, recompute, m))?;
         if schedule == Schedule::OneFOneB && recompute == Recompute::None && m == 8 {
-            breakdown = Some((
-                run,
-                simulate(
-                    &build(schedule, p, m, 1)?,
-                    &[ActionCosts::uniform(1.0, 2.0)],
-                )?,
-            ));
+            let predicted = simulate(
+                &build(schedule, p, m, 1)?,
+                &[ActionCosts::uniform(1.0, 2.0)],
+            )?;
+            breakdown = Some((run, predicted));
         }
     }
     if let Some((run, predicted)) = breakdown {
-        println!("\n1f1b, 8 micro-batches, per stage (device time):");
-        println!("| stage | computing (s) | waiting on neighbours (s) | in collectives (s) | idle measured | idle predicted |\n|---|---|---|---|---|---|");
-        for s in 0..p {
-            let st = &run.stats[s];
-            let waiting: f64 = st
-                .by_op
-                .iter()
-                .filter(|(k, _)| k.starts_with("p2p/"))
-                .map(|(_, o)| o.time_blocked_s)
-                .sum::<f64>()
-                + 0.0;
-            let collectives: f64 = st
-                .by_op
-                .iter()
-                .filter(|(k, _)| !k.starts_with("p2p/"))
-                .map(|(_, o)| o.time_blocked_s)
-                .sum::<f64>()
-                + 0.0;
-            println!(
-                "| {s} | {:.3} | {:.3} | {:.3} | {:.1}% | {:.1}% |",
-                run.busy_s(s),
-                waiting,
-                collectives,
-                run.idle_fraction(s) * 100.0,
-                predicted.idle_fraction(s) * 100.0
-            );
-        }
+        print_stage_breakdown(&run, &predicted, p);
     }
     super::bench_async::run(&cfg, &params, p, b.seq)
+}
+
+/// One row of the pipeline table: a schedule over `p` stages (`v` chunks each) with `m`
+/// micro-batches, measured and beside the simulator's bubble.
+fn pipeline_row(
+    cfg: &ferrotron_core::model::ModelConfig,
+    params: &ParamStore,
+    seq: usize,
+    (schedule, p, v, recompute, m): (
+        ferrotron_core::layout::Schedule,
+        usize,
+        usize,
+        ferrotron_core::layout::Recompute,
+        usize,
+    ),
+) -> Result<ferrotron_engine::parallel::PipelineRun> {
+    use ferrotron_core::layout::Layout;
+    use ferrotron_core::schedule::{build, simulate, ActionCosts, StagePartition};
+    let batch = TokenBatch {
+        ids: (0..m * seq).map(|i| (i * 7 % 64) as u32).collect(),
+        batch: m,
+        seq,
+    };
+    let layout = Layout {
+        pp: p,
+        vpp: v,
+        micro_batch_size: 1,
+        schedule,
+        recompute,
+        ..Layout::default()
+    };
+    let part = StagePartition::for_model(cfg, p * v)?;
+    let run = ferrotron_engine::parallel::pipeline_steps(
+        cfg,
+        params,
+        &batch,
+        &layout,
+        &part,
+        std::time::Duration::from_secs(600),
+        1,
+    )?;
+    let vf = v as f64;
+    let predicted = simulate(
+        &build(schedule, p, m, v)?,
+        &[ActionCosts::uniform(1.0 / vf, 2.0 / vf)],
+    )?
+    .bubble_fraction();
+    println!(
+        "| {}{} | {} | {m} | {:.1}% | {:.1}% | {} | {:.2} MB | {:.3} | {:.3} |",
+        schedule.name(),
+        if v > 1 {
+            format!(" (v={v})")
+        } else {
+            String::new()
+        },
+        recompute.name(),
+        predicted * 100.0,
+        run.bubble_fraction() * 100.0,
+        run.peak_stashed[0],
+        run.peak_stash_bytes[0] as f64 / 1e6,
+        run.step_time_s(),
+        run.wall_time_s
+    );
+    Ok(run)
+}
+
+/// Per stage of a measured 1F1B step: computing, waiting on neighbours, in collectives, and idle
+/// beside the simulator's.
+fn print_stage_breakdown(
+    run: &ferrotron_engine::parallel::PipelineRun,
+    predicted: &ferrotron_core::schedule::Timeline,
+    p: usize,
+) {
+    println!("\n1f1b, 8 micro-batches, per stage (device time):");
+    println!("| stage | computing (s) | waiting on neighbours (s) | in collectives (s) | idle measured | idle predicted |\n|---|---|---|---|---|---|");
+    for s in 0..p {
+        let blocked = |p2p: bool| -> f64 {
+            run.stats[s]
+                .by_op
+                .iter()
+                .filter(|(k, _)| k.starts_with("p2p/") == p2p)
+                .map(|(_, o)| o.time_blocked_s)
+                .sum::<f64>()
+                + 0.0
+        };
+        println!(
+            "| {s} | {:.3} | {:.3} | {:.3} | {:.1}% | {:.1}% |",
+            run.busy_s(s),
+            blocked(true),
+            blocked(false),
+            run.idle_fraction(s) * 100.0,
+            predicted.idle_fraction(s) * 100.0
+        );
+    }
 }

@@ -75,21 +75,8 @@ fn measure(
             &mut |_, _, _, r| {
                 if r.step >= warmup {
                     steps.push(r.wall_s);
-                    let span = |a: &(ferrotron_core::schedule::Action, f64, f64)| a.2 - a.1;
-                    fwd.push(
-                        r.timeline
-                            .iter()
-                            .filter(|a| a.0.kind() == "forward")
-                            .map(span)
-                            .sum(),
-                    );
-                    bwd.push(
-                        r.timeline
-                            .iter()
-                            .filter(|a| a.0.kind() != "forward")
-                            .map(span)
-                            .sum(),
-                    );
+                    fwd.push(action_seconds(&r.timeline, true));
+                    bwd.push(action_seconds(&r.timeline, false));
                     memory = Some(r.memory.peak_terms());
                 }
                 Ok(())
@@ -98,6 +85,33 @@ fn measure(
         Ok::<_, ferrotron_engine::EngineError>((steps, fwd, bwd, memory))
     });
     let (steps, fwd, bwd, memory) = results.remove(0)??;
+    let predicted = predicted_memory(cfg, b, &layout, lora)?;
+    Ok(Measured {
+        step_s: median(steps),
+        forward_s: median(fwd),
+        backward_s: median(bwd),
+        memory: memory.expect("measured steps"),
+        predicted,
+        trained_params: trained.params.numel(),
+    })
+}
+
+/// Seconds a step's timeline spent in forward actions (`forward`), or in the others.
+fn action_seconds(timeline: &[(ferrotron_core::schedule::Action, f64, f64)], forward: bool) -> f64 {
+    timeline
+        .iter()
+        .filter(|a| (a.0.kind() == "forward") == forward)
+        .map(|a| a.2 - a.1)
+        .sum()
+}
+
+/// The planner's memory per term for this one-device f32 run.
+fn predicted_memory(
+    cfg: &ModelConfig,
+    b: &TokenBatch,
+    layout: &Layout,
+    lora: Option<&LoraConfig>,
+) -> Result<MemoryTerms> {
     let input = PlanInput {
         precision: StateDtypes::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
         lora: lora.cloned(),
@@ -109,15 +123,7 @@ fn measure(
             b.batch,
         )
     };
-    let predicted = evaluate(&input, &layout)?.memory_bytes;
-    Ok(Measured {
-        step_s: median(steps),
-        forward_s: median(fwd),
-        backward_s: median(bwd),
-        memory: memory.expect("measured steps"),
-        predicted,
-        trained_params: trained.params.numel(),
-    })
+    Ok(evaluate(&input, layout)?.memory_bytes)
 }
 
 /// What `bench lora` compares: the model, the adapters' rank, the batch and its micro-batches.
@@ -183,6 +189,13 @@ pub fn run(a: LoraBenchArgs) -> Result<()> {
         lora.alpha,
         lora.targets.join(", ")
     );
+    print_comparison(&full, &adapted, tokens);
+    print_memory(&full, &adapted, rank);
+    Ok(())
+}
+
+/// Full fine-tuning beside LoRA: parameters trained, speed and time per pass.
+fn print_comparison(full: &Measured, adapted: &Measured, tokens: f64) {
     println!("\n| | full fine-tuning | LoRA | LoRA / full |\n|---|---|---|---|");
     let row = |what: &str, a: f64, b: f64, unit: &dyn Fn(f64) -> String| {
         println!("| {what} | {} | {} | {:.3} |", unit(a), unit(b), b / a);
@@ -204,6 +217,10 @@ pub fn run(a: LoraBenchArgs) -> Result<()> {
     row("step (s, median)", full.step_s, adapted.step_s, &secs);
     row("forward (s)", full.forward_s, adapted.forward_s, &secs);
     row("backward (s)", full.backward_s, adapted.backward_s, &secs);
+}
+
+/// Memory per term, measured beside the planner's, for both.
+fn print_memory(full: &Measured, adapted: &Measured, rank: usize) {
     println!(
         "\nmemory per term, measured / predicted by the planner (`plan --lora-rank {rank}`):\n"
     );
@@ -243,5 +260,4 @@ pub fn run(a: LoraBenchArgs) -> Result<()> {
             format_bytes(lp[i])
         );
     }
-    Ok(())
 }

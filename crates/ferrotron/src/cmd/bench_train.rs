@@ -48,56 +48,14 @@ pub fn run(b: TrainBench) -> Result<()> {
         CpuBackend::with_threads(b.threads)
     }
     .computing(b.precision.products());
-    let mut params = ParamStore::init_random(&cfg, 0);
-    let tf = Transformer::new(&cfg, &params);
-    let mut grads = params.zeros_like();
-    // Same optimizer settings as the PyTorch peer script: AdamW(lr=3e-4, wd=0.1), betas (0.9, 0.999).
-    let mut opt = AdamW::new(
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        },
-        &params,
-    );
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let flop = cfg.train_flops(b.batch, b.seq);
     let tokens = b.batch * b.seq;
-    let (mut fwd, mut bwd, mut opt_t, mut losses) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for i in 0..b.warmup + b.steps {
-        let ids = (0..tokens)
-            .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
-            .collect();
-        let batch = TokenBatch {
-            ids,
-            batch: b.batch,
-            seq: b.seq,
-        };
-        let t0 = Instant::now();
-        let state = tf.forward(&be, &params, &batch);
-        let t1 = Instant::now();
-        grads.zero_();
-        let n = batch.predicted_tokens();
-        let loss = tf.backward(
-            &be,
-            &params,
-            &mut grads,
-            state,
-            &batch.targets(),
-            1.0 / n as f32,
-        ) / n as f64;
-        let t2 = Instant::now();
-        opt.step(&mut params, &grads, 3e-4);
-        let t3 = Instant::now();
-        losses.push(loss);
-        if i >= b.warmup {
-            fwd.push((t1 - t0).as_secs_f64());
-            bwd.push((t2 - t1).as_secs_f64());
-            opt_t.push((t3 - t2).as_secs_f64());
-        }
-    }
+    let BareSteps {
+        forward: fwd,
+        backward: bwd,
+        adamw: opt_t,
+        losses,
+    } = bare_steps(&cfg, &b, &be);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let step: Vec<f64> = (0..fwd.len()).map(|i| fwd[i] + bwd[i] + opt_t[i]).collect();
     let mut sorted = step.clone();
@@ -162,6 +120,75 @@ pub fn run(b: TrainBench) -> Result<()> {
 
 /// Wall seconds of each measured step of the same model and batches through the engine's training
 /// loop: the 1×1×1 mesh (`MeshStep::train_device`), as `ferrotron train` runs one device.
+/// Each measured step of the bare kernels (forward, backward, AdamW; warm-up steps left out) and
+/// every step's loss.
+struct BareSteps {
+    forward: Vec<f64>,
+    backward: Vec<f64>,
+    adamw: Vec<f64>,
+    losses: Vec<f64>,
+}
+
+fn bare_steps(
+    cfg: &ferrotron_core::model::ModelConfig,
+    b: &TrainBench,
+    be: &CpuBackend,
+) -> BareSteps {
+    let mut params = ParamStore::init_random(cfg, 0);
+    let tf = Transformer::new(cfg, &params);
+    let mut grads = params.zeros_like();
+    // Same optimizer settings as the PyTorch peer script: AdamW(lr=3e-4, wd=0.1), betas (0.9, 0.999).
+    let mut opt = AdamW::new(
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        &params,
+    );
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let mut out = BareSteps {
+        forward: Vec::new(),
+        backward: Vec::new(),
+        adamw: Vec::new(),
+        losses: Vec::new(),
+    };
+    for i in 0..b.warmup + b.steps {
+        let ids = (0..b.batch * b.seq)
+            .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
+            .collect();
+        let batch = TokenBatch {
+            ids,
+            batch: b.batch,
+            seq: b.seq,
+        };
+        let t0 = Instant::now();
+        let state = tf.forward(be, &params, &batch);
+        let t1 = Instant::now();
+        grads.zero_();
+        let n = batch.predicted_tokens();
+        let loss = tf.backward(
+            be,
+            &params,
+            &mut grads,
+            state,
+            &batch.targets(),
+            1.0 / n as f32,
+        ) / n as f64;
+        let t2 = Instant::now();
+        opt.step(&mut params, &grads, 3e-4);
+        let t3 = Instant::now();
+        out.losses.push(loss);
+        if i >= b.warmup {
+            out.forward.push((t1 - t0).as_secs_f64());
+            out.backward.push((t2 - t1).as_secs_f64());
+            out.adamw.push((t3 - t2).as_secs_f64());
+        }
+    }
+    out
+}
+
 fn engine_step_times(
     cfg: &ferrotron_core::model::ModelConfig,
     b: &TrainBench,

@@ -175,20 +175,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     let (fitted, errors) = if a.leave_one_out {
         fit_with_errors(&runs, &start, &params)?
     } else {
-        let fitted = ferrotron_core::plan::calibrate::fit(&runs, &start, &params)?;
-        let errors = runs
-            .iter()
-            .map(|r| {
-                Ok(RunErrors {
-                    name: r.name.clone(),
-                    measured: r.value(),
-                    before: r.error(&start)?,
-                    after: r.error(&fitted)?,
-                    left_out: None,
-                })
-            })
-            .collect::<Result<Vec<_>, ferrotron_core::ConfigError>>()?;
-        (fitted, errors)
+        fit_all(&runs, &start, &params)?
     };
     println!(
         "ferrotron calibrate: {} runs, fitting {} from `{base_spec}`",
@@ -200,24 +187,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
             .join(", ")
     );
     print!("{}", error_table(&runs, &errors).markdown());
-    let summary = |pick: &dyn Fn(&RunErrors) -> Option<f64>| {
-        let v: Vec<f64> = errors.iter().filter_map(pick).map(f64::abs).collect();
-        (
-            100.0 * v.iter().sum::<f64>() / v.len().max(1) as f64,
-            100.0 * v.iter().copied().fold(0.0, f64::max),
-        )
-    };
-    let (mb, xb) = summary(&|e| Some(e.before));
-    let (ma, xa) = summary(&|e| Some(e.after));
-    println!("mean |error| before {mb:.2}% (max {xb:.2}%), after {ma:.2}% (max {xa:.2}%)");
-    if a.leave_one_out {
-        if runs.len() < 2 {
-            println!("leave-one-out: needs two runs or more (one run cannot be left out)");
-        } else {
-            let (ml, xl) = summary(&|e| e.left_out);
-            println!("leave-one-out: mean |error| {ml:.2}% (max {xl:.2}%)");
-        }
-    }
+    print_error_summary(&errors, a.leave_one_out, runs.len());
     for p in &params {
         println!(
             "  {} {:.6e} -> {:.6e}",
@@ -295,4 +265,48 @@ fn error_table(runs: &[MeasuredRun], errors: &[RunErrors]) -> Table {
         ]);
     }
     t
+}
+
+/// Fits the parameters to every run at once; each run's error before and after.
+fn fit_all(
+    runs: &[MeasuredRun],
+    start: &Cluster,
+    params: &[FitParam],
+) -> Result<(Cluster, Vec<RunErrors>)> {
+    let fitted = ferrotron_core::plan::calibrate::fit(runs, start, params)?;
+    let errors = runs
+        .iter()
+        .map(|r| {
+            Ok(RunErrors {
+                name: r.name.clone(),
+                measured: r.value(),
+                before: r.error(start)?,
+                after: r.error(&fitted)?,
+                left_out: None,
+            })
+        })
+        .collect::<Result<Vec<_>, ferrotron_core::ConfigError>>()?;
+    Ok((fitted, errors))
+}
+
+/// Mean and worst |error| before and after the fit (and left out, when asked).
+fn print_error_summary(errors: &[RunErrors], leave_one_out: bool, runs: usize) {
+    let summary = |pick: &dyn Fn(&RunErrors) -> Option<f64>| {
+        let v: Vec<f64> = errors.iter().filter_map(pick).map(f64::abs).collect();
+        (
+            100.0 * v.iter().sum::<f64>() / v.len().max(1) as f64,
+            100.0 * v.iter().copied().fold(0.0, f64::max),
+        )
+    };
+    let (mb, xb) = summary(&|e| Some(e.before));
+    let (ma, xa) = summary(&|e| Some(e.after));
+    println!("mean |error| before {mb:.2}% (max {xb:.2}%), after {ma:.2}% (max {xa:.2}%)");
+    if leave_one_out {
+        if runs < 2 {
+            println!("leave-one-out: needs two runs or more (one run cannot be left out)");
+        } else {
+            let (ml, xl) = summary(&|e| e.left_out);
+            println!("leave-one-out: mean |error| {ml:.2}% (max {xl:.2}%)");
+        }
+    }
 }

@@ -52,37 +52,16 @@ impl StepTimes {
         use ferrotron_core::schedule::Action;
         let is_forward = |a: &Action| matches!(a, Action::Forward { .. });
         let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let measured_kind = |forward: bool| {
+        let mean_over_devices = |forward: bool, waiting: bool| {
             mean(
                 devices
                     .iter()
-                    .map(|m| {
-                        m.report
-                            .timeline
-                            .iter()
-                            .filter(|(a, _, _)| is_forward(a) == forward)
-                            .map(|(_, t0, t1)| t1 - t0)
-                            .sum()
-                    })
+                    .map(|m| action_seconds(&m.report, forward, waiting))
                     .collect(),
             )
         };
-        let measured_comm = |forward: bool| {
-            mean(
-                devices
-                    .iter()
-                    .map(|m| {
-                        let r = &m.report;
-                        r.timeline
-                            .iter()
-                            .zip(&r.action_compute_s)
-                            .filter(|((a, _, _), _)| is_forward(a) == forward)
-                            .map(|((_, t0, t1), compute)| (t1 - t0 - compute).max(0.0))
-                            .sum()
-                    })
-                    .collect(),
-            )
-        };
+        let measured_kind = |forward: bool| mean_over_devices(forward, false);
+        let measured_comm = |forward: bool| mean_over_devices(forward, true);
         let predicted_kind = |forward: bool| {
             predicted.map_or(0.0, |tl| {
                 tl.events
@@ -203,4 +182,22 @@ impl StepTimes {
         }
         out
     }
+}
+
+/// Seconds a device spent in its forward actions (`forward`) or the others: whole actions, or
+/// (`waiting`) only what each action did not compute — its communication.
+fn action_seconds(r: &StepReport, forward: bool, waiting: bool) -> f64 {
+    use ferrotron_core::schedule::Action;
+    r.timeline
+        .iter()
+        .enumerate()
+        .filter(|(_, (a, _, _))| matches!(a, Action::Forward { .. }) == forward)
+        .filter_map(|(i, (_, t0, t1))| match waiting {
+            false => Some(t1 - t0),
+            true => r
+                .action_compute_s
+                .get(i)
+                .map(|compute| (t1 - t0 - compute).max(0.0)),
+        })
+        .sum()
 }

@@ -99,34 +99,7 @@ pub fn bars_svg(title: &str, bars: &[(String, MemoryTerms)], limits: &[Limit]) -
     let px = |v: f64| axis.fraction(v) * plot_h;
     for (i, (name, m)) in bars.iter().enumerate() {
         let x = left + slot * i as f64 + slot * 0.15;
-        let w = slot * 0.7;
-        // A bar too short to see is drawn at the minimum, its terms in proportion.
-        let full = px(stacked(m).iter().sum::<u64>() as f64);
-        let stretch = if m.total > 0 && full < MIN_BAR_PX {
-            MIN_BAR_PX / full.max(f64::MIN_POSITIVE)
-        } else {
-            1.0
-        };
-        let mut y = base;
-        for ((term, fill), v) in TERMS.iter().zip(stacked(m)) {
-            let h = px(v as f64) * stretch;
-            y -= h;
-            let _ = writeln!(
-                s,
-                r#"<rect class="term" data-device="{}" data-term="{term}" x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{fill}"><title>{} {term}: {}</title></rect>"#,
-                escape(name),
-                escape(name),
-                crate::report::show_bytes(v)
-            );
-        }
-        let _ = writeln!(
-            s,
-            r##"<rect x="{x:.2}" y="{:.2}" width="{w:.2}" height="{:.2}" fill="none" stroke="#fff" stroke-width="0"><title>{} total: {}</title></rect>"##,
-            base - full * stretch,
-            full * stretch,
-            escape(name),
-            crate::report::show_bytes(m.total)
-        );
+        stacked_bar(&mut s, name, m, (x, slot * 0.7, base), &px);
     }
     for l in &in_range {
         let y = base - px(l.bytes as f64);
@@ -142,6 +115,43 @@ pub fn bars_svg(title: &str, bars: &[(String, MemoryTerms)], limits: &[Limit]) -
     legend(&mut s, left + plot_w + 16.0, top, &entries);
     s.push_str("</svg>\n");
     s
+}
+
+/// One device's bar, its terms stacked from `base` up, `x` and `w` wide; `px` turns bytes into
+/// pixels. A bar too short to see is drawn at the minimum, its terms in proportion.
+fn stacked_bar(
+    s: &mut String,
+    name: &str,
+    m: &MemoryTerms,
+    (x, w, base): (f64, f64, f64),
+    px: &dyn Fn(f64) -> f64,
+) {
+    let full = px(stacked(m).iter().sum::<u64>() as f64);
+    let stretch = if m.total > 0 && full < MIN_BAR_PX {
+        MIN_BAR_PX / full.max(f64::MIN_POSITIVE)
+    } else {
+        1.0
+    };
+    let mut y = base;
+    for ((term, fill), v) in TERMS.iter().zip(stacked(m)) {
+        let h = px(v as f64) * stretch;
+        y -= h;
+        let _ = writeln!(
+            s,
+            r#"<rect class="term" data-device="{}" data-term="{term}" x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{fill}"><title>{} {term}: {}</title></rect>"#,
+            escape(name),
+            escape(name),
+            crate::report::show_bytes(v)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<rect x="{x:.2}" y="{:.2}" width="{w:.2}" height="{:.2}" fill="none" stroke="#fff" stroke-width="0"><title>{} total: {}</title></rect>"##,
+        base - full * stretch,
+        full * stretch,
+        escape(name),
+        crate::report::show_bytes(m.total)
+    );
 }
 
 /// One device's memory over a step, as the tracking allocator saw it.

@@ -96,6 +96,8 @@ fn timeline_note(measured: &Panel, predicted: Option<&Panel>, f: &ProfileFacts) 
 pub fn profile_files(f: ProfileFacts) -> Vec<(&'static str, String)> {
     let measured = measured_panel(&f.devices);
     let note = timeline_note(&measured, f.predicted.as_ref(), &f);
+    let over_step = over_step_svg(&memory_traces(&f));
+    let bytes = bytes_pictures(&f);
     let alone = timeline_svg(
         "measured timeline (device time)",
         None,
@@ -137,46 +139,6 @@ pub fn profile_files(f: ProfileFacts) -> Vec<(&'static str, String)> {
     );
     let predicted_memory =
         super::plan::memory_picture(f.plan, "predicted memory per device, by stage");
-    let traces: Vec<MemoryTrace> = f
-        .devices
-        .iter()
-        .map(|(name, r)| {
-            let t0 = r.memory_over_step.first().map_or(0.0, |s| s.time_s);
-            MemoryTrace {
-                name: format!("{name}: live memory over the step"),
-                samples: r
-                    .memory_over_step
-                    .iter()
-                    .map(|s| (s.time_s - t0, s.live_bytes, s.peak_bytes))
-                    .collect(),
-            }
-        })
-        .collect();
-    let over_step = over_step_svg(&traces);
-    let span = f.devices.iter().map(|d| d.1.span_s).fold(0.0, f64::max);
-    let bytes: Vec<String> = f
-        .links
-        .iter()
-        .map(|(group, bandwidth, kinds)| {
-            let rows: Vec<(String, u64)> = f
-                .devices
-                .iter()
-                .enumerate()
-                .map(|(d, (_, r))| {
-                    let sent = kinds.iter().map(|k| r.stats.bytes_sent_by_group(k)).sum();
-                    (format!("device {d}"), sent)
-                })
-                .collect();
-            bytes_svg(
-                &rows,
-                &LinkBudget {
-                    group,
-                    bandwidth_bytes_per_s: *bandwidth,
-                    seconds: span,
-                },
-            )
-        })
-        .collect();
     files.push(("memory.svg", memory.clone()));
     files.push(("memory_predicted.svg", predicted_memory.clone()));
     let mut sections = vec![
@@ -212,4 +174,49 @@ pub fn profile_files(f: ProfileFacts) -> Vec<(&'static str, String)> {
         page(&format!("ferrotron profile: {}", f.layout), &sections),
     ));
     files
+}
+
+/// Each device's live memory over the step, from its first sample.
+fn memory_traces(f: &ProfileFacts) -> Vec<MemoryTrace> {
+    f.devices
+        .iter()
+        .map(|(name, r)| {
+            let t0 = r.memory_over_step.first().map_or(0.0, |s| s.time_s);
+            MemoryTrace {
+                name: format!("{name}: live memory over the step"),
+                samples: r
+                    .memory_over_step
+                    .iter()
+                    .map(|s| (s.time_s - t0, s.live_bytes, s.peak_bytes))
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// Per link group: the bytes each device sent, against what the link carries in the step.
+fn bytes_pictures(f: &ProfileFacts) -> Vec<String> {
+    let span = f.devices.iter().map(|d| d.1.span_s).fold(0.0, f64::max);
+    f.links
+        .iter()
+        .map(|(group, bandwidth, kinds)| {
+            let rows: Vec<(String, u64)> = f
+                .devices
+                .iter()
+                .enumerate()
+                .map(|(d, (_, r))| {
+                    let sent = kinds.iter().map(|k| r.stats.bytes_sent_by_group(k)).sum();
+                    (format!("device {d}"), sent)
+                })
+                .collect();
+            bytes_svg(
+                &rows,
+                &LinkBudget {
+                    group,
+                    bandwidth_bytes_per_s: *bandwidth,
+                    seconds: span,
+                },
+            )
+        })
+        .collect()
 }
