@@ -1,6 +1,6 @@
 //! FLOPs, bytes on the wire per parallel dimension, and the time they take on the cluster's links.
 
-use super::PlanInput;
+use super::{AttentionKernel, PlanInput};
 use crate::layout::{Layout, Recompute};
 use crate::model::{Arch, ModelConfig};
 use crate::rank::Dim;
@@ -10,30 +10,34 @@ use crate::topology::{Cluster, Link};
 pub use crate::model::{head_forward_flops, layer_forward_flops};
 
 /// FLOPs of one optimizer step: model FLOPs (forward + backward, the MFU numerator) and hardware FLOPs
-/// (adding the recomputed forward where recompute is on). A frozen base (LoRA) computes no weight
-/// gradients: its backward is the input gradients alone, as much as the forward.
+/// (adding the recomputed forward where recompute is on, and the memory-efficient attention's
+/// recomputed scores in backward). A frozen base (LoRA) computes no weight gradients: its backward
+/// is the input gradients alone, as much as the forward.
 pub fn step_flops(
     cfg: &ModelConfig,
     l: &Layout,
     seq: usize,
     global_batch: usize,
     frozen_base: bool,
+    attention: AttentionKernel,
 ) -> (f64, f64) {
     let layers = layer_forward_flops(cfg, 1, seq) * cfg.num_layers as f64 * global_batch as f64;
     let head = head_forward_flops(cfg, 1, seq) * global_batch as f64;
     let passes = if frozen_base { 2.0 } else { 3.0 };
     let model = passes * (layers + head);
-    let extra = match l.recompute {
-        Recompute::Full => layers,
-        Recompute::Selective => {
-            4.0 * (seq * seq) as f64
-                * cfg.q_dim() as f64
-                * cfg.num_layers as f64
-                * global_batch as f64
-        }
-        Recompute::None => 0.0,
+    // Attention's two forward products (QKᵀ and PV) over every layer and sequence.
+    let attention_forward =
+        4.0 * (seq * seq) as f64 * cfg.q_dim() as f64 * cfg.num_layers as f64 * global_batch as f64;
+    let flash = attention == AttentionKernel::Flash;
+    let extra = match (l.recompute, flash) {
+        (Recompute::Full, _) => layers,
+        (Recompute::Selective, false) => attention_forward,
+        // The memory-efficient kernel keeps no probabilities: selective recompute has none to drop.
+        (Recompute::Selective, true) | (Recompute::None, _) => 0.0,
     };
-    (model, model + extra)
+    // Its backward recomputes QKᵀ: half the forward's attention products again.
+    let scores_again = if flash { attention_forward / 2.0 } else { 0.0 };
+    (model, model + extra + scores_again)
 }
 
 /// Which link each group's traffic uses: the slow one when any group of that dimension spans nodes
@@ -138,7 +142,8 @@ pub fn layer_elementwise_bytes_per_token(cfg: &ModelConfig, t: f64, act_bytes: f
 
 /// Compute time of one layer: its GEMMs at their shapes' efficiency, attention's QKᵀ and PV at the
 /// attention efficiency, the memory-bound operations at the device's memory bandwidth; backward twice
-/// the forward (input and weight gradients).
+/// the forward (input and weight gradients), and the memory-efficient attention's backward its
+/// five products to the forward's two (it recomputes QKᵀ).
 pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime {
     let c = &input.cluster;
     let t = l.tp as f64;
@@ -154,17 +159,19 @@ pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime
         * layer_elementwise_bytes_per_token(cfg, t, input.precision.weights.bytes())
         / c.memory_bandwidth_bytes_per_s;
     let forward = gemms + attention + elementwise;
-    let recompute = match l.recompute {
-        Recompute::Full => forward,
-        Recompute::Selective => attention,
-        Recompute::None => 0.0,
+    let flash = input.attention == AttentionKernel::Flash;
+    let recompute = match (l.recompute, flash) {
+        (Recompute::Full, _) => forward,
+        (Recompute::Selective, false) => attention,
+        (Recompute::Selective, true) | (Recompute::None, _) => 0.0,
     };
+    let scores_again = if flash { attention / 2.0 } else { 0.0 };
     // A frozen base (LoRA) computes no weight gradients: its backward is the input gradients'
     // GEMMs and the rest twice (the adapters' own products are r/out of the base's: left out).
     let backward = if input.lora.is_some() {
-        2.0 * forward - gemms
+        2.0 * forward - gemms + scores_again
     } else {
-        2.0 * forward
+        2.0 * forward + scores_again
     };
     LayerTime {
         forward,

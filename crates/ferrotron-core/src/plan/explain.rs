@@ -2,7 +2,7 @@
 //! shard the optimizer, tensor-parallel inside a node, pipeline across nodes.
 
 use super::cost::links;
-use super::{stage_memory, MemoryTerms, Plan, PlanInput, PlanModel};
+use super::{stage_memory, AttentionKernel, MemoryTerms, Plan, PlanInput, PlanModel};
 use crate::layout::{Layout, Recompute, Schedule};
 
 pub fn gb(bytes: f64) -> String {
@@ -146,9 +146,13 @@ pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
     };
     let r = mem(&full);
     out.push(format!(
-        "2. reduce: full activation recompute cuts activations from {} to {} per device for ~33% more compute; selective recompute keeps most of the saving for less",
+        "2. reduce: full activation recompute cuts activations from {} to {} per device for ~33% more compute; {}",
         gb(n.activations as f64),
-        gb(r.activations as f64)
+        gb(r.activations as f64),
+        match input.attention {
+            AttentionKernel::Materialized => "selective recompute keeps most of the saving for less",
+            AttentionKernel::Flash => "memory-efficient attention already keeps no T×T probabilities (selective recompute has nothing left to drop)",
+        }
     ));
     if let Some(lora) = &input.lora {
         out.push(format!("2. reduce: LoRA rank {} on {} leaves gradients and optimizer state only for the adapters ({}); the frozen base keeps its weights", lora.rank, lora.targets.join(", "), gb((n.gradients + n.optimizer_states + n.master_weights) as f64)));

@@ -1,6 +1,6 @@
 //! Bytes per device, per term, per pipeline stage.
 
-use super::spec::{ActivationModel, PlanModel};
+use super::spec::{ActivationModel, AttentionKernel, PlanModel};
 use super::{MemoryTerms, PlanInput};
 use crate::layout::{Layout, Recompute};
 use crate::model::{Arch, LoraConfig, ModelConfig, TargetSplit};
@@ -84,9 +84,10 @@ pub fn layer_activation_bytes(
     cfg: &ModelConfig,
     l: &Layout,
     seq: usize,
-    model: ActivationModel,
+    (model, attention): (ActivationModel, AttentionKernel),
     act_bytes: f64,
 ) -> f64 {
+    let materialized = attention == AttentionKernel::Materialized;
     let (b, s, h, t) = (
         l.micro_batch_size as f64,
         seq as f64,
@@ -99,7 +100,13 @@ pub fn layer_activation_bytes(
         ActivationModel::Megatron => {
             // Korthikanti et al. 2022, bytes with 16-bit activations.
             let sbh = s * b * h;
-            let attn = 5.0 * heads * s / (h * t);
+            // The softmax's input, output and dropout mask: 5as/h per token and hidden unit, with
+            // materialised attention only.
+            let attn = if materialized {
+                5.0 * heads * s / (h * t)
+            } else {
+                0.0
+            };
             match (l.recompute, sp, l.tp > 1) {
                 (Recompute::Full, true, _) => 2.0 * sbh / t,
                 (Recompute::Full, false, _) => 2.0 * sbh,
@@ -107,7 +114,7 @@ pub fn layer_activation_bytes(
                 (Recompute::Selective, false, _) => sbh * (10.0 + 24.0 / t),
                 (Recompute::None, true, _) => sbh * (34.0 / t + attn),
                 (Recompute::None, false, true) => sbh * (10.0 + 24.0 / t + attn),
-                (Recompute::None, false, false) => sbh * (34.0 + 5.0 * heads * s / h),
+                (Recompute::None, false, false) => sbh * (34.0 + attn),
             }
         }
         ActivationModel::Ferrotron => {
@@ -122,24 +129,27 @@ pub fn layer_activation_bytes(
             let qd = cfg.q_dim() as f64 / t;
             let kvd = cfg.head_dim as f64 * kv_per_dev;
             let f = cfg.intermediate_size as f64 / t;
-            let probs = if l.recompute == Recompute::Selective {
-                0.0
-            } else {
-                b * (heads / t) * s * s
+            // Materialised attention keeps each head's T×T probabilities (dropped under selective
+            // recompute); the memory-efficient kernel keeps one f32 log-sum-exp per query and head.
+            let (probs, lse_bytes) = match (materialized, l.recompute) {
+                (true, Recompute::Selective) => (0.0, 0.0),
+                (true, _) => (b * (heads / t) * s * s, 0.0),
+                (false, _) => (0.0, b * (heads / t) * s * 4.0),
             };
             let mlp_pre = if cfg.arch == Arch::Llama {
                 2.0 * tok * f
             } else {
                 tok * f
             };
-            // x_in, norm1 out + stats, q, k, v, probs, attention out, x_mid, norm2 out + stats, MLP.
+            // x_in, norm1 out + stats, q, k, v, probs or log-sum-exp, attention out, x_mid, norm2
+            // out + stats, MLP.
             let elems = 4.0 * hidden_sized
                 + 2.0 * stats
                 + tok * (2.0 * qd + 2.0 * kvd)
                 + probs
                 + mlp_pre
                 + tok * f;
-            elems * act_bytes
+            elems * act_bytes + lse_bytes
         }
     }
 }
@@ -149,7 +159,7 @@ fn recompute_working_set(
     cfg: &ModelConfig,
     l: &Layout,
     seq: usize,
-    model: ActivationModel,
+    model: (ActivationModel, AttentionKernel),
     act_bytes: f64,
 ) -> f64 {
     let none = Layout {
@@ -163,8 +173,14 @@ fn recompute_working_set(
 /// compute precision), the larger of its two halves: the MLP's (the activation's gradient, the
 /// input projections' output gradients, the norm output's gradient, whole rows before their
 /// reduction) and attention's (the output's gradient, q, k and v's, the norm output's; under
-/// selective recompute the recomputed probabilities).
-fn backward_working_set(cfg: &ModelConfig, l: &Layout, seq: usize) -> f64 {
+/// selective recompute of materialised attention the recomputed probabilities; the memory-efficient
+/// kernel's tiles are a few kilobytes).
+fn backward_working_set(
+    cfg: &ModelConfig,
+    l: &Layout,
+    seq: usize,
+    attention: AttentionKernel,
+) -> f64 {
     let t = l.tp as f64;
     let tok = (l.micro_batch_size * seq) as f64;
     let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64 / t);
@@ -174,7 +190,8 @@ fn backward_working_set(cfg: &ModelConfig, l: &Layout, seq: usize) -> f64 {
         Arch::Llama => tok * (3.0 * f + h),
         Arch::Gpt2 => tok * (2.0 * f + h),
     };
-    let probs = if l.recompute == Recompute::Selective {
+    let probs = if l.recompute == Recompute::Selective && attention == AttentionKernel::Materialized
+    {
         l.micro_batch_size as f64 * (cfg.num_heads as f64 / t) * (seq * seq) as f64
     } else {
         0.0
@@ -196,7 +213,13 @@ pub fn stage_activation_stash(
         return 0.0;
     };
     let act_bytes = input.precision.weights.bytes();
-    let per_layer = layer_activation_bytes(cfg, l, input.seq, input.activation_model, act_bytes);
+    let per_layer = layer_activation_bytes(
+        cfg,
+        l,
+        input.seq,
+        (input.activation_model, input.attention),
+        act_bytes,
+    );
     // A chunk stash of this stage's largest chunk (all its chunks are equal unless the split is uneven).
     let layers_per_chunk = super::chunk_layers(cfg, l)
         .into_iter()
@@ -206,7 +229,13 @@ pub fn stage_activation_stash(
         .unwrap_or(0) as f64;
     let mut act = per_layer * layers_per_chunk * in_flight as f64;
     if l.recompute == Recompute::Full {
-        act += recompute_working_set(cfg, l, input.seq, input.activation_model, act_bytes);
+        act += recompute_working_set(
+            cfg,
+            l,
+            input.seq,
+            (input.activation_model, input.attention),
+            act_bytes,
+        );
     }
     if stage == l.pp - 1 {
         let tok = (l.micro_batch_size * input.seq) as f64;
@@ -253,7 +282,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             // The engine's working set on top of the stash: a block's backward gradients, and the
             // boundary tensors coming and going.
             let working = if ferrotron {
-                backward_working_set(cfg, l, input.seq) + 2.0 * boundary
+                backward_working_set(cfg, l, input.seq, input.attention) + 2.0 * boundary
             } else {
                 0.0
             };

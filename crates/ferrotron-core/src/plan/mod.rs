@@ -21,7 +21,7 @@ pub use memory::{
     stage_activation_stash, stage_memory,
 };
 pub use search::{search, why_no_layout};
-pub use spec::{ActivationModel, OptimizerKind, PlanModel, PLAN_MODEL_PRESETS};
+pub use spec::{ActivationModel, AttentionKernel, OptimizerKind, PlanModel, PLAN_MODEL_PRESETS};
 
 use crate::error::{ConfigError, Result};
 use crate::layout::{Layout, Schedule};
@@ -92,6 +92,9 @@ pub struct PlanInput {
     pub precision: StateDtypes,
     pub optimizer: OptimizerKind,
     pub activation_model: ActivationModel,
+    /// What attention keeps for backward: the engine's memory-efficient kernel, or materialised
+    /// probabilities (a T² term per head).
+    pub attention: AttentionKernel,
     /// LoRA on a frozen base: gradients, master weights and optimizer state for the adapters only.
     pub lora: Option<crate::model::LoraConfig>,
     /// Fraction of device memory kept free (allocator fragmentation, framework, kernels' workspace).
@@ -106,7 +109,7 @@ pub struct PlanInput {
 impl PlanInput {
     /// `model` on `cluster` at `seq` tokens × `global_batch` sequences, with the common choices:
     /// mixed precision (2 + 2 + 4 + 8 bytes per parameter), Adam, the ferrotron activation model,
-    /// no LoRA, 10% of memory in reserve, tensor parallelism inside nodes.
+    /// memory-efficient attention, no LoRA, 10% of memory in reserve, tensor parallelism inside nodes.
     pub fn new(model: PlanModel, cluster: Cluster, seq: usize, global_batch: usize) -> Self {
         Self {
             model,
@@ -116,6 +119,7 @@ impl PlanInput {
             precision: StateDtypes::default(),
             optimizer: OptimizerKind::Adam,
             activation_model: ActivationModel::Ferrotron,
+            attention: AttentionKernel::Flash,
             lora: None,
             memory_reserve: 0.1,
             force_cross_node_tp: false,
@@ -530,7 +534,14 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
             sim.step_s + costs.dp_time + costs.optimizer_time
         };
         let frozen = input.lora.is_some();
-        let (model_flops, hw_flops) = step_flops(cfg, l, input.seq, input.global_batch, frozen);
+        let (model_flops, hw_flops) = step_flops(
+            cfg,
+            l,
+            input.seq,
+            input.global_batch,
+            frozen,
+            input.attention,
+        );
         plan.compute_time_s = busy.iter().copied().fold(0.0, f64::max);
         plan.dp_comm_time_s = costs.dp_time;
         let per_device = |f: fn(&(f64, f64)) -> f64| {

@@ -2,7 +2,8 @@
 
 use super::cost::costs;
 use super::{
-    check_layout, evaluate, in_flight, params_on_device, stage_memory, Plan, PlanInput, PlanModel,
+    check_layout, evaluate, in_flight, params_on_device, stage_memory, AttentionKernel, Plan,
+    PlanInput, PlanModel,
 };
 use crate::error::{ConfigError, Result};
 use crate::layout::{Layout, Recompute, Schedule};
@@ -56,6 +57,13 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                             {
                                 for sp in [false, true] {
                                     if sp && tp == 1 {
+                                        continue;
+                                    }
+                                    // With memory-efficient attention selective recompute is
+                                    // no recompute (no probabilities to drop): one candidate.
+                                    if recompute == Recompute::Selective
+                                        && input.attention == AttentionKernel::Flash
+                                    {
                                         continue;
                                     }
                                     let l = Layout {

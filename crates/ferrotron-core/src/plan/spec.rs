@@ -208,3 +208,33 @@ impl ActivationModel {
         }
     }
 }
+
+/// What attention keeps for its backward, which decides whether activations grow with the square of
+/// the sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKernel {
+    /// Memory-efficient (FlashAttention-style, the engine's kernel): each query row's log-sum-exp;
+    /// backward recomputes the probabilities tile by tile.
+    Flash,
+    /// Every head's T×T probabilities (the kernels Korthikanti et al. 2022 counted, and the
+    /// published figures they reproduce).
+    Materialized,
+}
+
+impl AttentionKernel {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "flash" => Ok(Self::Flash),
+            "materialized" => Ok(Self::Materialized),
+            other => Err(ConfigError::Field {
+                file: "--attention".into(),
+                field: "attention".into(),
+                msg: format!(
+                    "`{other}` is not flash (memory-efficient, the engine's kernel) or materialized \
+                     (T×T probabilities kept for backward)"
+                ),
+            }),
+        }
+    }
+}

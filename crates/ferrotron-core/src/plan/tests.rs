@@ -28,6 +28,7 @@ fn table_input(row: &Row) -> PlanInput {
     let cluster = Cluster::parse(&format!("dgx-a100-80g,nodes={}", gpus / 8)).unwrap();
     PlanInput {
         activation_model: ActivationModel::Megatron,
+        attention: AttentionKernel::Materialized,
         memory_reserve: 0.0,
         ..PlanInput::new(model, cluster, 2048, batch)
     }
@@ -382,8 +383,10 @@ fn megatron_activations_follow_the_published_multipliers() {
         PlanModel::Shape(c) => c.clone(),
         _ => unreachable!(),
     };
-    let per_layer =
-        |l: &Layout| layer_activation_bytes(&cfg, l, 2048, ActivationModel::Megatron, 2.0);
+    let per_layer_of = |l: &Layout, attention| {
+        layer_activation_bytes(&cfg, l, 2048, (ActivationModel::Megatron, attention), 2.0)
+    };
+    let per_layer = |l: &Layout| per_layer_of(l, AttentionKernel::Materialized);
     let base = Layout::default();
     assert_eq!(per_layer(&base), s * b * h * (34.0 + 5.0 * a * s / h));
     let tp = Layout { tp: 4, ..base };

@@ -45,8 +45,10 @@ impl AttnShape {
     pub fn kv_width(&self) -> usize {
         self.kv_heads * self.head_dim
     }
-    pub fn probs_len(&self) -> usize {
-        self.batch * self.heads * self.seq * self.seq
+    /// One log-sum-exp per (sequence, head, query): what attention keeps for backward besides
+    /// its inputs and output.
+    pub fn lse_len(&self) -> usize {
+        self.batch * self.heads * self.seq
     }
 }
 
@@ -182,8 +184,9 @@ pub trait Backend: Sync {
     /// The transpose rotation, applied in place to a gradient.
     fn rope_backward(&self, table: &RopeTable, positions: &[u32], heads: usize, dx: &mut [f32]);
 
-    /// Causal softmax attention; `probs` keeps the attention weights for backward (zero past the
-    /// diagonal). Every element of `out` and `probs` is written, none read.
+    /// Causal softmax attention, memory-efficient: `lse` keeps each query row's log-sum-exp of its
+    /// scaled scores for backward (`s.lse_len()`); no probabilities are kept. Every element of
+    /// `out` and `lse` is written, none read.
     #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
@@ -192,10 +195,11 @@ pub trait Backend: Sync {
         k: &[f32],
         v: &[f32],
         out: &mut [f32],
-        probs: &mut [f32],
+        lse: &mut [f32],
     );
-    /// The gradients at Q, K and V: every element of `dq`, `dk` and `dv` is written (not
-    /// accumulated into), none read before.
+    /// The gradients at Q, K and V, from forward's output and log-sum-exp (the probabilities are
+    /// recomputed tile by tile): every element of `dq`, `dk` and `dv` is written (not accumulated
+    /// into), none read before.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -204,7 +208,8 @@ pub trait Backend: Sync {
         q: &[f32],
         k: &[f32],
         v: &[f32],
-        probs: &[f32],
+        out: &[f32],
+        lse: &[f32],
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],

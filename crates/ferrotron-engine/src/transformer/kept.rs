@@ -48,19 +48,6 @@ impl Kept {
         }
     }
 
-    pub fn len(&self) -> usize {
-        match self {
-            Self::Empty => 0,
-            Self::F32(v) => v.len(),
-            Self::Bf16(v) => v.len(),
-            Self::F16(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         match self {

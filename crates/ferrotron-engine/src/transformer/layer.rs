@@ -98,7 +98,9 @@ pub(crate) struct LayerActs {
     k_pre: Kept,
     q_norm: NormStash,
     k_norm: NormStash,
-    probs: Kept,
+    /// Attention's log-sum-exp per (sequence, head, query), in f32: with Q, K, V and the output,
+    /// what its backward recomputes the probabilities from.
+    lse: Vec<f32>,
     attn: Kept,
     x_mid: Kept,
     n2: NormStash,
@@ -118,7 +120,6 @@ impl LayerActs {
             &self.v,
             &self.q_pre,
             &self.k_pre,
-            &self.probs,
             &self.attn,
             &self.x_mid,
             &self.n2_out,
@@ -129,6 +130,7 @@ impl LayerActs {
         kept.iter().map(|k| k.bytes()).sum::<usize>()
             + pre
             + norms.iter().map(|n| n.bytes()).sum::<usize>()
+            + self.lse.len() * std::mem::size_of::<f32>()
     }
 }
 
@@ -176,11 +178,6 @@ fn split_qkv(qkv: &[f32], q: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         vs.extend_from_slice(&r[2 * q..]);
     }
     (qs, ks, vs)
-}
-
-/// Drops the attention probabilities from a stash (selective recompute: backward recomputes them).
-pub(crate) fn drop_probs(acts: &mut LayerActs) {
-    acts.probs = Kept::Empty;
 }
 
 /// A row-parallel layer: each device's partial product, summed over the group, then the bias (added
@@ -244,14 +241,11 @@ pub(crate) fn forward(
         be.rope_forward(&rope, positions, cfg.num_kv_heads, &mut k);
     }
     let shape = attn_shape(cfg, ids, batch, seq);
-    let mut attn = Vec::new();
-    // SAFETY: attention writes every element of its output and of the probabilities (zero past
-    // the diagonal).
-    let probs = unsafe {
-        be.overwritten(shape.probs_len(), &mut |probs| {
-            attn = be.overwritten(rows * cfg.q_dim(), &mut |attn| {
-                be.attention_forward(shape, &q, &k, &v, attn, probs)
-            })
+    let mut lse = vec![0f32; shape.lse_len()];
+    // SAFETY: attention writes every element of its output.
+    let attn = unsafe {
+        be.overwritten(rows * cfg.q_dim(), &mut |attn| {
+            be.attention_forward(shape, &q, &k, &v, attn, &mut lse)
         })
     };
     let mut x_mid = row_parallel_forward(&ids.attn_out, be, tp, p, &attn, rows);
@@ -288,7 +282,7 @@ pub(crate) fn forward(
         k_pre: keep(k_pre),
         q_norm,
         k_norm,
-        probs: keep(probs),
+        lse,
         attn: keep(attn),
         x_mid: keep(x_mid),
         n2,
@@ -376,34 +370,26 @@ pub(crate) fn backward(
     mlp_backward(cfg, be, tp, p, g, ids, &mut a, dx, rows);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
+    let attn = a.attn.get(be);
     let dattn = {
         let dout_all = tp.gather_rows(dx);
         let dout = dout_all.as_deref().unwrap_or(dx);
-        ids.attn_out.backward_new(be, p, g, dout, &a.attn.get(be))
+        ids.attn_out.backward_new(be, p, g, dout, &attn)
     };
     let shape = attn_shape(cfg, ids, batch, seq);
     let (q, k, v) = (a.q.get(be), a.k.get(be), a.v.get(be));
-    if a.probs.is_empty() {
-        // Selective recompute dropped the attention probabilities: recompute them from Q and K.
-        let mut probs = be.zeros(shape.probs_len());
-        let mut scratch = be.zeros(a.attn.len());
-        be.attention_forward(shape, &q, &k, &v, &mut scratch, &mut probs);
-        a.probs = Kept::F32(probs);
-    }
-    let probs = a.probs.get(be);
     let (mut dk, mut dv) = (Vec::new(), Vec::new());
     // SAFETY: attention's backward writes every element of its three gradients.
     let mut dq = unsafe {
         be.overwritten(q.len(), &mut |dq| {
             dk = be.overwritten(k.len(), &mut |dk| {
                 dv = be.overwritten(v.len(), &mut |dv| {
-                    be.attention_backward(shape, &dattn, &q, &k, &v, &probs, dq, dk, dv)
+                    be.attention_backward(shape, &dattn, &q, &k, &v, &attn, &a.lse, dq, dk, dv)
                 })
             })
         })
     };
-    drop(probs);
-    drop(a.probs);
+    drop(attn);
     if let Some(rope) = m.rope_table(seq) {
         be.rope_backward(&rope, positions, cfg.num_heads, &mut dq);
         be.rope_backward(&rope, positions, cfg.num_kv_heads, &mut dk);

@@ -76,16 +76,10 @@ impl Transformer {
                     ));
                 })
             });
-            let (out, mut acts) = result.expect("the layer ran");
-            match (input, self.recompute) {
-                (Some(input), _) => {
-                    layer_inputs.push(Kept::keep(be, input, self.activation_storage))
-                }
-                (None, Recompute::Selective) => {
-                    layer::drop_probs(&mut acts);
-                    layers.push(acts)
-                }
-                (None, _) => layers.push(acts),
+            let (out, acts) = result.expect("the layer ran");
+            match input {
+                Some(input) => layer_inputs.push(Kept::keep(be, input, self.activation_storage)),
+                None => layers.push(acts),
             }
             x = out;
         }

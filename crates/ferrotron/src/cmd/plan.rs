@@ -2,7 +2,8 @@ use anyhow::Result;
 use clap::Args;
 use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::plan::{
-    self, search_notes, ActivationModel, OptimizerKind, Plan, PlanInput, PlanModel, StateDtypes,
+    self, search_notes, ActivationModel, AttentionKernel, OptimizerKind, Plan, PlanInput,
+    PlanModel, StateDtypes,
 };
 use ferrotron_core::topology::Cluster;
 use ferrotron_engine::memory::format_bytes;
@@ -36,6 +37,11 @@ pub struct PlanArgs {
     /// ferrotron (what the engine's kernels stash) or megatron (Korthikanti et al. 2022).
     #[arg(long, default_value = "ferrotron")]
     activation_model: String,
+    /// What attention keeps for backward: flash (memory-efficient, the engine's kernel: one
+    /// log-sum-exp per query) or materialized (every head's T×T probabilities, as the published
+    /// Megatron figures assume).
+    #[arg(long, default_value = "flash")]
+    attention: String,
     /// LoRA rank: frozen base weights, trainable state for the adapters only.
     #[arg(long)]
     lora_rank: Option<usize>,
@@ -284,6 +290,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         &a.activation_model,
     )?;
     input.lora = lora_for(&input.model, a.lora_rank, &a.lora_targets)?;
+    input.attention = AttentionKernel::parse(&a.attention)?;
     input.memory_reserve = a.reserve;
     input.force_cross_node_tp = a.force_cross_node_tp;
     input.allow_async = a.allow_async;

@@ -184,7 +184,7 @@ pub fn attention_rows(be: &CpuBackend, cfg: &ModelConfig, batch: usize, seq: usi
         random(rows * a.kv_width(), 6),
         random(rows * a.q_width(), 7),
     );
-    let (mut out, mut probs) = (vec![0f32; rows * a.q_width()], vec![0f32; a.probs_len()]);
+    let (mut out, mut lse) = (vec![0f32; rows * a.q_width()], vec![0f32; a.lse_len()]);
     let (mut dq, mut dk, mut dv) = (
         vec![0f32; q.len()],
         vec![0f32; k.len()],
@@ -193,10 +193,10 @@ pub fn attention_rows(be: &CpuBackend, cfg: &ModelConfig, batch: usize, seq: usi
     // Causal: half of the full QK^T and PV work.
     let gf = 2.0 * 2.0 * (batch * a.heads * seq * seq * a.head_dim) as f64 / 2.0 / 1e9;
     let fwd = best_time(KERNEL_REPS, || {
-        be.attention_forward(a, &q, &k, &vv, &mut out, &mut probs)
+        be.attention_forward(a, &q, &k, &vv, &mut out, &mut lse)
     });
     let bwd = best_time(KERNEL_REPS, || {
-        be.attention_backward(a, &dout, &q, &k, &vv, &probs, &mut dq, &mut dk, &mut dv)
+        be.attention_backward(a, &dout, &q, &k, &vv, &out, &lse, &mut dq, &mut dk, &mut dv)
     });
     vec![
         format!(

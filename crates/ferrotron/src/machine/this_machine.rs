@@ -246,19 +246,19 @@ fn attention_efficiency(be: &CpuBackend, peak: f64) -> f64 {
         rand_vec(ROWS * a.kv_width(), 6),
         rand_vec(ROWS * a.q_width(), 7),
     );
-    let (o, probs) = (vec![0f32; q.len()], vec![0f32; a.probs_len()]);
+    let (o, lse) = (vec![0f32; q.len()], vec![0f32; a.lse_len()]);
     let (dq, dk, dv) = (
         vec![0f32; q.len()],
         vec![0f32; k.len()],
         vec![0f32; v.len()],
     );
     let t_attn = on_every_core(|| {
-        let (mut o, mut probs) = (o.clone(), probs.clone());
+        let (mut o, mut lse) = (o.clone(), lse.clone());
         let (mut dq, mut dk, mut dv) = (dq.clone(), dk.clone(), dv.clone());
         time_on(Clock::ThreadCpu, 5, || {
-            be.attention_forward(a, &q, &k, &v, &mut o, &mut probs)
+            be.attention_forward(a, &q, &k, &v, &mut o, &mut lse)
         }) + time_on(Clock::ThreadCpu, 5, || {
-            be.attention_backward(a, &dout, &q, &k, &v, &probs, &mut dq, &mut dk, &mut dv)
+            be.attention_backward(a, &dout, &q, &k, &v, &o, &lse, &mut dq, &mut dk, &mut dv)
         })
     });
     let attn_flops = 3.0 * 4.0 * (ROWS * ROWS * a.q_width()) as f64;

@@ -1,5 +1,11 @@
-//! Causal softmax attention with grouped-query heads. Q, K, V are token-major (`[tokens, heads·d]`);
-//! each head is read in place through strides, so no transposes are materialised.
+//! Causal softmax attention with grouped-query heads, memory-efficient (FlashAttention-2's
+//! algorithm, Dao 2023): forward walks each head's scores in tiles with an online softmax and keeps
+//! only the output and each query row's log-sum-exp; backward recomputes each tile's probabilities
+//! from Q, K and the log-sum-exp. No T×T matrix exists: the scratch is a few tiles per task.
+//!
+//! Q, K, V are token-major (`[tokens, heads·d]`); each head is read in place through strides, and
+//! a query head reads its KV head in place (grouped-query heads share it, nothing is repeated).
+//! Tiles wholly above the causal diagonal, or wholly before a sliding window, are never computed.
 
 use super::small_gemm::{self, Causal};
 use super::threads::SendPtr;
@@ -15,7 +21,7 @@ use ferrotron_core::precision::Products;
 /// tile by tile (masked columns are left unwritten: callers overwrite or zero them); in f32, with
 /// `b` and `c` rows contiguous, the AVX-512 kernel made for these shapes; otherwise the `gemm`
 /// crate.
-unsafe fn gemm_raw<T: Real>(
+pub(super) unsafe fn gemm_raw<T: Real>(
     (m, n, k): (usize, usize, usize),
     a: (*const T, usize, usize),
     b: (*const T, usize, usize),
@@ -75,7 +81,13 @@ unsafe fn gemm_raw<T: Real>(
 
 /// Head columns `[off, off + d)` of the `t` token rows of `x` (row stride `width`), transposed to
 /// `[d × t]`: Kᵀ and Vᵀ as right operands with contiguous rows.
-fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usize) -> Vec<T> {
+pub(super) fn transposed_head<T: Real>(
+    x: &[T],
+    off: usize,
+    width: usize,
+    t: usize,
+    d: usize,
+) -> Vec<T> {
     // In blocks of 16 tokens, so that each output row is written 16 contiguous elements at a time
     // while the block's 16 input rows stay in L1.
     const BLOCK: usize = 16;
@@ -93,7 +105,7 @@ fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usiz
 
 /// Whether attention's products run on the bf16 GEMM, which reads a head of K or V in place as
 /// the transposed right operand (its packing transposes anyway): then no transposed copy is made.
-fn bf16_reads_heads_in_place<T: Real>(products: Products) -> bool {
+pub(super) fn bf16_reads_heads_in_place<T: Real>(products: Products) -> bool {
     products == Products::Bf16
         && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
         && super::bf16_gemm::best_path() != super::bf16_gemm::Path::F32Gemm
@@ -101,7 +113,7 @@ fn bf16_reads_heads_in_place<T: Real>(products: Products) -> bool {
 
 /// Kᵀ (or Vᵀ) of the head at columns `off..` as a right operand: the transposed copy `xt` where
 /// one was made, else the head itself through strides.
-fn head_transposed_view<T: Real>(
+pub(super) fn head_transposed_view<T: Real>(
     xt: &Option<Vec<T>>,
     x: &[T],
     off: usize,
@@ -114,45 +126,113 @@ fn head_transposed_view<T: Real>(
     }
 }
 
-/// Row blocks `[r0, r1)` of a `t`-row causal score matrix: blocks of 64 rows, whose products skip
-/// the blocks of keys past their last query; on the bf16 GEMM, which skips them tile by tile (and
-/// packs each operand once per product), one block of all `t`.
-fn row_blocks<T: Real>(products: Products, t: usize) -> impl Iterator<Item = (usize, usize)> {
-    let block = if bf16_reads_heads_in_place::<T>(products) {
-        t.max(1)
+/// Query rows and key columns of a tile. The bf16 GEMM packs its operands per call, so it gets
+/// larger tiles; the f32 kernels' 64×64 tiles of scores stay in L1/L2 beside their Q, K and V rows.
+fn tile_sizes<T: Real>(products: Products) -> (usize, usize) {
+    if bf16_reads_heads_in_place::<T>(products) {
+        (128, 256)
     } else {
-        64
-    };
-    (0..t.div_ceil(block)).map(move |b| (b * block, ((b + 1) * block).min(t)))
+        (64, 64)
+    }
+}
+
+/// The key tiles `[c0, c1)` the query rows `[r0, r1)` see: from the tile holding the first key of
+/// the window of row `r0` to the diagonal (`r1`), `bc` keys at a time.
+fn key_tiles(
+    s: &AttnShape,
+    (r0, r1): (usize, usize),
+    bc: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let first = s.first_key(r0) / bc * bc;
+    (first..r1)
+        .step_by(bc)
+        .map(move |c0| (c0, (c0 + bc).min(r1)))
+}
+
+/// The products' masks on a tile of query rows from `r0` and keys from `c0` (the GEMMs skip what
+/// lies past the causal diagonal; the row functions zero it): for S and dP (columns past it), for
+/// P·V and dS·K (depth past it), and for Pᵀ·dO and dSᵀ·Q (depth before it).
+fn tile_masks(r0: usize, c0: usize) -> [Causal; 3] {
+    match r0.checked_sub(c0) {
+        Some(diag) => [
+            Causal::Columns(diag),
+            Causal::DepthUpTo(diag),
+            Causal::DepthFrom(diag),
+        ],
+        None => [Causal::None; 3],
+    }
+}
+
+/// The keys of tile `[c0, c1)` query `i` sees: `[lo, hi)` relative to `c0` (empty when `lo ≥ hi`).
+fn visible(s: &AttnShape, i: usize, (c0, c1): (usize, usize)) -> (usize, usize) {
+    let lo = s.first_key(i).clamp(c0, c1) - c0;
+    let hi = (i + 1).min(c1).max(c0) - c0;
+    (lo, hi.max(lo))
 }
 
 simd_kernel! {
-    /// Scaled, causally masked softmax of score row `i` in place over keys `first..=i`: entries
-    /// outside become 0 (a sliding window starts at `first`; the products that follow multiply
-    /// those zeros, so the row's probabilities and gradients are exactly the windowed ones).
-    fn softmax_causal_row<T: Real>(row: &mut [T], first: usize, i: usize, scale: T) {
-        row[..first].fill(T::ZERO);
-        let visible = &mut row[first..=i];
-        visible.iter_mut().for_each(|x| *x *= scale);
-        let max = simd::max(visible);
-        visible.iter_mut().for_each(|x| *x = (*x - max).exp());
-        let inv = T::ONE / simd::sum(visible);
-        visible.iter_mut().for_each(|x| *x *= inv);
-        row[i + 1..].fill(T::ZERO);
+    /// One query row of a forward tile: scales its visible scores `row[lo..hi]`, folds them into
+    /// the running maximum `m` and sum `l` (the output row `acc`, accumulated so far against the old
+    /// maximum, is rescaled to the new one), and leaves the tile's probabilities against the new
+    /// maximum in `row` (0 outside the visible keys, so the product with V adds nothing there).
+    fn online_softmax_row<T: Real>(
+        row: &mut [T],
+        seen: (usize, usize),
+        scale: T,
+        m: &mut T,
+        l: &mut T,
+        acc: &mut [T],
+    ) {
+        let ((lo, hi), n) = (seen, row.len());
+        row[..lo].fill(T::ZERO);
+        row[hi..n].fill(T::ZERO);
+        if lo == hi {
+            return;
+        }
+        let seen = &mut row[lo..hi];
+        seen.iter_mut().for_each(|x| *x *= scale);
+        let tile_max = simd::max(seen);
+        // The first keys this row sees set its maximum; later ones raise it.
+        let new_max = if *l == T::ZERO { tile_max } else { tile_max.max(*m) };
+        seen.iter_mut().for_each(|x| *x = (*x - new_max).exp());
+        let sum = simd::sum(seen);
+        if *l == T::ZERO {
+            // Nothing accumulated yet (acc is zero).
+            *l = sum;
+        } else {
+            let correction = (*m - new_max).exp();
+            *l = *l * correction + sum;
+            acc.iter_mut().for_each(|x| *x *= correction);
+        }
+        *m = new_max;
     }
 }
 
 simd_kernel! {
-    /// dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale over one row's visible part, in place of dP.
-    fn softmax_backward_row<T: Real>(dp: &mut [T], p: &[T], scale: T) {
-        let dot = simd::dot(dp, p);
-        for (x, &p) in dp.iter_mut().zip(p) {
-            *x = p * (*x - dot) * scale;
+    /// One query row of a backward tile: the probabilities `exp(scale·s − lse)` of its visible
+    /// scores in place of `s`, 0 elsewhere.
+    fn probabilities_row<T: Real>(s: &mut [T], seen: (usize, usize), scale: T, lse: T) {
+        let ((lo, hi), n) = (seen, s.len());
+        s[..lo].fill(T::ZERO);
+        s[hi..n].fill(T::ZERO);
+        s[lo..hi].iter_mut().for_each(|x| *x = (*x * scale - lse).exp());
+    }
+}
+
+simd_kernel! {
+    /// dS = P ⊙ (dP − D) · scale over one row's visible keys (D = rowsum(dO ⊙ O)), in place of dP;
+    /// 0 elsewhere.
+    fn score_gradient_row<T: Real>(dp: &mut [T], p: &[T], seen: (usize, usize), d: T, scale: T) {
+        let ((lo, hi), n) = (seen, dp.len());
+        dp[..lo].fill(T::ZERO);
+        dp[hi..n].fill(T::ZERO);
+        for (x, &p) in dp[lo..hi].iter_mut().zip(&p[lo..hi]) {
+            *x = p * (*x - d) * scale;
         }
     }
 }
 
-fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, probs: usize) {
+fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, lse: usize) {
     let rows = s.batch * s.seq;
     assert!(
         s.kv_heads > 0 && s.heads.is_multiple_of(s.kv_heads),
@@ -162,9 +242,20 @@ fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, probs: 
     assert_eq!(k, rows * s.kv_width(), "attention: k length");
     assert_eq!(v, rows * s.kv_width(), "attention: v length");
     assert_eq!(out, rows * s.q_width(), "attention: output length");
-    assert_eq!(probs, s.probs_len(), "attention: probs length");
+    assert_eq!(lse, s.lse_len(), "attention: log-sum-exp length");
 }
 
+/// Per task: a tile of scores, the output rows being accumulated, and each row's running maximum
+/// and sum.
+struct ForwardScratch<T> {
+    scores: Vec<T>,
+    acc: Vec<T>,
+    max: Vec<T>,
+    sum: Vec<T>,
+}
+
+/// Attention's output, and per (sequence, head, query) the log-sum-exp of its scaled scores, which
+/// is all backward needs besides Q, K, V and the output.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Real>(
     threads: &Threads,
@@ -174,56 +265,99 @@ pub(crate) fn forward<T: Real>(
     k: &[T],
     v: &[T],
     out: &mut [T],
-    probs: &mut [T],
+    lse: &mut [T],
 ) {
-    check_lengths(s, q.len(), k.len(), v.len(), out.len(), probs.len());
+    check_lengths(s, q.len(), k.len(), v.len(), out.len(), lse.len());
     let (t, d, qw, kw) = (s.seq, s.head_dim, s.q_width(), s.kv_width());
     let scale = T::ONE / T::of(d as f64).sqrt();
-    let (out_p, probs_p) = (SendPtr(out.as_mut_ptr()), SendPtr(probs.as_mut_ptr()));
-    threads.for_tasks(s.batch * s.heads, |task| {
+    let (br, bc) = tile_sizes::<T>(products);
+    let bf16 = products == Products::Bf16;
+    let (out_p, lse_p) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
+    let scratch = || ForwardScratch {
+        scores: vec![T::ZERO; br * bc],
+        acc: vec![T::ZERO; br * d],
+        max: vec![T::ZERO; br],
+        sum: vec![T::ZERO; br],
+    };
+    threads.for_tasks_with(s.batch * s.heads, scratch, |w, task| {
         let (b, h) = (task / s.heads, task % s.heads);
         let kvh = h / (s.heads / s.kv_heads);
         let (qo, ko) = (b * t * qw + h * d, b * t * kw + kvh * d);
-        // SAFETY: each task owns head h of sequence b: its T×T block of `probs` and its column
-        // block of `out`; lengths were checked above.
         let kt =
             (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, t, d));
         let kt_view = head_transposed_view(&kt, k, ko, kw, t);
-        unsafe {
-            let p = probs_p.get().add(task * t * t);
-            // Row block [r0, r1) attends to keys [0, r1): the masked upper triangle is skipped.
-            for (r0, r1) in row_blocks::<T>(products, t) {
-                let (m, pb) = (r1 - r0, p.add(r0 * t));
-                // S = Q·Kᵀ, then softmax, then O = P·V
-                gemm_raw(
-                    (m, r1, d),
-                    (q.as_ptr().add(qo + r0 * qw), qw, 1),
-                    kt_view,
-                    (pb, t, 1),
-                    false,
-                    Causal::Columns(r0),
-                    products == Products::Bf16,
-                );
-                for (i, row) in std::slice::from_raw_parts_mut(pb, m * t)
-                    .chunks_exact_mut(t)
-                    .enumerate()
-                {
-                    softmax_causal_row(row, s.first_key(r0 + i), r0 + i, scale);
+        for r0 in (0..t).step_by(br) {
+            let r1 = (r0 + br).min(t);
+            let m = r1 - r0;
+            w.acc[..m * d].fill(T::ZERO);
+            w.max[..m].fill(T::ZERO);
+            w.sum[..m].fill(T::ZERO);
+            for (c0, c1) in key_tiles(&s, (r0, r1), bc) {
+                let n = c1 - c0;
+                let [columns, depth_up_to, _] = tile_masks(r0, c0);
+                // SAFETY: the tile's Q rows, K columns and V rows lie inside q, k and v (lengths
+                // checked above); scores and acc are this task's scratch.
+                unsafe {
+                    // S = Q·Kᵀ over the tile.
+                    gemm_raw(
+                        (m, n, d),
+                        (q.as_ptr().add(qo + r0 * qw), qw, 1),
+                        (kt_view.0.add(c0 * kt_view.2), kt_view.1, kt_view.2),
+                        (w.scores.as_mut_ptr(), n, 1),
+                        false,
+                        columns,
+                        bf16,
+                    );
                 }
-                gemm_raw(
-                    (m, d, r1),
-                    (pb, t, 1),
-                    (v.as_ptr().add(ko), kw, 1),
-                    (out_p.get().add(qo + r0 * qw), qw, 1),
-                    false,
-                    Causal::DepthUpTo(r0),
-                    products == Products::Bf16,
-                );
+                for i in 0..m {
+                    online_softmax_row(
+                        &mut w.scores[i * n..(i + 1) * n],
+                        visible(&s, r0 + i, (c0, c1)),
+                        scale,
+                        &mut w.max[i],
+                        &mut w.sum[i],
+                        &mut w.acc[i * d..(i + 1) * d],
+                    );
+                }
+                unsafe {
+                    // O += P·V over the tile.
+                    gemm_raw(
+                        (m, d, n),
+                        (w.scores.as_ptr(), n, 1),
+                        (v.as_ptr().add(ko + c0 * kw), kw, 1),
+                        (w.acc.as_mut_ptr(), d, 1),
+                        true,
+                        depth_up_to,
+                        bf16,
+                    );
+                }
+            }
+            // SAFETY: this task alone writes head h of sequence b: its output columns and its
+            // log-sum-exp row.
+            unsafe {
+                for i in 0..m {
+                    let inv = T::ONE / w.sum[i];
+                    let o = std::slice::from_raw_parts_mut(out_p.get().add(qo + (r0 + i) * qw), d);
+                    for (o, &a) in o.iter_mut().zip(&w.acc[i * d..(i + 1) * d]) {
+                        *o = a * inv;
+                    }
+                    *lse_p.get().add(task * t + r0 + i) = w.max[i] + T::of(w.sum[i].to_f64().ln());
+                }
             }
         }
     });
 }
 
+/// Per task: a tile of probabilities and one of their gradients, and D = rowsum(dO ⊙ O) of the
+/// query head in hand.
+struct BackwardScratch<T> {
+    probs: Vec<T>,
+    dprobs: Vec<T>,
+    delta: Vec<T>,
+}
+
+/// The gradients at Q, K and V from the output's gradient, recomputing each tile's probabilities
+/// from the log-sum-exp forward kept. Every element of dq, dk and dv is written, none read.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: Real>(
     threads: &Threads,
@@ -233,103 +367,145 @@ pub(crate) fn backward<T: Real>(
     q: &[T],
     k: &[T],
     v: &[T],
-    probs: &[T],
+    out: &[T],
+    lse: &[T],
     dq: &mut [T],
     dk: &mut [T],
     dv: &mut [T],
 ) {
-    check_lengths(s, q.len(), k.len(), v.len(), dout.len(), probs.len());
+    check_lengths(s, q.len(), k.len(), v.len(), out.len(), lse.len());
     assert!(
-        dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
+        dout.len() == q.len() && dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
         "attention: gradient lengths"
     );
     let (t, d, qw, kw) = (s.seq, s.head_dim, s.q_width(), s.kv_width());
     let group = s.heads / s.kv_heads;
     let scale = T::ONE / T::of(d as f64).sqrt();
+    let (br, bc) = tile_sizes::<T>(products);
+    let bf16 = products == Products::Bf16;
     let (dq_p, dk_p, dv_p) = (
         SendPtr(dq.as_mut_ptr()),
         SendPtr(dk.as_mut_ptr()),
         SendPtr(dv.as_mut_ptr()),
     );
+    let scratch = || BackwardScratch {
+        probs: vec![T::ZERO; br * bc],
+        dprobs: vec![T::ZERO; br * bc],
+        delta: vec![T::ZERO; t],
+    };
     // One task per (sequence, KV head): the query heads that share a KV head accumulate into its
     // dK/dV one after another, so no two tasks write the same element.
-    // dS, a head's T×T scratch, is written where it is read (each row up to the block's last key).
-    let scratch = || vec![T::ZERO; t * t];
-    threads.for_tasks_with(s.batch * s.kv_heads, scratch, |ds, task| {
+    threads.for_tasks_with(s.batch * s.kv_heads, scratch, |w, task| {
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let ko = b * t * kw + kvh * d;
+        let kt =
+            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, t, d));
+        let kt_view = head_transposed_view(&kt, k, ko, kw, t);
         let vt =
             (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(v, ko, kw, t, d));
         let vt_view = head_transposed_view(&vt, v, ko, kw, t);
-        // The first block writes dK and dV at its keys; with several blocks, later ones reach
-        // keys it did not: those start from zero.
-        let one_block = row_blocks::<T>(products, t).nth(1).is_none();
-        if !one_block {
+        // SAFETY (every block below): this task alone writes the kvh columns of dK and dV and the
+        // columns of its query heads in dQ, for sequence b; offsets stay inside the checked lengths.
+        unsafe {
             for r in 0..t {
-                // SAFETY: row r of this task's head of dK and dV, inside them (checked above).
-                unsafe {
-                    std::slice::from_raw_parts_mut(dk_p.get().add(ko + r * kw), d).fill(T::ZERO);
-                    std::slice::from_raw_parts_mut(dv_p.get().add(ko + r * kw), d).fill(T::ZERO);
-                }
+                std::slice::from_raw_parts_mut(dk_p.get().add(ko + r * kw), d).fill(T::ZERO);
+                std::slice::from_raw_parts_mut(dv_p.get().add(ko + r * kw), d).fill(T::ZERO);
             }
         }
         for j in 0..group {
             let h = kvh * group + j;
             let qo = b * t * qw + h * d;
-            let p = &probs[(b * s.heads + h) * t * t..][..t * t];
-            for (bi, (r0, r1)) in row_blocks::<T>(products, t).enumerate() {
-                let (m, first) = (r1 - r0, j == 0 && bi == 0 && one_block);
-                let (dsb, pb) = (&mut ds[r0 * t..r1 * t], &p[r0 * t..r1 * t]);
+            let lse = &lse[(b * s.heads + h) * t..][..t];
+            for (i, delta) in w.delta.iter_mut().enumerate() {
+                let row = qo + i * qw;
+                *delta = simd::dot(&dout[row..row + d], &out[row..row + d]);
+            }
+            unsafe {
+                for r in 0..t {
+                    std::slice::from_raw_parts_mut(dq_p.get().add(qo + r * qw), d).fill(T::ZERO);
+                }
+            }
+            for r0 in (0..t).step_by(br) {
+                let r1 = (r0 + br).min(t);
+                let m = r1 - r0;
                 let (dor, qr) = (dout[qo + r0 * qw..].as_ptr(), q[qo + r0 * qw..].as_ptr());
-                // SAFETY: bounds checked above; this task alone writes dq's head h and the kvh
-                // blocks of dk and dv for sequence b. Rows [r0, r1) involve keys [0, r1) only.
-                unsafe {
-                    // dP = dO·Vᵀ ;  dV += Pᵀ·dO
-                    gemm_raw(
-                        (m, r1, d),
-                        (dor, qw, 1),
-                        vt_view,
-                        (dsb.as_mut_ptr(), t, 1),
-                        false,
-                        Causal::Columns(r0),
-                        products == Products::Bf16,
-                    );
-                    gemm_raw(
-                        (r1, d, m),
-                        (pb.as_ptr(), 1, t),
-                        (dor, qw, 1),
-                        (dv_p.get().add(ko), kw, 1),
-                        !first,
-                        Causal::DepthFrom(r0),
-                        products == Products::Bf16,
-                    );
-                }
-                // dS = P ⊙ (dP − rowsum(P ⊙ dP)), times the score scale; zero past the diagonal.
-                for (i, (dsr, pr)) in dsb.chunks_exact_mut(t).zip(pb.chunks_exact(t)).enumerate() {
-                    let last = r0 + i;
-                    softmax_backward_row(&mut dsr[..=last], &pr[..=last], scale);
-                    dsr[last + 1..r1].fill(T::ZERO);
-                }
-                unsafe {
-                    // dQ = dS·K ;  dK += dSᵀ·Q
-                    gemm_raw(
-                        (m, d, r1),
-                        (dsb.as_ptr(), t, 1),
-                        (k.as_ptr().add(ko), kw, 1),
-                        (dq_p.get().add(qo + r0 * qw), qw, 1),
-                        false,
-                        Causal::DepthUpTo(r0),
-                        products == Products::Bf16,
-                    );
-                    gemm_raw(
-                        (r1, d, m),
-                        (dsb.as_ptr(), 1, t),
-                        (qr, qw, 1),
-                        (dk_p.get().add(ko), kw, 1),
-                        !first,
-                        Causal::DepthFrom(r0),
-                        products == Products::Bf16,
-                    );
+                for (c0, c1) in key_tiles(&s, (r0, r1), bc) {
+                    let n = c1 - c0;
+                    let [columns, depth_up_to, depth_from] = tile_masks(r0, c0);
+                    unsafe {
+                        // P, recomputed: S = Q·Kᵀ, then exp(scale·S − lse).
+                        gemm_raw(
+                            (m, n, d),
+                            (qr, qw, 1),
+                            (kt_view.0.add(c0 * kt_view.2), kt_view.1, kt_view.2),
+                            (w.probs.as_mut_ptr(), n, 1),
+                            false,
+                            columns,
+                            bf16,
+                        );
+                    }
+                    for i in 0..m {
+                        let seen = visible(&s, r0 + i, (c0, c1));
+                        probabilities_row(
+                            &mut w.probs[i * n..(i + 1) * n],
+                            seen,
+                            scale,
+                            lse[r0 + i],
+                        );
+                    }
+                    unsafe {
+                        // dV += Pᵀ·dO ;  dP = dO·Vᵀ
+                        gemm_raw(
+                            (n, d, m),
+                            (w.probs.as_ptr(), 1, n),
+                            (dor, qw, 1),
+                            (dv_p.get().add(ko + c0 * kw), kw, 1),
+                            true,
+                            depth_from,
+                            bf16,
+                        );
+                        gemm_raw(
+                            (m, n, d),
+                            (dor, qw, 1),
+                            (vt_view.0.add(c0 * vt_view.2), vt_view.1, vt_view.2),
+                            (w.dprobs.as_mut_ptr(), n, 1),
+                            false,
+                            columns,
+                            bf16,
+                        );
+                    }
+                    for i in 0..m {
+                        let seen = visible(&s, r0 + i, (c0, c1));
+                        let row = i * n..(i + 1) * n;
+                        score_gradient_row(
+                            &mut w.dprobs[row.clone()],
+                            &w.probs[row],
+                            seen,
+                            w.delta[r0 + i],
+                            scale,
+                        );
+                    }
+                    unsafe {
+                        // dQ += dS·K ;  dK += dSᵀ·Q
+                        gemm_raw(
+                            (m, d, n),
+                            (w.dprobs.as_ptr(), n, 1),
+                            (k.as_ptr().add(ko + c0 * kw), kw, 1),
+                            (dq_p.get().add(qo + r0 * qw), qw, 1),
+                            true,
+                            depth_up_to,
+                            bf16,
+                        );
+                        gemm_raw(
+                            (n, d, m),
+                            (w.dprobs.as_ptr(), 1, n),
+                            (qr, qw, 1),
+                            (dk_p.get().add(ko + c0 * kw), kw, 1),
+                            true,
+                            depth_from,
+                            bf16,
+                        );
+                    }
                 }
             }
         }

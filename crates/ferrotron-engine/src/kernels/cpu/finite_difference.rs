@@ -200,7 +200,7 @@ fn attn_shape((batch, seq, heads, kv_heads, head_dim): Dims) -> AttnShape {
     }
 }
 
-/// Attention forward then backward with output gradient `dout`: `[out, probs, dq, dk, dv]`. The
+/// Attention forward then backward with output gradient `dout`: `[out, lse, dq, dk, dv]`. The
 /// outputs start as NaN: attention writes every element of them (the executor does not zero them
 /// first), so an element it misses shows.
 fn attention_run<T: Real>(s: AttnShape, q: &[T], k: &[T], v: &[T], dout: &[T]) -> [Vec<T>; 5] {
@@ -217,13 +217,13 @@ fn attention_run_on<T: Real>(
     dout: &[T],
 ) -> [Vec<T>; 5] {
     let garbage = |n: usize| vec![T::of(f64::NAN); n];
-    let (mut out, mut p) = (garbage(q.len()), garbage(s.probs_len()));
-    attention::forward(be, products, s, q, k, v, &mut out, &mut p);
+    let (mut out, mut lse) = (garbage(q.len()), garbage(s.lse_len()));
+    attention::forward(be, products, s, q, k, v, &mut out, &mut lse);
     let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
     attention::backward(
-        be, products, s, dout, q, k, v, &p, &mut dq, &mut dk, &mut dv,
+        be, products, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
     );
-    [out, p, dq, dk, dv]
+    [out, lse, dq, dk, dv]
 }
 
 /// Relative error, in norm, of `got` against `want`.
@@ -240,13 +240,20 @@ fn relative_error(want: &[f64], got: &[f32]) -> f64 {
 #[test]
 fn causal_attention_with_grouped_query_heads() {
     let mut r = rng(4);
-    for dims in [
-        (1, 1, 1, 1, 1),
-        (2, 7, 4, 2, 5),
-        (1, 13, 3, 1, 4),
-        (2, 67, 2, 2, 3),
+    // Sequences across the 64-row tiles; windows that leave whole tiles unseen (70 of 140) and
+    // that cut rows inside one tile (5).
+    for (dims, window) in [
+        ((1, 1, 1, 1, 1), None),
+        ((2, 7, 4, 2, 5), None),
+        ((1, 13, 3, 1, 4), None),
+        ((2, 67, 2, 2, 3), None),
+        ((2, 67, 2, 2, 3), Some(5)),
+        ((1, 140, 2, 1, 4), Some(70)),
     ] {
-        let s = attn_shape(dims);
+        let s = AttnShape {
+            window,
+            ..attn_shape(dims)
+        };
         let rows = s.batch * s.seq;
         let (q, k, v) = (
             randn(&mut r, rows * s.q_width()),
@@ -255,7 +262,7 @@ fn causal_attention_with_grouped_query_heads() {
         );
         let wy = randn(&mut r, rows * s.q_width());
         let f = |inp: &[Vec<f64>]| {
-            let (mut out, mut p) = (vec![0.0; rows * s.q_width()], vec![0.0; s.probs_len()]);
+            let (mut out, mut lse) = (vec![0.0; rows * s.q_width()], vec![0.0; s.lse_len()]);
             attention::forward(
                 &be(),
                 Products::F32,
@@ -264,7 +271,7 @@ fn causal_attention_with_grouped_query_heads() {
                 &inp[1],
                 &inp[2],
                 &mut out,
-                &mut p,
+                &mut lse,
             );
             dot(&out, &wy)
         };
@@ -379,11 +386,7 @@ fn attention_agrees_with_f64(
         let want = attention_run(s, &q, &k, &v, &dout);
         let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| narrow(x));
         let got = attention_run_on(be, products, s, &q, &k, &v, &dout);
-        for ((name, want), got) in ["out", "probs", "dq", "dk", "dv"]
-            .iter()
-            .zip(&want)
-            .zip(&got)
-        {
+        for ((name, want), got) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&want).zip(&got) {
             let err = relative_error(want, got);
             assert!(err <= bound, "{name} {s:?}: relative error {err:e}");
         }
@@ -411,4 +414,82 @@ fn bf16_attention_agrees_with_f64_attention_within_the_bf16_bound() {
     // an element left unwritten, is O(1).
     let shapes = [(2, 130, 4, 2, 64), (1, 67, 3, 1, 32), (1, 9, 2, 2, 16)];
     attention_agrees_with_f64(&be(), Products::Bf16, 10, &shapes, 3.0 * 2f64.powi(-8));
+}
+
+/// The memory-efficient kernel against the materialised one it replaced (kept as this reference):
+/// the same output and gradients, in f64 to rounding and in f32 to f32 rounding, over tile tails,
+/// grouped-query heads and sliding windows that skip whole tiles.
+#[test]
+fn memory_efficient_attention_equals_the_materialised_kernel() {
+    use super::attention_materialized as materialized;
+    fn run_materialized<T: Real>(
+        s: AttnShape,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        dout: &[T],
+    ) -> [Vec<T>; 4] {
+        let (mut out, mut p) = (
+            vec![T::ZERO; q.len()],
+            vec![T::ZERO; materialized::probs_len(s)],
+        );
+        materialized::forward(&be(), Products::F32, s, q, k, v, &mut out, &mut p);
+        let (mut dq, mut dk, mut dv) = (
+            vec![T::ZERO; q.len()],
+            vec![T::ZERO; k.len()],
+            vec![T::ZERO; v.len()],
+        );
+        materialized::backward(
+            &be(),
+            Products::F32,
+            s,
+            dout,
+            q,
+            k,
+            v,
+            &p,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        );
+        [out, dq, dk, dv]
+    }
+    let mut r = rng(11);
+    for (dims, window) in [
+        ((2, 130, 4, 2, 16), None),
+        ((1, 200, 3, 1, 8), Some(70)),
+        ((1, 64, 2, 2, 8), Some(3)),
+        ((1, 129, 2, 1, 5), Some(128)),
+    ] {
+        let s = AttnShape {
+            window,
+            ..attn_shape(dims)
+        };
+        let rows = s.batch * s.seq;
+        let [q, k, v, dout] =
+            [s.q_width(), s.kv_width(), s.kv_width(), s.q_width()].map(|w| randn(&mut r, rows * w));
+        let want = run_materialized(s, &q, &k, &v, &dout);
+        let [out, _, dq, dk, dv] = attention_run(s, &q, &k, &v, &dout);
+        for ((name, want), got) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(&want)
+            .zip([out, dq, dk, dv])
+        {
+            let got: Vec<f32> = got.iter().map(|&x| x as f32).collect();
+            let err = relative_error(want, &got);
+            // The f64 results narrowed to f32 for the comparison: f32's rounding is the bound.
+            assert!(err < 1e-7, "f64 {name} {s:?}: relative error {err:e}");
+        }
+        let narrow = |x: &[f64]| -> Vec<f32> { x.iter().map(|&e| e as f32).collect() };
+        let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| narrow(x));
+        let [out, _, dq, dk, dv] = attention_run(s, &q, &k, &v, &dout);
+        for ((name, want), got) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(&want)
+            .zip([out, dq, dk, dv])
+        {
+            let err = relative_error(want, &got);
+            assert!(err < 2e-6, "f32 {name} {s:?}: relative error {err:e}");
+        }
+    }
 }

@@ -4,6 +4,8 @@
 
 mod activation;
 mod attention;
+#[cfg(test)]
+mod attention_materialized;
 pub mod bf16_gemm;
 mod embedding;
 mod f32_gemm;
@@ -209,9 +211,9 @@ impl Backend for CpuBackend {
         k: &[f32],
         v: &[f32],
         out: &mut [f32],
-        probs: &mut [f32],
+        lse: &mut [f32],
     ) {
-        attention::forward(&self.cores(), self.products, s, q, k, v, out, probs)
+        attention::forward(&self.cores(), self.products, s, q, k, v, out, lse)
     }
     fn attention_backward(
         &self,
@@ -220,7 +222,8 @@ impl Backend for CpuBackend {
         q: &[f32],
         k: &[f32],
         v: &[f32],
-        probs: &[f32],
+        out: &[f32],
+        lse: &[f32],
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
@@ -233,7 +236,8 @@ impl Backend for CpuBackend {
             q,
             k,
             v,
-            probs,
+            out,
+            lse,
             dq,
             dk,
             dv,

@@ -91,6 +91,7 @@ impl Threads {
     }
 
     /// Runs `f(task)` for `task in 0..n`, in parallel when `threads > 1`.
+    #[cfg(test)]
     pub(crate) fn for_tasks<F>(&self, n: usize, f: F)
     where
         F: Fn(usize) + Sync + Send,
