@@ -50,6 +50,54 @@ impl AttnShape {
     pub fn lse_len(&self) -> usize {
         self.batch * self.heads * self.seq
     }
+
+    /// Every query of each sequence against every key of it.
+    pub fn whole(&self) -> AttnBlock {
+        let all = Span {
+            rows: self.seq,
+            first: 0,
+            len: self.seq,
+            position: 0,
+        };
+        AttnBlock {
+            shape: *self,
+            q: all,
+            k: all,
+        }
+    }
+}
+
+/// Rows of one side of an attention block: in each sequence's `rows` rows of the tensor, the `len`
+/// rows from row `first`, which hold the tokens at positions `position..position + len` of the
+/// sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub rows: usize,
+    pub first: usize,
+    pub len: usize,
+    pub position: usize,
+}
+
+/// Part of an attention: some queries of each sequence against some of its keys (context
+/// parallelism computes a device's queries against every device's keys, block by block). `shape`
+/// gives the heads and the window (its `seq` is unused); the tensors hold `q.rows` query rows and
+/// `k.rows` key/value rows per sequence, and the log-sum-exp `q.rows` entries per (sequence, head).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnBlock {
+    pub shape: AttnShape,
+    pub q: Span,
+    pub k: Span,
+}
+
+impl AttnBlock {
+    /// Whether any query of the block sees any of its keys (causal, windowed).
+    pub fn any_visible(&self) -> bool {
+        let (q, k) = (self.q, self.k);
+        q.len > 0
+            && k.len > 0
+            && k.position < q.position + q.len
+            && self.shape.first_key(q.position + q.len - 1) < k.position + k.len
+    }
 }
 
 /// A linear map `y = x·Wᵀ (+ b)` over `rows` rows, with the weight in either storage layout.
@@ -196,6 +244,46 @@ pub trait Backend: Sync {
         v: &[f32],
         out: &mut [f32],
         lse: &mut [f32],
+    );
+    /// One block of attention (some queries against some keys): its output rows, normalised over
+    /// the block's keys, and their log-sum-exp (−∞ and a zero row for a query that sees none of
+    /// them). [`Backend::attention_merge`] combines blocks into the whole.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block_forward(
+        &self,
+        b: AttnBlock,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        lse: &mut [f32],
+    );
+    /// Folds a block's output and log-sum-exp (`out_b`, `lse_b`) into the running ones (`out`,
+    /// `lse`): softmax over the union of their keys. Shapes as `s.whole()`'s.
+    fn attention_merge(
+        &self,
+        s: AttnShape,
+        out: &mut [f32],
+        lse: &mut [f32],
+        out_b: &[f32],
+        lse_b: &[f32],
+    );
+    /// One block's share of attention's backward, given the whole attention's output and
+    /// log-sum-exp at the block's queries: adds into `dq` (the block's query rows) and `dk`, `dv`
+    /// (its key rows).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block_backward(
+        &self,
+        b: AttnBlock,
+        dout: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
     );
     /// The gradients at Q, K and V, from forward's output and log-sum-exp (the probabilities are
     /// recomputed tile by tile): every element of `dq`, `dk` and `dv` is written (not accumulated

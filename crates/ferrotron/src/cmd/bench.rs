@@ -15,6 +15,9 @@ pub enum BenchCommand {
     Train(super::bench_train::TrainBench),
     /// Time of each kernel at the benchmark model's shapes, with achieved GFLOP/s for the GEMMs.
     Kernels(KernelBench),
+    /// Causal attention (the engine's memory-efficient kernel), forward and backward at one shape:
+    /// median times, GFLOP/s and the fraction of this machine's measured peak.
+    Attention(AttentionBench),
     /// Collectives on the threads backend: time, algorithm and bus bandwidth (nccl-tests conventions).
     Comm(CommBench),
     /// Pipeline schedules on 4 stages: predicted and measured bubble, peak stash, step time.
@@ -27,6 +30,39 @@ pub enum BenchCommand {
     /// LoRA against full fine-tuning of the same model and batches: tokens/s, forward/backward,
     /// and memory per term measured beside the planner's prediction.
     Lora(LoraBench),
+}
+
+#[derive(Args)]
+pub struct AttentionBench {
+    /// Tokens per sequence.
+    #[arg(long, value_parser = positive(), default_value_t = 4096)]
+    seq: usize,
+    /// Sequences.
+    #[arg(long, value_parser = positive(), default_value_t = 1)]
+    batch: usize,
+    /// Query heads.
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than the query heads; they must divide
+    /// them).
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
+    kv_heads: usize,
+    /// Width of each head.
+    #[arg(long, value_parser = positive(), default_value_t = 64)]
+    head_dim: usize,
+    /// The products in `f32`, or in `bf16` (f32 accumulation, on the best bf16 instructions of
+    /// this CPU).
+    #[arg(long, default_value_t = MixedPrecision::F32)]
+    precision: MixedPrecision,
+    /// Kernel threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Timed repetitions of each pass (the median is reported).
+    #[arg(long, value_parser = positive(), default_value_t = 5)]
+    reps: usize,
+    /// Print one JSON object (`forward_s`, `backward_s`, … ) instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -142,6 +178,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Train(b) => super::bench_train::run(b),
         BenchCommand::Kernels(b) => kernels(b),
+        BenchCommand::Attention(b) => attention(b),
         BenchCommand::Comm(b) => comm(b),
         BenchCommand::Pipeline(b) => pipeline(b),
         BenchCommand::Zero3(b) => {
@@ -205,6 +242,70 @@ fn kernels(b: KernelBench) -> Result<()> {
     for line in rows_printed.iter().flatten() {
         println!("{line}");
     }
+    Ok(())
+}
+
+/// One shape of causal attention, timed; a table, or one JSON object for scripts.
+fn attention(b: AttentionBench) -> Result<()> {
+    use crate::machine::attention_bench;
+    if !b.heads.is_multiple_of(b.kv_heads) {
+        anyhow::bail!(
+            "--heads {} is not a multiple of --kv-heads {}: each key/value head serves a whole \
+             group of query heads",
+            b.heads,
+            b.kv_heads
+        );
+    }
+    let shape = ferrotron_engine::kernels::AttnShape {
+        batch: b.batch,
+        seq: b.seq,
+        heads: b.heads,
+        kv_heads: b.kv_heads,
+        head_dim: b.head_dim,
+        window: None,
+    };
+    let be = attention_bench::backend(b.threads, b.precision.products());
+    let t = attention_bench::measure(&be, shape, b.reps);
+    if b.json {
+        let mut v = serde_json::to_value(&t)?;
+        v["seq"] = b.seq.into();
+        v["batch"] = b.batch.into();
+        v["heads"] = b.heads.into();
+        v["kv_heads"] = b.kv_heads.into();
+        v["head_dim"] = b.head_dim.into();
+        v["precision"] = b.precision.name().into();
+        v["forward_gflops"] = t.forward_gflops().into();
+        v["backward_gflops"] = t.backward_gflops().into();
+        println!("{v}");
+        return Ok(());
+    }
+    println!(
+        "ferrotron bench attention: causal, batch {} x seq {}, {} heads ({} kv), head dim {}, {} products, {} threads; median of {} timings",
+        b.batch, b.seq, b.heads, b.kv_heads, b.head_dim, b.precision.products().name(), t.threads, b.reps
+    );
+    let of_peak = |g: f64| {
+        t.peak_gflops.map_or("not measured".to_string(), |p| {
+            format!("{:.0}%", 100.0 * g / p)
+        })
+    };
+    println!(
+        "| pass | ms | GFLOP/s | of the measured peak ({}) |\n|---|---|---|---|",
+        t.peak_gflops
+            .map_or("none".to_string(), |p| format!("{p:.1} GFLOP/s"))
+    );
+    for (pass, s, g) in [
+        ("forward", t.forward_s, t.forward_gflops()),
+        ("backward", t.backward_s, t.backward_gflops()),
+    ] {
+        println!("| {pass} | {:.2} | {g:.1} | {} |", s * 1e3, of_peak(g));
+    }
+    let total = t.forward_s + t.backward_s;
+    println!(
+        "| forward + backward | {:.2} | {:.1} | {} |",
+        total * 1e3,
+        (t.forward_flop + t.backward_flop) / total / 1e9,
+        of_peak((t.forward_flop + t.backward_flop) / total / 1e9)
+    );
     Ok(())
 }
 

@@ -1,6 +1,8 @@
-//! Measuring this machine: the peaks of its cores (`peak`), and what one device of the threads
+//! Measuring this machine: the peaks of its cores (`peak`), the kernels at a model's shapes
+//! (`kernel_bench`) and attention at one (`attention_bench`), and what one device of the threads
 //! backend does on it, fitted into the `this-machine` cluster file (`this_machine`).
 
+pub mod attention_bench;
 pub mod kernel_bench;
 pub mod peak;
 pub mod this_machine;

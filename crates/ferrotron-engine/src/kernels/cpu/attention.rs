@@ -12,7 +12,7 @@ use super::threads::SendPtr;
 use super::threads::Threads;
 use crate::kernels::float::Real;
 use crate::kernels::simd::{self, simd_kernel};
-use crate::kernels::{extent, AttnShape};
+use crate::kernels::{extent, AttnBlock, AttnShape};
 use ferrotron_core::precision::Products;
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
@@ -136,24 +136,33 @@ fn tile_sizes<T: Real>(products: Products) -> (usize, usize) {
     }
 }
 
-/// The key tiles `[c0, c1)` the query rows `[r0, r1)` see: from the tile holding the first key of
-/// the window of row `r0` to the diagonal (`r1`), `bc` keys at a time.
+/// The key tiles `[c0, c1)` (rows of the block's keys) the block's query rows `[r0, r1)` see: from
+/// the tile holding the first key of row `r0`'s window to their last query's diagonal, `bc` keys at
+/// a time. Tiles wholly past the diagonal or before the window are never visited.
 fn key_tiles(
-    s: &AttnShape,
+    b: &AttnBlock,
     (r0, r1): (usize, usize),
     bc: usize,
 ) -> impl Iterator<Item = (usize, usize)> {
-    let first = s.first_key(r0) / bc * bc;
-    (first..r1)
+    let (q, k) = (b.q, b.k);
+    // Keys at positions up to the last query's; from the first query's window on.
+    let hi = (q.position + r1).saturating_sub(k.position).min(k.len);
+    let lo = b
+        .shape
+        .first_key(q.position + r0)
+        .saturating_sub(k.position)
+        .min(hi);
+    (lo / bc * bc..hi)
         .step_by(bc)
-        .map(move |c0| (c0, (c0 + bc).min(r1)))
+        .map(move |c0| (c0, (c0 + bc).min(hi)))
 }
 
 /// The products' masks on a tile of query rows from `r0` and keys from `c0` (the GEMMs skip what
 /// lies past the causal diagonal; the row functions zero it): for S and dP (columns past it), for
-/// P·V and dS·K (depth past it), and for Pᵀ·dO and dSᵀ·Q (depth before it).
-fn tile_masks(r0: usize, c0: usize) -> [Causal; 3] {
-    match r0.checked_sub(c0) {
+/// P·V and dS·K (depth past it), and for Pᵀ·dO and dSᵀ·Q (depth before it). A tile whose first
+/// query precedes its first key has rows that see nothing: computed whole, zeroed by the rows.
+fn tile_masks(b: &AttnBlock, r0: usize, c0: usize) -> [Causal; 3] {
+    match (b.q.position + r0).checked_sub(b.k.position + c0) {
         Some(diag) => [
             Causal::Columns(diag),
             Causal::DepthUpTo(diag),
@@ -163,10 +172,14 @@ fn tile_masks(r0: usize, c0: usize) -> [Causal; 3] {
     }
 }
 
-/// The keys of tile `[c0, c1)` query `i` sees: `[lo, hi)` relative to `c0` (empty when `lo ≥ hi`).
-fn visible(s: &AttnShape, i: usize, (c0, c1): (usize, usize)) -> (usize, usize) {
-    let lo = s.first_key(i).clamp(c0, c1) - c0;
-    let hi = (i + 1).min(c1).max(c0) - c0;
+/// The keys of tile `[c0, c1)` query row `i` of the block sees: `[lo, hi)` relative to `c0`
+/// (empty when `lo == hi`).
+fn visible(b: &AttnBlock, i: usize, (c0, c1): (usize, usize)) -> (usize, usize) {
+    let at = b.q.position + i;
+    let first = b.shape.first_key(at).saturating_sub(b.k.position);
+    let last = (at + 1).saturating_sub(b.k.position);
+    let lo = first.clamp(c0, c1) - c0;
+    let hi = last.clamp(c0, c1) - c0;
     (lo, hi.max(lo))
 }
 
@@ -232,17 +245,29 @@ simd_kernel! {
     }
 }
 
-fn check_lengths(s: AttnShape, q: usize, k: usize, v: usize, out: usize, lse: usize) {
-    let rows = s.batch * s.seq;
+fn check_lengths(b: &AttnBlock, q: usize, k: usize, v: usize, out: usize, lse: usize) {
+    let s = b.shape;
     assert!(
         s.kv_heads > 0 && s.heads.is_multiple_of(s.kv_heads),
         "attention: heads not divisible by kv heads"
     );
-    assert_eq!(q, rows * s.q_width(), "attention: q length");
-    assert_eq!(k, rows * s.kv_width(), "attention: k length");
-    assert_eq!(v, rows * s.kv_width(), "attention: v length");
-    assert_eq!(out, rows * s.q_width(), "attention: output length");
-    assert_eq!(lse, s.lse_len(), "attention: log-sum-exp length");
+    assert!(
+        b.q.first + b.q.len <= b.q.rows && b.k.first + b.k.len <= b.k.rows,
+        "attention: a block's rows outside its tensors"
+    );
+    assert_eq!(q, s.batch * b.q.rows * s.q_width(), "attention: q length");
+    assert_eq!(k, s.batch * b.k.rows * s.kv_width(), "attention: k length");
+    assert_eq!(v, s.batch * b.k.rows * s.kv_width(), "attention: v length");
+    assert_eq!(
+        out,
+        s.batch * b.q.rows * s.q_width(),
+        "attention: output length"
+    );
+    assert_eq!(
+        lse,
+        s.batch * s.heads * b.q.rows,
+        "attention: log-sum-exp length"
+    );
 }
 
 /// Per task: a tile of scores, the output rows being accumulated, and each row's running maximum
@@ -254,21 +279,24 @@ struct ForwardScratch<T> {
     sum: Vec<T>,
 }
 
-/// Attention's output, and per (sequence, head, query) the log-sum-exp of its scaled scores, which
-/// is all backward needs besides Q, K, V and the output.
+/// One block of attention: its output rows (normalised over the block's keys) and, per (sequence,
+/// head, query), the log-sum-exp of the query's scaled scores against them, which is all backward
+/// needs besides Q, K, V and the output. A query that sees none of the block's keys gets a zero row
+/// and −∞. Writes exactly the block's query rows of `out` and `lse`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Real>(
     threads: &Threads,
     products: Products,
-    s: AttnShape,
+    b: AttnBlock,
     q: &[T],
     k: &[T],
     v: &[T],
     out: &mut [T],
     lse: &mut [T],
 ) {
-    check_lengths(s, q.len(), k.len(), v.len(), out.len(), lse.len());
-    let (t, d, qw, kw) = (s.seq, s.head_dim, s.q_width(), s.kv_width());
+    check_lengths(&b, q.len(), k.len(), v.len(), out.len(), lse.len());
+    let s = b.shape;
+    let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
     let scale = T::ONE / T::of(d as f64).sqrt();
     let (br, bc) = tile_sizes::<T>(products);
     let bf16 = products == Products::Bf16;
@@ -280,21 +308,23 @@ pub(crate) fn forward<T: Real>(
         sum: vec![T::ZERO; br],
     };
     threads.for_tasks_with(s.batch * s.heads, scratch, |w, task| {
-        let (b, h) = (task / s.heads, task % s.heads);
+        let (seq, h) = (task / s.heads, task % s.heads);
         let kvh = h / (s.heads / s.kv_heads);
-        let (qo, ko) = (b * t * qw + h * d, b * t * kw + kvh * d);
+        let qo = (seq * b.q.rows + b.q.first) * qw + h * d;
+        let ko = (seq * b.k.rows + b.k.first) * kw + kvh * d;
+        let lo = (seq * s.heads + h) * b.q.rows + b.q.first;
         let kt =
-            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, t, d));
-        let kt_view = head_transposed_view(&kt, k, ko, kw, t);
-        for r0 in (0..t).step_by(br) {
-            let r1 = (r0 + br).min(t);
+            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, tk, d));
+        let kt_view = head_transposed_view(&kt, k, ko, kw, tk);
+        for r0 in (0..tq).step_by(br) {
+            let r1 = (r0 + br).min(tq);
             let m = r1 - r0;
             w.acc[..m * d].fill(T::ZERO);
             w.max[..m].fill(T::ZERO);
             w.sum[..m].fill(T::ZERO);
-            for (c0, c1) in key_tiles(&s, (r0, r1), bc) {
+            for (c0, c1) in key_tiles(&b, (r0, r1), bc) {
                 let n = c1 - c0;
-                let [columns, depth_up_to, _] = tile_masks(r0, c0);
+                let [columns, depth_up_to, _] = tile_masks(&b, r0, c0);
                 // SAFETY: the tile's Q rows, K columns and V rows lie inside q, k and v (lengths
                 // checked above); scores and acc are this task's scratch.
                 unsafe {
@@ -312,7 +342,7 @@ pub(crate) fn forward<T: Real>(
                 for i in 0..m {
                     online_softmax_row(
                         &mut w.scores[i * n..(i + 1) * n],
-                        visible(&s, r0 + i, (c0, c1)),
+                        visible(&b, r0 + i, (c0, c1)),
                         scale,
                         &mut w.max[i],
                         &mut w.sum[i],
@@ -332,20 +362,81 @@ pub(crate) fn forward<T: Real>(
                     );
                 }
             }
-            // SAFETY: this task alone writes head h of sequence b: its output columns and its
-            // log-sum-exp row.
+            // SAFETY: this task alone writes head h of sequence `seq`: its output columns and its
+            // log-sum-exp row, at the block's queries.
             unsafe {
                 for i in 0..m {
-                    let inv = T::ONE / w.sum[i];
                     let o = std::slice::from_raw_parts_mut(out_p.get().add(qo + (r0 + i) * qw), d);
+                    let lse_i = lse_p.get().add(lo + r0 + i);
+                    if w.sum[i] == T::ZERO {
+                        o.fill(T::ZERO);
+                        *lse_i = T::of(f64::NEG_INFINITY);
+                        continue;
+                    }
+                    let inv = T::ONE / w.sum[i];
                     for (o, &a) in o.iter_mut().zip(&w.acc[i * d..(i + 1) * d]) {
                         *o = a * inv;
                     }
-                    *lse_p.get().add(task * t + r0 + i) = w.max[i] + T::of(w.sum[i].to_f64().ln());
+                    *lse_i = w.max[i] + T::of(w.sum[i].to_f64().ln());
                 }
             }
         }
     });
+}
+
+/// Folds block results into running ones, row by row: lse = log(e^lse + e^lse_b), and the output
+/// the two outputs weighted by their share of it. A row the block did not see (−∞) is unchanged.
+pub(crate) fn merge<T: Real>(
+    threads: &Threads,
+    s: AttnShape,
+    out: &mut [T],
+    lse: &mut [T],
+    out_b: &[T],
+    lse_b: &[T],
+) {
+    let (t, d, qw) = (s.seq, s.head_dim, s.q_width());
+    assert!(
+        out.len() == s.batch * t * qw && out_b.len() == out.len(),
+        "attention merge: output lengths"
+    );
+    assert!(
+        lse.len() == s.lse_len() && lse_b.len() == lse.len(),
+        "attention merge: log-sum-exp lengths"
+    );
+    let (out_p, lse_p) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
+    threads.for_tasks_with(
+        s.batch * s.heads,
+        || (),
+        |_, task| {
+            let (seq, h) = (task / s.heads, task % s.heads);
+            for i in 0..t {
+                let l = (seq * s.heads + h) * t + i;
+                let row = (seq * t + i) * qw + h * d;
+                // SAFETY: this task alone touches head h of sequence `seq`.
+                unsafe {
+                    let (a, b) = (*lse_p.get().add(l), lse_b[l]);
+                    if b.to_f64() == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let o = std::slice::from_raw_parts_mut(out_p.get().add(row), d);
+                    let ob = &out_b[row..row + d];
+                    if a.to_f64() == f64::NEG_INFINITY {
+                        o.copy_from_slice(ob);
+                        *lse_p.get().add(l) = b;
+                        continue;
+                    }
+                    let m = a.max(b);
+                    let (wa, wb) = ((a - m).exp(), (b - m).exp());
+                    let total = wa + wb;
+                    let (wa, wb) = (wa / total, wb / total);
+                    for (x, &y) in o.iter_mut().zip(ob) {
+                        *x = *x * wa + y * wb;
+                    }
+                    *lse_p.get().add(l) = m + T::of(total.to_f64().ln());
+                }
+            }
+        },
+    );
 }
 
 /// Per task: a tile of probabilities and one of their gradients, and D = rowsum(dO ⊙ O) of the
@@ -356,13 +447,14 @@ struct BackwardScratch<T> {
     delta: Vec<T>,
 }
 
-/// The gradients at Q, K and V from the output's gradient, recomputing each tile's probabilities
-/// from the log-sum-exp forward kept. Every element of dq, dk and dv is written, none read.
+/// One block's share of the gradients at Q, K and V, recomputing each tile's probabilities from the
+/// whole attention's log-sum-exp (and D from its output): adds into the block's query rows of `dq`
+/// and key rows of `dk` and `dv`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<T: Real>(
+pub(crate) fn backward_block<T: Real>(
     threads: &Threads,
     products: Products,
-    s: AttnShape,
+    b: AttnBlock,
     dout: &[T],
     q: &[T],
     k: &[T],
@@ -373,12 +465,13 @@ pub(crate) fn backward<T: Real>(
     dk: &mut [T],
     dv: &mut [T],
 ) {
-    check_lengths(s, q.len(), k.len(), v.len(), out.len(), lse.len());
+    check_lengths(&b, q.len(), k.len(), v.len(), out.len(), lse.len());
     assert!(
         dout.len() == q.len() && dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
         "attention: gradient lengths"
     );
-    let (t, d, qw, kw) = (s.seq, s.head_dim, s.q_width(), s.kv_width());
+    let s = b.shape;
+    let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
     let group = s.heads / s.kv_heads;
     let scale = T::ONE / T::of(d as f64).sqrt();
     let (br, bc) = tile_sizes::<T>(products);
@@ -391,47 +484,36 @@ pub(crate) fn backward<T: Real>(
     let scratch = || BackwardScratch {
         probs: vec![T::ZERO; br * bc],
         dprobs: vec![T::ZERO; br * bc],
-        delta: vec![T::ZERO; t],
+        delta: vec![T::ZERO; tq],
     };
     // One task per (sequence, KV head): the query heads that share a KV head accumulate into its
     // dK/dV one after another, so no two tasks write the same element.
     threads.for_tasks_with(s.batch * s.kv_heads, scratch, |w, task| {
-        let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
-        let ko = b * t * kw + kvh * d;
-        let kt =
-            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, t, d));
-        let kt_view = head_transposed_view(&kt, k, ko, kw, t);
-        let vt =
-            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(v, ko, kw, t, d));
-        let vt_view = head_transposed_view(&vt, v, ko, kw, t);
-        // SAFETY (every block below): this task alone writes the kvh columns of dK and dV and the
-        // columns of its query heads in dQ, for sequence b; offsets stay inside the checked lengths.
-        unsafe {
-            for r in 0..t {
-                std::slice::from_raw_parts_mut(dk_p.get().add(ko + r * kw), d).fill(T::ZERO);
-                std::slice::from_raw_parts_mut(dv_p.get().add(ko + r * kw), d).fill(T::ZERO);
-            }
-        }
+        let (seq, kvh) = (task / s.kv_heads, task % s.kv_heads);
+        let ko = (seq * b.k.rows + b.k.first) * kw + kvh * d;
+        let in_place = bf16_reads_heads_in_place::<T>(products);
+        let kt = (!in_place).then(|| transposed_head(k, ko, kw, tk, d));
+        let kt_view = head_transposed_view(&kt, k, ko, kw, tk);
+        let vt = (!in_place).then(|| transposed_head(v, ko, kw, tk, d));
+        let vt_view = head_transposed_view(&vt, v, ko, kw, tk);
         for j in 0..group {
             let h = kvh * group + j;
-            let qo = b * t * qw + h * d;
-            let lse = &lse[(b * s.heads + h) * t..][..t];
+            let qo = (seq * b.q.rows + b.q.first) * qw + h * d;
+            let lse = &lse[(seq * s.heads + h) * b.q.rows + b.q.first..][..tq];
             for (i, delta) in w.delta.iter_mut().enumerate() {
                 let row = qo + i * qw;
                 *delta = simd::dot(&dout[row..row + d], &out[row..row + d]);
             }
-            unsafe {
-                for r in 0..t {
-                    std::slice::from_raw_parts_mut(dq_p.get().add(qo + r * qw), d).fill(T::ZERO);
-                }
-            }
-            for r0 in (0..t).step_by(br) {
-                let r1 = (r0 + br).min(t);
+            for r0 in (0..tq).step_by(br) {
+                let r1 = (r0 + br).min(tq);
                 let m = r1 - r0;
                 let (dor, qr) = (dout[qo + r0 * qw..].as_ptr(), q[qo + r0 * qw..].as_ptr());
-                for (c0, c1) in key_tiles(&s, (r0, r1), bc) {
+                for (c0, c1) in key_tiles(&b, (r0, r1), bc) {
                     let n = c1 - c0;
-                    let [columns, depth_up_to, depth_from] = tile_masks(r0, c0);
+                    let [columns, depth_up_to, depth_from] = tile_masks(&b, r0, c0);
+                    // SAFETY (each block below): this task alone writes the kvh columns of dK and
+                    // dV and its query heads' columns of dQ, for sequence `seq`; offsets stay inside
+                    // the checked lengths; probs and dprobs are this task's scratch.
                     unsafe {
                         // P, recomputed: S = Q·Kᵀ, then exp(scale·S − lse).
                         gemm_raw(
@@ -445,13 +527,9 @@ pub(crate) fn backward<T: Real>(
                         );
                     }
                     for i in 0..m {
-                        let seen = visible(&s, r0 + i, (c0, c1));
-                        probabilities_row(
-                            &mut w.probs[i * n..(i + 1) * n],
-                            seen,
-                            scale,
-                            lse[r0 + i],
-                        );
+                        let seen = visible(&b, r0 + i, (c0, c1));
+                        let row = &mut w.probs[i * n..(i + 1) * n];
+                        probabilities_row(row, seen, scale, lse[r0 + i]);
                     }
                     unsafe {
                         // dV += Pᵀ·dO ;  dP = dO·Vᵀ
@@ -475,15 +553,10 @@ pub(crate) fn backward<T: Real>(
                         );
                     }
                     for i in 0..m {
-                        let seen = visible(&s, r0 + i, (c0, c1));
+                        let seen = visible(&b, r0 + i, (c0, c1));
                         let row = i * n..(i + 1) * n;
-                        score_gradient_row(
-                            &mut w.dprobs[row.clone()],
-                            &w.probs[row],
-                            seen,
-                            w.delta[r0 + i],
-                            scale,
-                        );
+                        let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
+                        score_gradient_row(dp, p, seen, w.delta[r0 + i], scale);
                     }
                     unsafe {
                         // dQ += dS·K ;  dK += dSᵀ·Q
@@ -510,4 +583,40 @@ pub(crate) fn backward<T: Real>(
             }
         }
     });
+}
+
+/// The gradients at Q, K and V of whole-sequence attention: every element of `dq`, `dk` and `dv`
+/// is written, none read.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<T: Real>(
+    threads: &Threads,
+    products: Products,
+    s: AttnShape,
+    dout: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    lse: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) {
+    dq.fill(T::ZERO);
+    dk.fill(T::ZERO);
+    dv.fill(T::ZERO);
+    backward_block(
+        threads,
+        products,
+        s.whole(),
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+    );
 }

@@ -218,7 +218,7 @@ fn attention_run_on<T: Real>(
 ) -> [Vec<T>; 5] {
     let garbage = |n: usize| vec![T::of(f64::NAN); n];
     let (mut out, mut lse) = (garbage(q.len()), garbage(s.lse_len()));
-    attention::forward(be, products, s, q, k, v, &mut out, &mut lse);
+    attention::forward(be, products, s.whole(), q, k, v, &mut out, &mut lse);
     let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
     attention::backward(
         be, products, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
@@ -266,7 +266,7 @@ fn causal_attention_with_grouped_query_heads() {
             attention::forward(
                 &be(),
                 Products::F32,
-                s,
+                s.whole(),
                 &inp[0],
                 &inp[1],
                 &inp[2],
@@ -492,4 +492,130 @@ fn memory_efficient_attention_equals_the_materialised_kernel() {
             assert!(err < 2e-6, "f32 {name} {s:?}: relative error {err:e}");
         }
     }
+}
+
+/// Attention cut into blocks (a context-parallel device's queries against each device's keys)
+/// equals the whole: every (query chunk, key chunk) block's forward merged, and every block's
+/// backward added up. Queries come from a tensor holding only their chunk (as on a device), keys
+/// from the whole sequence; chunks of unequal lengths, windows, grouped-query heads.
+#[test]
+fn attention_in_blocks_equals_the_whole() {
+    use crate::kernels::{AttnBlock, Span};
+    let mut r = rng(12);
+    for (dims, window, cuts) in [
+        ((2, 96, 4, 2, 8), None, vec![0, 24, 48, 72, 96]),
+        ((1, 150, 2, 1, 5), Some(40), vec![0, 70, 71, 150]),
+        ((1, 33, 3, 3, 4), None, vec![0, 1, 17, 33]),
+    ] {
+        let s = AttnShape {
+            window,
+            ..attn_shape(dims)
+        };
+        let (t, qw, kw) = (s.seq, s.q_width(), s.kv_width());
+        let rows = s.batch * t;
+        let [q, k, v, dout] = [qw, kw, kw, qw].map(|w| randn(&mut r, rows * w));
+        let [want_out, want_lse, want_dq, want_dk, want_dv] = attention_run(s, &q, &k, &v, &dout);
+        let chunks: Vec<(usize, usize)> = cuts.windows(2).map(|w| (w[0], w[1])).collect();
+        // A chunk's rows of a token-major tensor `x` (width `w`), every sequence's.
+        let rows_of = |x: &[f64], w: usize, (a, b): (usize, usize)| -> Vec<f64> {
+            (0..s.batch)
+                .flat_map(|seq| x[(seq * t + a) * w..(seq * t + b) * w].to_vec())
+                .collect()
+        };
+        let mut dq_all = vec![0.0; q.len()];
+        let (mut dk, mut dv) = (vec![0.0; k.len()], vec![0.0; v.len()]);
+        let whole_k = Span {
+            rows: t,
+            first: 0,
+            len: t,
+            position: 0,
+        };
+        for &(a, b) in &chunks {
+            let len = b - a;
+            let shape = AttnShape { seq: len, ..s };
+            let q_span = Span {
+                rows: len,
+                first: 0,
+                len,
+                position: a,
+            };
+            let qc = rows_of(&q, qw, (a, b));
+            let (mut out, mut lse) = (
+                vec![0.0; qc.len()],
+                vec![f64::NEG_INFINITY; shape.lse_len()],
+            );
+            for &(ka, kb) in &chunks {
+                let block = AttnBlock {
+                    shape,
+                    q: q_span,
+                    k: Span {
+                        first: ka,
+                        len: kb - ka,
+                        position: ka,
+                        ..whole_k
+                    },
+                };
+                let (mut ob, mut lb) = (vec![f64::NAN; qc.len()], vec![f64::NAN; shape.lse_len()]);
+                attention::forward(&be(), Products::F32, block, &qc, &k, &v, &mut ob, &mut lb);
+                attention::merge(&be(), shape, &mut out, &mut lse, &ob, &lb);
+            }
+            assert!(relative_error(&rows_of(&want_out, qw, (a, b)), &narrow(&out)) < 1e-7);
+            let want_l: Vec<f64> = (0..s.batch * s.heads)
+                .flat_map(|bh| want_lse[bh * t + a..bh * t + b].to_vec())
+                .collect();
+            assert!(
+                relative_error(&want_l, &narrow(&lse)) < 1e-7,
+                "lse {s:?} {a}..{b}"
+            );
+            let doc = rows_of(&dout, qw, (a, b));
+            let mut dq = vec![0.0; qc.len()];
+            for &(ka, kb) in &chunks {
+                let block = AttnBlock {
+                    shape,
+                    q: q_span,
+                    k: Span {
+                        first: ka,
+                        len: kb - ka,
+                        position: ka,
+                        ..whole_k
+                    },
+                };
+                attention::backward_block(
+                    &be(),
+                    Products::F32,
+                    block,
+                    &doc,
+                    &qc,
+                    &k,
+                    &v,
+                    &out,
+                    &lse,
+                    &mut dq,
+                    &mut dk,
+                    &mut dv,
+                );
+            }
+            for seq in 0..s.batch {
+                for i in 0..len {
+                    let (from, to) = ((seq * len + i) * qw, (seq * t + a + i) * qw);
+                    dq_all[to..to + qw].copy_from_slice(&dq[from..from + qw]);
+                }
+            }
+        }
+        for (name, want, got) in [
+            ("dq", &want_dq, &dq_all),
+            ("dk", &want_dk, &dk),
+            ("dv", &want_dv, &dv),
+        ] {
+            let err = relative_error(want, &narrow(got));
+            assert!(
+                err < 1e-7,
+                "{name} {s:?} in blocks {cuts:?}: relative error {err:e}"
+            );
+        }
+    }
+}
+
+fn narrow(x: &[f64]) -> Vec<f32> {
+    x.iter().map(|&e| e as f32).collect()
 }

@@ -20,7 +20,7 @@ mod threads;
 
 pub(crate) use threads::Threads;
 
-use super::{bf16_convert, AttnShape, Backend, LinearShape, Matrix, RopeTable};
+use super::{bf16_convert, AttnBlock, AttnShape, Backend, LinearShape, Matrix, RopeTable};
 use ferrotron_core::precision::Products;
 use rayon::prelude::*;
 
@@ -213,7 +213,56 @@ impl Backend for CpuBackend {
         out: &mut [f32],
         lse: &mut [f32],
     ) {
-        attention::forward(&self.cores(), self.products, s, q, k, v, out, lse)
+        attention::forward(&self.cores(), self.products, s.whole(), q, k, v, out, lse)
+    }
+    fn attention_block_forward(
+        &self,
+        b: AttnBlock,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        attention::forward(&self.cores(), self.products, b, q, k, v, out, lse)
+    }
+    fn attention_merge(
+        &self,
+        s: AttnShape,
+        out: &mut [f32],
+        lse: &mut [f32],
+        out_b: &[f32],
+        lse_b: &[f32],
+    ) {
+        attention::merge(&self.cores(), s, out, lse, out_b, lse_b)
+    }
+    fn attention_block_backward(
+        &self,
+        b: AttnBlock,
+        dout: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
+        attention::backward_block(
+            &self.cores(),
+            self.products,
+            b,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+        )
     }
     fn attention_backward(
         &self,

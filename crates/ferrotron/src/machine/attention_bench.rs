@@ -1,0 +1,87 @@
+//! `bench attention`'s measurement: the engine's memory-efficient causal attention, forward and
+//! backward, timed on this machine at one shape, beside the peak of the products' arithmetic
+//! measured the same way (the f32 FMA peak, or the bf16 path's).
+
+use super::kernel_bench::Peaks;
+use super::peak::{time_on, Clock};
+use ferrotron_core::precision::Products;
+use ferrotron_engine::kernels::{AttnShape, Backend, CpuBackend};
+use rand::{Rng, SeedableRng};
+
+/// What was measured: median seconds of each pass, and the FLOPs they count.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AttentionTimes {
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// FlashAttention-2's convention: forward 4·B·H·S²·D, halved under the causal mask; backward
+    /// 2.5 times the forward (its five products to the forward's two, QKᵀ recomputed).
+    pub forward_flop: f64,
+    pub backward_flop: f64,
+    /// The peak the products are read against (GFLOP/s), where this CPU has one measured.
+    pub peak_gflops: Option<f64>,
+    pub threads: usize,
+}
+
+impl AttentionTimes {
+    pub fn forward_gflops(&self) -> f64 {
+        self.forward_flop / self.forward_s / 1e9
+    }
+    pub fn backward_gflops(&self) -> f64 {
+        self.backward_flop / self.backward_s / 1e9
+    }
+}
+
+/// FLOPs of causal attention's forward at this shape (FlashAttention-2's count).
+pub fn forward_flop(s: &AttnShape) -> f64 {
+    let (b, h, t, d) = (s.batch, s.heads, s.seq, s.head_dim);
+    4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0
+}
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| r.gen_range(-1.0..1.0)).collect()
+}
+
+/// Times `reps` forward and backward passes (after an untimed one each): their medians.
+pub fn measure(be: &CpuBackend, s: AttnShape, reps: usize) -> AttentionTimes {
+    let rows = s.batch * s.seq;
+    let (q, k, v, dout) = (
+        random(rows * s.q_width(), 1),
+        random(rows * s.kv_width(), 2),
+        random(rows * s.kv_width(), 3),
+        random(rows * s.q_width(), 4),
+    );
+    let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; s.lse_len()]);
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; v.len()],
+    );
+    let peaks = Peaks::measure(be);
+    // Backward reads what forward wrote; forward's output is the same every time.
+    let forward_s = time_on(Clock::Wall, reps, || {
+        be.attention_forward(s, &q, &k, &v, &mut out, &mut lse)
+    });
+    let backward_s = time_on(Clock::Wall, reps, || {
+        be.attention_backward(s, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv)
+    });
+    let forward_flop = forward_flop(&s);
+    AttentionTimes {
+        forward_s,
+        backward_s,
+        forward_flop,
+        backward_flop: 2.5 * forward_flop,
+        peak_gflops: peaks.peak,
+        threads: be.threads,
+    }
+}
+
+/// The backend for a benchmark: `threads` kernel threads (0: all cores), products in `products`.
+pub fn backend(threads: usize, products: Products) -> CpuBackend {
+    if threads == 0 {
+        CpuBackend::default()
+    } else {
+        CpuBackend::with_threads(threads)
+    }
+    .computing(products)
+}
