@@ -57,7 +57,10 @@ impl Schedule {
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
     None,
+    /// Recompute attention's core in backward (Korthikanti et al. 2022). The engine's
+    /// memory-efficient attention always does, keeping no probabilities: there it equals `None`.
     Selective,
+    /// Keep each layer's input only and run the layer forward again in backward.
     Full,
 }
 

@@ -283,10 +283,18 @@ fn recompute_gives_identical_gradients_from_a_smaller_stash() {
                 "{model} {policy:?}"
             );
             assert_eq!(g, g0, "{model} {policy:?}: gradients must be bit-identical");
-            assert!(
-                out.peak_activation_bytes < base.peak_activation_bytes,
-                "{model} {policy:?}"
-            );
+            // Memory-efficient attention keeps no probabilities, so selective recompute has
+            // nothing to drop: its stash is no recompute's. Full recompute keeps layer inputs only.
+            match policy {
+                Recompute::Selective => assert_eq!(
+                    out.peak_activation_bytes, base.peak_activation_bytes,
+                    "{model} {policy:?}"
+                ),
+                _ => assert!(
+                    out.peak_activation_bytes < base.peak_activation_bytes,
+                    "{model} {policy:?}"
+                ),
+            }
             println!(
                 "{model} {policy:?}: stash {} -> {} bytes",
                 base.peak_activation_bytes, out.peak_activation_bytes

@@ -336,8 +336,9 @@ impl Transformer {
         self
     }
 
-    /// Trades compute for activation memory: `Full` keeps only each layer's input and runs the layer
-    /// forward again in backward; `Selective` drops the attention probabilities and recomputes them.
+    /// Trades compute for activation memory: `Full` keeps only each layer's input and runs the
+    /// layer forward again in backward; `Selective` equals `None` here (the memory-efficient
+    /// attention keeps no probabilities to drop: its backward always recomputes them).
     pub fn with_recompute(mut self, policy: Recompute) -> Self {
         self.recompute = policy;
         self
