@@ -82,6 +82,35 @@ impl Recompute {
     }
 }
 
+/// How a context-parallel group exchanges what attention needs across the sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpComm {
+    /// Ring attention: K/V blocks travel around the group while each device attends to the block
+    /// in hand; their gradients travel back in the backward.
+    #[default]
+    Ring,
+    /// Ulysses: an all-to-all turns sequence shards into head shards before attention (each device
+    /// attends whole sequences with some heads) and back after.
+    A2a,
+}
+
+impl CpComm {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "ring" => Some(Self::Ring),
+            "a2a" => Some(Self::A2a),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ring => "ring",
+            Self::A2a => "a2a",
+        }
+    }
+}
+
 /// The most pipeline stages a layout may name one by one (`stages=5+6+…`).
 pub const MAX_NAMED_STAGES: usize = 256;
 
@@ -186,6 +215,11 @@ pub struct Layout {
     pub dp: usize,
     pub tp: usize,
     pub pp: usize,
+    /// Context parallelism: every sequence split over this many devices.
+    #[serde(default = "one")]
+    pub cp: usize,
+    #[serde(default)]
+    pub cp_comm: CpComm,
     pub vpp: usize,
     pub zero: u8,
     pub micro_batch_size: usize,
@@ -198,12 +232,18 @@ pub struct Layout {
     pub stages: Option<NamedStages>,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl Default for Layout {
     fn default() -> Self {
         Self {
             dp: 1,
             tp: 1,
             pp: 1,
+            cp: 1,
+            cp_comm: CpComm::Ring,
             vpp: 1,
             zero: 0,
             micro_batch_size: 1,
@@ -234,6 +274,8 @@ pub const LAYOUT_KEYS: &[&str] = &[
     "dp",
     "tp",
     "pp",
+    "cp",
+    "cp_comm",
     "vpp",
     "zero",
     "mbs",
@@ -271,7 +313,8 @@ impl LayoutSpec {
         !self.auto_keys.is_empty()
     }
 
-    /// Parses `dp=2,tp=2,pp=2,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,recompute=none` (any subset),
+    /// Parses `dp=2,tp=2,pp=2,cp=1,cp_comm=ring,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,
+    /// recompute=none` (any subset),
     /// optionally `stages=5+6+…` (layers per virtual stage), or `auto`.
     pub fn parse(spec: &str) -> Result<Self> {
         let mut out = LayoutSpec {
@@ -331,6 +374,11 @@ impl LayoutSpec {
                 "dp" => l.dp = positive(value)?,
                 "tp" => l.tp = positive(value)?,
                 "pp" => l.pp = positive(value)?,
+                "cp" => l.cp = positive(value)?,
+                "cp_comm" => {
+                    l.cp_comm = CpComm::parse(value)
+                        .ok_or_else(|| bad(key, format!("`{value}` is not ring or a2a")))?
+                }
                 "vpp" => l.vpp = positive(value)?,
                 "mbs" => l.micro_batch_size = positive(value)?,
                 "zero" => {
@@ -375,6 +423,7 @@ impl Layout {
     pub fn rank_grid(&self, devices_per_node: usize) -> crate::rank::RankGrid {
         crate::rank::RankGrid {
             tp: self.tp.max(1),
+            cp: self.cp.max(1),
             dp: self.dp.max(1),
             pp: self.pp.max(1),
             devices_per_node: devices_per_node.max(1),
@@ -382,7 +431,13 @@ impl Layout {
     }
 
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.dp * self.tp * self.pp * self.cp.max(1)
+    }
+
+    /// The replicas of each model shard: dp × cp devices hold the same parameters and see different
+    /// tokens; their gradients sum and ZeRO shards over them.
+    pub fn replicas(&self) -> usize {
+        self.dp.max(1) * self.cp.max(1)
     }
     /// True when the layout runs on one device, unsplit.
     pub fn is_single_device(&self) -> bool {
@@ -405,6 +460,9 @@ impl fmt::Display for Layout {
             self.sequence_parallel,
             self.recompute.name()
         )?;
+        if self.cp > 1 {
+            write!(f, ",cp={},cp_comm={}", self.cp, self.cp_comm.name())?;
+        }
         match &self.stages {
             Some(st) => write!(f, ",stages={st}"),
             None => Ok(()),
@@ -428,6 +486,32 @@ mod tests {
             LayoutSpec::parse("auto").unwrap().auto_keys.len(),
             LAYOUT_KEYS.len() - 1
         );
+    }
+
+    #[test]
+    fn context_parallel_keys_parse_print_and_count_devices() {
+        let s = LayoutSpec::parse("dp=2,cp=4,cp_comm=a2a").unwrap();
+        assert_eq!((s.layout.cp, s.layout.cp_comm), (4, CpComm::A2a));
+        assert_eq!((s.layout.world_size(), s.layout.replicas()), (8, 8));
+        assert!(s.layout.to_string().ends_with(",cp=4,cp_comm=a2a"));
+        assert_eq!(
+            LayoutSpec::parse(&s.layout.to_string()).unwrap().layout,
+            s.layout
+        );
+        // cp=1 prints as before, and a layout from before cp existed still reads.
+        assert!(!Layout::default().to_string().contains("cp"));
+        let mut old = serde_json::to_value(Layout::default()).unwrap();
+        let fields = old.as_object_mut().unwrap();
+        fields.remove("cp");
+        fields.remove("cp_comm");
+        assert_eq!(
+            serde_json::from_value::<Layout>(old).unwrap(),
+            Layout::default()
+        );
+        let e = LayoutSpec::parse("cp=2,cp_comm=tree")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cp_comm") && e.contains("ring or a2a"), "{e}");
     }
 
     #[test]

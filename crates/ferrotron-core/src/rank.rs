@@ -1,9 +1,11 @@
-//! The rank grid: the one definition of how ranks map to (tp, dp, pp) coordinates, which node a rank
-//! sits on, and which ranks form each parallel group. The planner prices links with it, the engine
-//! builds its communication groups from it, and the checkpoint code finds a rank's shard with it.
+//! The rank grid: the one definition of how ranks map to (tp, cp, dp, pp) coordinates, which node
+//! a rank sits on, and which ranks form each parallel group. The planner prices links with it, the
+//! engine builds its communication groups from it, and the checkpoint code finds a rank's shard with
+//! it.
 //!
-//! Megatron's order: tensor-parallel fastest, then data-parallel, then pipeline:
-//! `rank = tp_rank + tp · (dp_rank + dp · pp_rank)`, and rank r sits on node `r / devices_per_node`.
+//! Megatron's order: tensor-parallel fastest, then context-parallel, then data-parallel, then
+//! pipeline: `rank = tp_rank + tp · (cp_rank + cp · (dp_rank + dp · pp_rank))`, and rank r sits on
+//! node `r / devices_per_node`.
 
 use crate::error::{ConfigError, Result};
 
@@ -11,25 +13,49 @@ use crate::error::{ConfigError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Dim {
     Tp,
+    Cp,
     Dp,
     Pp,
 }
 
 impl Dim {
-    pub const ALL: [Dim; 3] = [Dim::Tp, Dim::Dp, Dim::Pp];
+    pub const ALL: [Dim; 4] = [Dim::Tp, Dim::Cp, Dim::Dp, Dim::Pp];
     pub fn name(self) -> &'static str {
         match self {
             Dim::Tp => "tp",
+            Dim::Cp => "cp",
             Dim::Dp => "dp",
             Dim::Pp => "pp",
         }
     }
 }
 
-/// dp × pp × tp ranks laid out tp fastest, then dp, then pp, on nodes of `devices_per_node`.
+/// A rank's place on each dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Coords {
+    pub tp: usize,
+    pub cp: usize,
+    pub dp: usize,
+    pub pp: usize,
+}
+
+impl Coords {
+    fn with(mut self, d: Dim, i: usize) -> Self {
+        match d {
+            Dim::Tp => self.tp = i,
+            Dim::Cp => self.cp = i,
+            Dim::Dp => self.dp = i,
+            Dim::Pp => self.pp = i,
+        }
+        self
+    }
+}
+
+/// tp × cp × dp × pp ranks laid out tp fastest, then cp, dp and pp, on nodes of `devices_per_node`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RankGrid {
     pub tp: usize,
+    pub cp: usize,
     pub dp: usize,
     pub pp: usize,
     pub devices_per_node: usize,
@@ -37,14 +63,21 @@ pub struct RankGrid {
 
 impl RankGrid {
     /// A grid of positive sizes on nodes of `devices_per_node` devices.
-    pub fn new(tp: usize, dp: usize, pp: usize, devices_per_node: usize) -> Result<Self> {
-        if tp == 0 || dp == 0 || pp == 0 || devices_per_node == 0 {
+    pub fn new(
+        tp: usize,
+        cp: usize,
+        dp: usize,
+        pp: usize,
+        devices_per_node: usize,
+    ) -> Result<Self> {
+        if tp == 0 || cp == 0 || dp == 0 || pp == 0 || devices_per_node == 0 {
             return Err(ConfigError::Invalid(
-                "rank grid: tp, dp, pp and devices per node must be positive".into(),
+                "rank grid: tp, cp, dp, pp and devices per node must be positive".into(),
             ));
         }
         Ok(Self {
             tp,
+            cp,
             dp,
             pp,
             devices_per_node,
@@ -52,28 +85,30 @@ impl RankGrid {
     }
 
     pub fn world_size(&self) -> usize {
-        self.tp * self.dp * self.pp
+        self.tp * self.cp * self.dp * self.pp
     }
 
     pub fn size(&self, d: Dim) -> usize {
         match d {
             Dim::Tp => self.tp,
+            Dim::Cp => self.cp,
             Dim::Dp => self.dp,
             Dim::Pp => self.pp,
         }
     }
 
-    /// (tp, dp, pp) coordinates of `rank`.
-    pub fn coords(&self, rank: usize) -> (usize, usize, usize) {
-        (
-            rank % self.tp,
-            (rank / self.tp) % self.dp,
-            rank / (self.tp * self.dp),
-        )
+    /// The coordinates of `rank`.
+    pub fn coords(&self, rank: usize) -> Coords {
+        Coords {
+            tp: rank % self.tp,
+            cp: (rank / self.tp) % self.cp,
+            dp: (rank / (self.tp * self.cp)) % self.dp,
+            pp: rank / (self.tp * self.cp * self.dp),
+        }
     }
 
-    pub fn rank_of(&self, tp: usize, dp: usize, pp: usize) -> usize {
-        tp + self.tp * (dp + self.dp * pp)
+    pub fn rank_of(&self, c: Coords) -> usize {
+        c.tp + self.tp * (c.cp + self.cp * (c.dp + self.dp * c.pp))
     }
 
     pub fn node_of(&self, rank: usize) -> usize {
@@ -82,14 +117,28 @@ impl RankGrid {
 
     /// The ranks of the group along `d` that contains `rank`, in coordinate order.
     pub fn group_ranks(&self, rank: usize, d: Dim) -> Vec<usize> {
-        let (t, dd, p) = self.coords(rank);
+        let c = self.coords(rank);
         (0..self.size(d))
-            .map(|i| match d {
-                Dim::Tp => self.rank_of(i, dd, p),
-                Dim::Dp => self.rank_of(t, i, p),
-                Dim::Pp => self.rank_of(t, dd, i),
-            })
+            .map(|i| self.rank_of(c.with(d, i)))
             .collect()
+    }
+
+    /// The replicas of `rank`'s model shard: the ranks with its tensor-parallel and pipeline
+    /// coordinates, which hold the same parameters and see different tokens (other sequences over
+    /// dp, other parts of each sequence over cp). Their gradients sum, and ZeRO shards over them;
+    /// ordered by [`RankGrid::replica_index`].
+    pub fn replica_ranks(&self, rank: usize) -> Vec<usize> {
+        let c = self.coords(rank);
+        (0..self.dp)
+            .flat_map(|d| (0..self.cp).map(move |k| Coords { cp: k, dp: d, ..c }))
+            .map(|x| self.rank_of(x))
+            .collect()
+    }
+
+    /// `rank`'s place among its replicas: `cp_rank + cp · dp_rank`.
+    pub fn replica_index(&self, rank: usize) -> usize {
+        let c = self.coords(rank);
+        c.cp + self.cp * c.dp
     }
 
     /// Every group along `d`, each in coordinate order, sorted.
@@ -106,38 +155,40 @@ impl RankGrid {
     fn stride(&self, d: Dim) -> usize {
         match d {
             Dim::Tp => 1,
-            Dim::Dp => self.tp,
-            Dim::Pp => self.tp * self.dp,
+            Dim::Cp => self.tp,
+            Dim::Dp => self.tp * self.cp,
+            Dim::Pp => self.tp * self.cp * self.dp,
         }
     }
 
     /// True when every group along `d` sits inside one node. A group's ranks increase along it, so
     /// it does when its first and last rank share a node: when `first mod n + span < n` (n devices
-    /// per node, span its last rank − its first). Only the largest residue of a first rank matters,
-    /// and residues repeat within n steps, so this takes at most n² steps however large the grid
-    /// (the planner asks it for every candidate of a search).
+    /// per node, span its last rank − its first). Only the largest residue of a first rank matters;
+    /// along each other dimension residues repeat within n steps, so this takes at most n³ steps
+    /// however large the grid (the planner asks it for every candidate of a search).
     pub fn within_nodes(&self, d: Dim) -> bool {
         let n = self.devices_per_node;
         let span = (self.size(d) - 1) * self.stride(d);
-        let (tp, dp, pp) = (self.tp, self.dp, self.pp);
-        let highest = match d {
-            // First ranks: tp·j for every (dp, pp) pair j.
-            Dim::Tp => (0..(dp * pp).min(n)).map(|j| (j * tp) % n).max(),
-            // First ranks: t + tp·dp·p.
-            Dim::Dp => (0..tp.min(n))
-                .flat_map(|t| (0..pp.min(n)).map(move |p| (t + tp * dp * p) % n))
-                .max(),
-            // First ranks: every rank of stage 0, 0 .. tp·dp.
-            Dim::Pp => Some((tp * dp).min(n) - 1),
-        };
-        highest.unwrap_or(0) + span < n
+        let mut residues = vec![0usize];
+        for e in Dim::ALL.into_iter().filter(|&e| e != d) {
+            let steps = self.size(e).min(n);
+            let stride = self.stride(e);
+            let mut next: Vec<usize> = residues
+                .iter()
+                .flat_map(|&r| (0..steps).map(move |i| (r + i * stride) % n))
+                .collect();
+            next.sort_unstable();
+            next.dedup();
+            residues = next;
+        }
+        residues.into_iter().max().unwrap_or(0) + span < n
     }
 
-    /// The previous and next pipeline stage's rank (same tp and dp coordinates), if any.
+    /// The previous and next pipeline stage's rank (same tp, cp and dp coordinates), if any.
     pub fn pipeline_neighbours(&self, rank: usize) -> (Option<usize>, Option<usize>) {
-        let (t, d, p) = self.coords(rank);
-        let next = (p + 1 < self.pp).then(|| self.rank_of(t, d, p + 1));
-        let prev = (p > 0).then(|| self.rank_of(t, d, p - 1));
+        let c = self.coords(rank);
+        let next = (c.pp + 1 < self.pp).then(|| self.rank_of(Coords { pp: c.pp + 1, ..c }));
+        let prev = (c.pp > 0).then(|| self.rank_of(Coords { pp: c.pp - 1, ..c }));
         (prev, next)
     }
 }
@@ -148,17 +199,19 @@ mod tests {
 
     #[test]
     fn within_nodes_agrees_with_checking_every_group() {
-        for tp in 1..=6 {
-            for dp in 1..=5 {
-                for pp in 1..=4 {
-                    for n in 1..=9 {
-                        let g = RankGrid::new(tp, dp, pp, n).unwrap();
-                        for d in Dim::ALL {
-                            let every = g
-                                .groups(d)
-                                .iter()
-                                .all(|gr| gr.iter().all(|&r| g.node_of(r) == g.node_of(gr[0])));
-                            assert_eq!(g.within_nodes(d), every, "{g:?} {d:?}");
+        for tp in 1..=4 {
+            for cp in 1..=3 {
+                for dp in 1..=3 {
+                    for pp in 1..=3 {
+                        for n in 1..=9 {
+                            let g = RankGrid::new(tp, cp, dp, pp, n).unwrap();
+                            for d in Dim::ALL {
+                                let every = g
+                                    .groups(d)
+                                    .iter()
+                                    .all(|gr| gr.iter().all(|&r| g.node_of(r) == g.node_of(gr[0])));
+                                assert_eq!(g.within_nodes(d), every, "{g:?} {d:?}");
+                            }
                         }
                     }
                 }
@@ -168,11 +221,18 @@ mod tests {
 
     #[test]
     fn megatron_rank_order_groups_and_nodes() {
-        let g = RankGrid::new(2, 2, 2, 4).unwrap();
-        assert_eq!(g.coords(5), (1, 0, 1));
+        let g = RankGrid::new(2, 1, 2, 2, 4).unwrap();
+        assert_eq!(
+            g.coords(5),
+            Coords {
+                tp: 1,
+                cp: 0,
+                dp: 0,
+                pp: 1
+            }
+        );
         for r in 0..8 {
-            let (t, d, p) = g.coords(r);
-            assert_eq!(g.rank_of(t, d, p), r);
+            assert_eq!(g.rank_of(g.coords(r)), r);
         }
         assert_eq!(
             g.groups(Dim::Tp),
@@ -188,7 +248,36 @@ mod tests {
         );
         assert_eq!(g.pipeline_neighbours(1), (None, Some(5)));
         assert!(g.within_nodes(Dim::Tp) && g.within_nodes(Dim::Dp) && !g.within_nodes(Dim::Pp));
-        assert!(!RankGrid::new(8, 1, 1, 4).unwrap().within_nodes(Dim::Tp));
-        assert!(RankGrid::new(0, 1, 1, 4).is_err());
+        assert!(!RankGrid::new(8, 1, 1, 1, 4).unwrap().within_nodes(Dim::Tp));
+        assert!(RankGrid::new(0, 1, 1, 1, 4).is_err());
+    }
+
+    #[test]
+    fn context_parallel_ranks_sit_between_tensor_and_data_parallel() {
+        // tp=2, cp=2, dp=2: rank = t + 2·(c + 2·d).
+        let g = RankGrid::new(2, 2, 2, 1, 8).unwrap();
+        assert_eq!(
+            g.coords(6),
+            Coords {
+                tp: 0,
+                cp: 1,
+                dp: 1,
+                pp: 0
+            }
+        );
+        assert_eq!(
+            g.groups(Dim::Cp),
+            vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]
+        );
+        assert_eq!(
+            g.groups(Dim::Dp),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
+        // The replicas of rank 1's shard: every (cp, dp) with its tp coordinate.
+        assert_eq!(g.replica_ranks(1), vec![1, 3, 5, 7]);
+        assert_eq!(
+            (0..8).map(|r| g.replica_index(r)).collect::<Vec<_>>(),
+            vec![0, 0, 1, 1, 2, 2, 3, 3]
+        );
     }
 }

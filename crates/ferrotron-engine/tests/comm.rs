@@ -1,6 +1,7 @@
 //! The threads backend against a naive reference, its accounting against the textbook, its clocks,
 //! and its failures.
 
+use ferrotron_core::rank::RankGrid;
 use ferrotron_core::topology::Link;
 use ferrotron_engine::comm::{
     selftest, Comm, DeviceMesh, Element, Group, LinkModel, ReduceOp, ThreadWorld,
@@ -8,7 +9,7 @@ use ferrotron_engine::comm::{
 use std::time::Duration;
 
 fn check_all_ops<T: Element>(conv: impl Fn(i32) -> T + Sync + Copy) {
-    let mesh = DeviceMesh::new(2, 2, 2, 8, 4).unwrap();
+    let mesh = DeviceMesh::new(RankGrid::new(2, 1, 2, 2, 4).unwrap(), 8).unwrap();
     let results = ThreadWorld::new(8)
         .timeout(Duration::from_secs(20))
         .run(|c| selftest::check_all_ops(c, &mesh, conv));

@@ -77,6 +77,7 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                                         sequence_parallel: sp,
                                         recompute,
                                         stages: None,
+                                        ..Layout::default()
                                     };
                                     if check_layout(input, &l).is_ok() {
                                         out.push(l);

@@ -61,6 +61,7 @@ fn table_prediction(row: &Row) -> Plan {
                 schedule,
                 sequence_parallel: false,
                 recompute: Recompute::Full,
+                ..Layout::default()
             };
             let Ok(p) = evaluate(&input, &l) else {
                 continue;

@@ -18,7 +18,8 @@ fn main() {
     let world = Group::new("world", (0..n).collect());
     let result = match mode {
         "check" => {
-            let mesh = DeviceMesh::new(2, n / 2, 1, n, n).expect("an even world");
+            let grid = ferrotron_core::rank::RankGrid::new(2, 1, n / 2, 1, n).expect("a world");
+            let mesh = DeviceMesh::new(grid, n).expect("an even world");
             check_all_ops(&mut c, &mesh, |x| x as f32)
                 .and_then(|_| check_all_ops(&mut c, &mesh, |x| half::bf16::from_f32(x as f32)))
                 .and_then(|_| check_all_ops(&mut c, &mesh, |x| x as i64))

@@ -37,8 +37,9 @@ impl Holding {
 }
 
 /// The tensors rank `rank` of `layout` keeps, in its store's order: every tensor of its stages'
-/// shard, whole or (ZeRO ≥ 1 over more than one replica) its owned piece. Without ZeRO sharding the
-/// replicas hold identical copies and only data-parallel rank 0 keeps them (others keep nothing).
+/// shard, whole or (ZeRO ≥ 1 over more than one replica: the shard's dp × cp copies) its owned
+/// piece. Without ZeRO sharding the replicas hold identical copies and only replica 0 keeps them
+/// (others keep nothing).
 ///
 /// With `lora` the tensors are the LoRA adapters (the frozen base is not trained, so not saved).
 pub fn rank_holdings(
@@ -47,20 +48,18 @@ pub fn rank_holdings(
     layout: &Layout,
     rank: usize,
 ) -> Result<Vec<Holding>> {
-    let (tp, dp, pp, vpp) = (
-        layout.tp.max(1),
-        layout.dp.max(1),
-        layout.pp.max(1),
-        layout.vpp.max(1),
-    );
-    let world = tp * dp * pp;
+    let (tp, pp, vpp) = (layout.tp.max(1), layout.pp.max(1), layout.vpp.max(1));
+    let world = layout.world_size();
     if rank >= world {
         return Err(EngineError::Invalid(format!(
             "rank {rank} of layout `{layout}`, which has {world} devices"
         )));
     }
-    let (t, d, s) = layout.rank_grid(world).coords(rank);
-    let sharded = layout.zero >= 1 && dp > 1;
+    // The replicas of a shard (dp × cp) hold the same parameters: ZeRO shards over them.
+    let grid = layout.rank_grid(world);
+    let (replicas, d) = (layout.replicas(), grid.replica_index(rank));
+    let (t, s) = (grid.coords(rank).tp, grid.coords(rank).pp);
+    let sharded = layout.zero >= 1 && replicas > 1;
     if !sharded && d > 0 {
         return Ok(Vec::new());
     }
@@ -85,7 +84,7 @@ pub fn rank_holdings(
             let n = spec.numel();
             Ok(Holding {
                 tp_slice: shard.slice(cfg, &spec.name)?,
-                flat: if sharded { owned(n, dp, d) } else { 0..n },
+                flat: if sharded { owned(n, replicas, d) } else { 0..n },
                 name: spec.name,
                 shape,
                 shard_shape: spec.shape,

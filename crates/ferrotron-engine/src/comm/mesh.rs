@@ -54,23 +54,25 @@ impl std::ops::Deref for DeviceMesh {
 }
 
 impl DeviceMesh {
-    /// A mesh over exactly `world` devices; anything else is an error.
-    pub fn new(
-        tp: usize,
-        dp: usize,
-        pp: usize,
-        world: usize,
-        devices_per_node: usize,
-    ) -> Result<Self, CommError> {
-        let grid = RankGrid::new(tp, dp, pp, devices_per_node)
-            .map_err(|e| CommError::Usage(e.to_string()))?;
+    /// A mesh of `grid` over exactly `world` devices; anything else is an error.
+    pub fn new(grid: RankGrid, world: usize) -> Result<Self, CommError> {
         if grid.world_size() != world {
             return Err(CommError::Usage(format!(
-                "mesh tp={tp} × dp={dp} × pp={pp} = {} does not equal the world size {world}",
+                "mesh tp={} × cp={} × dp={} × pp={} = {} does not equal the world size {world}",
+                grid.tp,
+                grid.cp,
+                grid.dp,
+                grid.pp,
                 grid.world_size()
             )));
         }
         Ok(Self(grid))
+    }
+
+    /// The replicas of `rank`'s shard (dp × cp, see [`RankGrid::replica_ranks`]): the group its
+    /// gradients are summed over and its ZeRO state sharded over.
+    pub fn replica_group(&self, rank: usize) -> Group {
+        Group::new("dp", self.replica_ranks(rank))
     }
 
     /// The group along `d` that contains `rank`, its members in coordinate order.
@@ -103,11 +105,10 @@ mod tests {
 
     #[test]
     fn megatron_rank_order_and_groups() {
-        let m = DeviceMesh::new(2, 2, 2, 8, 4).unwrap();
-        assert_eq!(m.coords(5), (1, 0, 1));
+        let grid = |tp, dp, pp| RankGrid::new(tp, 1, dp, pp, 4).unwrap();
+        let m = DeviceMesh::new(grid(2, 2, 2), 8).unwrap();
         for r in 0..8 {
-            let (t, d, p) = m.coords(r);
-            assert_eq!(m.rank_of(t, d, p), r);
+            assert_eq!(m.rank_of(m.coords(r)), r);
         }
         assert_eq!(
             m.groups(Dim::Tp)
@@ -132,14 +133,15 @@ mod tests {
         );
         assert_eq!(m.pipeline_neighbours(1), (None, Some(5)));
         assert!(m.tp_groups_within_nodes());
-        assert!(!DeviceMesh::new(8, 1, 1, 8, 4)
+        assert!(!DeviceMesh::new(grid(8, 1, 1), 8)
             .unwrap()
             .tp_groups_within_nodes());
     }
 
     #[test]
     fn bad_meshes_and_groups_are_errors() {
-        let e = DeviceMesh::new(2, 2, 2, 6, 8).unwrap_err().to_string();
+        let grid = RankGrid::new(2, 1, 2, 2, 8).unwrap();
+        let e = DeviceMesh::new(grid, 6).unwrap_err().to_string();
         assert!(e.contains("does not equal the world size 6"), "{e}");
         let g = Group::new("tp", vec![0, 1]);
         assert!(g

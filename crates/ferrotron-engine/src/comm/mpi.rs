@@ -23,10 +23,20 @@ fn code(s: &str) -> u64 {
     })
 }
 
-/// True for a point-to-point message that this receive does not want (another tag, or the receive is
-/// a collective's): it waits in `held` for its own receive.
-fn is_other_p2p(t: &Tally, buf: &[u64], tag: u64) -> bool {
-    buf.len() >= HEADER_WORDS && buf[2] == code("send") && !(t.op == "send" && buf[1] == tag)
+/// True for a message this receive does not want: for a point-to-point receive, anything but its
+/// tag's point-to-point message (a collective's message can arrive first when an overlapped
+/// reduction runs between the same two ranks); for a collective, any point-to-point message. It
+/// waits in `held` for its own receive.
+fn is_other(t: &Tally, buf: &[u64], tag: u64) -> bool {
+    if buf.len() < HEADER_WORDS {
+        return false;
+    }
+    let p2p = buf[2] == code("send");
+    if t.op == "send" {
+        !(p2p && buf[1] == tag)
+    } else {
+        p2p
+    }
 }
 
 /// This process's endpoint of MPI_COMM_WORLD.
@@ -301,18 +311,17 @@ impl Transport for MpiComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
-        // Point-to-point receives match by tag: a message for a later receive waits in `held`.
-        if t.op == "send" {
-            if let Some(i) = self.held[from].iter().position(|m| m[1] == tag) {
-                let buf = self.held[from].remove(i);
-                return self.accept(t, from, buf, tag, total_len, consume);
-            }
+        // Point-to-point receives match by tag: a message for a later receive waits in `held`; a
+        // collective takes its own held messages first, in order.
+        if let Some(i) = self.held[from].iter().position(|m| !is_other(t, m, tag)) {
+            let buf = self.held[from].remove(i);
+            return self.accept(t, from, buf, tag, total_len, consume);
         }
         let deadline = Instant::now() + self.timeout;
         let buf = loop {
             if let Some(status) = self.probe(from) {
                 let buf = self.receive_raw(from, status);
-                if is_other_p2p(t, &buf, tag) {
+                if is_other(t, &buf, tag) {
                     self.held[from].push(buf);
                     continue;
                 }
@@ -343,9 +352,15 @@ impl Transport for MpiComm {
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<bool> {
         self.progress_sends(false, t.op, &t.group)?;
+        if let Some(i) = self.held[from].iter().position(|m| !is_other(t, m, tag)) {
+            let buf = self.held[from].remove(i);
+            return self
+                .accept(t, from, buf, tag, total_len, consume)
+                .map(|_| true);
+        }
         while let Some(status) = self.probe(from) {
             let buf = self.receive_raw(from, status);
-            if is_other_p2p(t, &buf, tag) {
+            if is_other(t, &buf, tag) {
                 self.held[from].push(buf);
                 continue;
             }

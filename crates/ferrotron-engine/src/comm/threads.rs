@@ -22,6 +22,16 @@ pub struct LinkModel {
     pub devices_per_node: usize,
 }
 
+/// Whether a receive (point-to-point `p2p` with `tag`, or a collective's) must leave message `m`
+/// for another: a point-to-point receive takes only its tag's message, a collective only its own.
+fn not_for_this(p2p: bool, tag: u64, m: &Msg) -> bool {
+    if p2p {
+        !(m.op == "send" && m.tag == tag)
+    } else {
+        m.op == "send"
+    }
+}
+
 impl LinkModel {
     /// Seconds to move `bytes` from `src` to `dst`.
     pub fn cost(&self, bytes: usize, src: usize, dst: usize) -> f64 {
@@ -311,26 +321,32 @@ impl Transport for ThreadComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<()> {
-        if let Some(msg) = self.early[from].take() {
-            return self.accept(t, from, msg, tag, total_len, consume);
-        }
         // Point-to-point receives match by tag: a point-to-point message for another receive (a
-        // later one, or one after the collective this receive is part of) waits in `held`.
+        // later one, or one after the collective this receive is part of) waits in `held`, and so
+        // does a collective's message that arrives first (an overlapped reduction between the same
+        // two devices, as context parallelism's ring runs beside the replicas' gradient
+        // reduction). A collective takes its messages in order: the one it left early, then those
+        // held, then the channel's.
         let p2p = t.op == "send";
-        if p2p {
-            if let Some(i) = self.held[from]
+        let held = if p2p {
+            self.held[from]
                 .iter()
                 .position(|m| m.op == "send" && m.tag == tag)
-            {
-                let msg = self.held[from].remove(i);
+        } else {
+            if let Some(msg) = self.early[from].take() {
                 return self.accept(t, from, msg, tag, total_len, consume);
             }
+            self.held[from].iter().position(|m| m.op != "send")
+        };
+        if let Some(i) = held {
+            let msg = self.held[from].remove(i);
+            return self.accept(t, from, msg, tag, total_len, consume);
         }
         let deadline = std::time::Instant::now() + self.timeout;
         let msg = loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.from[from].recv_timeout(left) {
-                Ok(m) if m.op == "send" && !(p2p && m.tag == tag) => self.held[from].push(m),
+                Ok(m) if not_for_this(p2p, tag, &m) => self.held[from].push(m),
                 other => break other,
             }
         };
@@ -364,12 +380,14 @@ impl Transport for ThreadComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<bool> {
-        let msg = match self.early[from].take() {
-            Some(m) => Ok(m),
-            None => loop {
+        let held = self.held[from].iter().position(|m| m.op != "send");
+        let msg = match (self.early[from].take(), held) {
+            (Some(m), _) => Ok(m),
+            (None, Some(i)) => Ok(self.held[from].remove(i)),
+            (None, None) => loop {
                 // A point-to-point message is not this collective's: it waits for its receive.
                 match self.from[from].try_recv() {
-                    Ok(m) if m.op == "send" && t.op != "send" => self.held[from].push(m),
+                    Ok(m) if not_for_this(t.op == "send", tag, &m) => self.held[from].push(m),
                     other => break other,
                 }
             },

@@ -1,12 +1,14 @@
 //! Running a model split over devices. Each parallel dimension has its own file; the model code knows
 //! nothing of them.
 
+pub mod context;
 pub mod data;
 mod mesh;
 mod pipedream;
 mod pipeline;
 pub mod tensor;
 
+pub use context::ContextShard;
 pub use mesh::{
     pipeline_step, pipeline_steps, pipeline_steps_of, Device, LossScaling, MeshStep, Resume,
     StepReport, Training,

@@ -73,13 +73,17 @@ impl PipelineRun {
     pub fn chrome_trace(&self) -> serde_json::Value {
         let mut events = Vec::new();
         for (s, actions) in self.timeline.iter().enumerate() {
-            let (t, d, p) = self.grid.coords(s);
-            let name = match (self.grid.dp > 1, self.grid.tp > 1) {
-                (false, false) => format!("stage {p}"),
-                (false, true) => format!("stage {p} tp {t}"),
-                (true, false) => format!("stage {p} dp {d}"),
-                (true, true) => format!("stage {p} dp {d} tp {t}"),
-            };
+            let at = self.grid.coords(s);
+            let mut name = format!("stage {}", at.pp);
+            for (size, what, i) in [
+                (self.grid.dp, "dp", at.dp),
+                (self.grid.cp, "cp", at.cp),
+                (self.grid.tp, "tp", at.tp),
+            ] {
+                if size > 1 {
+                    name.push_str(&format!(" {what} {i}"));
+                }
+            }
             events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": name}}));
             for &(a, t0, t1) in actions {
                 events.push(action_event(&a, s, t0, t1));
@@ -152,8 +156,11 @@ pub(crate) struct StageRun<'a> {
     pub chunks_per_device: usize,
     /// The rank of the device of stage `s` in this device's pipeline.
     pub device_of: &'a dyn Fn(usize) -> usize,
-    /// This replica's micro-batches.
+    /// This device's micro-batches: its replica's, and under context parallelism its part of each
+    /// sequence.
     pub micro: &'a [TokenBatch],
+    /// Each micro-batch's next-token targets (of the whole sequences).
+    pub targets: &'a [Vec<Option<u32>>],
     /// Elements of the hidden states sent between stages (this device's rows under SP).
     pub boundary: usize,
     pub scale: f32,
@@ -337,9 +344,9 @@ impl StageRun<'_> {
             None
         };
         let started = clocks(tpg);
-        let targets = self.micro[mb].targets();
+        let targets = &self.targets[mb];
         let (loss, dx, w) =
-            model.backward_stage_in(be, tpg, res, state, dout, &targets, self.scale, split);
+            model.backward_stage_in(be, tpg, res, state, dout, targets, self.scale, split);
         let action = if split {
             Action::BackwardInput { mb, chunk }
         } else {

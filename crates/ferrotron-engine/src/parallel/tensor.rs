@@ -14,9 +14,11 @@
 //!   their gradients are identical on every device by construction (every device sees every row);
 //!   with it each device sees its rows only, so their gradients are summed over the group.
 
+use super::context::{self, ContextShard};
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::half_storage::Wire;
+use crate::kernels::{AttnShape, Backend};
 use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
 use ferrotron_core::model::{
     adapter_parts, projection_split, AdapterHalf, Arch, ModelConfig, ParamSpec, TargetSplit,
@@ -494,6 +496,8 @@ pub struct TpGroup<'a, C: Comm> {
     error: RefCell<Option<CommError>>,
     /// The format activations travel in (16 bits under mixed precision).
     wire: Wire,
+    /// Context parallelism: this device's part of each sequence and its group.
+    context: Option<(ContextShard, Group)>,
 }
 
 impl<'a, C: Comm> TpGroup<'a, C> {
@@ -504,7 +508,16 @@ impl<'a, C: Comm> TpGroup<'a, C> {
             shard,
             error: RefCell::new(None),
             wire: Wire(None),
+            context: None,
         }
+    }
+
+    /// Sequences split over a context-parallel group (of more than one device).
+    pub fn with_context(mut self, shard: ContextShard, group: Group) -> Self {
+        if shard.size > 1 {
+            self.context = Some((shard, group));
+        }
+        self
     }
 
     /// Activations and their gradients travel as `wire` says.
@@ -589,6 +602,55 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
     fn sum(&self, x: &mut [f64]) {
         if self.shard.size > 1 {
             self.run(|c, g| c.all_reduce(g, x, ReduceOp::Sum));
+        }
+    }
+    fn positions(&self, local: usize) -> Vec<u32> {
+        match &self.context {
+            Some((cx, _)) => cx.positions(local),
+            None => (0..local as u32).collect(),
+        }
+    }
+    fn sequence_length(&self, local: usize) -> usize {
+        self.context
+            .as_ref()
+            .map_or(local, |(cx, _)| cx.sequence_length(local))
+    }
+    fn attention_forward(
+        &self,
+        be: &dyn Backend,
+        s: AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        match &self.context {
+            Some((cx, g)) => {
+                self.with_comm(|c| context::forward(c, g, cx, be, s, q, k, v, out, lse))
+            }
+            None => be.attention_forward(s, q, k, v, out, lse),
+        }
+    }
+    fn attention_backward(
+        &self,
+        be: &dyn Backend,
+        s: AttnShape,
+        dout: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
+        match &self.context {
+            Some((cx, g)) => self.with_comm(|c| {
+                context::backward(c, g, cx, be, s, dout, q, k, v, out, lse, dq, dk, dv)
+            }),
+            None => be.attention_backward(s, dout, q, k, v, out, lse, dq, dk, dv),
         }
     }
 }

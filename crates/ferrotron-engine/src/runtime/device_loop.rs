@@ -137,8 +137,8 @@ fn save_checkpoint<C: Comm>(
     save_distributed(c, &ck.root, done, &arrays, manifest, ck.keep)
 }
 
-/// Each device's (tp, dp, stage) coordinates.
-pub(super) type Coords = Vec<(usize, usize, usize)>;
+/// Each device's coordinates.
+pub(super) type Coords = Vec<ferrotron_core::rank::Coords>;
 
 /// The partition, the device coordinates and the planner's per-stage prediction of a run.
 pub(super) fn layout_facts(
@@ -163,7 +163,7 @@ fn capacity(cfg: &TrainConfig) -> Result<Option<u64>> {
 pub(super) fn with_prediction(
     e: EngineError,
     layout: &Layout,
-    coords: &[(usize, usize, usize)],
+    coords: &[ferrotron_core::rank::Coords],
     predicted: &[MemoryTerms],
 ) -> EngineError {
     match e {
@@ -172,7 +172,7 @@ pub(super) fn with_prediction(
             capacity,
             at,
         } => {
-            let s = coords.get(device).map_or(0, |c| c.2);
+            let s = coords.get(device).map_or(0, |c| c.pp);
             EngineError::RunOutOfMemory(format!(
                 "{}\nthe planner predicted for this layout (`{layout}`), stage {s}:\n{}",
                 EngineError::OutOfMemory {

@@ -59,6 +59,7 @@ pub struct DeviceSummary {
     pub device: usize,
     pub stage: usize,
     pub dp_rank: usize,
+    pub cp_rank: usize,
     pub tp_rank: usize,
     /// The highest peak of each term over all steps, measured by the tracking allocator.
     pub peak_memory_bytes: MemoryTerms,
@@ -216,10 +217,11 @@ fn straggler_warnings(
             if *n >= steps.max(1) {
                 let s = &summaries[d];
                 out.push(format!(
-                    "straggler: device {d} (stage {}, dp rank {}, tp rank {}) computed {:.2}× the \
-                     devices' median ({:.4} s vs {:.4} s) for {} steps in a row",
+                    "straggler: device {d} (stage {}, dp rank {}, cp rank {}, tp rank {}) computed \
+                     {:.2}× the devices' median ({:.4} s vs {:.4} s) for {} steps in a row",
                     s.stage,
                     s.dp_rank,
+                    s.cp_rank,
                     s.tp_rank,
                     b / median,
                     b,
@@ -239,19 +241,20 @@ impl<'a> MetricsWriter<'a> {
         run: &'a TrainingRun<'a>,
         file: std::fs::File,
         path: &'a Path,
-        coords: &[(usize, usize, usize)],
+        coords: &[ferrotron_core::rank::Coords],
         predicted: &[MemoryTerms],
     ) -> Self {
         let summaries = coords
             .iter()
             .enumerate()
-            .map(|(r, &(t, d, s))| DeviceSummary {
+            .map(|(r, at)| DeviceSummary {
                 device: r,
-                stage: s,
-                dp_rank: d,
-                tp_rank: t,
+                stage: at.pp,
+                dp_rank: at.dp,
+                cp_rank: at.cp,
+                tp_rank: at.tp,
                 peak_memory_bytes: MemoryTerms::default(),
-                predicted_memory_bytes: predicted[s],
+                predicted_memory_bytes: predicted[at.pp],
                 idle_fraction: 0.0,
                 bytes_sent_per_step: 0,
                 step_time_s: 0.0,
@@ -382,6 +385,7 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
         "device": sum.device,
         "stage": sum.stage,
         "dp_rank": sum.dp_rank,
+        "cp_rank": sum.cp_rank,
         "tp_rank": sum.tp_rank,
         "peak_memory_bytes": peak,
         "memory_at_peak_bytes": f.memory.terms_at_peak(),

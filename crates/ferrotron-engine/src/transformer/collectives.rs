@@ -1,6 +1,10 @@
-//! The collectives a tensor-parallel shard of the model calls at the edges of its split regions
-//! (Megatron's f and g operators). The executor calls them unconditionally; for the unsplit model
-//! every one is the identity ([`Unsplit`]), and the parallel layer implements them over a process group.
+//! The collectives a shard of the model calls: at the edges of its tensor-parallel regions
+//! (Megatron's f and g operators), and, when its sequences are split (context parallelism), for
+//! attention across the split and the positions of its tokens. The executor calls them
+//! unconditionally; for the unsplit model every one is the identity or the local kernel
+//! ([`Unsplit`]), and the parallel layer implements them over process groups.
+
+use crate::kernels::{AttnShape, Backend};
 
 /// What a shard of the model needs from its tensor-parallel group.
 ///
@@ -22,6 +26,49 @@ pub trait ShardCollectives {
     fn max(&self, x: &mut [f32]);
     /// Element-wise sum over the group, in f64 (vocab-parallel cross-entropy).
     fn sum(&self, x: &mut [f64]);
+
+    /// The positions in their sequences of this device's `local` tokens per sequence (context
+    /// parallelism holds parts of each sequence).
+    fn positions(&self, local: usize) -> Vec<u32> {
+        (0..local as u32).collect()
+    }
+    /// Tokens per whole sequence, of which this device holds `local`.
+    fn sequence_length(&self, local: usize) -> usize {
+        local
+    }
+    /// Causal attention of this device's queries over their whole sequences (see
+    /// [`Backend::attention_forward`]; `lse` is only for [`ShardCollectives::attention_backward`]).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward(
+        &self,
+        be: &dyn Backend,
+        s: AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        be.attention_forward(s, q, k, v, out, lse)
+    }
+    /// The gradients at this device's Q, K and V (see [`Backend::attention_backward`]).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        be: &dyn Backend,
+        s: AttnShape,
+        dout: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
+        be.attention_backward(s, dout, q, k, v, out, lse, dq, dk, dv)
+    }
 }
 
 /// The unsplit model: one device, nothing to exchange.

@@ -236,7 +236,7 @@ pub(crate) fn forward(
     drop(n1_all);
     let (q_pre, k_pre, q_norm, k_norm) =
         head_norms_forward(be, p.base, ids.qk_norm, eps, &mut q, &mut k);
-    if let Some(rope) = m.rope_table(seq) {
+    if let Some(rope) = m.rope_table(tp.sequence_length(seq)) {
         be.rope_forward(&rope, positions, cfg.num_heads, &mut q);
         be.rope_forward(&rope, positions, cfg.num_kv_heads, &mut k);
     }
@@ -245,7 +245,7 @@ pub(crate) fn forward(
     // SAFETY: attention writes every element of its output.
     let attn = unsafe {
         be.overwritten(rows * cfg.q_dim(), &mut |attn| {
-            be.attention_forward(shape, &q, &k, &v, attn, &mut lse)
+            tp.attention_forward(be, shape, &q, &k, &v, attn, &mut lse)
         })
     };
     let mut x_mid = row_parallel_forward(&ids.attn_out, be, tp, p, &attn, rows);
@@ -384,13 +384,13 @@ pub(crate) fn backward(
         be.overwritten(q.len(), &mut |dq| {
             dk = be.overwritten(k.len(), &mut |dk| {
                 dv = be.overwritten(v.len(), &mut |dv| {
-                    be.attention_backward(shape, &dattn, &q, &k, &v, &attn, &a.lse, dq, dk, dv)
+                    tp.attention_backward(be, shape, &dattn, &q, &k, &v, &attn, &a.lse, dq, dk, dv)
                 })
             })
         })
     };
     drop(attn);
-    if let Some(rope) = m.rope_table(seq) {
+    if let Some(rope) = m.rope_table(tp.sequence_length(seq)) {
         be.rope_backward(&rope, positions, cfg.num_heads, &mut dq);
         be.rope_backward(&rope, positions, cfg.num_kv_heads, &mut dk);
     }

@@ -20,7 +20,7 @@ impl Transformer {
             StageInput::Hidden { batch, seq, .. } => (*batch, *seq),
         };
         assert!(
-            seq <= self.cfg.max_sequence_length(),
+            tp.sequence_length(seq) <= self.cfg.max_sequence_length(),
             "sequence longer than the model's positions"
         );
         let rows = batch * seq;
@@ -29,7 +29,8 @@ impl Transformer {
             rows.is_multiple_of(blocks),
             "rows do not split over the sequence-parallel group"
         );
-        let positions: Vec<u32> = (0..rows).map(|i| (i % seq) as u32).collect();
+        let in_sequence = tp.positions(seq);
+        let positions: Vec<u32> = (0..rows).map(|i| in_sequence[i % seq]).collect();
         let mine = &positions[block * rows / blocks..(block + 1) * rows / blocks];
         let (mut x, ids) = match input {
             StageInput::Tokens(b) => {

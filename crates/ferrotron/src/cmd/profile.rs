@@ -142,7 +142,10 @@ fn write_report(a: &ProfileArgs, p: Profile) -> Result<Vec<&'static str>> {
         .coords
         .iter()
         .enumerate()
-        .map(|(d, (t, dp, s))| format!("dev {d} s{s} d{dp} t{t}"))
+        .map(|(d, at)| match p.layout.cp {
+            1 => format!("dev {d} s{} d{} t{}", at.pp, at.dp, at.tp),
+            _ => format!("dev {d} s{} d{} c{} t{}", at.pp, at.dp, at.cp, at.tp),
+        })
         .collect();
     let links = ferrotron_core::plan::links(&p.input.cluster, &p.layout);
     let trace = serde_json::to_string(&trace(&p.devices, &names))?;

@@ -51,7 +51,7 @@ pub(crate) struct Profile {
     pub plan: Plan,
     pub devices: Vec<Measured>,
     /// (tp rank, dp rank, stage) of every device.
-    pub coords: Vec<(usize, usize, usize)>,
+    pub coords: Vec<ferrotron_core::rank::Coords>,
     pub tables: Tables,
     pub times: StepTimes,
     pub verdicts: Vec<String>,
@@ -130,9 +130,8 @@ fn judge(
                 })
         })
         .collect();
-    let mesh =
-        ferrotron_engine::comm::DeviceMesh::new(layout.tp, layout.dp, layout.pp, world, world)?;
-    let coords: Vec<(usize, usize, usize)> = (0..world).map(|r| mesh.coords(r)).collect();
+    let grid = layout.rank_grid(world);
+    let coords: Vec<ferrotron_core::rank::Coords> = (0..world).map(|r| grid.coords(r)).collect();
     let tables = Tables::of(&input, &layout, &plan, &devices, &coords, &predicted_idle);
     let times = StepTimes::of(&devices, &plan, predicted_timeline.as_ref(), layout.pp);
     let mut verdicts = times.verdicts(s.threshold);

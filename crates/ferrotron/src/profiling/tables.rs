@@ -19,7 +19,7 @@ impl Tables {
         layout: &ferrotron_core::layout::Layout,
         plan: &ferrotron_core::plan::Plan,
         devices: &[Measured],
-        coords: &[(usize, usize, usize)],
+        coords: &[ferrotron_core::rank::Coords],
         predicted_idle: &[f64],
     ) -> Tables {
         Tables {
@@ -71,7 +71,7 @@ fn three(a: u64, b: u64, c: u64) -> String {
 fn device_table(
     plan: &ferrotron_core::plan::Plan,
     devices: &[Measured],
-    coords: &[(usize, usize, usize)],
+    coords: &[ferrotron_core::rank::Coords],
     predicted_idle: &[f64],
 ) -> Table {
     let traffic = &plan.comm_bytes_per_step;
@@ -96,7 +96,7 @@ fn device_table(
     );
     for (d, m) in devices.iter().enumerate() {
         let r = &m.report;
-        let (t, dp, s) = coords[d];
+        let (t, dp, s) = (coords[d].tp, coords[d].dp, coords[d].pp);
         let idle = if r.span_s > 0.0 {
             1.0 - r.busy_s / r.span_s
         } else {
@@ -127,7 +127,7 @@ fn link_table(
     input: &ferrotron_core::plan::PlanInput,
     layout: &ferrotron_core::layout::Layout,
     devices: &[Measured],
-    coords: &[(usize, usize, usize)],
+    coords: &[ferrotron_core::rank::Coords],
 ) -> Table {
     let links = ferrotron_core::plan::links(&input.cluster, layout);
     let bw = |l: &ferrotron_core::topology::Link| l.bandwidth_bytes_per_s.max(1.0);
@@ -152,7 +152,7 @@ fn link_table(
     );
     for (d, m) in devices.iter().enumerate() {
         let r = &m.report;
-        let (t, dp, s) = coords[d];
+        let (t, dp, s) = (coords[d].tp, coords[d].dp, coords[d].pp);
         let (tp_b, dp_b, pp_b) = (sent(r, &["tp"]), sent(r, &["dp"]), sent(r, &["p2p", "pp"]));
         table.row(vec![
             d.to_string(),
@@ -177,7 +177,7 @@ fn link_table(
 fn memory_table(
     plan: &ferrotron_core::plan::Plan,
     devices: &[Measured],
-    coords: &[(usize, usize, usize)],
+    coords: &[ferrotron_core::rank::Coords],
 ) -> Table {
     let mut table = Table::new(
         "peak memory per term, measured / predicted (MB)",
@@ -197,7 +197,7 @@ fn memory_table(
     for (d, m) in devices.iter().enumerate() {
         let (got, want) = (
             m.report.memory.peak_terms(),
-            plan.memory_bytes_per_stage[coords[d].2],
+            plan.memory_bytes_per_stage[coords[d].pp],
         );
         let mut row = vec![d.to_string()];
         row.extend(

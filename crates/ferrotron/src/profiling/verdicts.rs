@@ -8,7 +8,7 @@ use ferrotron_engine::memory::format_bytes;
 pub(crate) struct Evidence<'a> {
     pub devices: &'a [Measured],
     /// (tp rank, dp rank, stage) of every device.
-    pub coords: &'a [(usize, usize, usize)],
+    pub coords: &'a [ferrotron_core::rank::Coords],
     pub plan: &'a ferrotron_core::plan::Plan,
     pub predicted_idle: &'a [f64],
     /// A figure further than this from its prediction gets a verdict.
@@ -50,9 +50,9 @@ fn stragglers(e: &Evidence, busy: &[f64]) -> (Vec<String>, Option<String>) {
     let mut out = Vec::new();
     let mut worst: Option<(f64, String)> = None;
     for (d, &b) in busy.iter().enumerate() {
-        let (t, dp, s) = e.coords[d];
+        let (t, dp, s) = (e.coords[d].tp, e.coords[d].dp, e.coords[d].pp);
         let mut peers: Vec<f64> = (0..e.devices.len())
-            .filter(|&x| e.coords[x].2 == s)
+            .filter(|&x| e.coords[x].pp == s)
             .map(|x| busy[x])
             .collect();
         if peers.len() < 2 {
@@ -79,7 +79,7 @@ fn stragglers(e: &Evidence, busy: &[f64]) -> (Vec<String>, Option<String>) {
 /// straggler, unbalanced stages, or collectives) and the stages that agree.
 fn idle(e: &Evidence, busy: &[f64], straggler: Option<&str>) -> (Vec<String>, Vec<String>) {
     let stages = e.predicted_idle.len();
-    let of_stage = |s: usize| (0..e.devices.len()).filter(move |&d| e.coords[d].2 == s);
+    let of_stage = |s: usize| (0..e.devices.len()).filter(move |&d| e.coords[d].pp == s);
     let stage_busy: Vec<f64> = (0..stages)
         .map(|s| of_stage(s).map(|d| busy[d]).sum::<f64>() / of_stage(s).count().max(1) as f64)
         .collect();

@@ -29,7 +29,7 @@ impl MeshStep<'_> {
         mine: ParamStore,
         tag: u64,
     ) -> Result<Option<ParamStore>> {
-        let (_, d, _) = self.mesh.coords(c.rank());
+        let d = self.mesh.replica_index(c.rank());
         if c.rank() != 0 {
             if d == 0 {
                 for (i, t) in mine.tensors.iter().enumerate() {
@@ -40,7 +40,7 @@ impl MeshStep<'_> {
         }
         let mut stores = vec![mine];
         for r in 1..self.world() {
-            if self.mesh.coords(r).1 != 0 {
+            if self.mesh.replica_index(r) != 0 {
                 continue;
             }
             let mut s = ParamStore::zeros(self.device_specs(r)?);
@@ -133,7 +133,7 @@ impl MeshStep<'_> {
         let replica0: Vec<&DeviceResult> = results
             .iter()
             .enumerate()
-            .filter(|(r, _)| self.mesh.coords(*r).1 == 0)
+            .filter(|(r, _)| self.mesh.replica_index(*r) == 0)
             .map(|(_, x)| x)
             .collect();
         for stage in replica0.chunks(tp) {

@@ -15,6 +15,7 @@ mod train;
 pub use runners::{pipeline_step, pipeline_steps, pipeline_steps_of};
 pub use train::{LossScaling, StepReport, Training};
 
+use super::context::ContextShard;
 use super::data::ZeroState;
 use super::pipeline::{DeviceResult, StageOutcome, StageRun};
 use super::tensor::{finish_grads, TpGroup, TpShard};
@@ -27,6 +28,7 @@ use crate::transformer::{FrozenBase, ParamStore, TokenBatch, Transformer};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{LoraConfig, ModelConfig, ParamSpec};
 use ferrotron_core::precision::MixedPrecision;
+use ferrotron_core::rank::Coords;
 use ferrotron_core::schedule::{build, build_async, PipelineSchedule, StagePartition};
 
 /// Everything every device of a step shares: the model, the layout, its schedule, and the batch cut
@@ -95,11 +97,12 @@ impl<'a> MeshStep<'a> {
     ) -> Result<Self> {
         batch.check(cfg).map_err(EngineError::Invalid)?;
         let mbs = layout.micro_batch_size.max(1);
-        let (p, v, dp, tp) = (
+        let (p, v, dp, tp, cp) = (
             layout.pp.max(1),
             layout.vpp.max(1),
             layout.dp.max(1),
             layout.tp.max(1),
+            layout.cp.max(1),
         );
         if !batch.batch.is_multiple_of(mbs * dp) {
             return Err(EngineError::Invalid(format!(
@@ -121,7 +124,17 @@ impl<'a> MeshStep<'a> {
             )));
         }
         TpShard::check(cfg, tp)?;
-        let rows = mbs * batch.seq;
+        let context = ContextShard {
+            size: cp,
+            index: 0,
+            comm: layout.cp_comm,
+        };
+        context.check(batch.seq).map_err(EngineError::Invalid)?;
+        let local = TpShard::new(cfg, tp, 0, false)?.local_config(cfg);
+        context
+            .check_heads(local.num_heads, local.num_kv_heads)
+            .map_err(EngineError::Invalid)?;
+        let rows = mbs * batch.seq / cp;
         if layout.sequence_parallel && tp > 1 && !rows.is_multiple_of(tp) {
             return Err(EngineError::Invalid(format!(
                 "sequence parallelism: a micro-batch's {rows} tokens do not split over tp={tp}"
@@ -135,8 +148,8 @@ impl<'a> MeshStep<'a> {
         } else {
             build(layout.schedule, p, m, v)?
         };
-        let world = tp * dp * p;
-        let mesh = DeviceMesh::new(tp, dp, p, world, world)?;
+        let world = layout.world_size();
+        let mesh = DeviceMesh::new(layout.rank_grid(world), world)?;
         Ok(Self {
             cfg,
             params,
@@ -274,7 +287,7 @@ impl<'a> MeshStep<'a> {
 
     /// The layers of every model chunk device `rank` runs.
     fn ranges(&self, rank: usize) -> Vec<std::ops::Range<usize>> {
-        let (_, _, s) = self.mesh.coords(rank);
+        let s = self.mesh.coords(rank).pp;
         let (p, v) = (self.layout.pp.max(1), self.layout.vpp.max(1));
         (0..v)
             .map(|k| self.partition.layers[k * p + s].clone())
@@ -283,7 +296,7 @@ impl<'a> MeshStep<'a> {
 
     /// The parameters device `rank` holds, as its shard names and shapes them (in store order).
     pub fn device_specs(&self, rank: usize) -> Result<Vec<ParamSpec>> {
-        let (t, _, _) = self.mesh.coords(rank);
+        let t = self.mesh.coords(rank).tp;
         let local = TpShard::new(self.cfg, self.mesh.tp, t, false)?.local_config(self.cfg);
         let ranges = self.ranges(rank);
         let specs = match self.frozen {
@@ -299,7 +312,7 @@ impl<'a> MeshStep<'a> {
     /// Builds device `rank`: its shard of `self.params`, its chunks, its ZeRO state.
     pub fn device(&self, rank: usize, adam: AdamWConfig) -> Result<Device> {
         let (cfg, layout) = (self.cfg, self.layout);
-        let (t, d, _) = self.mesh.coords(rank);
+        let t = self.mesh.coords(rank).tp;
         let shard = TpShard::new(cfg, self.mesh.tp, t, layout.sequence_parallel)?;
         let local = shard.local_config(cfg);
         let ranges = self.ranges(rank);
@@ -347,13 +360,14 @@ impl<'a> MeshStep<'a> {
             })
             .collect();
         drop(base_shard);
-        let dp_group = self.mesh.group_of(rank, Dim::Dp);
+        // The shard's replicas (dp × cp) sum their gradients, and ZeRO shards over them.
+        let replicas = self.mesh.replica_group(rank);
         let mut zero = ZeroState::new(
             cfg,
             store,
             layout.zero,
-            dp_group,
-            d,
+            replicas,
+            self.mesh.replica_index(rank),
             self.m,
             adam,
             self.precision.storage(),
@@ -381,10 +395,13 @@ impl<'a> MeshStep<'a> {
                 self.layout.schedule.name()
             )));
         }
-        let (t, d, s) = self.mesh.coords(dev.rank);
+        let at = self.mesh.coords(dev.rank);
+        let (t, s) = (at.tp, at.pp);
         let (p, tp) = (self.mesh.pp, self.mesh.tp);
-        let device_of = |stage: usize| self.mesh.rank_of(t, d, stage);
-        let boundary = self.micro[0].batch * self.micro[0].seq * self.cfg.hidden_size
+        let device_of = |stage: usize| self.mesh.rank_of(Coords { pp: stage, ..at });
+        let (micro, targets) =
+            self.device_batches(dev.rank, &self.micro[at.dp * self.m..(at.dp + 1) * self.m]);
+        let boundary = micro[0].batch * micro[0].seq * self.cfg.hidden_size
             / if dev.shard.sequence_parallel { tp } else { 1 };
         let run = StageRun {
             schedule: &self.schedule,
@@ -392,7 +409,8 @@ impl<'a> MeshStep<'a> {
             stages: p,
             chunks_per_device: self.layout.vpp.max(1),
             device_of: &device_of,
-            micro: &self.micro[d * self.m..(d + 1) * self.m],
+            micro: &micro,
+            targets: &targets,
             boundary,
             scale: self.scale * self.loss_scale as f32,
             counts_loss: t == 0,
@@ -406,7 +424,7 @@ impl<'a> MeshStep<'a> {
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
-        let tpg = TpGroup::new(c, tp_group.clone(), dev.shard).with_wire(Wire::of(self.precision));
+        let tpg = self.shard_group(c, dev);
         let out = {
             let _activations = memory::scope(Term::Activations);
             run.execute(&tpg, &mut dev.zero, &dev.chunks)?
@@ -441,11 +459,14 @@ impl<'a> MeshStep<'a> {
 
     /// Device `dev`'s share of the squared global gradient norm (of its reduced gradients).
     pub(crate) fn grad_sq_partial(&self, dev: &mut Device) -> f64 {
-        let (_, d, s) = self.mesh.coords(dev.rank);
+        let (d, s) = (
+            self.mesh.replica_index(dev.rank),
+            self.mesh.coords(dev.rank).pp,
+        );
         let specs = dev.zero.specs();
         let tied_copy = self.cfg.tie_word_embeddings && self.mesh.pp > 1 && s == self.mesh.pp - 1;
         if !(dev.zero.grads_sharded() || d == 0) {
-            return 0.0; // an identical replica: dp rank 0 counts it
+            return 0.0; // an identical replica: replica 0 counts it
         }
         dev.zero.with_grad_view(|grads| {
             specs
@@ -503,6 +524,36 @@ impl<'a> MeshStep<'a> {
 
     pub fn mesh(&self) -> &DeviceMesh {
         &self.mesh
+    }
+
+    /// Device `rank`'s place in its context-parallel group.
+    pub fn context_of(&self, rank: usize) -> ContextShard {
+        ContextShard {
+            size: self.mesh.cp,
+            index: self.mesh.coords(rank).cp,
+            comm: self.layout.cp_comm,
+        }
+    }
+
+    /// What device `rank` runs of its replica's micro-batches (its part of each sequence under
+    /// context parallelism), and their next-token targets.
+    pub(super) fn device_batches(
+        &self,
+        rank: usize,
+        micro: &[TokenBatch],
+    ) -> (Vec<TokenBatch>, Vec<Vec<Option<u32>>>) {
+        let cx = self.context_of(rank);
+        micro.iter().map(|b| cx.split(b)).unzip()
+    }
+
+    /// The collectives device `dev`'s model shard calls: its tensor-parallel group, and its
+    /// context-parallel group when sequences are split.
+    pub(super) fn shard_group<'c, C: Comm>(&self, c: &'c mut C, dev: &Device) -> TpGroup<'c, C> {
+        let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
+        let cp_group = self.mesh.group_of(dev.rank, Dim::Cp);
+        TpGroup::new(c, tp_group, dev.shard)
+            .with_wire(Wire::of(self.precision))
+            .with_context(self.context_of(dev.rank), cp_group)
     }
 }
 

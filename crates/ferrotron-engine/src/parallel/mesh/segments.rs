@@ -7,13 +7,12 @@ use super::train::{StepReport, Training};
 use super::{micro_batches, Device, MeshStep};
 use crate::comm::{Comm, CommStats, Dim, ReduceOp};
 use crate::error::{EngineError, Result};
-use crate::half_storage::Wire;
 use crate::memory::{self, Term};
 use crate::parallel::pipedream::SegmentRun;
 use crate::parallel::pipeline::StageRun;
-use crate::parallel::tensor::TpGroup;
 use crate::transformer::TokenBatch;
 use ferrotron_core::layout::Schedule;
+use ferrotron_core::rank::Coords;
 use ferrotron_core::schedule::build_async;
 
 impl MeshStep<'_> {
@@ -90,7 +89,8 @@ impl MeshStep<'_> {
         t: &Training,
     ) -> Result<Vec<StepReport>> {
         let account = self.account(c.rank());
-        let (tp_rank, d, s) = self.mesh.coords(dev.rank);
+        let at = self.mesh.coords(dev.rank);
+        let (tp_rank, d, s) = (at.tp, at.dp, at.pp);
         let (p, tp, m) = (self.mesh.pp, self.mesh.tp, self.m);
         let steps = end - start;
         let mbs = self.layout.micro_batch_size.max(1);
@@ -107,7 +107,8 @@ impl MeshStep<'_> {
         // Each update averages over the tokens of its micro-batches on every replica: a step's
         // (2BW), or one micro-batch of each replica (PipeDream).
         let update_tokens = tokens_per_step * per_update / m;
-        let device_of = |stage: usize| self.mesh.rank_of(tp_rank, d, stage);
+        let device_of = |stage: usize| self.mesh.rank_of(Coords { pp: stage, ..at });
+        let (micro, targets) = self.device_batches(dev.rank, &micro);
         let boundary = micro[0].batch * micro[0].seq * self.cfg.hidden_size
             / if dev.shard.sequence_parallel { tp } else { 1 };
         let lr_of = |u: usize| t.lr.lr(start + u * per_update / m) as f32;
@@ -120,6 +121,7 @@ impl MeshStep<'_> {
                 chunks_per_device: 1,
                 device_of: &device_of,
                 micro: &micro,
+                targets: &targets,
                 boundary,
                 scale: 1.0 / update_tokens as f32,
                 counts_loss: tp_rank == 0,
@@ -145,7 +147,7 @@ impl MeshStep<'_> {
         let (started, wall) = (c.device_time(), std::time::Instant::now());
         let chunks = std::mem::take(&mut dev.chunks);
         let out = {
-            let tpg = TpGroup::new(c, tp_group, dev.shard).with_wire(Wire::of(self.precision));
+            let tpg = self.shard_group(c, dev);
             let _activations = memory::scope(Term::Activations);
             seg.execute(&tpg, dev, &chunks)
         };
