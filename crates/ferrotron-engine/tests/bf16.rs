@@ -51,12 +51,14 @@ fn bf16_step(
 /// (Q·Kᵀ and P·V, and their gradients', on the bf16 instructions: 3 each way); and what a
 /// split adds: a tensor-parallel block sends its partial sums in bf16 (2 reductions each way), a
 /// pipeline boundary crosses in bf16 (each way), micro-batches accumulate in bf16 storage (one
-/// rounding each), a data-parallel ring rounds after each of its `dp − 1` additions.
+/// rounding each), the replicas' ring (dp × cp: context-parallel devices' gradients are partial
+/// sums too) rounds after each of its `replicas − 1` additions. Context parallelism's attention
+/// messages are f32 and its blocks merge in f32: no rounding of their own.
 fn tolerance(layers: usize, spec: &str) -> f64 {
     let l = LayoutSpec::parse(spec).unwrap().layout;
     let micro_batches = 8 / (l.micro_batch_size * l.dp);
     let per_block = 2 * 3 + if l.tp > 1 { 2 * 2 } else { 0 };
-    let stages = layers * per_block + 2 * (l.pp - 1) + micro_batches + (l.dp - 1) + 1;
+    let stages = layers * per_block + 2 * (l.pp - 1) + micro_batches + (l.replicas() - 1) + 1;
     (stages as f64).sqrt() * U
 }
 
@@ -140,6 +142,10 @@ const LAYOUTS: &[&str] = &[
     "dp=2,tp=2,pp=2,zero=3,mbs=1",
     "dp=2,tp=2,pp=2,sp=true,recompute=full,mbs=1",
     "tp=2,pp=2,recompute=selective,mbs=2",
+    "cp=2,mbs=8",
+    "cp=4,mbs=8",
+    "cp=4,cp_comm=a2a,mbs=8",
+    "dp=2,cp=2,tp=2,zero=1,mbs=4",
 ];
 
 #[test]

@@ -35,6 +35,9 @@ fn verify_tensor_and_pipeline_layouts_with_one_rank_per_device() {
         ("gpt2_tiny", "tp=2,sp=true,mbs=2", 2),
         ("llama_tiny", "tp=4,sp=true,mbs=2", 4),
         ("gpt2_tiny", "tp=2,pp=2,mbs=2", 4),
+        ("llama_tiny", "cp=2,mbs=2", 2),
+        ("llama_tiny", "cp=2,cp_comm=a2a,mbs=2", 2),
+        ("llama_tiny", "dp=2,cp=2,zero=3,mbs=1", 4),
         ("llama_tiny", "pp=2,schedule=zbh1,mbs=2", 2),
     ] {
         let m = fixture(model);

@@ -539,6 +539,8 @@ mod tests {
             (2, CpComm::Ring, 4, 2, None),
             (3, CpComm::Ring, 2, 1, None),
             (4, CpComm::Ring, 2, 2, Some(13)),
+            // A window shorter than a chunk: a chunk's first queries still see the chunk before.
+            (2, CpComm::Ring, 4, 2, Some(5)),
             (2, CpComm::A2a, 4, 2, None),
             (4, CpComm::A2a, 4, 2, None),
             (4, CpComm::A2a, 4, 1, Some(9)),
