@@ -164,6 +164,12 @@ fn resume_3d_on_one_device_and_back() {
 }
 
 #[test]
+fn resume_context_parallel_zero1_on_tp2_and_back() {
+    // ZeRO-1 shards over the dp × cp replicas: 4 shards, resharded onto 2 tensor-parallel halves.
+    check_pair("cp", "dp=2,cp=2,zero=1", "tp=2");
+}
+
+#[test]
 fn resume_tp2_on_tp4_and_back() {
     check_pair("tp", "tp=2", "tp=4");
 }
