@@ -44,8 +44,12 @@ pub fn step_flops(
 /// (placement by [`crate::rank::RankGrid`]).
 pub struct Links {
     pub tp: Link,
+    pub cp: Link,
     pub dp: Link,
     pub pp: Link,
+    /// The replicas' group (dp × cp: the gradient reduction and ZeRO): the data-parallel link when
+    /// there are several replicas along dp (it is the slower, farther apart), else the cp one.
+    pub replicas: Link,
 }
 
 pub fn links(c: &Cluster, l: &Layout) -> Links {
@@ -59,8 +63,14 @@ pub fn links(c: &Cluster, l: &Layout) -> Links {
     };
     Links {
         tp: pick(Dim::Tp),
+        cp: pick(Dim::Cp),
         dp: pick(Dim::Dp),
         pp: pick(Dim::Pp),
+        replicas: if l.dp > 1 {
+            pick(Dim::Dp)
+        } else {
+            pick(Dim::Cp)
+        },
     }
 }
 
@@ -74,7 +84,12 @@ fn ring_time(bytes_per_device: f64, steps: usize, link: &Link, eff: f64) -> f64 
 pub struct Traffic {
     pub tp: f64,
     pub pp: f64,
+    /// The replicas' gradient reduction (and ZeRO's gathers): over dp × cp devices.
     pub dp: f64,
+    /// Context parallelism's attention: the ring's K/V blocks (and their gradients), or the
+    /// all-to-alls.
+    #[serde(default)]
+    pub cp: f64,
 }
 
 pub struct Costs {
@@ -147,14 +162,14 @@ pub fn layer_elementwise_bytes_per_token(cfg: &ModelConfig, t: f64, act_bytes: f
 pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime {
     let c = &input.cluster;
     let t = l.tp as f64;
-    let tokens = (l.micro_batch_size * input.seq) as f64;
+    // This device's tokens (seq / cp of each sequence); attention's queries among them see the
+    // whole sequence.
+    let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
     let gemms: f64 = layer_gemm_shapes(cfg, t)
         .into_iter()
         .map(|(n, k)| gemm_time(c, tokens, n, k))
         .sum();
-    let attention = 4.0 * tokens * input.seq as f64 * cfg.q_dim() as f64
-        / t
-        / (c.peak_flops * c.calibration.attention_efficiency);
+    let attention = attention_time(input, cfg, l);
     let elementwise = tokens
         * layer_elementwise_bytes_per_token(cfg, t, input.precision.weights.bytes())
         / c.memory_bandwidth_bytes_per_s;
@@ -184,7 +199,7 @@ pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime
 /// cross-entropy's passes over the f32 logits (max, exp-sum, gradient).
 fn head_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
     let c = &input.cluster;
-    let tokens = (l.micro_batch_size * input.seq) as f64;
+    let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
     let vocab = super::padded_vocab(cfg, l.tp) as f64 / l.tp as f64;
     gemm_time(c, tokens, vocab, cfg.hidden_size as f64)
         + 3.0 * tokens * vocab * 4.0 / c.memory_bandwidth_bytes_per_s
@@ -208,7 +223,7 @@ pub fn tp_bytes_per_device(input: &PlanInput, cfg: &ModelConfig, l: &Layout, sta
     let t = l.tp as f64;
     let ring = (t - 1.0) / t;
     let m = (input.global_batch / (l.dp * l.micro_batch_size)) as f64;
-    let rows = (l.micro_batch_size * input.seq) as f64;
+    let rows = (l.micro_batch_size * super::local_seq(input, l)) as f64;
     let act = input.precision.weights.bytes();
     let hidden = ring * rows * cfg.hidden_size as f64 * act;
     let sp = l.sequence_parallel;
@@ -287,9 +302,10 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let links = links(c, l);
     let m = input.global_batch / (l.dp * l.micro_batch_size);
     let act = input.precision.weights.bytes();
-    let boundary = (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act;
+    let boundary = (l.micro_batch_size * super::local_seq(input, l) * cfg.hidden_size) as f64 * act;
     let t = l.tp as f64;
     let lt = layer_time(input, cfg, l);
+    let cp = context_costs(input, cfg, l, &links.cp);
 
     // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer (3 under sequence
     // parallelism, below), 2 more when the forward is recomputed: the bytes `tp_bytes_per_device`
@@ -338,8 +354,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
             let [fwd, bwd] = zero3(layers);
             let (mut f, mut b) = (
-                layers * 2.0 * ar_time + fwd.0,
-                layers * (backward_ar + recompute_ar) * ar_time + bwd.0,
+                layers * (2.0 * ar_time + cp.forward) + fwd.0,
+                layers * ((backward_ar + recompute_ar) * ar_time + cp.backward) + bwd.0,
             );
             if vs == 0 {
                 (f, b) = (f + embed_comm.0, b + embed_comm.1);
@@ -354,9 +370,13 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         .map(|vs| {
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
             let [gather_fwd, gather_bwd] = zero3(layers);
-            let mut fwd = layers * (lt.forward + 2.0 * ar_time) + gather_fwd.0 + gather_fwd.1;
+            let mut fwd =
+                layers * (lt.forward + 2.0 * ar_time + cp.forward) + gather_fwd.0 + gather_fwd.1;
             let mut bwd = layers
-                * (lt.backward + lt.recompute + (backward_ar + recompute_ar) * ar_time)
+                * (lt.backward
+                    + lt.recompute
+                    + (backward_ar + recompute_ar) * ar_time
+                    + cp.backward)
                 + gather_bwd.0
                 + gather_bwd.1;
             if vs == 0 {
@@ -383,11 +403,24 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         .fold(0.0, f64::max);
     let pp_bytes = pp_bytes(input, cfg, l, m, boundary);
     let dp_bytes = dp_bytes(l, m, trainable, grad_b, w_b);
+    let replicas = l.replicas();
     // ZeRO-3's collectives are priced inside the actions above.
-    let dp_time = if l.dp > 1 && l.zero < 3 {
-        ring_time(dp_bytes, 2 * (l.dp - 1), &links.dp, cal.link_efficiency) * (1.0 - cal.dp_overlap)
+    let dp_time = if replicas > 1 && l.zero < 3 {
+        ring_time(
+            dp_bytes,
+            2 * (replicas - 1),
+            &links.replicas,
+            cal.link_efficiency,
+        ) * (1.0 - cal.dp_overlap)
     } else {
         0.0
+    };
+    let cp_bytes = {
+        let stage_layers = (0..l.pp)
+            .map(|st| super::stage_layers(cfg, l, st))
+            .max()
+            .unwrap_or(0) as f64;
+        stage_layers * m as f64 * cp.bytes_per_layer
     };
     let optimizer_time = optimizer_time(input, l, trainable);
     Costs {
@@ -396,6 +429,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             tp: tp_bytes,
             pp: pp_bytes,
             dp: dp_bytes,
+            cp: cp_bytes,
         },
         actions,
         action_comm,
@@ -410,20 +444,21 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
 /// prefetched, so the transfer hides behind compute as far as `dp_overlap` says; assembling the
 /// whole unit in memory (and summing the gradients) is work on the device.
 fn zero3_costs(input: &PlanInput, l: &Layout, p: f64) -> [(f64, f64); 2] {
-    if l.zero < 3 || l.dp <= 1 {
+    let replicas = l.replicas();
+    if l.zero < 3 || replicas <= 1 {
         return [(0.0, 0.0); 2];
     }
     let c = &input.cluster;
     let cal = &c.calibration;
-    let dp_link = links(c, l).dp;
+    let dp_link = links(c, l).replicas;
     let (grad_b, w_b) = (
         input.precision.grads.bytes(),
         input.precision.weights.bytes(),
     );
-    let d = l.dp as f64;
+    let d = replicas as f64;
     let ring = (d - 1.0) / d;
     let hidden = 1.0 - cal.dp_overlap;
-    let link = |bytes: f64| ring_time(ring * bytes, l.dp - 1, &dp_link, cal.link_efficiency);
+    let link = |bytes: f64| ring_time(ring * bytes, replicas - 1, &dp_link, cal.link_efficiency);
     let bw = c.memory_bandwidth_bytes_per_s;
     let gather = (link(p * w_b) * hidden, 2.0 * p * w_b / bw);
     let scatter = (link(p * grad_b) * hidden, 3.0 * p * grad_b / bw);
@@ -449,7 +484,7 @@ fn edge_comm(
     }
     let t = l.tp as f64;
     let half = ring_time(ar_bytes / 2.0, l.tp - 1, link, eff);
-    let rows = (l.micro_batch_size * input.seq) as f64;
+    let rows = (l.micro_batch_size * super::local_seq(input, l)) as f64;
     let loss = ring_time((t - 1.0) * rows * 4.0, l.tp - 1, link, eff)
         + 2.0 * ring_time(2.0 * (t - 1.0) / t * rows * 8.0, 2 * (l.tp - 1), link, eff);
     if l.sequence_parallel {
@@ -494,12 +529,12 @@ fn pp_bytes(input: &PlanInput, cfg: &ModelConfig, l: &Layout, m: usize, boundary
 }
 
 /// Data-parallel bytes per device per step for the ZeRO stage: `trainable` parameters, gradients of
-/// `grad_b` bytes and weights of `w_b`, over `m` micro-batches.
+/// `grad_b` bytes and weights of `w_b`, over `m` micro-batches, among the dp × cp replicas.
 fn dp_bytes(l: &Layout, m: usize, trainable: f64, grad_b: f64, w_b: f64) -> f64 {
-    if l.dp <= 1 {
+    if l.replicas() <= 1 {
         return 0.0;
     }
-    let d = l.dp as f64;
+    let d = l.replicas() as f64;
     let ring = (d - 1.0) / d;
     let m = m as f64;
     match l.zero {
@@ -528,6 +563,87 @@ fn optimizer_time(input: &PlanInput, l: &Layout, trainable: f64) -> f64 {
         } else {
             0.0
         };
-    let shard = if l.zero >= 1 { l.dp as f64 } else { 1.0 };
+    let shard = if l.zero >= 1 {
+        l.replicas() as f64
+    } else {
+        1.0
+    };
     trainable / shard * optimizer_bytes / input.cluster.memory_bandwidth_bytes_per_s
+}
+
+/// Context parallelism's communication per layer and micro-batch on one device: exposed time in
+/// the forward and the backward, and bytes sent.
+struct ContextCosts {
+    forward: f64,
+    backward: f64,
+    bytes_per_layer: f64,
+}
+
+/// The ring sends its K/V block on before attending to the one in hand, so each of its cp − 1
+/// transfers hides behind a block's products (a cp-th of the device's attention) and only the
+/// excess shows; backward sends the K/V blocks again and, after each block, its dK/dV (cp of
+/// them), hidden behind a cp-th of attention's backward. Messages are f32. All-to-all
+/// (Ulysses) cannot overlap: Q, K, V out and the output back in the forward; Q, K, V, the output
+/// and its gradient out and dQ, dK, dV back in the backward, each moving (cp − 1)/cp of the
+/// device's tensors.
+fn context_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) -> ContextCosts {
+    if l.cp <= 1 {
+        return ContextCosts {
+            forward: 0.0,
+            backward: 0.0,
+            bytes_per_layer: 0.0,
+        };
+    }
+    let (t, n) = (l.tp as f64, l.cp as f64);
+    let eff = input.cluster.calibration.link_efficiency;
+    let tok = (l.micro_batch_size * super::local_seq(input, l)) as f64;
+    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
+    let qd = cfg.q_dim() as f64 / t;
+    let send = |bytes: f64| bytes / (link.bandwidth_bytes_per_s * eff) + link.latency_s;
+    let recomputes = if l.recompute == Recompute::Full {
+        1.0
+    } else {
+        0.0
+    };
+    match l.cp_comm {
+        crate::layout::CpComm::Ring => {
+            let block = 4.0 * tok * 2.0 * kvd;
+            let attention = attention_time(input, cfg, l);
+            let fwd_step = attention / n;
+            // Flash backward: five products to the forward's two.
+            let bwd_step = 2.5 * attention / n;
+            let exposed = |transfer: f64, compute: f64| (transfer - compute).max(0.0);
+            let forward = (n - 1.0) * exposed(send(block), fwd_step);
+            let backward = (n - 1.0) * exposed(send(block) + send(block), bwd_step)
+                + send(block)
+                + recomputes * forward;
+            ContextCosts {
+                forward,
+                backward,
+                bytes_per_layer: block * ((n - 1.0) * (2.0 + recomputes) + n),
+            }
+        }
+        crate::layout::CpComm::A2a => {
+            let share = (n - 1.0) / n * 4.0 * tok;
+            let forward_bytes = share * (2.0 * qd + 2.0 * kvd);
+            let backward_bytes = share * (4.0 * qd + 4.0 * kvd);
+            let forward = send(forward_bytes);
+            ContextCosts {
+                forward,
+                backward: send(backward_bytes) + recomputes * forward,
+                bytes_per_layer: forward_bytes * (1.0 + recomputes) + backward_bytes,
+            }
+        }
+    }
+}
+
+/// Attention's forward products of one layer on one device for one micro-batch: its queries (seq /
+/// cp of each sequence) against the whole sequence, counted as the model FLOPs count them (the
+/// causal mask's half is in the calibrated attention efficiency).
+fn attention_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
+    let c = &input.cluster;
+    let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
+    4.0 * tokens * input.seq as f64 * cfg.q_dim() as f64
+        / l.tp as f64
+        / (c.peak_flops * c.calibration.attention_efficiency)
 }

@@ -98,6 +98,30 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
             link_name(lk.pp.bandwidth_bytes_per_s)
         ));
     }
+    if l.cp > 1 {
+        out.push(format!(
+            "context parallel cp={} ({}): every sequence split {}-ways (activations ÷ {}); {} per \
+             step per device on the {} link{}",
+            l.cp,
+            match l.cp_comm {
+                crate::layout::CpComm::Ring =>
+                    "ring attention, K/V blocks overlapped with the block products",
+                crate::layout::CpComm::A2a => "all-to-all over heads",
+            },
+            l.cp,
+            l.cp,
+            gb(p.comm_bytes_per_step.cp),
+            link_name(lk.cp.bandwidth_bytes_per_s),
+            if l.dp > 1 {
+                format!(
+                    "; the dp × cp = {} replicas reduce gradients together",
+                    l.replicas()
+                )
+            } else {
+                String::new()
+            }
+        ));
+    }
     if l.dp > 1 {
         out.push(format!(
             "data parallel dp={} (ZeRO-{}): {} per step per device on the {} link, {:.3} s exposed",
@@ -175,6 +199,9 @@ pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
             } else {
                 out.push("4. no tensor parallelism needed: the layers fit without splitting them".into());
             }
+            if l.cp > 1 {
+                out.push(context_note(input, l));
+            }
             if l.pp > 1 {
                 out.push(format!(
                     "5. pipeline across nodes: pp={} with {} ({} micro-batches) leaves a {:.1}% bubble and moves only {} of boundary activations per step per device",
@@ -199,4 +226,47 @@ pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
         None => out.push("no layout fits: every candidate exceeds device memory even with ZeRO-3, full recompute and the smallest micro-batch; add devices or reduce the model".into()),
     }
     out
+}
+
+/// Why the chosen layout splits sequences: the activations per device without context parallelism
+/// (the same layout, its cp devices as data-parallel replicas) against with it, and whether the
+/// split is what makes the run fit.
+fn context_note(input: &PlanInput, l: &Layout) -> String {
+    let usable = input.usable_memory() as f64;
+    let peak = |l: &Layout| {
+        let m = input.global_batch / (l.dp * l.micro_batch_size).max(1);
+        (0..l.pp)
+            .map(|s| stage_memory(input, l, s, super::in_flight(l, m, s)))
+            .max_by_key(|m| m.total)
+            .unwrap_or_default()
+    };
+    let without = Layout {
+        cp: 1,
+        dp: l.dp * l.cp,
+        ..*l
+    };
+    let (with_cp, no_cp) = (peak(l), peak(&without));
+    let verdict = if no_cp.total as f64 > usable {
+        format!(
+            "without it ({without}) a device would need {}, over the {} usable: context \
+             parallelism is the cut that makes this run fit",
+            gb(no_cp.total as f64),
+            gb(usable)
+        )
+    } else {
+        format!(
+            "without it ({without}) a device would need {}, which fits: the split is chosen for \
+             speed",
+            gb(no_cp.total as f64)
+        )
+    };
+    format!(
+        "4b. split the sequences: cp={} gives each device {} of every {}-token sequence, so \
+         activations fall from {} to {} per device; {verdict}",
+        l.cp,
+        input.seq / l.cp,
+        input.seq,
+        gb(no_cp.activations as f64),
+        gb(with_cp.activations as f64)
+    )
 }

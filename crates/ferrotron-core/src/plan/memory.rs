@@ -88,6 +88,10 @@ pub fn layer_activation_bytes(
     act_bytes: f64,
 ) -> f64 {
     let materialized = attention == AttentionKernel::Materialized;
+    // Context parallelism: each device holds seq / cp tokens of every sequence (`s` below), whose
+    // queries attend to the whole sequence (`span`).
+    let span = seq as f64;
+    let seq = seq / l.cp.max(1);
     let (b, s, h, t) = (
         l.micro_batch_size as f64,
         seq as f64,
@@ -103,7 +107,7 @@ pub fn layer_activation_bytes(
             // The softmax's input, output and dropout mask: 5as/h per token and hidden unit, with
             // materialised attention only.
             let attn = if materialized {
-                5.0 * heads * s / (h * t)
+                5.0 * heads * span / (h * t)
             } else {
                 0.0
             };
@@ -133,7 +137,7 @@ pub fn layer_activation_bytes(
             // recompute); the memory-efficient kernel keeps one f32 log-sum-exp per query and head.
             let (probs, lse_bytes) = match (materialized, l.recompute) {
                 (true, Recompute::Selective) => (0.0, 0.0),
-                (true, _) => (b * (heads / t) * s * s, 0.0),
+                (true, _) => (b * (heads / t) * s * span, 0.0),
                 (false, _) => (0.0, b * (heads / t) * s * 4.0),
             };
             let mlp_pre = if cfg.arch == Arch::Llama {
@@ -182,7 +186,8 @@ fn backward_working_set(
     attention: AttentionKernel,
 ) -> f64 {
     let t = l.tp as f64;
-    let tok = (l.micro_batch_size * seq) as f64;
+    let local = seq / l.cp.max(1);
+    let tok = (l.micro_batch_size * local) as f64;
     let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64 / t);
     let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
     let qd = cfg.q_dim() as f64 / t;
@@ -192,12 +197,32 @@ fn backward_working_set(
     };
     let probs = if l.recompute == Recompute::Selective && attention == AttentionKernel::Materialized
     {
-        l.micro_batch_size as f64 * (cfg.num_heads as f64 / t) * (seq * seq) as f64
+        l.micro_batch_size as f64 * (cfg.num_heads as f64 / t) * (local * seq) as f64
     } else {
         0.0
     };
     let attention = tok * (2.0 * qd + 2.0 * kvd + h) + probs;
     4.0 * mlp.max(attention)
+}
+
+/// Context parallelism's f32 buffers while one layer's attention runs, on top of the stash, for
+/// `local` tokens per sequence: the ring's K/V block in hand and the one arriving, the block's
+/// output and log-sum-exp before they merge, and in backward the block's dK/dV and the sums passing
+/// through (about ten K/V-sized buffers and two output-sized); all-to-all's head-split copies of
+/// Q, K, V, the output and their gradients.
+fn context_working_set(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
+    if l.cp <= 1 {
+        return 0.0;
+    }
+    let t = l.tp as f64;
+    let tok = (l.micro_batch_size * local) as f64;
+    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
+    let qd = cfg.q_dim() as f64 / t;
+    let per_token = match l.cp_comm {
+        crate::layout::CpComm::Ring => 10.0 * kvd + 2.0 * qd,
+        crate::layout::CpComm::A2a => 6.0 * qd + 6.0 * kvd,
+    };
+    4.0 * tok * per_token
 }
 
 /// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
@@ -238,7 +263,7 @@ pub fn stage_activation_stash(
         );
     }
     if stage == l.pp - 1 {
-        let tok = (l.micro_batch_size * input.seq) as f64;
+        let tok = (l.micro_batch_size * super::local_seq(input, l)) as f64;
         let stats = if cfg.arch == Arch::Gpt2 {
             2.0 * tok
         } else {
@@ -259,7 +284,9 @@ pub fn stage_activation_stash(
 /// Memory of one device of `stage`, holding `in_flight` chunk stashes at its peak.
 pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usize) -> MemoryTerms {
     let pr = &input.precision;
-    let dp = l.dp as f64;
+    // ZeRO shards over every replica of a shard: dp × cp devices.
+    let replicas = l.replicas();
+    let dp = replicas as f64;
     let (params, trainable, activations, head_extra, comm) = match &input.model {
         PlanModel::ParamsOnly(p) => (
             p / (l.tp * l.pp) as f64,
@@ -278,11 +305,14 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             let act_bytes = pr.weights.bytes();
             let stash = stage_activation_stash(input, l, stage, in_flight);
             let ferrotron = input.activation_model == ActivationModel::Ferrotron;
-            let boundary = (l.micro_batch_size * input.seq * cfg.hidden_size) as f64 * act_bytes;
-            // The engine's working set on top of the stash: a block's backward gradients, and the
-            // boundary tensors coming and going.
+            let local = super::local_seq(input, l);
+            let boundary = (l.micro_batch_size * local * cfg.hidden_size) as f64 * act_bytes;
+            // The engine's working set on top of the stash: a block's backward gradients, the
+            // boundary tensors coming and going, and context parallelism's blocks in flight.
             let working = if ferrotron {
-                backward_working_set(cfg, l, input.seq, input.attention) + 2.0 * boundary
+                backward_working_set(cfg, l, input.seq, input.attention)
+                    + 2.0 * boundary
+                    + context_working_set(cfg, l, local)
             } else {
                 0.0
             };
@@ -298,12 +328,12 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                     None => largest_unit_params(cfg, l, stage),
                 };
                 let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
-                let dp_buf = match (l.dp > 1, l.zero) {
+                let dp_buf = match (replicas > 1, l.zero) {
                     (false, _) => 0.0,
                     (true, 0 | 1) => 2.0 * unit * pr.grads.bytes(),
                     (true, _) => 4.0 * unit * pr.grads.bytes(),
                 };
-                let z3_buf = if l.zero == 3 && l.dp > 1 {
+                let z3_buf = if l.zero == 3 && replicas > 1 {
                     2.0 * unit * pr.weights.bytes()
                 } else {
                     0.0
@@ -313,12 +343,12 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
                 // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
                 let tp_buf = if l.tp > 1 { boundary } else { 0.0 };
-                let dp_buf = if l.dp > 1 {
+                let dp_buf = if replicas > 1 {
                     (25e6f64).min(trainable) * pr.grads.bytes()
                 } else {
                     0.0
                 };
-                let z3_buf = if l.zero == 3 && l.dp > 1 {
+                let z3_buf = if l.zero == 3 && replicas > 1 {
                     2.0 * params / super::stage_layers(cfg, l, stage).max(1) as f64
                         * pr.weights.bytes()
                 } else {

@@ -209,20 +209,26 @@ fn rule(field: &str, msg: String) -> ConfigError {
 }
 
 /// The rules every layout must keep on this model and cluster; each failure names the key.
+/// Tokens of each sequence one device holds: context parallelism splits every sequence over cp.
+pub fn local_seq(input: &PlanInput, l: &Layout) -> usize {
+    input.seq / l.cp.max(1)
+}
+
 pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
     input.check()?;
     let c = &input.cluster;
     if l.world_size() > c.world_size() {
         // Blame the largest dimension: that is the one a user mistyped or must shrink.
-        let blamed = [("pp", l.pp), ("tp", l.tp), ("dp", l.dp)]
+        let blamed = [("pp", l.pp), ("tp", l.tp), ("cp", l.cp), ("dp", l.dp)]
             .into_iter()
             .max_by_key(|&(_, n)| n)
             .map_or("dp", |(k, _)| k);
         return Err(rule(
             blamed,
             format!(
-                "dp·tp·pp = {}·{}·{} = {} devices, but the cluster has {}",
+                "dp·cp·tp·pp = {}·{}·{}·{} = {} devices, but the cluster has {}",
                 l.dp,
+                l.cp,
                 l.tp,
                 l.pp,
                 l.world_size(),
@@ -230,6 +236,7 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
             ),
         ));
     }
+    check_context(input, l)?;
     if !input.global_batch.is_multiple_of(l.dp) {
         return Err(rule(
             "dp",
@@ -313,11 +320,59 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
     Ok(())
 }
 
+/// Context parallelism's rules: sequences cut into 2·cp equal chunks; all-to-all inside a node
+/// (four all-to-alls per layer want the fast link), over heads that divide (checked with the model).
+fn check_context(input: &PlanInput, l: &Layout) -> Result<()> {
+    if l.cp <= 1 {
+        return Ok(());
+    }
+    if !input.seq.is_multiple_of(2 * l.cp) {
+        return Err(rule(
+            "cp",
+            format!(
+                "cp={} cuts each sequence into 2·cp = {} equal chunks (causal load balance), and \
+                 {} tokens do not divide by {}",
+                l.cp,
+                2 * l.cp,
+                input.seq,
+                2 * l.cp
+            ),
+        ));
+    }
+    let grid = l.rank_grid(input.cluster.devices_per_node);
+    if l.cp_comm == crate::layout::CpComm::A2a && !grid.within_nodes(crate::rank::Dim::Cp) {
+        return Err(rule(
+            "cp_comm",
+            format!(
+                "cp_comm=a2a over cp={} spans nodes of {} devices: its all-to-alls need the \
+                 intra-node link (use cp_comm=ring across nodes)",
+                l.cp, input.cluster.devices_per_node
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The rules a layout keeps on a model given by its shape: the tensor-parallel split, enough layers
 /// for the stages, learned positions for the sequence, interleaving's micro-batches.
 fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result<()> {
     if let Err(why) = cfg.tensor_parallel_split(l.tp) {
         return Err(rule("tp", format!("tp={}: {why}", l.tp)));
+    }
+    if l.cp > 1 && l.cp_comm == crate::layout::CpComm::A2a {
+        let heads = cfg.num_heads / l.tp;
+        let kv = (cfg.num_kv_heads / l.tp).max(1);
+        if !heads.is_multiple_of(l.cp) || !(kv.is_multiple_of(l.cp) || l.cp.is_multiple_of(kv)) {
+            return Err(rule(
+                "cp_comm",
+                format!(
+                    "cp_comm=a2a gives each of cp={} devices heads / cp query heads: {heads} query \
+                     heads per device (after tp={}) must divide by cp, and {kv} KV heads must divide \
+                     by cp or cp by them (use cp_comm=ring)",
+                    l.cp, l.tp
+                ),
+            ));
+        }
     }
     if l.pp * l.vpp > cfg.num_layers {
         return Err(rule(

@@ -6,7 +6,7 @@ use super::{
     PlanInput, PlanModel,
 };
 use crate::error::{ConfigError, Result};
-use crate::layout::{Layout, Recompute, Schedule};
+use crate::layout::{CpComm, Layout, Recompute, Schedule};
 
 /// Micro-batch sizes the search tries (those that divide the batch per replica survive the rules).
 const MICRO_BATCH_SIZES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
@@ -29,58 +29,65 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
     for tp in divisors(world) {
         // Stages need not divide the layers: an uneven split is priced as the engine runs it.
         for pp in divisors(world / tp).into_iter().filter(|&pp| pp <= layers) {
-            let dp = world / (tp * pp);
-            let chunk_options: Vec<usize> = if pp > 1 {
-                (1..=8).filter(|v| pp * v <= layers).collect()
-            } else {
-                vec![1]
-            };
-            for vpp in chunk_options {
-                // The asynchronous schedules change the optimizer's semantics: only when asked.
-                let schedules: &[Schedule] = match (pp, vpp, input.allow_async) {
-                    (1, _, _) => &[Schedule::OneFOneB],
-                    (_, 1, false) => &[Schedule::OneFOneB, Schedule::Gpipe, Schedule::Zbh1],
-                    (_, 1, true) => &[
-                        Schedule::OneFOneB,
-                        Schedule::Gpipe,
-                        Schedule::Zbh1,
-                        Schedule::TwoBw,
-                        Schedule::PipeDream,
-                    ],
-                    _ => &[Schedule::Interleaved],
+            // Context parallelism takes part of the replicas: cp × dp = world / (tp · pp). A model
+            // given by its parameter count alone has no activations for it to split.
+            for (cp, cp_comm) in context_options(input, tp, pp, world / (tp * pp)) {
+                let dp = world / (tp * pp * cp);
+                let chunk_options: Vec<usize> = if pp > 1 {
+                    (1..=8).filter(|v| pp * v <= layers).collect()
+                } else {
+                    vec![1]
                 };
-                for &schedule in schedules {
-                    for zero in 0..=if dp > 1 { 3 } else { 0 } {
-                        for mbs in MICRO_BATCH_SIZES {
-                            for recompute in
-                                [Recompute::None, Recompute::Selective, Recompute::Full]
-                            {
-                                for sp in [false, true] {
-                                    if sp && tp == 1 {
-                                        continue;
-                                    }
-                                    // With memory-efficient attention selective recompute is
-                                    // no recompute (no probabilities to drop): one candidate.
-                                    if recompute == Recompute::Selective
-                                        && input.attention == AttentionKernel::Flash
-                                    {
-                                        continue;
-                                    }
-                                    let l = Layout {
-                                        dp,
-                                        tp,
-                                        pp,
-                                        vpp,
-                                        zero,
-                                        micro_batch_size: mbs,
-                                        schedule,
-                                        sequence_parallel: sp,
-                                        recompute,
-                                        stages: None,
-                                        ..Layout::default()
-                                    };
-                                    if check_layout(input, &l).is_ok() {
-                                        out.push(l);
+                for vpp in chunk_options {
+                    // The asynchronous schedules change the optimizer's semantics: only when asked.
+                    let schedules: &[Schedule] = match (pp, vpp, input.allow_async) {
+                        (1, _, _) => &[Schedule::OneFOneB],
+                        (_, 1, false) => &[Schedule::OneFOneB, Schedule::Gpipe, Schedule::Zbh1],
+                        (_, 1, true) => &[
+                            Schedule::OneFOneB,
+                            Schedule::Gpipe,
+                            Schedule::Zbh1,
+                            Schedule::TwoBw,
+                            Schedule::PipeDream,
+                        ],
+                        _ => &[Schedule::Interleaved],
+                    };
+                    for &schedule in schedules {
+                        for zero in 0..=if dp > 1 { 3 } else { 0 } {
+                            for mbs in MICRO_BATCH_SIZES {
+                                for recompute in
+                                    [Recompute::None, Recompute::Selective, Recompute::Full]
+                                {
+                                    for sp in [false, true] {
+                                        if sp && tp == 1 {
+                                            continue;
+                                        }
+                                        // With memory-efficient attention selective recompute is
+                                        // no recompute (no probabilities to drop): one candidate.
+                                        if recompute == Recompute::Selective
+                                            && input.attention == AttentionKernel::Flash
+                                        {
+                                            continue;
+                                        }
+                                        let l = Layout {
+                                            dp,
+                                            tp,
+                                            pp,
+                                            vpp,
+                                            zero,
+                                            micro_batch_size: mbs,
+                                            schedule,
+                                            sequence_parallel: sp,
+                                            recompute,
+                                            stages: None,
+                                            cp,
+                                            cp_comm,
+                                        };
+                                        let split_ok =
+                                            cp == 1 || (mbs == 1 && recompute != Recompute::Full);
+                                        if split_ok && check_layout(input, &l).is_ok() {
+                                            out.push(l);
+                                        }
                                     }
                                 }
                             }
@@ -91,6 +98,72 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
         }
     }
     out
+}
+
+/// The context-parallel splits worth pricing for `replicas` devices per (tp, pp) shard: none, and
+/// when the shard's activations call for it, each power of two up to 64 dividing them whose 2·cp
+/// chunks divide the sequence, as a ring and, inside a node, as all-to-all (the layout rules refuse
+/// the splits the model's heads do not allow). Split sequences are long ones, one per micro-batch,
+/// and a split is the alternative to recomputing whole layers: the search does not pair it with
+/// full recompute (a `--layout` may ask for both).
+fn context_options(
+    input: &PlanInput,
+    tp: usize,
+    pp: usize,
+    replicas: usize,
+) -> Vec<(usize, CpComm)> {
+    let mut out = vec![(1, CpComm::Ring)];
+    if matches!(input.model, PlanModel::ParamsOnly(_)) || !context_needed(input, tp, pp, replicas) {
+        return out;
+    }
+    for cp in (1..=6)
+        .map(|k| 1usize << k)
+        .filter(|&cp| replicas.is_multiple_of(cp) && input.seq.is_multiple_of(2 * cp))
+    {
+        out.push((cp, CpComm::Ring));
+        if cp <= input.cluster.devices_per_node {
+            out.push((cp, CpComm::A2a));
+        }
+    }
+    out
+}
+
+/// Sequences from this long are "long": the search weighs splitting them against recomputing them
+/// (attention's share of a layer grows with the sequence, and with it what full recompute costs);
+/// shorter ones are split only when nothing else fits.
+pub const LONG_SEQUENCE: usize = 8192;
+
+/// Whether a (tp, pp) shard's sequences call for splitting, with all its `replicas` as
+/// data-parallel ones and everything else that saves memory (ZeRO-3, one sequence per micro-batch,
+/// sequence parallelism): the layout breaks a rule (a global batch too small to share out); or it
+/// does not fit even with full recompute; or, for long sequences, it does not fit without recompute
+/// with activations its largest term. Otherwise a split only adds communication to the same work:
+/// the search leaves it out.
+fn context_needed(input: &PlanInput, tp: usize, pp: usize, replicas: usize) -> bool {
+    let lean = Layout {
+        tp,
+        pp,
+        dp: replicas,
+        zero: if replicas > 1 { 3 } else { 0 },
+        sequence_parallel: tp > 1,
+        ..Layout::default()
+    };
+    if check_layout(input, &lean).is_err() {
+        return true;
+    }
+    let m = input.global_batch / (lean.dp * lean.micro_batch_size);
+    let over = |l: &Layout, activations_largest: bool| {
+        (0..pp).any(|s| {
+            let mem = stage_memory(input, l, s, in_flight(l, m, s));
+            mem.total > input.usable_memory()
+                && (!activations_largest || mem.largest().0 == "activations")
+        })
+    };
+    let recomputed = Layout {
+        recompute: Recompute::Full,
+        ..lean
+    };
+    over(&recomputed, false) || (input.seq >= LONG_SEQUENCE && over(&lean, true))
 }
 
 /// For each way to cut the devices into tp × pp × dp, the first rule the plainest such layout
@@ -157,6 +230,10 @@ fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {
     let PlanModel::Shape(cfg) = &input.model else {
         return (fits, worst.total as f64, worst.total);
     };
+    if !fits {
+        // The search drops it: no need to price it.
+        return (false, f64::INFINITY, worst.total);
+    }
     let c = costs(input, cfg, l, params_on_device(cfg, l, 0));
     let chunk: Vec<f64> = c
         .actions

@@ -648,3 +648,54 @@ fn every_tensor_parallel_byte_is_priced_in_time() {
         );
     }
 }
+
+/// The example: Llama 3 8B at 131072 tokens on two 8-GPU H100 nodes, 16 sequences a step:
+/// without splitting the sequences nothing fits without recompute; the search finds a layout with
+/// cp > 1 that fits and says that the split is what makes it fit.
+#[test]
+fn long_sequences_are_split_when_that_is_what_fits() {
+    let input = PlanInput::new(
+        PlanModel::parse("llama3-8b").unwrap(),
+        Cluster::parse("dgx-h100-80g,nodes=2").unwrap(),
+        131072,
+        16,
+    );
+    let plans = search(&input).unwrap();
+    let best = &plans[0];
+    assert!(best.layout.cp > 1 && best.fits, "{}", best.layout);
+    let notes = search_notes(&input, Some(best));
+    assert!(
+        notes.iter().any(|n| n.contains("split the sequences") && n.contains("makes this run fit")),
+        "{notes:?}"
+    );
+    assert!(best.explain.iter().any(|l| l.contains("context parallel cp=")));
+    // Each device's activations are the unsplit layout's over cp (plus the blocks in flight).
+    let l = best.layout;
+    let without = Layout { cp: 1, dp: l.dp * l.cp, ..l };
+    let (a, b) = (
+        stage_memory(&input, &l, 0, 1).activations as f64,
+        stage_memory(&input, &without, 0, 1).activations as f64,
+    );
+    assert!(a < b / l.cp as f64 * 1.1 && a > b / l.cp as f64 * 0.9, "{a} vs {b} / {}", l.cp);
+}
+
+#[test]
+fn context_parallel_rules_are_named() {
+    let input = PlanInput::new(
+        PlanModel::parse("llama3-8b").unwrap(),
+        Cluster::parse("dgx-h100-80g,nodes=2").unwrap(),
+        4098,
+        16,
+    );
+    let l = |spec: &str| crate::layout::LayoutSpec::parse(spec).unwrap().layout;
+    let e = check_layout(&input, &l("dp=8,cp=2")).unwrap_err().to_string();
+    assert!(e.contains("cp=2") && e.contains("4098 tokens"), "{e}");
+    let input = PlanInput { seq: 4096, ..input };
+    // cp=16 over two nodes of 8: all-to-all would cross nodes.
+    let e = check_layout(&input, &l("cp=16,cp_comm=a2a")).unwrap_err().to_string();
+    assert!(e.contains("cp_comm=a2a") && e.contains("intra-node"), "{e}");
+    assert!(check_layout(&input, &l("cp=16")).is_ok());
+    // 32 query heads and 8 KV heads over tp=2: 16 and 4 per device, which a2a over 4 devices
+    // of a node splits.
+    assert!(check_layout(&input, &l("dp=2,tp=2,cp=4,cp_comm=a2a")).is_ok());
+}

@@ -127,7 +127,8 @@ fn bytes(e: &Evidence) -> (Vec<String>, Vec<String>) {
     for (group, kinds, want) in [
         ("tp", &["tp"][..], traffic.tp),
         ("dp", &["dp"], traffic.dp),
-        ("pp", &["p2p", "pp"], traffic.pp),
+        // Point-to-point messages: the pipeline's, and context parallelism's ring or all-to-all.
+        ("pp", &["p2p", "pp"], traffic.pp + traffic.cp),
     ] {
         let got = e
             .devices
