@@ -174,9 +174,10 @@ fn recompute_working_set(
 }
 
 /// The gradient buffers one block's backward holds at once on one device (f32, the executor's
-/// compute precision), the larger of its two halves: the MLP's (the activation's gradient, the
-/// input projections' output gradients, the norm output's gradient, whole rows before their
-/// reduction) and attention's (the output's gradient, q, k and v's, the norm output's; under
+/// compute precision), beyond the stash, the larger of its two halves: the MLP's (the input
+/// projections' output gradients and the norm output's gradient, whole rows before their
+/// reduction; the activation's gradient takes the place of the stashed activation, freed once its
+/// weight gradient is formed) and attention's (the output's gradient, q, k and v's, the norm output's; under
 /// selective recompute of materialised attention the recomputed probabilities; the memory-efficient
 /// kernel's tiles are a few kilobytes).
 fn backward_working_set(
@@ -184,6 +185,7 @@ fn backward_working_set(
     l: &Layout,
     seq: usize,
     attention: AttentionKernel,
+    act_bytes: f64,
 ) -> f64 {
     let t = l.tp as f64;
     let local = seq / l.cp.max(1);
@@ -195,6 +197,8 @@ fn backward_working_set(
         Arch::Llama => tok * (3.0 * f + h),
         Arch::Gpt2 => tok * (2.0 * f + h),
     };
+    // The stashed activation (in the activation storage) is freed as its gradient forms.
+    let freed = tok * f * act_bytes;
     let probs = if l.recompute == Recompute::Selective && attention == AttentionKernel::Materialized
     {
         l.micro_batch_size as f64 * (cfg.num_heads as f64 / t) * (local * seq) as f64
@@ -202,14 +206,13 @@ fn backward_working_set(
         0.0
     };
     let attention = tok * (2.0 * qd + 2.0 * kvd + h) + probs;
-    4.0 * mlp.max(attention)
+    (4.0 * mlp - freed).max(4.0 * attention)
 }
 
 /// Context parallelism's f32 buffers while one layer's attention runs, on top of the stash, for
-/// `local` tokens per sequence: the ring's K/V block in hand and the one arriving, the block's
-/// output and log-sum-exp before they merge, and in backward the block's dK/dV and the sums passing
-/// through (about ten K/V-sized buffers and two output-sized); all-to-all's head-split copies of
-/// Q, K, V, the output and their gradients.
+/// `local` tokens per sequence, as measured at the device's peak: a K/V block (the ring's in hand;
+/// all-to-all's head-split K and V) and an output-sized buffer (a block's output before it merges;
+/// the head-split output).
 fn context_working_set(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
     if l.cp <= 1 {
         return 0.0;
@@ -218,11 +221,7 @@ fn context_working_set(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
     let tok = (l.micro_batch_size * local) as f64;
     let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
     let qd = cfg.q_dim() as f64 / t;
-    let per_token = match l.cp_comm {
-        crate::layout::CpComm::Ring => 10.0 * kvd + 2.0 * qd,
-        crate::layout::CpComm::A2a => 6.0 * qd + 6.0 * kvd,
-    };
-    4.0 * tok * per_token
+    4.0 * tok * (2.0 * kvd + qd)
 }
 
 /// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
@@ -262,23 +261,31 @@ pub fn stage_activation_stash(
             act_bytes,
         );
     }
-    if stage == l.pp - 1 {
-        let tok = (l.micro_batch_size * super::local_seq(input, l)) as f64;
-        let stats = if cfg.arch == Arch::Gpt2 {
-            2.0 * tok
-        } else {
-            tok
-        };
-        // Under sequence parallelism the final norm runs on this device's rows.
-        let rows_here = if l.sequence_parallel && l.tp > 1 {
-            l.tp as f64
-        } else {
-            1.0
-        };
-        let norm = (2.0 * tok * cfg.hidden_size as f64 + stats) * act_bytes / rows_here;
-        act += norm + 4.0 * tok * padded_vocab(cfg, l.tp) as f64 / l.tp as f64;
-    }
+    act += head_stash(input, cfg, l, stage);
     act
+}
+
+/// What the last stage keeps for its head's backward: the final norm's input and output and the
+/// f32 logits of the micro-batch in flight for the loss (nothing on other stages).
+fn head_stash(input: &PlanInput, cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
+    let act_bytes = input.precision.weights.bytes();
+    if stage + 1 != l.pp {
+        return 0.0;
+    }
+    let tok = (l.micro_batch_size * super::local_seq(input, l)) as f64;
+    let stats = if cfg.arch == Arch::Gpt2 {
+        2.0 * tok
+    } else {
+        tok
+    };
+    // Under sequence parallelism the final norm runs on this device's rows.
+    let rows_here = if l.sequence_parallel && l.tp > 1 {
+        l.tp as f64
+    } else {
+        1.0
+    };
+    let norm = (2.0 * tok * cfg.hidden_size as f64 + stats) * act_bytes / rows_here;
+    norm + 4.0 * tok * padded_vocab(cfg, l.tp) as f64 / l.tp as f64
 }
 
 /// Memory of one device of `stage`, holding `in_flight` chunk stashes at its peak.
@@ -310,9 +317,17 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             // The engine's working set on top of the stash: a block's backward gradients, the
             // boundary tensors coming and going, and context parallelism's blocks in flight.
             let working = if ferrotron {
-                backward_working_set(cfg, l, input.seq, input.attention)
+                let block = backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
                     + 2.0 * boundary
-                    + context_working_set(cfg, l, local)
+                    + context_working_set(cfg, l, local);
+                // Unpipelined, the head's tensors (the final norm's, the logits) are freed before
+                // the first block's backward starts: the peak holds one or the other. (A pipeline's
+                // last stage runs other micro-batches' heads beside a block's backward: both.)
+                if l.pp == 1 {
+                    block - head_stash(input, cfg, l, stage).min(block)
+                } else {
+                    block
+                }
             } else {
                 0.0
             };

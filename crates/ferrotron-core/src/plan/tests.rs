@@ -665,18 +665,31 @@ fn long_sequences_are_split_when_that_is_what_fits() {
     assert!(best.layout.cp > 1 && best.fits, "{}", best.layout);
     let notes = search_notes(&input, Some(best));
     assert!(
-        notes.iter().any(|n| n.contains("split the sequences") && n.contains("makes this run fit")),
+        notes
+            .iter()
+            .any(|n| n.contains("split the sequences") && n.contains("makes this run fit")),
         "{notes:?}"
     );
-    assert!(best.explain.iter().any(|l| l.contains("context parallel cp=")));
+    assert!(best
+        .explain
+        .iter()
+        .any(|l| l.contains("context parallel cp=")));
     // Each device's activations are the unsplit layout's over cp (plus the blocks in flight).
     let l = best.layout;
-    let without = Layout { cp: 1, dp: l.dp * l.cp, ..l };
+    let without = Layout {
+        cp: 1,
+        dp: l.dp * l.cp,
+        ..l
+    };
     let (a, b) = (
         stage_memory(&input, &l, 0, 1).activations as f64,
         stage_memory(&input, &without, 0, 1).activations as f64,
     );
-    assert!(a < b / l.cp as f64 * 1.1 && a > b / l.cp as f64 * 0.9, "{a} vs {b} / {}", l.cp);
+    assert!(
+        a < b / l.cp as f64 * 1.1 && a > b / l.cp as f64 * 0.9,
+        "{a} vs {b} / {}",
+        l.cp
+    );
 }
 
 #[test]
@@ -688,11 +701,15 @@ fn context_parallel_rules_are_named() {
         16,
     );
     let l = |spec: &str| crate::layout::LayoutSpec::parse(spec).unwrap().layout;
-    let e = check_layout(&input, &l("dp=8,cp=2")).unwrap_err().to_string();
+    let e = check_layout(&input, &l("dp=8,cp=2"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("cp=2") && e.contains("4098 tokens"), "{e}");
     let input = PlanInput { seq: 4096, ..input };
     // cp=16 over two nodes of 8: all-to-all would cross nodes.
-    let e = check_layout(&input, &l("cp=16,cp_comm=a2a")).unwrap_err().to_string();
+    let e = check_layout(&input, &l("cp=16,cp_comm=a2a"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("cp_comm=a2a") && e.contains("intra-node"), "{e}");
     assert!(check_layout(&input, &l("cp=16")).is_ok());
     // 32 query heads and 8 KV heads over tp=2: 16 and 4 per device, which a2a over 4 devices
