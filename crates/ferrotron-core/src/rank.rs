@@ -169,19 +169,26 @@ impl RankGrid {
     pub fn within_nodes(&self, d: Dim) -> bool {
         let n = self.devices_per_node;
         let span = (self.size(d) - 1) * self.stride(d);
-        let mut residues = vec![0usize];
-        for e in Dim::ALL.into_iter().filter(|&e| e != d) {
-            let steps = self.size(e).min(n);
-            let stride = self.stride(e);
-            let mut next: Vec<usize> = residues
-                .iter()
-                .flat_map(|&r| (0..steps).map(move |i| (r + i * stride) % n))
-                .collect();
-            next.sort_unstable();
-            next.dedup();
-            residues = next;
+        // The other dimensions, each walked only as far as its residues can differ.
+        let [a, b, c] = {
+            let mut others = Dim::ALL.into_iter().filter(|&e| e != d);
+            [(); 3].map(|_| {
+                let e = others.next().expect("three other dimensions");
+                (self.size(e).min(n), self.stride(e))
+            })
+        };
+        let mut highest = 0;
+        for i in 0..a.0 {
+            for j in 0..b.0 {
+                for k in 0..c.0 {
+                    highest = highest.max((i * a.1 + j * b.1 + k * c.1) % n);
+                    if highest + span >= n {
+                        return false;
+                    }
+                }
+            }
         }
-        residues.into_iter().max().unwrap_or(0) + span < n
+        highest + span < n
     }
 
     /// The previous and next pipeline stage's rank (same tp, cp and dp coordinates), if any.

@@ -2,7 +2,7 @@
 //! schedule simulation and cost model as `plan`), and the constants named by [`FitParam`] are moved
 //! to minimise the runs' squared log errors. The memory and byte arithmetic is exact and is not fitted.
 
-use super::{evaluate, Plan, PlanInput, PlanModel, StateDtypes};
+use super::{evaluate, AttentionKernel, Plan, PlanInput, PlanModel, StateDtypes};
 use crate::error::{ConfigError, Result};
 use crate::layout::Layout;
 use crate::topology::Cluster;
@@ -26,6 +26,9 @@ pub struct MeasuredRun {
     pub global_batch: usize,
     pub nodes: usize,
     pub precision: StateDtypes,
+    /// What its attention kept for backward (published runs before FlashAttention materialised
+    /// the probabilities; this engine's runs do not).
+    pub attention: AttentionKernel,
     pub measured: Measured,
 }
 
@@ -36,6 +39,7 @@ impl MeasuredRun {
         c.nodes = self.nodes;
         PlanInput {
             precision: self.precision,
+            attention: self.attention,
             memory_reserve: 0.0,
             ..PlanInput::new(self.model.clone(), c, self.seq, self.global_batch)
         }

@@ -224,6 +224,24 @@ fn context_working_set(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
     4.0 * tok * (2.0 * kvd + qd)
 }
 
+/// Context parallelism's messages in flight (f32 copies the sends keep until they are taken): the
+/// ring's K/V blocks and dK/dV sums passing through, about five blocks at the backward's peak;
+/// all-to-all's shares of Q, K, V, the output and its gradient.
+fn context_messages(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
+    if l.cp <= 1 {
+        return 0.0;
+    }
+    let t = l.tp as f64;
+    let tok = (l.micro_batch_size * local) as f64;
+    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
+    let qd = cfg.q_dim() as f64 / t;
+    let per_token = match l.cp_comm {
+        crate::layout::CpComm::Ring => 5.0 * 2.0 * kvd,
+        crate::layout::CpComm::A2a => 3.0 * qd + 2.0 * kvd,
+    };
+    4.0 * tok * per_token
+}
+
 /// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
 /// chunk stashes: its layers' stashes, a fully recomputed layer's working set, and on the last stage
 /// the final norm's tensors and the f32 logits of the micro-batch in flight for the loss.
@@ -353,7 +371,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 } else {
                     0.0
                 };
-                tp_buf + dp_buf + z3_buf
+                tp_buf + dp_buf + z3_buf + context_messages(cfg, l, local)
             } else {
                 // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
                 // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).

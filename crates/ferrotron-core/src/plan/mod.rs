@@ -223,14 +223,15 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
             .into_iter()
             .max_by_key(|&(_, n)| n)
             .map_or("dp", |(k, _)| k);
+        let product = if l.cp > 1 {
+            format!("dp·cp·tp·pp = {}·{}·{}·{}", l.dp, l.cp, l.tp, l.pp)
+        } else {
+            format!("dp·tp·pp = {}·{}·{}", l.dp, l.tp, l.pp)
+        };
         return Err(rule(
             blamed,
             format!(
-                "dp·cp·tp·pp = {}·{}·{}·{} = {} devices, but the cluster has {}",
-                l.dp,
-                l.cp,
-                l.tp,
-                l.pp,
+                "{product} = {} devices, but the cluster has {}",
                 l.world_size(),
                 c.world_size()
             ),

@@ -562,6 +562,7 @@ fn calibration_recovers_constants_that_made_the_runs() {
                 global_batch: row.7,
                 nodes: row.6 / 8,
                 precision: StateDtypes::default(),
+                attention: AttentionKernel::Materialized,
                 measured: Measured::StepTime(1.0),
             };
             r.measured = Measured::StepTime(r.predict(&truth).unwrap());

@@ -214,6 +214,23 @@ pub trait Comm {
     /// Sends without waiting for the receiver (the buffer is copied).
     fn send<T: Element>(&mut self, to: usize, buf: &[T], tag: u64) -> CommResult<()>;
     fn recv<T: Element>(&mut self, from: usize, buf: &mut [T], tag: u64) -> CommResult<()>;
+    /// A send whose transfer overlaps what this device does next (the device is not held until it
+    /// is done; the receiver waits for its arrival), counted under group kind `kind`.
+    fn send_overlapped<T: Element>(
+        &mut self,
+        kind: &'static str,
+        to: usize,
+        buf: &[T],
+        tag: u64,
+    ) -> CommResult<()>;
+    /// [`Comm::recv`], counted under group kind `kind`.
+    fn recv_as<T: Element>(
+        &mut self,
+        kind: &'static str,
+        from: usize,
+        buf: &mut [T],
+        tag: u64,
+    ) -> CommResult<()>;
 
     /// Device time so far (seconds): the virtual clock on the threads backend, the thread's CPU
     /// time plus waits elsewhere.

@@ -544,20 +544,30 @@ impl<X: Transport> Comm for X {
     }
 
     fn send<T: Element>(&mut self, to: usize, buf: &[T], tag: u64) -> CommResult<()> {
-        let _buffers = memory::scope(Term::CommBuffers);
-        if to >= self.world() {
-            return Err(CommError::Usage(format!(
-                "send: rank {to} is outside the world of {}",
-                self.world()
-            )));
-        }
-        let mut t = self.begin("p2p", "send", &format!("p2p[{},{to}]", self.my_rank()));
-        self.post(&mut t, to, buf, tag, buf.len())?;
-        self.end(t);
-        Ok(())
+        point_to_point_send(self, "p2p", to, buf, tag, false)
     }
 
     fn recv<T: Element>(&mut self, from: usize, buf: &mut [T], tag: u64) -> CommResult<()> {
+        self.recv_as("p2p", from, buf, tag)
+    }
+
+    fn send_overlapped<T: Element>(
+        &mut self,
+        kind: &'static str,
+        to: usize,
+        buf: &[T],
+        tag: u64,
+    ) -> CommResult<()> {
+        point_to_point_send(self, kind, to, buf, tag, true)
+    }
+
+    fn recv_as<T: Element>(
+        &mut self,
+        kind: &'static str,
+        from: usize,
+        buf: &mut [T],
+        tag: u64,
+    ) -> CommResult<()> {
         let _buffers = memory::scope(Term::CommBuffers);
         if from >= self.world() {
             return Err(CommError::Usage(format!(
@@ -566,7 +576,7 @@ impl<X: Transport> Comm for X {
             )));
         }
         // A message is labelled by the sender's operation ("send"); the stats record it as a receive.
-        let mut t = self.begin("p2p", "send", &format!("p2p[{from},{}]", self.my_rank()));
+        let mut t = self.begin(kind, "send", &format!("p2p[{from},{}]", self.my_rank()));
         self.take(&mut t, from, tag, buf.len(), |data: &[T]| {
             buf.copy_from_slice(data);
             Ok(())
@@ -693,4 +703,27 @@ fn gather_ranges(
             r
         })
         .collect())
+}
+
+/// A point-to-point send counted under `kind`; `overlapped`: the device goes on while it travels.
+fn point_to_point_send<X: Transport, T: Element>(
+    x: &mut X,
+    kind: &'static str,
+    to: usize,
+    buf: &[T],
+    tag: u64,
+    overlapped: bool,
+) -> CommResult<()> {
+    let _buffers = memory::scope(Term::CommBuffers);
+    if to >= x.world() {
+        return Err(CommError::Usage(format!(
+            "send: rank {to} is outside the world of {}",
+            x.world()
+        )));
+    }
+    let mut t = x.begin(kind, "send", &format!("p2p[{},{to}]", x.my_rank()));
+    t.overlapped = overlapped;
+    x.post(&mut t, to, buf, tag, buf.len())?;
+    x.end(t);
+    Ok(())
 }

@@ -20,7 +20,7 @@
 //! whose query heads use it, and its gradients are summed on the way back.
 //!
 //! Messages are f32 (the values attention reads, unrounded), tagged by what they carry and the ring
-//! step, on the same point-to-point sends as the pipeline's.
+//! step, sent without holding the device (`Comm::send_overlapped`) and counted as group `cp`.
 
 use crate::comm::{Comm, CommError, Group};
 use crate::kernels::{AttnBlock, AttnShape, Backend, Span};
@@ -236,7 +236,7 @@ fn ring_forward<C: Comm>(
         // Send the block in hand on before computing with it: its transfer hides behind the
         // products.
         if step + 1 < n {
-            c.send(next, &kv, TAG_KV | step as u64)?;
+            c.send_overlapped("cp", next, &kv, TAG_KV | step as u64)?;
         }
         let owner = (cx.index + n - step) % n;
         let (kb, vb) = kv.split_at(k.len());
@@ -246,7 +246,7 @@ fn ring_forward<C: Comm>(
             be.attention_merge(s, out, lse, &out_b, &lse_b);
         }
         if step + 1 < n {
-            c.recv(prev, &mut kv, TAG_KV | step as u64)?;
+            c.recv_as("cp", prev, &mut kv, TAG_KV | step as u64)?;
         }
     }
     Ok(())
@@ -276,7 +276,7 @@ fn ring_backward<C: Comm>(
     let (mut mine, mut passing) = (vec![0f32; kv.len()], vec![0f32; kv.len()]);
     for step in 0..n {
         if step + 1 < n {
-            c.send(next, &kv, TAG_KV | step as u64)?;
+            c.send_overlapped("cp", next, &kv, TAG_KV | step as u64)?;
         }
         let owner = (cx.index + n - step) % n;
         mine.fill(0.0);
@@ -290,15 +290,15 @@ fn ring_backward<C: Comm>(
         // The owner's dK and dV so far come from the previous device (which had its K and V one
         // step ago); add this device's share and pass them on. After a full turn they are home.
         if step > 0 {
-            c.recv(prev, &mut passing, TAG_DKV | (step - 1) as u64)?;
+            c.recv_as("cp", prev, &mut passing, TAG_DKV | (step - 1) as u64)?;
             mine.iter_mut().zip(&passing).for_each(|(a, b)| *a += b);
         }
-        c.send(next, &mine, TAG_DKV | step as u64)?;
+        c.send_overlapped("cp", next, &mine, TAG_DKV | step as u64)?;
         if step + 1 < n {
-            c.recv(prev, &mut kv, TAG_KV | step as u64)?;
+            c.recv_as("cp", prev, &mut kv, TAG_KV | step as u64)?;
         }
     }
-    c.recv(prev, &mut passing, TAG_DKV | (n - 1) as u64)?;
+    c.recv_as("cp", prev, &mut passing, TAG_DKV | (n - 1) as u64)?;
     let (pk, pv) = passing.split_at(k.len());
     dk.copy_from_slice(pk);
     dv.copy_from_slice(pv);
@@ -341,7 +341,7 @@ fn to_heads<C: Comm>(
 ) -> Result<Vec<f32>, CommError> {
     let (n, d, local) = (cx.size, s.head_dim, s.seq);
     for r in (0..n).filter(|&r| r != cx.index) {
-        c.send(g.ranks[r], &columns(x, width, &want(r), d), tag)?;
+        c.send_overlapped("cp", g.ranks[r], &columns(x, width, &want(r), d), tag)?;
     }
     let cols = want(cx.index).len() * d;
     let whole = local * n;
@@ -351,7 +351,7 @@ fn to_heads<C: Comm>(
             columns(x, width, &want(r), d)
         } else {
             let mut buf = vec![0f32; s.batch * local * cols];
-            c.recv(g.ranks[r], &mut buf, tag)?;
+            c.recv_as("cp", g.ranks[r], &mut buf, tag)?;
             buf
         };
         let theirs = ContextShard { index: r, ..*cx };
@@ -397,7 +397,7 @@ fn from_heads<C: Comm>(
         part
     };
     for r in (0..n).filter(|&r| r != cx.index) {
-        c.send(g.ranks[r], &rows_of(r), tag)?;
+        c.send_overlapped("cp", g.ranks[r], &rows_of(r), tag)?;
     }
     x.fill(0.0);
     for r in 0..n {
@@ -407,7 +407,7 @@ fn from_heads<C: Comm>(
             rows_of(r)
         } else {
             let mut buf = vec![0f32; s.batch * local * w];
-            c.recv(g.ranks[r], &mut buf, tag)?;
+            c.recv_as("cp", g.ranks[r], &mut buf, tag)?;
             buf
         };
         for (row, src) in x.chunks_exact_mut(width).zip(part.chunks_exact(w)) {

@@ -18,6 +18,9 @@ pub enum BenchCommand {
     /// Causal attention (the engine's memory-efficient kernel), forward and backward at one shape:
     /// median times, GFLOP/s and the fraction of this machine's measured peak.
     Attention(AttentionBench),
+    /// Context-parallel attention over cp devices on a simulated link (device time): the ring's
+    /// exposed transfer time and the causal split's balance of compute.
+    Context(ContextArgs),
     /// Collectives on the threads backend: time, algorithm and bus bandwidth (nccl-tests conventions).
     Comm(CommBench),
     /// Pipeline schedules on 4 stages: predicted and measured bubble, peak stash, step time.
@@ -63,6 +66,34 @@ pub struct AttentionBench {
     /// Print one JSON object (`forward_s`, `backward_s`, … ) instead of the table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+pub struct ContextArgs {
+    /// Devices the sequences are split over.
+    #[arg(long, value_parser = device_count(), default_value_t = 4)]
+    cp: usize,
+    /// `ring` or `a2a`.
+    #[arg(long, default_value = "ring")]
+    cp_comm: String,
+    /// Tokens per (whole) sequence.
+    #[arg(long, value_parser = positive(), default_value_t = 8192)]
+    seq: usize,
+    /// Sequences.
+    #[arg(long, value_parser = positive(), default_value_t = 1)]
+    batch: usize,
+    /// Query heads.
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, value_parser = positive(), default_value_t = 8)]
+    kv_heads: usize,
+    /// Width of each head.
+    #[arg(long, value_parser = positive(), default_value_t = 64)]
+    head_dim: usize,
+    /// The simulated link's bandwidth, GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    link_gb_s: f64,
 }
 
 #[derive(Args)]
@@ -179,6 +210,20 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Train(b) => super::bench_train::run(b),
         BenchCommand::Kernels(b) => kernels(b),
         BenchCommand::Attention(b) => attention(b),
+        BenchCommand::Context(b) => super::bench_context::run(super::bench_context::ContextBench {
+            shape: ferrotron_engine::kernels::AttnShape {
+                batch: b.batch,
+                seq: b.seq,
+                heads: b.heads,
+                kv_heads: b.kv_heads,
+                head_dim: b.head_dim,
+                window: None,
+            },
+            cp: b.cp,
+            comm: ferrotron_core::layout::CpComm::parse(&b.cp_comm)
+                .ok_or_else(|| anyhow::anyhow!("--cp-comm `{}` is not ring or a2a", b.cp_comm))?,
+            link_gb_s: b.link_gb_s,
+        }),
         BenchCommand::Comm(b) => comm(b),
         BenchCommand::Pipeline(b) => pipeline(b),
         BenchCommand::Zero3(b) => {

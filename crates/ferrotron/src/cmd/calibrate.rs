@@ -10,7 +10,7 @@ use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::plan::calibrate::{
     fit_with_errors, FitParam, Measured, MeasuredRun, RunErrors, DEFAULT_FIT,
 };
-use ferrotron_core::plan::{PlanModel, StateDtypes};
+use ferrotron_core::plan::{AttentionKernel, PlanModel, StateDtypes};
 use ferrotron_core::topology::Cluster;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 #[derive(Args)]
 pub struct CalibrateArgs {
     /// Measured runs: a TOML file with one `[[run]]` table per run (model, layout, seq,
-    /// global_batch, nodes, optional precision and name, and step_time_s or tflops_per_device).
+    /// global_batch, nodes, optional precision, attention and name, and step_time_s or
+    /// tflops_per_device).
     #[arg(long)]
     runs: Option<PathBuf>,
     /// Directories written by `ferrotron profile --out` (their profile.json): runs measured here.
@@ -55,6 +56,8 @@ struct RunEntry {
     global_batch: usize,
     nodes: usize,
     precision: Option<String>,
+    /// `flash` (default) or `materialized`: what the run's attention kept for backward.
+    attention: Option<String>,
     step_time_s: Option<f64>,
     tflops_per_device: Option<f64>,
 }
@@ -108,6 +111,8 @@ fn run_entry(i: usize, e: RunEntry, file: &Path) -> Result<MeasuredRun> {
         global_batch: e.global_batch,
         nodes: e.nodes,
         precision: StateDtypes::parse(e.precision.as_deref().unwrap_or("")).with_context(at)?,
+        attention: AttentionKernel::parse(e.attention.as_deref().unwrap_or("flash"))
+            .with_context(at)?,
         measured,
     })
 }
@@ -146,6 +151,7 @@ fn read_profile(dir: &Path) -> Result<(MeasuredRun, String)> {
             global_batch: r.global_batch,
             nodes: cluster.nodes,
             precision: StateDtypes::parse(&r.precision)?,
+            attention: AttentionKernel::Flash,
             measured: Measured::StepTime(r.step_time_s.measured),
         },
         r.cluster,

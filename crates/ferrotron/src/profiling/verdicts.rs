@@ -127,8 +127,8 @@ fn bytes(e: &Evidence) -> (Vec<String>, Vec<String>) {
     for (group, kinds, want) in [
         ("tp", &["tp"][..], traffic.tp),
         ("dp", &["dp"], traffic.dp),
-        // Point-to-point messages: the pipeline's, and context parallelism's ring or all-to-all.
-        ("pp", &["p2p", "pp"], traffic.pp + traffic.cp),
+        ("pp", &["p2p", "pp"], traffic.pp),
+        ("cp", &["cp"], traffic.cp),
     ] {
         let got = e
             .devices

@@ -14,6 +14,7 @@ pub const PAGES: &[&str] = &[
     "docs/models.md",
     "docs/plan.md",
     "docs/parallelism.md",
+    "docs/long-sequences.md",
     "docs/checkpoints.md",
     "docs/lora.md",
     "docs/profile.md",
@@ -139,6 +140,12 @@ pub fn shortened(words: &[String]) -> Vec<String> {
         ] {
             set_flag(&mut w, f, v);
         }
+    } else if which == "bench attention" {
+        for (f, v) in [("--seq", "256"), ("--reps", "1")] {
+            set_flag(&mut w, f, v);
+        }
+    } else if which == "bench context" {
+        set_flag(&mut w, "--seq", "512");
     } else if which == "bench kernels" {
         for (f, v) in [("--model", "llama-tiny"), ("--batch", "2"), ("--seq", "32")] {
             set_flag(&mut w, f, v);
