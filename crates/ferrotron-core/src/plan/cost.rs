@@ -403,25 +403,13 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         .fold(0.0, f64::max);
     let pp_bytes = pp_bytes(input, cfg, l, m, boundary);
     let dp_bytes = dp_bytes(l, m, trainable, grad_b, w_b);
-    let replicas = l.replicas();
-    // ZeRO-3's collectives are priced inside the actions above.
-    let dp_time = if replicas > 1 && l.zero < 3 {
-        ring_time(
-            dp_bytes,
-            2 * (replicas - 1),
-            &links.replicas,
-            cal.link_efficiency,
-        ) * (1.0 - cal.dp_overlap)
-    } else {
-        0.0
-    };
-    let cp_bytes = {
-        let stage_layers = (0..l.pp)
-            .map(|st| super::stage_layers(cfg, l, st))
-            .max()
-            .unwrap_or(0) as f64;
-        stage_layers * m as f64 * cp.bytes_per_layer
-    };
+    let dp_time = replica_reduction_time(input, l, dp_bytes, &links.replicas);
+    // The busiest stage's layers, each micro-batch.
+    let stage_layers = (0..l.pp)
+        .map(|st| super::stage_layers(cfg, l, st))
+        .max()
+        .unwrap_or(0) as f64;
+    let cp_bytes = stage_layers * m as f64 * cp.bytes_per_layer;
     let optimizer_time = optimizer_time(input, l, trainable);
     Costs {
         optimizer_time,
@@ -434,6 +422,18 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         actions,
         action_comm,
         dp_time,
+    }
+}
+
+/// The replicas' (dp × cp) gradient reduction after the step, as far as it is not overlapped with
+/// the backward; ZeRO-3's collectives are priced inside the actions instead.
+fn replica_reduction_time(input: &PlanInput, l: &Layout, bytes: f64, link: &Link) -> f64 {
+    let cal = &input.cluster.calibration;
+    let replicas = l.replicas();
+    if replicas > 1 && l.zero < 3 {
+        ring_time(bytes, 2 * (replicas - 1), link, cal.link_efficiency) * (1.0 - cal.dp_overlap)
+    } else {
+        0.0
     }
 }
 

@@ -99,28 +99,7 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
         ));
     }
     if l.cp > 1 {
-        out.push(format!(
-            "context parallel cp={} ({}): every sequence split {}-ways (activations ÷ {}); {} per \
-             step per device on the {} link{}",
-            l.cp,
-            match l.cp_comm {
-                crate::layout::CpComm::Ring =>
-                    "ring attention, K/V blocks overlapped with the block products",
-                crate::layout::CpComm::A2a => "all-to-all over heads",
-            },
-            l.cp,
-            l.cp,
-            gb(p.comm_bytes_per_step.cp),
-            link_name(lk.cp.bandwidth_bytes_per_s),
-            if l.dp > 1 {
-                format!(
-                    "; the dp × cp = {} replicas reduce gradients together",
-                    l.replicas()
-                )
-            } else {
-                String::new()
-            }
-        ));
+        out.push(context_line(l, p, link_name(lk.cp.bandwidth_bytes_per_s)));
     }
     if l.dp > 1 {
         out.push(format!(
@@ -268,5 +247,31 @@ fn context_note(input: &PlanInput, l: &Layout) -> String {
         input.seq,
         gb(no_cp.activations as f64),
         gb(with_cp.activations as f64)
+    )
+}
+
+/// What context parallelism does in a layout: the split, its traffic and link.
+fn context_line(l: &Layout, p: &Plan, link: &str) -> String {
+    format!(
+        "context parallel cp={} ({}): every sequence split {}-ways (activations ÷ {}); {} per \
+             step per device on the {} link{}",
+        l.cp,
+        match l.cp_comm {
+            crate::layout::CpComm::Ring =>
+                "ring attention, K/V blocks overlapped with the block products",
+            crate::layout::CpComm::A2a => "all-to-all over heads",
+        },
+        l.cp,
+        l.cp,
+        gb(p.comm_bytes_per_step.cp),
+        link,
+        if l.dp > 1 {
+            format!(
+                "; the dp × cp = {} replicas reduce gradients together",
+                l.replicas()
+            )
+        } else {
+            String::new()
+        }
     )
 }

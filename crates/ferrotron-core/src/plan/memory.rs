@@ -306,6 +306,60 @@ fn head_stash(input: &PlanInput, cfg: &ModelConfig, l: &Layout, stage: usize) ->
     norm + 4.0 * tok * padded_vocab(cfg, l.tp) as f64 / l.tp as f64
 }
 
+/// The communication buffers of one device of `stage` holding `params` parameters (`trainable` of
+/// them trained), with hidden-state messages of `boundary` bytes.
+fn comm_buffers(
+    input: &PlanInput,
+    cfg: &ModelConfig,
+    l: &Layout,
+    stage: usize,
+    (params, trainable): (f64, f64),
+    boundary: f64,
+) -> f64 {
+    let pr = &input.precision;
+    let replicas = l.replicas();
+    let local = super::local_seq(input, l);
+    if input.activation_model == ActivationModel::Ferrotron {
+        // The engine's buffers: the pooled messages of TP collectives; a DP bucket is one
+        // unit's gradients (the buffer in flight and the ring's working copy; under ZeRO-2/3
+        // also the unit's whole gradient and its interleaved copy), and ZeRO-3 gathers one
+        // unit at a time (its pieces and the gathered whole).
+        // What one unit's reductions and gathers move: its trainable parameters (with LoRA
+        // one layer's adapters; the frozen base never moves).
+        let unit = match &input.lora {
+            Some(lora) => lora_layer_params_on_device(cfg, lora, l.tp),
+            None => largest_unit_params(cfg, l, stage),
+        };
+        let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
+        let dp_buf = match (replicas > 1, l.zero) {
+            (false, _) => 0.0,
+            (true, 0 | 1) => 2.0 * unit * pr.grads.bytes(),
+            (true, _) => 4.0 * unit * pr.grads.bytes(),
+        };
+        let z3_buf = if l.zero == 3 && replicas > 1 {
+            2.0 * unit * pr.weights.bytes()
+        } else {
+            0.0
+        };
+        tp_buf + dp_buf + z3_buf + context_messages(cfg, l, local)
+    } else {
+        // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
+        // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
+        let tp_buf = if l.tp > 1 { boundary } else { 0.0 };
+        let dp_buf = if replicas > 1 {
+            (25e6f64).min(trainable) * pr.grads.bytes()
+        } else {
+            0.0
+        };
+        let z3_buf = if l.zero == 3 && replicas > 1 {
+            2.0 * params / super::stage_layers(cfg, l, stage).max(1) as f64 * pr.weights.bytes()
+        } else {
+            0.0
+        };
+        tp_buf + dp_buf + z3_buf
+    }
+}
+
 /// Memory of one device of `stage`, holding `in_flight` chunk stashes at its peak.
 pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usize) -> MemoryTerms {
     let pr = &input.precision;
@@ -349,46 +403,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             } else {
                 0.0
             };
-            let comm = if ferrotron {
-                // The engine's buffers: the pooled messages of TP collectives; a DP bucket is one
-                // unit's gradients (the buffer in flight and the ring's working copy; under ZeRO-2/3
-                // also the unit's whole gradient and its interleaved copy), and ZeRO-3 gathers one
-                // unit at a time (its pieces and the gathered whole).
-                // What one unit's reductions and gathers move: its trainable parameters (with LoRA
-                // one layer's adapters; the frozen base never moves).
-                let unit = match &input.lora {
-                    Some(lora) => lora_layer_params_on_device(cfg, lora, l.tp),
-                    None => largest_unit_params(cfg, l, stage),
-                };
-                let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
-                let dp_buf = match (replicas > 1, l.zero) {
-                    (false, _) => 0.0,
-                    (true, 0 | 1) => 2.0 * unit * pr.grads.bytes(),
-                    (true, _) => 4.0 * unit * pr.grads.bytes(),
-                };
-                let z3_buf = if l.zero == 3 && replicas > 1 {
-                    2.0 * unit * pr.weights.bytes()
-                } else {
-                    0.0
-                };
-                tp_buf + dp_buf + z3_buf + context_messages(cfg, l, local)
-            } else {
-                // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
-                // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
-                let tp_buf = if l.tp > 1 { boundary } else { 0.0 };
-                let dp_buf = if replicas > 1 {
-                    (25e6f64).min(trainable) * pr.grads.bytes()
-                } else {
-                    0.0
-                };
-                let z3_buf = if l.zero == 3 && replicas > 1 {
-                    2.0 * params / super::stage_layers(cfg, l, stage).max(1) as f64
-                        * pr.weights.bytes()
-                } else {
-                    0.0
-                };
-                tp_buf + dp_buf + z3_buf
-            };
+            let comm = comm_buffers(input, cfg, l, stage, (params, trainable), boundary);
             (params, trainable, stash, working, comm)
         }
     };
