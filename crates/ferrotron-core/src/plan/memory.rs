@@ -209,37 +209,26 @@ fn backward_working_set(
     (4.0 * mlp - freed).max(4.0 * attention)
 }
 
-/// Context parallelism's f32 buffers while one layer's attention runs, on top of the stash, for
-/// `local` tokens per sequence, as measured at the device's peak: a K/V block (the ring's in hand;
-/// all-to-all's head-split K and V) and an output-sized buffer (a block's output before it merges;
-/// the head-split output).
-fn context_working_set(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
+/// Context parallelism's f32 buffers on one device for `local` tokens per sequence, as measured at
+/// the device's peak: (working, messages). Working, on top of the stash while a layer's attention
+/// runs: a K/V block (the ring's in hand; all-to-all's head-split K and V) and an output-sized
+/// buffer (a block's output before it merges; the head-split output). Messages in flight (the
+/// copies sends keep until they are taken): the ring's K/V blocks and dK/dV sums passing through,
+/// about five blocks at the backward's peak; all-to-all's shares of Q, K, V, the output and its
+/// gradient.
+fn context_buffers(cfg: &ModelConfig, l: &Layout, local: usize) -> (f64, f64) {
     if l.cp <= 1 {
-        return 0.0;
+        return (0.0, 0.0);
     }
     let t = l.tp as f64;
     let tok = (l.micro_batch_size * local) as f64;
     let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
     let qd = cfg.q_dim() as f64 / t;
-    4.0 * tok * (2.0 * kvd + qd)
-}
-
-/// Context parallelism's messages in flight (f32 copies the sends keep until they are taken): the
-/// ring's K/V blocks and dK/dV sums passing through, about five blocks at the backward's peak;
-/// all-to-all's shares of Q, K, V, the output and its gradient.
-fn context_messages(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
-    if l.cp <= 1 {
-        return 0.0;
-    }
-    let t = l.tp as f64;
-    let tok = (l.micro_batch_size * local) as f64;
-    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
-    let qd = cfg.q_dim() as f64 / t;
-    let per_token = match l.cp_comm {
+    let messages = match l.cp_comm {
         crate::layout::CpComm::Ring => 5.0 * 2.0 * kvd,
         crate::layout::CpComm::A2a => 3.0 * qd + 2.0 * kvd,
     };
-    4.0 * tok * per_token
+    (4.0 * tok * (2.0 * kvd + qd), 4.0 * tok * messages)
 }
 
 /// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
@@ -341,7 +330,7 @@ fn comm_buffers(
         } else {
             0.0
         };
-        tp_buf + dp_buf + z3_buf + context_messages(cfg, l, local)
+        tp_buf + dp_buf + z3_buf + context_buffers(cfg, l, local).1
     } else {
         // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
         // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
@@ -391,7 +380,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             let working = if ferrotron {
                 let block = backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
                     + 2.0 * boundary
-                    + context_working_set(cfg, l, local);
+                    + context_buffers(cfg, l, local).0;
                 // Unpipelined, the head's tensors (the final norm's, the logits) are freed before
                 // the first block's backward starts: the peak holds one or the other. (A pipeline's
                 // last stage runs other micro-batches' heads beside a block's backward: both.)

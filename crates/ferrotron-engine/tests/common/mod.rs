@@ -141,6 +141,23 @@ pub fn worst_grad_err(grads: &ParamStore, reference: &Reference) -> (String, f64
         .fold((String::new(), 0.0), |a, b| if b.1 > a.1 { b } else { a })
 }
 
+/// The loss's and every gradient's relative error of `got` against `want`: the worst, and where.
+pub fn worst_run_err(
+    got: &ferrotron_engine::parallel::PipelineRun,
+    want: &ferrotron_engine::parallel::PipelineRun,
+) -> (String, f64) {
+    let loss = (got.loss - want.loss).abs() / want.loss.abs();
+    got.grads
+        .specs
+        .iter()
+        .zip(got.grads.tensors.iter().zip(&want.grads.tensors))
+        .map(|(s, (g, w))| (s.name.clone(), rel_err(g, w)))
+        .fold(
+            ("loss".to_string(), loss),
+            |a, b| if b.1 > a.1 { b } else { a },
+        )
+}
+
 /// `batch` sequences of `seq` ids drawn uniformly from the vocabulary, deterministic in `seed`.
 pub fn random_batch(vocab: usize, batch: usize, seq: usize, seed: u64) -> TokenBatch {
     use rand::{Rng, SeedableRng};
