@@ -199,14 +199,22 @@ fn backward_working_set(
     };
     // The stashed activation (in the activation storage) is freed as its gradient forms.
     let freed = tok * f * act_bytes;
-    let probs = if l.recompute == Recompute::Selective && attention == AttentionKernel::Materialized
-    {
+    let flash = attention == AttentionKernel::Flash;
+    let probs = if l.recompute == Recompute::Selective && !flash {
         l.micro_batch_size as f64 * (cfg.num_heads as f64 / t) * (local * seq) as f64
     } else {
         0.0
     };
     let attention = tok * (2.0 * qd + 2.0 * kvd + h) + probs;
-    (4.0 * mlp - freed).max(4.0 * attention)
+    // The memory-efficient kernel's scratch on its thread: a tile of probabilities and one of
+    // their gradients (256 queries × 512 keys at most), and its head's K and V transposed.
+    let kernel = if flash {
+        let (br, bc) = (local.min(256) as f64, local.min(512) as f64);
+        2.0 * br * bc + 2.0 * local as f64 * cfg.head_dim as f64
+    } else {
+        0.0
+    };
+    (4.0 * mlp - freed).max(4.0 * (attention + kernel))
 }
 
 /// Context parallelism's f32 buffers on one device for `local` tokens per sequence, as measured at

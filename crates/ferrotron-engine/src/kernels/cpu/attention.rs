@@ -131,6 +131,12 @@ pub(super) fn head_transposed_view<T: Real>(
 /// 20% slower than 256×512), small enough that a tile of scores (512 KiB) stays in L2.
 const TILE: (usize, usize) = (256, 512);
 
+/// The tile of a block: [`TILE`], or the block's whole queries or keys where they are fewer (so a
+/// short sequence's scratch is no larger than it needs).
+pub(crate) fn tile(b: &AttnBlock) -> (usize, usize) {
+    (TILE.0.min(b.q.len).max(1), TILE.1.min(b.k.len).max(1))
+}
+
 /// The key tiles `[c0, c1)` (rows of the block's keys) the block's query rows `[r0, r1)` see: from
 /// the tile holding the first key of row `r0`'s window to their last query's diagonal, `bc` keys at
 /// a time. Tiles wholly past the diagonal or before the window are never visited.
@@ -293,7 +299,7 @@ pub(crate) fn forward<T: Real>(
     let s = b.shape;
     let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
     let scale = T::ONE / T::of(d as f64).sqrt();
-    let (br, bc) = TILE;
+    let (br, bc) = tile(&b);
     let bf16 = products == Products::Bf16;
     let (out_p, lse_p) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
     let scratch = || ForwardScratch {
@@ -469,7 +475,7 @@ pub(crate) fn backward_block<T: Real>(
     let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
     let group = s.heads / s.kv_heads;
     let scale = T::ONE / T::of(d as f64).sqrt();
-    let (br, bc) = TILE;
+    let (br, bc) = tile(&b);
     let bf16 = products == Products::Bf16;
     let (dq_p, dk_p, dv_p) = (
         SendPtr(dq.as_mut_ptr()),
