@@ -205,6 +205,7 @@ fn print_devices(summary: &TrainSummary) {
             device: d.device,
             stage: d.stage,
             dp_rank: d.dp_rank,
+            cp_rank: d.cp_rank,
             tp_rank: d.tp_rank,
             measured: d.peak_memory_bytes,
             predicted: d.predicted_memory_bytes,

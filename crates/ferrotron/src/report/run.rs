@@ -32,6 +32,9 @@ struct DeviceLine {
     device: usize,
     stage: usize,
     dp_rank: usize,
+    /// Runs recorded before context parallelism: 0.
+    #[serde(default)]
+    cp_rank: usize,
     tp_rank: usize,
     idle_fraction: f64,
     peak_memory_bytes: MemoryTerms,
@@ -46,6 +49,7 @@ pub struct DeviceRow {
     pub device: usize,
     pub stage: usize,
     pub dp_rank: usize,
+    pub cp_rank: usize,
     pub tp_rank: usize,
     pub measured: MemoryTerms,
     pub predicted: MemoryTerms,
@@ -58,7 +62,13 @@ pub struct DeviceRow {
 /// Per device and per term, the measured peak against the planner's prediction: the table the
 /// terminal prints at the end of `train` and the run page shows.
 pub fn device_table(caption: &str, rows: &[DeviceRow], extra_headers: &[&str]) -> Table {
-    let mut headers = vec!["device", "stage", "dp", "tp"];
+    // A cp column only where sequences were split.
+    let split = rows.iter().any(|d| d.cp_rank > 0);
+    let mut headers = vec!["device", "stage", "dp"];
+    if split {
+        headers.push("cp");
+    }
+    headers.push("tp");
     headers.extend_from_slice(&super::TERM_COLUMNS);
     headers.push("idle (%)");
     headers.extend_from_slice(extra_headers);
@@ -70,6 +80,11 @@ pub fn device_table(caption: &str, rows: &[DeviceRow], extra_headers: &[&str]) -
             d.device.to_string(),
             d.stage.to_string(),
             d.dp_rank.to_string(),
+        ];
+        if split {
+            cells.push(d.cp_rank.to_string());
+        }
+        cells.extend([
             d.tp_rank.to_string(),
             pair(m.weights, p.weights),
             pair(m.gradients, p.gradients),
@@ -79,7 +94,7 @@ pub fn device_table(caption: &str, rows: &[DeviceRow], extra_headers: &[&str]) -
             pair(m.comm_buffers, p.comm_buffers),
             pair(m.total, p.total),
             format!("{:.1}", 100.0 * d.idle_fraction),
-        ];
+        ]);
         cells.extend(d.extra.iter().cloned());
         table.row(cells);
     }
@@ -278,6 +293,7 @@ fn memory_section(steps: &[StepLine], capacity: u64) -> (String, Table) {
             device: d.device,
             stage: d.stage,
             dp_rank: d.dp_rank,
+            cp_rank: d.cp_rank,
             tp_rank: d.tp_rank,
             measured: *m,
             predicted: d.predicted_memory_bytes,
