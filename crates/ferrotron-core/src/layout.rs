@@ -430,14 +430,19 @@ impl Layout {
         }
     }
 
+    /// Devices the layout needs (saturating: four keys of up to 2²⁰ each can exceed a `usize`,
+    /// and such a layout is refused as needing more devices than any cluster has).
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp * self.cp.max(1)
+        self.dp
+            .saturating_mul(self.tp)
+            .saturating_mul(self.pp)
+            .saturating_mul(self.cp.max(1))
     }
 
     /// The replicas of each model shard: dp × cp devices hold the same parameters and see different
     /// tokens; their gradients sum and ZeRO shards over them.
     pub fn replicas(&self) -> usize {
-        self.dp.max(1) * self.cp.max(1)
+        self.dp.max(1).saturating_mul(self.cp.max(1))
     }
     /// True when the layout runs on one device, unsplit.
     pub fn is_single_device(&self) -> bool {

@@ -84,8 +84,12 @@ impl RankGrid {
         })
     }
 
+    /// Devices of the grid (saturating, like [`crate::layout::Layout::world_size`]).
     pub fn world_size(&self) -> usize {
-        self.tp * self.cp * self.dp * self.pp
+        self.tp
+            .saturating_mul(self.cp)
+            .saturating_mul(self.dp)
+            .saturating_mul(self.pp)
     }
 
     pub fn size(&self, d: Dim) -> usize {

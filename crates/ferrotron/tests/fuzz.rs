@@ -439,6 +439,9 @@ fn layout_strings() {
             "dp=8,zero=3",
             "tp=auto,pp=auto",
             "auto",
+            "dp=2,cp=2,tp=2,zero=1",
+            "cp=4,cp_comm=a2a,mbs=1",
+            "cp=8,cp_comm=ring,pp=1",
         ]),
         6000,
         |b| {

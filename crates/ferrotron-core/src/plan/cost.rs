@@ -294,6 +294,17 @@ pub fn tp_bytes_per_device(input: &PlanInput, cfg: &ModelConfig, l: &Layout, sta
     m * (units * hidden + per_micro_batch) + after
 }
 
+/// One tensor-parallel all-reduce of a hidden state of `boundary` bytes: the bytes a device sends
+/// and the time it takes on `link`.
+fn tp_all_reduce(l: &Layout, boundary: f64, link: &Link, eff: f64) -> (f64, f64) {
+    if l.tp <= 1 {
+        return (0.0, 0.0);
+    }
+    let t = l.tp as f64;
+    let bytes = 2.0 * (t - 1.0) / t * boundary;
+    (bytes, ring_time(bytes, 2 * (l.tp - 1), link, eff))
+}
+
 /// Prices one layout: per-action compute and communication costs for the schedule simulator, and the
 /// data-parallel reduction after it.
 pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device: f64) -> Costs {
@@ -303,23 +314,13 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let m = input.global_batch / (l.dp * l.micro_batch_size);
     let act = input.precision.weights.bytes();
     let boundary = (l.micro_batch_size * super::local_seq(input, l) * cfg.hidden_size) as f64 * act;
-    let t = l.tp as f64;
     let lt = layer_time(input, cfg, l);
     let cp = context_costs(input, cfg, l, &links.cp);
 
     // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer (3 under sequence
     // parallelism, below), 2 more when the forward is recomputed: the bytes `tp_bytes_per_device`
     // counts.
-    let ar_bytes = if l.tp > 1 {
-        2.0 * (t - 1.0) / t * boundary
-    } else {
-        0.0
-    };
-    let ar_time = if l.tp > 1 {
-        ring_time(ar_bytes, 2 * (l.tp - 1), &links.tp, cal.link_efficiency)
-    } else {
-        0.0
-    };
+    let (ar_bytes, ar_time) = tp_all_reduce(l, boundary, &links.tp, cal.link_efficiency);
     let recompute_ar = if l.recompute == Recompute::Full {
         2.0
     } else {

@@ -228,11 +228,14 @@ pub fn check_layout(input: &PlanInput, l: &Layout) -> Result<()> {
         } else {
             format!("dp·tp·pp = {}·{}·{}", l.dp, l.tp, l.pp)
         };
+        let devices = match l.world_size() {
+            usize::MAX => "more than 2⁶⁴".to_string(),
+            n => n.to_string(),
+        };
         return Err(rule(
             blamed,
             format!(
-                "{product} = {} devices, but the cluster has {}",
-                l.world_size(),
+                "{product} = {devices} devices, but the cluster has {}",
                 c.world_size()
             ),
         ));

@@ -293,14 +293,6 @@ fn kernels(b: KernelBench) -> Result<()> {
 /// One shape of causal attention, timed; a table, or one JSON object for scripts.
 fn attention(b: AttentionBench) -> Result<()> {
     use crate::machine::attention_bench;
-    if !b.heads.is_multiple_of(b.kv_heads) {
-        anyhow::bail!(
-            "--heads {} is not a multiple of --kv-heads {}: each key/value head serves a whole \
-             group of query heads",
-            b.heads,
-            b.kv_heads
-        );
-    }
     let shape = ferrotron_engine::kernels::AttnShape {
         batch: b.batch,
         seq: b.seq,
@@ -309,6 +301,7 @@ fn attention(b: AttentionBench) -> Result<()> {
         head_dim: b.head_dim,
         window: None,
     };
+    attention_bench::check_shape(&shape)?;
     let be = attention_bench::backend(b.threads, b.precision.products());
     let t = attention_bench::measure(&be, shape, b.reps);
     if b.json {

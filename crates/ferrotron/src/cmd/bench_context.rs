@@ -90,12 +90,20 @@ pub struct ContextBench {
 
 pub fn run(b: ContextBench) -> Result<()> {
     let s = b.shape;
-    let chunk = 2 * b.cp;
+    crate::machine::attention_bench::check_shape(&s)?;
     anyhow::ensure!(
-        s.seq.is_multiple_of(chunk),
-        "--seq {} does not split into 2·cp = {chunk} equal chunks",
-        s.seq
+        b.link_gb_s.is_finite() && b.link_gb_s > 0.0,
+        "--link-gb-s {}: the link's bandwidth must be a positive number of GB/s",
+        b.link_gb_s
     );
+    let cx = ContextShard {
+        size: b.cp,
+        index: 0,
+        comm: b.comm,
+    };
+    cx.check(s.seq).map_err(anyhow::Error::msg)?;
+    cx.check_heads(s.heads, s.kv_heads)
+        .map_err(anyhow::Error::msg)?;
     let devices = measure(s, b.cp, b.comm, b.link_gb_s)?;
     println!(
         "ferrotron bench context: cp={} ({}), causal attention forward + backward, batch {} x seq {}, {} heads ({} kv), head dim {}, one thread per device, {} GB/s link (device time)",

@@ -31,6 +31,30 @@ impl AttentionTimes {
     }
 }
 
+/// Why a benchmark cannot run attention of shape `s`, if it cannot: KV heads that do not divide the
+/// query heads, or tensors too large to hold.
+pub fn check_shape(s: &AttnShape) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        s.heads.is_multiple_of(s.kv_heads),
+        "--heads {} is not a multiple of --kv-heads {}: each key/value head serves a whole group \
+         of query heads",
+        s.heads,
+        s.kv_heads
+    );
+    // Q, K, V, the output and four gradients, f32.
+    let elements = (s.batch as u128) * (s.seq as u128) * (s.q_width() as u128) * 8;
+    anyhow::ensure!(
+        elements <= 1 << 34,
+        "batch {} × seq {} × {} heads × head dim {} needs {:.1} GB of tensors: give a smaller shape",
+        s.batch,
+        s.seq,
+        s.heads,
+        s.head_dim,
+        elements as f64 * 4.0 / 1e9
+    );
+    Ok(())
+}
+
 /// FLOPs of causal attention's forward at this shape (FlashAttention-2's count).
 pub fn forward_flop(s: &AttnShape) -> f64 {
     let (b, h, t, d) = (s.batch, s.heads, s.seq, s.head_dim);

@@ -133,35 +133,7 @@ pub fn timeline_svg(title: &str, note: Option<&str>, panels: &[Panel]) -> String
                 ROW - 4.0
             );
             for b in track {
-                let x = left + axis.fraction(b.start - t0) * PLOT_W;
-                let w = (axis.fraction(b.end - b.start) * PLOT_W).max(0.5);
-                let class = if matches!(b.kind, SpanKind::Action(_)) {
-                    "action"
-                } else {
-                    "step-tail"
-                };
-                // A thin edge between neighbours, where the box is wide enough to keep its colour.
-                let edge = if w > 3.0 { 0.5 } else { 0.0 };
-                let _ = writeln!(
-                    s,
-                    r#"<rect class="{class}" x="{x:.2}" y="{ry:.1}" width="{w:.2}" height="{:.1}" fill="{}" stroke="white" stroke-width="{edge}"><title>{} {}–{}</title></rect>"#,
-                    ROW - 4.0,
-                    b.kind.colour(),
-                    escape(&b.kind.describe()),
-                    axis.unit.show(b.start - t0, 3),
-                    axis.unit.show(b.end - t0, 3),
-                );
-                if let SpanKind::Action(a) = b.kind {
-                    let text = a.mb().to_string();
-                    if w >= svg::text_width(&text, FONT) + 4.0 {
-                        let _ = writeln!(
-                            s,
-                            r#"<text class="mb" x="{:.2}" y="{:.1}" fill="white" text-anchor="middle">{text}</text>"#,
-                            x + w / 2.0,
-                            ry + ROW * 0.6
-                        );
-                    }
-                }
+                span_box(&mut s, b, &axis, (left, ry), t0);
             }
         }
         y += panel_h(p);
@@ -169,4 +141,38 @@ pub fn timeline_svg(title: &str, note: Option<&str>, panels: &[Panel]) -> String
     legend(&mut s, left + PLOT_W + 16.0, header, &entries);
     s.push_str("</svg>\n");
     s
+}
+
+/// One box of a track at row top `ry`: the span's rectangle (with its description), and an action's
+/// micro-batch number where the box is wide enough.
+fn span_box(s: &mut String, b: &Span, axis: &Axis, (left, ry): (f64, f64), t0: f64) {
+    let x = left + axis.fraction(b.start - t0) * PLOT_W;
+    let w = (axis.fraction(b.end - b.start) * PLOT_W).max(0.5);
+    let class = if matches!(b.kind, SpanKind::Action(_)) {
+        "action"
+    } else {
+        "step-tail"
+    };
+    // A thin edge between neighbours, where the box is wide enough to keep its colour.
+    let edge = if w > 3.0 { 0.5 } else { 0.0 };
+    let _ = writeln!(
+        s,
+        r#"<rect class="{class}" x="{x:.2}" y="{ry:.1}" width="{w:.2}" height="{:.1}" fill="{}" stroke="white" stroke-width="{edge}"><title>{} {}–{}</title></rect>"#,
+        ROW - 4.0,
+        b.kind.colour(),
+        escape(&b.kind.describe()),
+        axis.unit.show(b.start - t0, 3),
+        axis.unit.show(b.end - t0, 3),
+    );
+    if let SpanKind::Action(a) = b.kind {
+        let text = a.mb().to_string();
+        if w >= svg::text_width(&text, FONT) + 4.0 {
+            let _ = writeln!(
+                s,
+                r#"<text class="mb" x="{:.2}" y="{:.1}" fill="white" text-anchor="middle">{text}</text>"#,
+                x + w / 2.0,
+                ry + ROW * 0.6
+            );
+        }
+    }
 }

@@ -505,85 +505,126 @@ pub(crate) fn backward_block<T: Real>(
                 let row = qo + i * qw;
                 *delta = simd::dot(&dout[row..row + d], &out[row..row + d]);
             }
+            let head = HeadViews {
+                q: q[qo..].as_ptr(),
+                dout: dout[qo..].as_ptr(),
+                qw,
+                k: k[ko..].as_ptr(),
+                kt: kt_view,
+                vt: vt_view,
+                kw,
+                // SAFETY: offsets inside the checked lengths.
+                dq: unsafe { dq_p.get().add(qo) },
+                dk: unsafe { dk_p.get().add(ko) },
+                dv: unsafe { dv_p.get().add(ko) },
+            };
             for r0 in (0..tq).step_by(br) {
                 let r1 = (r0 + br).min(tq);
-                let m = r1 - r0;
-                let (dor, qr) = (dout[qo + r0 * qw..].as_ptr(), q[qo + r0 * qw..].as_ptr());
-                for (c0, c1) in key_tiles(&b, (r0, r1), bc) {
-                    let n = c1 - c0;
-                    let [columns, depth_up_to, depth_from] = tile_masks(&b, r0, c0);
-                    // SAFETY (each block below): this task alone writes the kvh columns of dK and
-                    // dV and its query heads' columns of dQ, for sequence `seq`; offsets stay inside
-                    // the checked lengths; probs and dprobs are this task's scratch.
-                    unsafe {
-                        // P, recomputed: S = Q·Kᵀ, then exp(scale·S − lse).
-                        gemm_raw(
-                            (m, n, d),
-                            (qr, qw, 1),
-                            (kt_view.0.add(c0 * kt_view.2), kt_view.1, kt_view.2),
-                            (w.probs.as_mut_ptr(), n, 1),
-                            false,
-                            columns,
-                            bf16,
-                        );
-                    }
-                    for i in 0..m {
-                        let seen = visible(&b, r0 + i, (c0, c1));
-                        let row = &mut w.probs[i * n..(i + 1) * n];
-                        probabilities_row(row, seen, scale, lse[r0 + i]);
-                    }
-                    unsafe {
-                        // dV += Pᵀ·dO ;  dP = dO·Vᵀ
-                        gemm_raw(
-                            (n, d, m),
-                            (w.probs.as_ptr(), 1, n),
-                            (dor, qw, 1),
-                            (dv_p.get().add(ko + c0 * kw), kw, 1),
-                            true,
-                            depth_from,
-                            bf16,
-                        );
-                        gemm_raw(
-                            (m, n, d),
-                            (dor, qw, 1),
-                            (vt_view.0.add(c0 * vt_view.2), vt_view.1, vt_view.2),
-                            (w.dprobs.as_mut_ptr(), n, 1),
-                            false,
-                            columns,
-                            bf16,
-                        );
-                    }
-                    for i in 0..m {
-                        let seen = visible(&b, r0 + i, (c0, c1));
-                        let row = i * n..(i + 1) * n;
-                        let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
-                        score_gradient_row(dp, p, seen, w.delta[r0 + i], scale);
-                    }
-                    unsafe {
-                        // dQ += dS·K ;  dK += dSᵀ·Q
-                        gemm_raw(
-                            (m, d, n),
-                            (w.dprobs.as_ptr(), n, 1),
-                            (k.as_ptr().add(ko + c0 * kw), kw, 1),
-                            (dq_p.get().add(qo + r0 * qw), qw, 1),
-                            true,
-                            depth_up_to,
-                            bf16,
-                        );
-                        gemm_raw(
-                            (n, d, m),
-                            (w.dprobs.as_ptr(), 1, n),
-                            (qr, qw, 1),
-                            (dk_p.get().add(ko + c0 * kw), kw, 1),
-                            true,
-                            depth_from,
-                            bf16,
-                        );
-                    }
+                for keys in key_tiles(&b, (r0, r1), bc) {
+                    // SAFETY: this task alone writes the kvh columns of dK and dV and its query
+                    // heads' columns of dQ, for sequence `seq`; the tile's rows lie inside the
+                    // checked lengths.
+                    unsafe { backward_tile(&b, w, &head, (r0, r1), keys, lse, (scale, bf16)) };
                 }
             }
         }
     });
+}
+
+/// One head of a backward task: its query-side rows (from row 0 of the block, row stride `qw`) and
+/// key-side rows (stride `kw`), Kᵀ and Vᵀ as right operands, and where its gradients go.
+struct HeadViews<T> {
+    q: *const T,
+    dout: *const T,
+    qw: usize,
+    k: *const T,
+    kt: (*const T, usize, usize),
+    vt: (*const T, usize, usize),
+    kw: usize,
+    dq: *mut T,
+    dk: *mut T,
+    dv: *mut T,
+}
+
+/// One backward tile, query rows `[r0, r1)` against keys `[c0, c1)` of the block: P recomputed
+/// (S = Q·Kᵀ, then exp(scale·S − lse)), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − D)·scale,
+/// dQ += dS·K, dK += dSᵀ·Q.
+///
+/// # Safety
+/// The views name rows inside their tensors, and no other thread writes the gradients' rows.
+unsafe fn backward_tile<T: Real>(
+    b: &AttnBlock,
+    w: &mut BackwardScratch<T>,
+    h: &HeadViews<T>,
+    (r0, r1): (usize, usize),
+    (c0, c1): (usize, usize),
+    lse: &[T],
+    (scale, bf16): (T, bool),
+) {
+    let (m, n, d) = (r1 - r0, c1 - c0, b.shape.head_dim);
+    let (qw, kw) = (h.qw, h.kw);
+    let (dor, qr) = (h.dout.add(r0 * qw), h.q.add(r0 * qw));
+    let [columns, depth_up_to, depth_from] = tile_masks(b, r0, c0);
+    let (kt, vt) = (
+        (h.kt.0.add(c0 * h.kt.2), h.kt.1, h.kt.2),
+        (h.vt.0.add(c0 * h.vt.2), h.vt.1, h.vt.2),
+    );
+    gemm_raw(
+        (m, n, d),
+        (qr, qw, 1),
+        kt,
+        (w.probs.as_mut_ptr(), n, 1),
+        false,
+        columns,
+        bf16,
+    );
+    for i in 0..m {
+        let row = &mut w.probs[i * n..(i + 1) * n];
+        probabilities_row(row, visible(b, r0 + i, (c0, c1)), scale, lse[r0 + i]);
+    }
+    let (dv, dk) = (h.dv.add(c0 * kw), h.dk.add(c0 * kw));
+    gemm_raw(
+        (n, d, m),
+        (w.probs.as_ptr(), 1, n),
+        (dor, qw, 1),
+        (dv, kw, 1),
+        true,
+        depth_from,
+        bf16,
+    );
+    gemm_raw(
+        (m, n, d),
+        (dor, qw, 1),
+        vt,
+        (w.dprobs.as_mut_ptr(), n, 1),
+        false,
+        columns,
+        bf16,
+    );
+    for i in 0..m {
+        let row = i * n..(i + 1) * n;
+        let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
+        score_gradient_row(dp, p, visible(b, r0 + i, (c0, c1)), w.delta[r0 + i], scale);
+    }
+    let (ds, k) = (w.dprobs.as_ptr(), (h.k.add(c0 * kw), kw, 1));
+    gemm_raw(
+        (m, d, n),
+        (ds, n, 1),
+        k,
+        (h.dq.add(r0 * qw), qw, 1),
+        true,
+        depth_up_to,
+        bf16,
+    );
+    gemm_raw(
+        (n, d, m),
+        (ds, 1, n),
+        (qr, qw, 1),
+        (dk, kw, 1),
+        true,
+        depth_from,
+        bf16,
+    );
 }
 
 /// The gradients at Q, K and V of whole-sequence attention: every element of `dq`, `dk` and `dv`

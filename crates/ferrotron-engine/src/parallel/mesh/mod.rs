@@ -415,10 +415,7 @@ impl<'a> MeshStep<'a> {
             scale: self.scale * self.loss_scale as f32,
             counts_loss: t == 0,
             account: self.account(dev.rank),
-            extra_compute_s: match self.slow_device {
-                Some((r, s)) if r == dev.rank => s,
-                _ => 0.0,
-            },
+            extra_compute_s: self.extra_compute_s(dev.rank),
             precision: self.precision,
             threads: self.kernel_threads,
         };
@@ -524,6 +521,14 @@ impl<'a> MeshStep<'a> {
 
     pub fn mesh(&self) -> &DeviceMesh {
         &self.mesh
+    }
+
+    /// Seconds device `rank` computes longer per action (a straggler made on purpose).
+    pub(super) fn extra_compute_s(&self, rank: usize) -> f64 {
+        match self.slow_device {
+            Some((r, s)) if r == rank => s,
+            _ => 0.0,
+        }
     }
 
     /// Device `rank`'s place in its context-parallel group.

@@ -93,15 +93,7 @@ impl MeshStep<'_> {
         let (tp_rank, d, s) = (at.tp, at.dp, at.pp);
         let (p, tp, m) = (self.mesh.pp, self.mesh.tp, self.m);
         let steps = end - start;
-        let mbs = self.layout.micro_batch_size.max(1);
-        // This replica's micro-batches of every step, in order.
-        let mut micro: Vec<TokenBatch> = Vec::with_capacity(steps * m);
-        let mut tokens_per_step = 0;
-        for k in start..end {
-            let batch = (t.batch_of)(k);
-            tokens_per_step = batch.predicted_tokens().max(1);
-            micro.extend(micro_batches(&batch, mbs).drain(d * m..(d + 1) * m));
-        }
+        let (micro, tokens_per_step) = self.replica_batches(t, start..end, d);
         let schedule = build_async(self.layout.schedule, p, m, steps, t.clip > 0.0)?;
         let per_update = schedule.micro_batches_per_update;
         // Each update averages over the tokens of its micro-batches on every replica: a step's
@@ -126,10 +118,7 @@ impl MeshStep<'_> {
                 scale: 1.0 / update_tokens as f32,
                 counts_loss: tp_rank == 0,
                 account,
-                extra_compute_s: match self.slow_device {
-                    Some((r, secs)) if r == dev.rank => secs,
-                    _ => 0.0,
-                },
+                extra_compute_s: self.extra_compute_s(dev.rank),
                 precision: self.precision,
                 threads: self.kernel_threads,
             },
@@ -226,4 +215,24 @@ fn shared(stats: &CommStats, steps: usize) -> CommStats {
     out.device_time_s /= n as f64;
     out.wall_time_s /= n as f64;
     out
+}
+
+impl MeshStep<'_> {
+    /// Replica `d`'s micro-batches of steps `steps`, in order, and the tokens a step predicts.
+    fn replica_batches(
+        &self,
+        t: &Training,
+        steps: std::ops::Range<usize>,
+        d: usize,
+    ) -> (Vec<TokenBatch>, usize) {
+        let (m, mbs) = (self.m, self.layout.micro_batch_size.max(1));
+        let mut micro = Vec::with_capacity(steps.len() * m);
+        let mut tokens_per_step = 0;
+        for k in steps {
+            let batch = (t.batch_of)(k);
+            tokens_per_step = batch.predicted_tokens().max(1);
+            micro.extend(micro_batches(&batch, mbs).drain(d * m..(d + 1) * m));
+        }
+        (micro, tokens_per_step)
+    }
 }
