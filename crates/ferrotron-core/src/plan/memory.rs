@@ -207,10 +207,12 @@ fn backward_working_set(
     };
     let attention = tok * (2.0 * qd + 2.0 * kvd + h) + probs;
     // The memory-efficient kernel's scratch on its thread: a tile of probabilities and one of
-    // their gradients (256 queries × 512 keys at most), and its head's K and V transposed.
+    // their gradients (256 queries × 512 keys at most), its head's K and V transposed (rows of both
+    // padded by 16), and the products' packed right operand (a key tile by a head at most).
     let kernel = if flash {
         let (br, bc) = (local.min(256) as f64, local.min(512) as f64);
-        2.0 * br * bc + 2.0 * local as f64 * cfg.head_dim as f64
+        let d = cfg.head_dim as f64;
+        2.0 * br * (bc + 16.0) + 2.0 * (local as f64 + 16.0) * d + bc * d.max(16.0)
     } else {
         0.0
     };

@@ -29,6 +29,10 @@ pub trait Real:
     fn sqrt(self) -> Self;
     /// e^x; f32 uses the vectorisable polynomial `exp` below.
     fn exp(self) -> Self;
+    /// e^x with fused multiply-adds (f32: `exp_fused` below), for the attention kernels' hot rows:
+    /// inside a `simd_kernel!` it vectorises to FMA instructions; elsewhere it is exact-rounded
+    /// software FMA, so both copies still agree bit for bit.
+    fn exp_fused(self) -> Self;
     fn max(self, other: Self) -> Self;
     fn cos(self) -> Self;
     fn sin(self) -> Self;
@@ -47,7 +51,7 @@ pub trait Real:
 }
 
 macro_rules! impl_real {
-    ($t:ty, $exp:path) => {
+    ($t:ty, $exp:path, $exp_fused:path) => {
         impl Real for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -69,6 +73,10 @@ macro_rules! impl_real {
                 $exp(self)
             }
             #[inline(always)]
+            fn exp_fused(self) -> Self {
+                $exp_fused(self)
+            }
+            #[inline(always)]
             fn max(self, other: Self) -> Self {
                 <$t>::max(self, other)
             }
@@ -84,13 +92,26 @@ macro_rules! impl_real {
     };
 }
 
-impl_real!(f32, exp);
-impl_real!(f64, f64::exp);
+impl_real!(f32, exp, exp_fused);
+impl_real!(f64, f64::exp, f64::exp);
 
 /// e^x for f32, accurate to about 1 ulp on [-87, 88]; inputs below are flushed to ~0, above to ~inf.
 /// Branch-free so that loops calling it vectorise.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    exp_with(x, |a, b, c| a * b + c)
+}
+
+/// [`exp`] with every multiply-add fused (one rounding each): about 40% fewer instructions where
+/// the CPU has FMA.
+#[inline(always)]
+pub fn exp_fused(x: f32) -> f32 {
+    exp_with(x, f32::mul_add)
+}
+
+/// The one algorithm of [`exp`] and [`exp_fused`], its multiply-adds `madd(a, b, c) = a·b + c`.
+#[inline(always)]
+fn exp_with(x: f32, madd: impl Fn(f32, f32, f32) -> f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
@@ -98,19 +119,19 @@ pub fn exp(x: f32) -> f32 {
     // x = n·ln2 + r with |r| ≤ ln2/2; rounding to nearest via the 1.5·2²³ trick.
     // The sum's low mantissa bits hold n as an integer: read it from the bits, since a float-to-int
     // `as` cast saturates, which compiles to scalar compares and stops the loop vectorising.
-    let shifted = x * LOG2E + 12_582_912.0;
+    let shifted = madd(x, LOG2E, 12_582_912.0);
     let n = shifted - 12_582_912.0;
     let n_int = shifted.to_bits() as i32 - 0x4B40_0000;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let r = madd(-n, LN2_LO, madd(-n, LN2_HI, x));
     // Taylor series of e^r to degree 7: truncation error < 6e-9 relative for |r| ≤ 0.347.
     let p = 1.0 / 5040.0;
-    let p = p * r + 1.0 / 720.0;
-    let p = p * r + 1.0 / 120.0;
-    let p = p * r + 1.0 / 24.0;
-    let p = p * r + 1.0 / 6.0;
-    let p = p * r + 0.5;
-    let p = p * r + 1.0;
-    let p = p * r + 1.0;
+    let p = madd(p, r, 1.0 / 720.0);
+    let p = madd(p, r, 1.0 / 120.0);
+    let p = madd(p, r, 1.0 / 24.0);
+    let p = madd(p, r, 1.0 / 6.0);
+    let p = madd(p, r, 0.5);
+    let p = madd(p, r, 1.0);
+    let p = madd(p, r, 1.0);
     // Scale by 2^n in two halves so that n = 128 does not overflow the exponent field.
     let n = n_int;
     let half = n >> 1;

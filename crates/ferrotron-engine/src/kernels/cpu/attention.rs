@@ -80,7 +80,8 @@ pub(super) unsafe fn gemm_raw<T: Real>(
 }
 
 /// Head columns `[off, off + d)` of the `t` token rows of `x` (row stride `width`), transposed to
-/// `[d × t]`: Kᵀ and Vᵀ as right operands with contiguous rows.
+/// `d` rows of `t` (row stride `t +` [`ROW_PAD`]): Kᵀ and Vᵀ as right operands with contiguous
+/// rows.
 pub(super) fn transposed_head<T: Real>(
     x: &[T],
     off: usize,
@@ -91,17 +92,23 @@ pub(super) fn transposed_head<T: Real>(
     // In blocks of 16 tokens, so that each output row is written 16 contiguous elements at a time
     // while the block's 16 input rows stay in L1.
     const BLOCK: usize = 16;
-    let mut out = vec![T::ZERO; d * t];
+    let stride = t + ROW_PAD;
+    let mut out = vec![T::ZERO; d * stride];
     for j0 in (0..t).step_by(BLOCK) {
         let j1 = (j0 + BLOCK).min(t);
         for c in 0..d {
-            for (j, o) in (j0..j1).zip(&mut out[c * t + j0..c * t + j1]) {
+            for (j, o) in (j0..j1).zip(&mut out[c * stride + j0..c * stride + j1]) {
                 *o = x[off + j * width + c];
             }
         }
     }
     out
 }
+
+/// Elements added to the row stride of the kernels' row-major scratch (transposed heads, tiles of
+/// probabilities): the products walk down their columns, and with a power-of-two stride (2–16 KiB)
+/// every row would fall in the same cache set and evict the one before.
+pub(super) const ROW_PAD: usize = 16;
 
 /// Whether attention's products run on the bf16 GEMM, which reads a head of K or V in place as
 /// the transposed right operand (its packing transposes anyway): then no transposed copy is made.
@@ -121,14 +128,15 @@ pub(super) fn head_transposed_view<T: Real>(
     t: usize,
 ) -> (*const T, usize, usize) {
     match xt {
-        Some(xt) => (xt.as_ptr(), t, 1),
+        Some(xt) => (xt.as_ptr(), t + ROW_PAD, 1),
         None => (x[off..].as_ptr(), 1, width),
     }
 }
 
 /// Query rows and key columns of a tile: large enough that each tile's products amortise the GEMM's
 /// packing and dispatch (measured on `bench attention`: 64×64 tiles ran the 4096-token backward
-/// 20% slower than 256×512), small enough that a tile of scores (512 KiB) stays in L2.
+/// 20% slower than 256×512; 128×256 and 64×256 ran within noise of it on the AVX2 kernel), small
+/// enough that a tile of scores (512 KiB) stays in a core's L2 on most CPUs.
 const TILE: (usize, usize) = (256, 512);
 
 /// The tile of a block: [`TILE`], or the block's whole queries or keys where they are fewer (so a
@@ -204,12 +212,11 @@ simd_kernel! {
             return;
         }
         let seen = &mut row[lo..hi];
-        seen.iter_mut().for_each(|x| *x *= scale);
-        let tile_max = simd::max(seen);
+        // The scale is positive, so the largest scaled score is the largest score scaled.
+        let tile_max = simd::max(seen) * scale;
         // The first keys this row sees set its maximum; later ones raise it.
         let new_max = if *l == T::ZERO { tile_max } else { tile_max.max(*m) };
-        seen.iter_mut().for_each(|x| *x = (*x - new_max).exp());
-        let sum = simd::sum(seen);
+        let sum = simd::exp_affine_sum(seen, scale, new_max);
         if *l == T::ZERO {
             // Nothing accumulated yet (acc is zero).
             *l = sum;
@@ -229,7 +236,7 @@ simd_kernel! {
         let ((lo, hi), n) = (seen, s.len());
         s[..lo].fill(T::ZERO);
         s[hi..n].fill(T::ZERO);
-        s[lo..hi].iter_mut().for_each(|x| *x = (*x * scale - lse).exp());
+        simd::exp_affine_sum(&mut s[lo..hi], scale, lse);
     }
 }
 
@@ -445,6 +452,8 @@ pub(crate) fn merge<T: Real>(
 struct BackwardScratch<T> {
     probs: Vec<T>,
     dprobs: Vec<T>,
+    /// The row stride of `probs` and `dprobs`: a tile's columns and [`ROW_PAD`].
+    stride: usize,
     delta: Vec<T>,
 }
 
@@ -482,9 +491,11 @@ pub(crate) fn backward_block<T: Real>(
         SendPtr(dk.as_mut_ptr()),
         SendPtr(dv.as_mut_ptr()),
     );
+    let stride = bc + ROW_PAD;
     let scratch = || BackwardScratch {
-        probs: vec![T::ZERO; br * bc],
-        dprobs: vec![T::ZERO; br * bc],
+        probs: vec![T::ZERO; br * stride],
+        dprobs: vec![T::ZERO; br * stride],
+        stride,
         delta: vec![T::ZERO; tq],
     };
     // One task per (sequence, KV head): the query heads that share a KV head accumulate into its
@@ -562,7 +573,7 @@ unsafe fn backward_tile<T: Real>(
     (scale, bf16): (T, bool),
 ) {
     let (m, n, d) = (r1 - r0, c1 - c0, b.shape.head_dim);
-    let (qw, kw) = (h.qw, h.kw);
+    let (qw, kw, ps) = (h.qw, h.kw, w.stride);
     let (dor, qr) = (h.dout.add(r0 * qw), h.q.add(r0 * qw));
     let [columns, depth_up_to, depth_from] = tile_masks(b, r0, c0);
     let (kt, vt) = (
@@ -573,19 +584,19 @@ unsafe fn backward_tile<T: Real>(
         (m, n, d),
         (qr, qw, 1),
         kt,
-        (w.probs.as_mut_ptr(), n, 1),
+        (w.probs.as_mut_ptr(), ps, 1),
         false,
         columns,
         bf16,
     );
     for i in 0..m {
-        let row = &mut w.probs[i * n..(i + 1) * n];
+        let row = &mut w.probs[i * ps..i * ps + n];
         probabilities_row(row, visible(b, r0 + i, (c0, c1)), scale, lse[r0 + i]);
     }
     let (dv, dk) = (h.dv.add(c0 * kw), h.dk.add(c0 * kw));
     gemm_raw(
         (n, d, m),
-        (w.probs.as_ptr(), 1, n),
+        (w.probs.as_ptr(), 1, ps),
         (dor, qw, 1),
         (dv, kw, 1),
         true,
@@ -596,20 +607,20 @@ unsafe fn backward_tile<T: Real>(
         (m, n, d),
         (dor, qw, 1),
         vt,
-        (w.dprobs.as_mut_ptr(), n, 1),
+        (w.dprobs.as_mut_ptr(), ps, 1),
         false,
         columns,
         bf16,
     );
     for i in 0..m {
-        let row = i * n..(i + 1) * n;
+        let row = i * ps..i * ps + n;
         let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
         score_gradient_row(dp, p, visible(b, r0 + i, (c0, c1)), w.delta[r0 + i], scale);
     }
     let (ds, k) = (w.dprobs.as_ptr(), (h.k.add(c0 * kw), kw, 1));
     gemm_raw(
         (m, d, n),
-        (ds, n, 1),
+        (ds, ps, 1),
         k,
         (h.dq.add(r0 * qw), qw, 1),
         true,
@@ -618,7 +629,7 @@ unsafe fn backward_tile<T: Real>(
     );
     gemm_raw(
         (n, d, m),
-        (ds, 1, n),
+        (ds, 1, ps),
         (qr, qw, 1),
         (dk, kw, 1),
         true,
