@@ -414,7 +414,40 @@ impl LayoutSpec {
                 _ => unreachable!("key list checked above"),
             }
         }
+        out.refuse_meaningless()?;
         Ok(out)
+    }
+
+    /// Refuses keys given that would do nothing, or something other than they say, beside the
+    /// others as given (a key the planner chooses, `auto`, is not judged).
+    fn refuse_meaningless(&self) -> Result<()> {
+        let given = |k: &str| self.given_keys.iter().any(|g| g == k);
+        let fixed = |k: &str| !self.auto_keys.iter().any(|a| a == k);
+        let l = &self.layout;
+        let refuse = |msg: String| {
+            Err(ConfigError::Field {
+                file: "--layout".into(),
+                field: self.text.clone(),
+                msg,
+            })
+        };
+        if given("sp") && l.sequence_parallel && l.tp == 1 && fixed("tp") {
+            return refuse("sp=true with tp=1 splits nothing (sequence parallelism splits the norms' and dropouts' activations over the tp group): drop sp, or give tp ≥ 2".into());
+        }
+        if given("zero") && l.zero > 0 && l.dp * l.cp == 1 && fixed("dp") && fixed("cp") {
+            return refuse(format!("zero={} with one replica (dp×cp = 1) has nothing to shard over: drop zero, or give dp ≥ 2", l.zero));
+        }
+        let pipelined = matches!(
+            l.schedule,
+            Schedule::Zbh1 | Schedule::Interleaved | Schedule::PipeDream | Schedule::TwoBw
+        );
+        if given("schedule") && pipelined && l.pp == 1 && fixed("pp") {
+            return refuse(format!("schedule={} needs a pipeline, and pp=1 has none{}: drop the schedule, or give pp ≥ 2", l.schedule.name(), if l.schedule.is_async() { " (it would train on delayed weights for nothing)" } else { "" }));
+        }
+        if given("schedule") && l.schedule == Schedule::Interleaved && l.vpp == 1 && fixed("vpp") {
+            return refuse("schedule=interleaved with vpp=1 is 1f1b: give vpp ≥ 2 (virtual stages per device), or schedule=1f1b".into());
+        }
+        Ok(())
     }
 }
 

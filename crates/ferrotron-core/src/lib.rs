@@ -1,6 +1,7 @@
 //! The light half of ferrotron: what a model is (shapes, names, FLOPs, bytes) and what a cluster is.
 //! Pure computation with no heavy dependencies, so planners and other tools can link it cheaply.
 
+pub mod bounded;
 pub mod error;
 pub mod layout;
 pub mod model;

@@ -278,7 +278,8 @@ impl Cluster {
             field: "cluster".into(),
             msg,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let text = crate::bounded::read_to_string(path, crate::bounded::SETTINGS)
+            .map_err(|e| bad(format!("cannot read: {e}")))?;
         let mut c: Cluster = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
         if c.memory_bandwidth_bytes_per_s <= 0.0 {
             c.memory_bandwidth_bytes_per_s = c.peak_flops / DEFAULT_FLOPS_PER_MEMORY_BYTE;

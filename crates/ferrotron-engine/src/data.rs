@@ -39,7 +39,8 @@ pub fn read_corpus(source: &str) -> Result<Vec<String>> {
             vec![path.to_path_buf()]
         };
         for f in files {
-            let text = std::fs::read_to_string(&f).map_err(|e| EngineError::io(&f, e))?;
+            let text = ferrotron_core::bounded::read_to_string(&f, ferrotron_core::bounded::CORPUS)
+                .map_err(|e| EngineError::io(&f, e))?;
             if text.trim().is_empty() {
                 return Err(EngineError::format(&f, "the data file is empty"));
             }
@@ -99,7 +100,9 @@ fn type_name(v: &serde_json::Value) -> &'static str {
 
 /// Loads a `tokenizer.json`.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_file(path)
+    let bytes = ferrotron_core::bounded::read(path, ferrotron_core::bounded::TOKENIZER)
+        .map_err(|e| EngineError::io(path, e))?;
+    Tokenizer::from_bytes(bytes)
         .map_err(|e| EngineError::format(path, format!("not a usable tokenizer.json: {e}")))
 }
 
@@ -194,7 +197,9 @@ impl DocumentFraming {
                 ..Self::default()
             });
         }
-        let text = std::fs::read_to_string(&config).map_err(|e| EngineError::io(&config, e))?;
+        let text =
+            ferrotron_core::bounded::read_to_string(&config, ferrotron_core::bounded::SETTINGS)
+                .map_err(|e| EngineError::io(&config, e))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| EngineError::format(&config, format!("not valid JSON: {e}")))?;
         let flag = |key: &str| -> Result<Option<bool>> {
@@ -417,7 +422,8 @@ pub fn validation_batches(
 /// Reads a token file: a safetensors file with `input_ids` ([batch, seq], int64 or int32). The
 /// ids are only read here; [`TokenBatch::check`] says whether they fit a model.
 pub fn read_token_file(path: &Path) -> Result<TokenBatch> {
-    let bytes = std::fs::read(path).map_err(|e| EngineError::io(path, e))?;
+    let bytes = ferrotron_core::bounded::read(path, ferrotron_core::bounded::CORPUS)
+        .map_err(|e| EngineError::io(path, e))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| EngineError::format(path, format!("not a valid safetensors file: {e}")))?;
     let view = st

@@ -39,6 +39,35 @@ pub enum EngineError {
     /// Another device of the run went out of memory, and this one stopped with it.
     #[error("{0}")]
     PeerOutOfMemory(String),
+    /// The run was asked to stop (SIGTERM, SIGINT) and stopped after `step`, its checkpoint saved.
+    #[error("stopped by {} after step {step}: {saved}", signal_name(*signal))]
+    Preempted {
+        signal: i32,
+        step: usize,
+        saved: String,
+    },
+    /// The loss or the gradient norm went non-finite: the run stops there, saving nothing.
+    #[error("{0}")]
+    NonFinite(String),
+}
+
+/// A stopping signal's name.
+pub fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        _ => "a stopping signal",
+    }
+}
+
+impl EngineError {
+    /// The process exit status this error asks for: 128 + the signal for a preempted run.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            EngineError::Preempted { signal, .. } => 128 + signal,
+            _ => 1,
+        }
+    }
 }
 
 impl EngineError {

@@ -46,7 +46,8 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             "no model.safetensors or model.safetensors.index.json",
         ));
     }
-    let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
+    let text = ferrotron_core::bounded::read_to_string(&index, ferrotron_core::bounded::SETTINGS)
+        .map_err(|e| EngineError::io(&index, e))?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| EngineError::format(&index, format!("not valid JSON: {e}")))?;
     let map = v
@@ -67,12 +68,34 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         .collect::<Result<_>>()?;
     files.sort();
     files.dedup();
+    if files.is_empty() {
+        return Err(EngineError::format(
+            &index,
+            "field `weight_map` names no tensor: the index lists no weight file",
+        ));
+    }
     Ok(files)
 }
 
 /// Converts a stored tensor to f32 (exactly: bf16 and f16 values are representable in f32).
 fn to_f32(view: &TensorView, file: &Path, name: &str) -> Result<Vec<f32>> {
-    decode_f32(view.dtype(), view.data(), file, name)
+    decode_weight(view.dtype(), view.data(), file, name)
+}
+
+/// A weight's values as f32; a NaN or an infinity among them is refused, naming the tensor (it
+/// would make every step's loss NaN, and the run would save a NaN model).
+fn decode_weight(dtype: Dtype, d: &[u8], file: &Path, name: &str) -> Result<Vec<f32>> {
+    let values = decode_f32(dtype, d, file, name)?;
+    if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+        return Err(EngineError::format(
+            file,
+            format!(
+                "tensor `{name}` holds a non-finite value ({} at flat index {i}): the weights are damaged; use an intact copy",
+                values[i]
+            ),
+        ));
+    }
+    Ok(values)
 }
 
 /// Little-endian values of `dtype` as f32 (exact for bf16 and f16).
@@ -135,7 +158,9 @@ pub fn array_index(file: &Path, bytes: &[u8]) -> Result<BTreeMap<String, ArrayIn
 
 /// Maps `file` into memory.
 pub fn map_file(file: &Path) -> Result<memmap2::Mmap> {
-    let f = std::fs::File::open(file).map_err(|e| EngineError::io(file, e))?;
+    // A regular file only: mapping a device or a FIFO would never end well.
+    let (f, _) =
+        ferrotron_core::bounded::open(file, u64::MAX).map_err(|e| EngineError::io(file, e))?;
     // SAFETY: model and checkpoint files are read-only inputs (a checkpoint save writes a new
     // directory and renames it; nothing here writes a mapped file).
     unsafe { memmap2::Mmap::map(&f) }.map_err(|e| EngineError::io(file, e))
@@ -222,7 +247,7 @@ impl WeightReader {
             });
         };
         let (file, map) = &self.files[*k];
-        decode_f32(info.dtype, &map[info.bytes.clone()], file, name)
+        decode_weight(info.dtype, &map[info.bytes.clone()], file, name)
     }
 }
 

@@ -16,6 +16,7 @@ pub use error::{EngineError, Result};
 pub mod checkpoint;
 pub mod comm;
 pub mod data;
+pub mod dir_lock;
 pub mod optim;
 pub mod parallel;
 pub mod paths;

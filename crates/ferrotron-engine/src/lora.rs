@@ -47,8 +47,11 @@ impl Adapters {
     /// trained modules) and any tensor that is missing, misshapen or not an adapter, naming it.
     pub fn load_peft(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
         let config_path = dir.join(ADAPTER_CONFIG);
-        let text =
-            std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
+        let text = ferrotron_core::bounded::read_to_string(
+            &config_path,
+            ferrotron_core::bounded::SETTINGS,
+        )
+        .map_err(|e| EngineError::io(&config_path, e))?;
         let config =
             parse_peft_config(&text, cfg).map_err(|msg| EngineError::format(&config_path, msg))?;
         let weights = dir.join(ADAPTER_WEIGHTS);

@@ -213,7 +213,7 @@ fn offline_reshard_equals_resharding_on_resume() {
     let full = run(&config("reshard-src", "dp=2,tp=2,pp=2,zero=1"));
     let target = LayoutSpec::parse("tp=4,zero=0").unwrap().layout;
     let out = temp_dir("reshard-out");
-    let written = checkpoint::reshard(&step3(&full), &target, &out).unwrap();
+    let written = checkpoint::reshard(&step3(&full), &target, &out, false).unwrap();
     let ck = Checkpoint::open(&out).unwrap();
     assert_eq!(ck.dir, written);
     assert_eq!(ck.manifest.layout, target.to_string());
@@ -425,12 +425,12 @@ fn hugging_face_import_export_round_trips_byte_for_byte() {
         let src = fixture(model);
         let root = temp_dir(&format!("import-{model}"));
         let layout = LayoutSpec::parse("dp=2,tp=2,pp=2,zero=3").unwrap().layout;
-        checkpoint::import_hf(&src, &layout, &root).unwrap();
+        checkpoint::import_hf(&src, &layout, &root, false).unwrap();
         let ck = Checkpoint::open(&root).unwrap();
         assert_eq!(ck.manifest.step, 0);
         assert_eq!(ck.manifest.optimizer.step, 0);
         let out = temp_dir(&format!("export-{model}"));
-        checkpoint::export_hf(&root, &out, StorageDtype::F32).unwrap();
+        checkpoint::export_hf(&root, &out, StorageDtype::F32, false).unwrap();
         let read = |p: &Path| std::fs::read(p.join("model.safetensors")).unwrap();
         let (a, b) = (read(&src), read(&out));
         let (a, b) = (
@@ -450,7 +450,13 @@ fn hugging_face_import_export_round_trips_byte_for_byte() {
 fn training_from_an_imported_model_equals_training_from_its_directory() {
     let (model, _) = model_and_data();
     let root = temp_dir("import-train");
-    checkpoint::import_hf(model, &LayoutSpec::parse("tp=2").unwrap().layout, &root).unwrap();
+    checkpoint::import_hf(
+        model,
+        &LayoutSpec::parse("tp=2").unwrap().layout,
+        &root,
+        false,
+    )
+    .unwrap();
     let direct = run(&{
         let mut c = config("import-direct", "dp=2");
         c.checkpointing.checkpoint_every = 0;

@@ -98,6 +98,7 @@ fn mesh_training(
                     adam,
                     lr,
                     clip,
+                    stop: &|| false,
                 },
                 &mut |_, _, _, r| {
                     losses.push(r.loss);
@@ -208,6 +209,7 @@ fn mixed_precision_composes_with_every_zero_stage_on_the_3d_mesh() {
                             adam,
                             lr: &lr,
                             clip: 1.0,
+                            stop: &|| false,
                         },
                         &mut |_, _, _, r| {
                             losses.push(r.loss);
@@ -258,6 +260,7 @@ fn mixed_precision_moves_half_the_bytes() {
                         adam: Default::default(),
                         lr: &lr,
                         clip: 0.0,
+                        stop: &|| false,
                     },
                     &mut |_, _, _, r| {
                         let by = |g: &str| r.stats.bytes_sent_by_group(g);

@@ -248,7 +248,7 @@ fn a_lora_checkpoint_resumes_exactly_on_its_layout_and_reshards_to_another() {
     let layout = ferrotron_core::layout::LayoutSpec::parse("dp=2,tp=2,zero=1")
         .unwrap()
         .layout;
-    let written = checkpoint::reshard(&ck, &layout, &out).unwrap();
+    let written = checkpoint::reshard(&ck, &layout, &out, false).unwrap();
     let (a, b) = (
         Checkpoint::open(&ck).unwrap(),
         Checkpoint::open(&written).unwrap(),

@@ -279,6 +279,7 @@ fn bf16_memory_matches_the_planner_on_one_device_and_the_3d_mesh() {
                         adam: AdamWConfig::default(),
                         lr: &lr,
                         clip: 1.0,
+                        stop: &|| false,
                     },
                     &mut |_, _, _, r| {
                         last = Some((r.memory.peak_terms(), r.memory.peak_other()));

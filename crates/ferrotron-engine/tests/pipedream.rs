@@ -310,6 +310,7 @@ fn measured(
                     adam: adam(),
                     lr: &lr,
                     clip: 1.0,
+                    stop: &|| false,
                 },
                 &mut |_, _, _, r| {
                     busy += r.busy_s;

@@ -180,6 +180,7 @@ fn measured_data_parallel_bytes_match_the_planners_figure() {
                     adam: Default::default(),
                     lr: &lr,
                     clip: 0.0,
+                    stop: &|| false,
                 },
                 &mut |_, _, _, r| {
                     dp_bytes = r.stats.bytes_sent_by_group("dp");
@@ -295,6 +296,7 @@ fn lora_data_parallel_bytes_match_the_planners_figure() {
                     adam: Default::default(),
                     lr: &lr,
                     clip: 0.0,
+                    stop: &|| false,
                 },
                 &mut |_, _, _, r| {
                     dp_bytes = r.stats.bytes_sent_by_group("dp");

@@ -125,7 +125,11 @@ fn main() {
             let chain = error_chain(&e);
             rank_status::note(&format!("error: {chain}"));
             eprintln!("error: {chain}");
-            std::process::exit(1);
+            // A preempted run exits as the signal asks (143 for SIGTERM, 130 for SIGINT).
+            let code = e
+                .downcast_ref::<ferrotron_engine::error::EngineError>()
+                .map_or(1, |e| e.exit_code());
+            std::process::exit(code);
         }
     }
 }

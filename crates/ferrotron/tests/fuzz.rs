@@ -602,7 +602,7 @@ fn train_toml() {
 fn checkpoint_dir(tag: &str) -> std::path::PathBuf {
     let root = temp_dir(tag);
     let layout = LayoutSpec::parse("tp=2").unwrap().layout;
-    checkpoint::import_hf(&fixture("llama_tiny"), &layout, &root).unwrap()
+    checkpoint::import_hf(&fixture("llama_tiny"), &layout, &root, false).unwrap()
 }
 
 #[test]

@@ -13,6 +13,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "ferrotron-core",
         &[
+            "bounded",
             "error",
             "text_value",
             "precision",
@@ -32,6 +33,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "comm",
             "error",
             "paths",
+            "dir_lock",
             "pieces",
             "transformer",
             "half_storage",

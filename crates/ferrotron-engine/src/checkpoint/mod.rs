@@ -31,6 +31,7 @@ pub use write::{
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::tensor::Slice;
 use ferrotron_core::model::{LoraConfig, ModelConfig, ParamSpec};
+use std::path::Path;
 
 /// The manifest's `format` field.
 pub const FORMAT: &str = "ferrotron-checkpoint";
@@ -200,6 +201,35 @@ impl From<&SliceEntry> for Slice {
 }
 
 /// A checkpoint directory's name.
+/// Whether the checkpoint directory `root` holds checkpoints: `latest`, or a step directory.
+pub fn holds_checkpoints(root: &Path) -> bool {
+    root.join(LATEST).exists()
+        || std::fs::read_dir(root).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("step-") && e.path().is_dir())
+        })
+}
+
+/// Deletes the checkpoints in `root`: its step directories and `latest`, nothing else (the
+/// directory may hold a user's other files).
+pub fn remove_checkpoints(root: &Path) -> crate::error::Result<()> {
+    use crate::error::EngineError;
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let p = entry.path();
+        if name.starts_with("step-") && p.is_dir() {
+            std::fs::remove_dir_all(&p).map_err(|e| EngineError::io(&p, e))?;
+        } else if name == LATEST {
+            std::fs::remove_file(&p).map_err(|e| EngineError::io(&p, e))?;
+        }
+    }
+    Ok(())
+}
+
 pub fn step_dir_name(step: usize) -> String {
     format!("step-{step:06}")
 }

@@ -77,7 +77,8 @@ fn check_piece(shape: &[usize], p: &super::Piece) -> std::result::Result<(), Str
 /// `config.json` before any size is computed from it), one file per rank, its model's tensors with
 /// their shapes.
 fn read_manifest(mpath: &Path) -> Result<Manifest> {
-    let text = std::fs::read_to_string(mpath).map_err(|e| EngineError::io(mpath, e))?;
+    let text = ferrotron_core::bounded::read_to_string(mpath, ferrotron_core::bounded::SETTINGS)
+        .map_err(|e| EngineError::io(mpath, e))?;
     let manifest: Manifest = serde_json::from_str(&text)
         .map_err(|e| EngineError::format(mpath, format!("not a valid manifest: {e}")))?;
     if manifest.format != FORMAT || manifest.version != VERSION {

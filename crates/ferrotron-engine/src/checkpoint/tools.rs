@@ -5,6 +5,7 @@
 use super::layout::rank_holdings;
 use super::write::{commit, prepare_staging, write_rank_file, RankArrays, RankFile};
 use super::{Checkpoint, Kind, Manifest, OptimizerState, FORMAT, MANIFEST, TOKENIZER, VERSION};
+use crate::dir_lock::{self, DirLock, Stale};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::memory::format_bytes;
@@ -19,6 +20,58 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
+
+/// What an offline tool writes into its destination.
+#[derive(Clone, Copy)]
+enum Writes {
+    /// A checkpoint (a step directory, and `latest` naming it).
+    Checkpoint,
+    /// A Hugging Face model or PEFT adapter directory.
+    Model,
+}
+
+/// The files a model or adapter directory is made of: one already there belongs to another model.
+const MODEL_FILES: [&str; 6] = [
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    TOKENIZER,
+];
+
+/// Locks the destination `dir` of `what` and checks that it holds nothing the tool would replace:
+/// another run's checkpoints (their `latest` would then name a different run's step) or another
+/// model's files. With `overwrite` they are replaced: a checkpoint directory is emptied of its
+/// steps and `latest` first, so that no step of the other run is left beside the new one.
+fn claim_destination(dir: &Path, what: &str, writes: Writes, overwrite: bool) -> Result<DirLock> {
+    let stale = if overwrite {
+        Stale::TakeOver
+    } else {
+        Stale::Refuse("pass --overwrite to take it over")
+    };
+    let lock = dir_lock::acquire(dir, what, stale)?;
+    let held = match writes {
+        Writes::Checkpoint => super::holds_checkpoints(dir).then(|| "checkpoints".to_string()),
+        Writes::Model => MODEL_FILES
+            .iter()
+            .find(|f| dir.join(f).exists())
+            .map(|f| format!("a model (`{f}`)")),
+    };
+    match (held, overwrite) {
+        (None, _) => Ok(lock),
+        (Some(held), false) => Err(EngineError::Invalid(format!(
+            "`{}` already holds {held} that `{what}` would replace; write to an empty directory, or pass --overwrite to replace them",
+            dir.display()
+        ))),
+        (Some(_), true) => {
+            if let Writes::Checkpoint = writes {
+                super::remove_checkpoints(dir)?;
+            }
+            Ok(lock)
+        }
+    }
+}
 
 /// Checks that `layout` can hold `cfg` (heads, KV heads, MLP and layers divide as it needs).
 fn check_layout(cfg: &ModelConfig, layout: &Layout) -> Result<()> {
@@ -53,7 +106,7 @@ fn write_layout(
 
 /// Rewrites the checkpoint at `src` for `layout` under `out_root` (parameters and Adam moments
 /// resharded; everything else carried over). Returns the new checkpoint's directory.
-pub fn reshard(src: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> {
+pub fn reshard(src: &Path, layout: &Layout, out_root: &Path, overwrite: bool) -> Result<PathBuf> {
     let ck = Checkpoint::open(src)?;
     if out_root.canonicalize().ok() == ck.dir.parent().and_then(|p| p.canonicalize().ok()) {
         return Err(EngineError::Invalid(format!(
@@ -61,6 +114,12 @@ pub fn reshard(src: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> 
             ck.dir.parent().unwrap_or(&ck.dir).display()
         )));
     }
+    let _lock = claim_destination(
+        out_root,
+        "checkpoint reshard",
+        Writes::Checkpoint,
+        overwrite,
+    )?;
     let moments = ck.manifest.optimizer.step > 0;
     let mut manifest = ck.manifest.clone();
     manifest.tokenizer_source = ck.tokenizer();
@@ -80,10 +139,16 @@ pub fn reshard(src: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> 
 
 /// Imports the Hugging Face model directory `hf_dir` as a step-0 checkpoint in `layout` under
 /// `out_root` (fresh optimizer: no moments stored). The model is read one tensor at a time.
-pub fn import_hf(hf_dir: &Path, layout: &Layout, out_root: &Path) -> Result<PathBuf> {
+pub fn import_hf(
+    hf_dir: &Path,
+    layout: &Layout,
+    out_root: &Path,
+    overwrite: bool,
+) -> Result<PathBuf> {
     let cfg = hf::read_config(hf_dir)?;
     let weights = hf::WeightReader::open(hf_dir)?;
     weights.check(&cfg)?;
+    let _lock = claim_destination(out_root, "checkpoint import", Writes::Checkpoint, overwrite)?;
     let manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
@@ -168,7 +233,7 @@ impl View for &ExportView<'_> {
 
 /// Writes the checkpoint at `src` as a Hugging Face model directory `out` (`config.json` and
 /// `model.safetensors` in `dtype`), one tensor in memory at a time.
-pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype) -> Result<()> {
+pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype, overwrite: bool) -> Result<()> {
     let ck = Checkpoint::open(src)?;
     if ck.manifest.lora.is_some() {
         return Err(EngineError::Invalid(format!(
@@ -180,7 +245,7 @@ pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype) -> Result<()> {
         )));
     }
     let cfg = &ck.manifest.model;
-    std::fs::create_dir_all(out).map_err(|e| EngineError::io(out, e))?;
+    let _lock = claim_destination(out, "checkpoint export", Writes::Model, overwrite)?;
     let error = std::cell::RefCell::new(None);
     let views: Vec<(String, ExportView)> = cfg
         .param_specs()
@@ -233,8 +298,9 @@ fn open_adapters(src: &Path) -> Result<(Checkpoint, crate::lora::Adapters)> {
 
 /// Writes the LoRA adapters of the checkpoint at `src` as a PEFT adapter directory `out` (what
 /// `peft.PeftModel.from_pretrained` loads onto the base model).
-pub fn export_adapter(src: &Path, out: &Path) -> Result<()> {
+pub fn export_adapter(src: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let (ck, adapters) = open_adapters(src)?;
+    let _lock = claim_destination(out, "checkpoint export", Writes::Model, overwrite)?;
     adapters.save_peft(out, &ck.manifest.model, ck.manifest.base_model.as_deref())
 }
 
@@ -246,8 +312,10 @@ pub fn export_merged(
     base: Option<&Path>,
     out: &Path,
     dtype: StorageDtype,
+    overwrite: bool,
 ) -> Result<()> {
     let (ck, adapters) = open_adapters(src)?;
+    let _lock = claim_destination(out, "checkpoint export", Writes::Model, overwrite)?;
     let m = &ck.manifest;
     let base_spec = match (base, &m.base_model) {
         (Some(b), _) => b.display().to_string(),

@@ -266,6 +266,13 @@ impl TrainConfig {
         if let Ok(serde_json::Value::Object(f)) = serde_json::to_value(flags) {
             for (k, v) in f {
                 if given(&k) {
+                    // A flag given a NaN or infinity: it has no JSON form and arrives as null,
+                    // which an optional setting would take for "not given".
+                    if v.is_null() {
+                        return Err(EngineError::Invalid(format!(
+                            "train config `{k}`: must be a finite number"
+                        )));
+                    }
                     merged.insert(k, v);
                 }
             }
@@ -360,6 +367,81 @@ impl TrainConfig {
         }
         if !(self.optimizer.min_lr.is_finite() && self.optimizer.min_lr >= 0.0) {
             return bad("min_lr", "must be a non-negative number");
+        }
+        let o = &self.optimizer;
+        if o.min_lr > o.lr {
+            return bad(
+                "min_lr",
+                &format!(
+                    "{} is above lr {}: the decay would raise the learning rate; give a min_lr of at most lr",
+                    o.min_lr, o.lr
+                ),
+            );
+        }
+        for (name, value) in [("beta1", o.beta1), ("beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&value) {
+                return bad(name, &format!("{value} is outside [0, 1): Adam's moments would not average (1 never forgets, above 1 grows without bound)"));
+            }
+        }
+        if !(o.adam_eps.is_finite() && o.adam_eps > 0.0) {
+            return bad(
+                "adam_eps",
+                &format!(
+                    "{} must be a positive number (0 divides by zero where a gradient is 0)",
+                    o.adam_eps
+                ),
+            );
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return bad(
+                "weight_decay",
+                &format!("{} must be a non-negative number", o.weight_decay),
+            );
+        }
+        if !(o.grad_clip.is_finite() && o.grad_clip >= 0.0) {
+            return bad(
+                "grad_clip",
+                &format!(
+                    "{} must be a non-negative number (0: no clipping)",
+                    o.grad_clip
+                ),
+            );
+        }
+        if self.numerics.loss_scale_window == 0 {
+            return bad(
+                "loss_scale_window",
+                "must be at least 1 (clean steps before the loss scale grows)",
+            );
+        }
+        if self.logging.straggler_steps == 0 {
+            return bad(
+                "straggler_steps",
+                "must be at least 1 (steps a device must be slow before it is named)",
+            );
+        }
+        const MAX_THREADS: usize = 4096;
+        if self.parallelism.threads > MAX_THREADS {
+            return bad(
+                "threads",
+                &format!(
+                    "{} is more than {MAX_THREADS}: give the cores a device should use (0: all)",
+                    self.parallelism.threads
+                ),
+            );
+        }
+        if self.checkpointing.out_dir.as_os_str().is_empty() {
+            return bad("out_dir", "is empty: name the run's directory (an empty name would write into the current directory)");
+        }
+        if self
+            .checkpointing
+            .checkpoint_dir
+            .as_ref()
+            .is_some_and(|d| d.as_os_str().is_empty())
+        {
+            return bad(
+                "checkpoint_dir",
+                "is empty: name the directory, or leave it out for <out_dir>/checkpoints",
+            );
         }
         if let Some(r) = self.lora.lora_rank {
             if r == 0 || r > ferrotron_core::model::MAX_RANK {

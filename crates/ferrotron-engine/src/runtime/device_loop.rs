@@ -68,6 +68,7 @@ pub(super) fn run_device<C: Comm>(
         adam: run.adam,
         lr: &run.schedule,
         clip: cfg.optimizer.grad_clip,
+        stop: &|| super::preemption::received().is_some(),
     };
     let mut dev = step.train_device(c, &training, &mut |mesh, c, dev, report| {
         let mine = Figures::of(report);
@@ -101,12 +102,29 @@ pub(super) fn run_device<C: Comm>(
             })?;
         }
         let done = report.step + 1;
-        if run.checkpoints.due(done) {
+        // Asked to stop: this step's checkpoint is saved (if it was not due anyway), then every
+        // device ends the run here.
+        if run.checkpoints.due(done) || (report.stop && done > run.start) {
             // The copies a save makes are the host's, not the device's.
             memory::clear_device();
             let saved = save_checkpoint(run, mesh, c, dev, done);
             memory::set_device(account);
             saved?;
+        }
+        if report.stop {
+            let dir = run
+                .checkpoints
+                .root
+                .join(crate::checkpoint::step_dir_name(done));
+            return Err(EngineError::Preempted {
+                signal: super::preemption::received().unwrap_or(libc::SIGTERM),
+                step: done,
+                saved: format!(
+                    "its checkpoint is {}; continue the run with --resume {}",
+                    dir.display(),
+                    run.checkpoints.root.display()
+                ),
+            });
         }
         Ok(())
     })?;

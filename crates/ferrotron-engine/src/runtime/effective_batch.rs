@@ -88,7 +88,9 @@ impl EarlierRun {
                 dir.display()
             ))
         };
-        let text = std::fs::read_to_string(&settings).map_err(|e| unreadable(e.to_string()))?;
+        let text =
+            ferrotron_core::bounded::read_to_string(&settings, ferrotron_core::bounded::SETTINGS)
+                .map_err(|e| unreadable(e.to_string()))?;
         let v: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
         Self::from_settings(settings.display().to_string(), &v)

@@ -9,6 +9,7 @@ mod device_loop;
 mod effective_batch;
 mod lora_run;
 mod metrics;
+pub mod preemption;
 pub mod rank_status;
 mod resolve;
 mod run_dir;

@@ -4,6 +4,7 @@
 
 use super::config::TrainConfig;
 use crate::checkpoint::Checkpoint;
+use crate::dir_lock::{self, DirLock, Stale};
 use crate::error::{EngineError, Result};
 use std::path::{Path, PathBuf};
 
@@ -12,54 +13,90 @@ const RUN_FILES: [&str; 2] = ["train_config.json", "metrics.jsonl"];
 /// What a run writes into its directory (all of it goes with `overwrite`).
 const RUN_OUTPUTS: [&str; 4] = ["train_config.json", "metrics.jsonl", "model", "report.html"];
 
-/// Checks that `cfg` may write its run directory and checkpoint directory, and with `overwrite`
-/// empties them of the earlier run. The reporting process calls it before it writes anything.
-pub(super) fn claim(cfg: &TrainConfig) -> Result<()> {
+/// Locks `cfg`'s run directory (and its checkpoint directory, when that lies elsewhere) for the
+/// run, checks that the run may write them, and with `overwrite` empties them of the earlier run.
+/// The reporting process calls it before it reads or writes anything there, and holds the locks
+/// until the run ends.
+pub(super) fn claim(cfg: &TrainConfig) -> Result<Vec<DirLock>> {
     let out = &cfg.checkpointing.out_dir;
     let checkpoints = cfg.checkpoint_root();
+    // A run that died holding the lock is continued by --resume or replaced by --overwrite.
+    let stale = if cfg.checkpointing.overwrite || cfg.checkpointing.resume.is_some() {
+        Stale::TakeOver
+    } else {
+        Stale::Refuse(
+            "continue it with --resume <its checkpoint directory>, replace it with --overwrite, or give a new --out-dir",
+        )
+    };
+    let mut locks = vec![dir_lock::acquire(out, "train", stale)?];
+    if !within(&checkpoints, out) {
+        locks.push(dir_lock::acquire(&checkpoints, "train", stale)?);
+    }
+    check_and_clear(cfg, out, &checkpoints)?;
+    Ok(locks)
+}
+
+fn check_and_clear(cfg: &TrainConfig, out: &Path, checkpoints: &Path) -> Result<()> {
     let holds_run = RUN_FILES.iter().any(|f| out.join(f).exists());
     let holds_checkpoints = checkpoints.join(crate::checkpoint::LATEST).exists();
     if !holds_run && !holds_checkpoints {
-        return Ok(());
+        // Files a run would write, not written by a run (a user's model in `model/`): replacing
+        // them needs --overwrite.
+        let foreign = RUN_OUTPUTS[2..]
+            .iter()
+            .map(|name| out.join(name))
+            .find(|p| p.exists() && !is_empty_dir(p));
+        return match (foreign, cfg.checkpointing.overwrite) {
+            (Some(p), false) => Err(EngineError::Invalid(format!(
+                "`{}` holds files no run wrote (there is no train_config.json or metrics.jsonl beside it), and this run would replace them with its own; move them, give a new --out-dir, or replace them with --overwrite",
+                p.display()
+            ))),
+            (Some(_), true) => clear(out, checkpoints),
+            (None, _) => Ok(()),
+        };
     }
     if cfg.checkpointing.overwrite {
         if let Some(from) = &cfg.checkpointing.resume {
             let ck = Checkpoint::resolve(from)?;
-            if within(&ck, &checkpoints) {
+            if within(&ck, checkpoints) {
                 return Err(EngineError::Invalid(format!(
                     "--overwrite would delete {}, the checkpoint --resume continues from; resume without --overwrite, or resume into a new --out-dir",
                     ck.display()
                 )));
             }
         }
-        return clear(out, &checkpoints);
+        return clear(out, checkpoints);
     }
     match &cfg.checkpointing.resume {
         Some(from) => {
             let ck = Checkpoint::resolve(from)?;
-            if within(&ck, &checkpoints) {
+            if within(&ck, checkpoints) {
                 Ok(()) // continuing this directory's own run
             } else {
                 Err(EngineError::Invalid(format!(
                     "{} holds another run: resuming {} into it would mix the two; give a new --out-dir (or --overwrite to replace it)",
-                    describe(out, &checkpoints, holds_run),
+                    describe(out, checkpoints, holds_run),
                     ck.display()
                 )))
             }
         }
-        None => Err(EngineError::Invalid(match last_step(&checkpoints) {
+        None => Err(EngineError::Invalid(match last_step(checkpoints) {
             Some(step) => format!(
                 "{} already holds a run (last checkpoint: {step}); continue it with --resume {}, replace it with --overwrite, or give a new --out-dir",
-                describe(out, &checkpoints, holds_run),
+                describe(out, checkpoints, holds_run),
                 checkpoints.display()
             ),
             // Stopped before its first checkpoint: there is nothing to continue from.
             None => format!(
                 "{} already holds a run that wrote no checkpoint to continue from; replace it with --overwrite, or give a new --out-dir",
-                describe(out, &checkpoints, holds_run)
+                describe(out, checkpoints, holds_run)
             ),
         })),
     }
+}
+
+fn is_empty_dir(p: &Path) -> bool {
+    std::fs::read_dir(p).is_ok_and(|mut d| d.next().is_none())
 }
 
 fn describe(out: &Path, checkpoints: &Path, holds_run: bool) -> String {
@@ -72,7 +109,11 @@ fn describe(out: &Path, checkpoints: &Path, holds_run: bool) -> String {
 
 /// The step directory `latest` names, if any.
 fn last_step(checkpoints: &Path) -> Option<String> {
-    let name = std::fs::read_to_string(checkpoints.join(crate::checkpoint::LATEST)).ok()?;
+    let name = ferrotron_core::bounded::read_to_string(
+        &checkpoints.join(crate::checkpoint::LATEST),
+        ferrotron_core::bounded::SMALL,
+    )
+    .ok()?;
     Some(name.trim().to_string())
 }
 
@@ -107,20 +148,7 @@ fn clear(out: &Path, checkpoints: &Path) -> Result<()> {
         }
     }
     // Only what a run writes there: the directory may be the user's, holding other things.
-    let Ok(entries) = std::fs::read_dir(checkpoints) else {
-        return Ok(());
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        let p = entry.path();
-        if name.starts_with("step-") && p.is_dir() {
-            std::fs::remove_dir_all(&p).map_err(|e| EngineError::io(&p, e))?;
-        } else if name == crate::checkpoint::LATEST {
-            std::fs::remove_file(&p).map_err(|e| EngineError::io(&p, e))?;
-        }
-    }
-    Ok(())
+    crate::checkpoint::remove_checkpoints(checkpoints)
 }
 
 /// Writes the run's resolved settings, `train_config.json`, into its (claimed) directory.

@@ -163,6 +163,7 @@ pub fn train_steps(
                     adam,
                     lr,
                     clip,
+                    stop: &|| false,
                 },
                 &mut |_, _, _, _| Ok(()),
             )?;

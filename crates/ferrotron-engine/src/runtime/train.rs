@@ -253,6 +253,7 @@ fn check_slow_device(cfg: &TrainConfig, candidates: &[Plan]) -> Result<()> {
 /// saves the final model as a Hugging Face directory.
 pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     cfg.check()?;
+    super::preemption::install();
     let save_dtype = cfg.checkpointing.save_dtype;
     let mut world = World::open(cfg)?;
     let sp = StartingPoint::resolve(cfg)?;
@@ -261,8 +262,13 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let earlier = effective_batch::EarlierRun::of(sp.resume.as_ref(), &sp.source)?;
     let (guarded, note) = effective_batch::guard(cfg, earlier.as_ref())?;
     let cfg = &guarded;
+    // Held until the run ends: a second run, or an --overwrite, in these directories is refused.
+    let _locks = if world.reporter() {
+        Some(run_dir::claim(cfg)?)
+    } else {
+        None
+    };
     if world.reporter() {
-        run_dir::claim(cfg)?;
         eprintln!("{}", effective_batch::describe(cfg));
         if let Some(note) = note {
             eprintln!("{note}");
@@ -334,7 +340,10 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             kernel_threads: world.kernel_threads(cfg, layout.world_size()),
         };
         let metrics = if world.reporter() {
-            Some(open_metrics(&metrics_path, sp.resume.is_some())?)
+            Some(open_metrics(
+                &metrics_path,
+                sp.resume.is_some().then_some(sp.start),
+            )?)
         } else {
             None
         };
@@ -420,12 +429,34 @@ fn finish(
 }
 
 /// `metrics.jsonl`: a resumed run continues the metrics of the run it resumes.
-fn open_metrics(path: &Path, append: bool) -> Result<std::fs::File> {
+/// `metrics.jsonl` to append to: a new run starts it empty; a resumed run from step `start` keeps
+/// the lines of steps up to `start` and drops the rest (steps after the checkpoint it continues
+/// from were recorded by the run that died, and are about to be recorded again; a torn last line
+/// goes too).
+fn open_metrics(path: &Path, resumed_at: Option<usize>) -> Result<std::fs::File> {
+    if let Some(start) = resumed_at.filter(|_| path.exists()) {
+        let bytes = ferrotron_core::bounded::read(path, ferrotron_core::bounded::RECORDS)
+            .map_err(|e| EngineError::io(path, e))?;
+        let text = String::from_utf8_lossy(&bytes);
+        let kept: String = text
+            .lines()
+            .filter(|line| {
+                serde_json::from_str::<serde_json::Value>(line)
+                    .ok()
+                    .and_then(|v| v.get("step")?.as_u64())
+                    .is_some_and(|step| step as usize <= start)
+            })
+            .flat_map(|line| [line, "\n"])
+            .collect();
+        if kept.len() != text.len() {
+            hf::write_atomic(path, kept.as_bytes())?;
+        }
+    }
     std::fs::OpenOptions::new()
         .create(true)
         .write(true)
-        .append(append)
-        .truncate(!append)
+        .append(resumed_at.is_some())
+        .truncate(resumed_at.is_none())
         .open(path)
         .map_err(|e| EngineError::io(path, e))
 }

@@ -198,7 +198,10 @@ fn first_error_or_model(
         match res.map_err(|e| EngineError::Invalid(format!("device {r}: {e}")))? {
             Ok(Some(p)) => params = Some(p),
             Ok(None) => {}
-            Err(e @ EngineError::OutOfMemory { .. }) => return Err(e),
+            // Every device stopped at the same step, with the same error.
+            Err(e @ (EngineError::OutOfMemory { .. } | EngineError::Preempted { .. })) => {
+                return Err(e)
+            }
             Err(e @ EngineError::PeerOutOfMemory(_)) => {
                 first_error.get_or_insert(e);
             }

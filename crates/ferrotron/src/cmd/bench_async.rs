@@ -52,6 +52,7 @@ fn train(
                     adam: AdamWConfig::default(),
                     lr: &lr,
                     clip,
+                    stop: &|| false,
                 },
                 &mut |_, _, _, r| {
                     busy += r.busy_s;

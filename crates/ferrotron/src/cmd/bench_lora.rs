@@ -71,6 +71,7 @@ fn measure(
                 adam: AdamWConfig::default(),
                 lr: &lr,
                 clip: 1.0,
+                stop: &|| false,
             },
             &mut |_, _, _, r| {
                 if r.step >= warmup {

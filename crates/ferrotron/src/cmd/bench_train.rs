@@ -240,6 +240,7 @@ fn engine_step_times(
                 adam,
                 lr: &lr,
                 clip: 0.0,
+                stop: &|| false,
             },
             &mut |_, _, _, r| {
                 if r.step >= b.warmup {

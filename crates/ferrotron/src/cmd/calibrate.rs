@@ -118,7 +118,7 @@ fn run_entry(i: usize, e: RunEntry, file: &Path) -> Result<MeasuredRun> {
 }
 
 fn read_runs(path: &Path) -> Result<Vec<MeasuredRun>> {
-    let text = std::fs::read_to_string(path)
+    let text = ferrotron_core::bounded::read_to_string(path, ferrotron_core::bounded::RECORDS)
         .with_context(|| format!("{}: cannot read", path.display()))?;
     let file: RunsFile =
         toml::from_str(&text).with_context(|| format!("{}: not a runs file", path.display()))?;
@@ -132,13 +132,14 @@ fn read_runs(path: &Path) -> Result<Vec<MeasuredRun>> {
 /// A profile directory's run, and the cluster it was measured on.
 fn read_profile(dir: &Path) -> Result<(MeasuredRun, String)> {
     let path = dir.join("profile.json");
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        format!(
-            "{}: cannot read (write it with `ferrotron profile --out {}`)",
-            path.display(),
-            dir.display()
-        )
-    })?;
+    let text = ferrotron_core::bounded::read_to_string(&path, ferrotron_core::bounded::RECORDS)
+        .with_context(|| {
+            format!(
+                "{}: cannot read (write it with `ferrotron profile --out {}`)",
+                path.display(),
+                dir.display()
+            )
+        })?;
     let r: ProfileRecord =
         serde_json::from_str(&text).with_context(|| format!("{}: malformed", path.display()))?;
     let cluster = Cluster::parse(&r.cluster)?;

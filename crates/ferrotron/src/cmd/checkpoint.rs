@@ -22,6 +22,10 @@ pub enum CheckpointCommand {
         /// The checkpoint directory to write it into (its `latest` will name it).
         #[arg(long)]
         out: PathBuf,
+        /// Replace what the destination already holds (another run's checkpoints, another
+        /// model's files); without it such a destination is refused.
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Write a checkpoint's weights as a Hugging Face model directory (config.json +
     /// model.safetensors + tokenizer.json) that transformers loads; a LoRA checkpoint's adapters
@@ -47,6 +51,10 @@ pub enum CheckpointCommand {
         /// trained on, as the checkpoint records it).
         #[arg(long)]
         base: Option<PathBuf>,
+        /// Replace what the destination already holds (another run's checkpoints, another
+        /// model's files); without it such a destination is refused.
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Import a Hugging Face model directory as a step-0 checkpoint (fresh optimizer), to train
     /// from with `ferrotron train --resume`.
@@ -59,15 +67,24 @@ pub enum CheckpointCommand {
         /// The layout to shard it for (default: one device).
         #[arg(long, default_value = "")]
         layout: String,
+        /// Replace what the destination already holds (another run's checkpoints, another
+        /// model's files); without it such a destination is refused.
+        #[arg(long)]
+        overwrite: bool,
     },
 }
 
 pub fn run(cmd: CheckpointCommand) -> Result<()> {
     match cmd {
         CheckpointCommand::Inspect { dir } => print!("{}", checkpoint::inspect(&dir)?),
-        CheckpointCommand::Reshard { dir, layout, out } => {
+        CheckpointCommand::Reshard {
+            dir,
+            layout,
+            out,
+            overwrite,
+        } => {
             let layout = concrete_layout(&layout)?;
-            let written = checkpoint::reshard(&dir, &layout, &out)?;
+            let written = checkpoint::reshard(&dir, &layout, &out, overwrite)?;
             println!("resharded to `{layout}`: {}", written.display());
         }
         CheckpointCommand::Export {
@@ -77,22 +94,23 @@ pub fn run(cmd: CheckpointCommand) -> Result<()> {
             adapter,
             merge,
             base,
+            overwrite,
         } => {
             let dtype = StorageDtype::parse(&dtype)?;
             if base.is_some() && !merge {
                 anyhow::bail!("--base names the base model of `--merge`");
             }
             if let Some(out) = &adapter {
-                checkpoint::export_adapter(&dir, out)?;
+                checkpoint::export_adapter(&dir, out, overwrite)?;
                 println!("adapters exported to {} (PEFT)", out.display());
             }
             match (&hf, merge) {
                 (Some(out), true) => {
-                    checkpoint::export_merged(&dir, base.as_deref(), out, dtype)?;
+                    checkpoint::export_merged(&dir, base.as_deref(), out, dtype, overwrite)?;
                     println!("merged model exported to {}", out.display());
                 }
                 (Some(out), false) => {
-                    checkpoint::export_hf(&dir, out, dtype)?;
+                    checkpoint::export_hf(&dir, out, dtype, overwrite)?;
                     println!("exported to {}", out.display());
                 }
                 (None, true) => anyhow::bail!("--merge writes a model: give `--hf DIR`"),
@@ -106,9 +124,10 @@ pub fn run(cmd: CheckpointCommand) -> Result<()> {
             hf_dir,
             out,
             layout,
+            overwrite,
         } => {
             let layout = concrete_layout(&layout)?;
-            let written = checkpoint::import_hf(&hf_dir, &layout, &out)?;
+            let written = checkpoint::import_hf(&hf_dir, &layout, &out, overwrite)?;
             println!("imported as step 0 for `{layout}`: {}", written.display());
         }
     }

@@ -33,8 +33,9 @@ pub struct LaunchArgs {
 }
 
 pub fn run(a: LaunchArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.hostfile)
-        .with_context(|| format!("{}: cannot read", a.hostfile.display()))?;
+    let text =
+        ferrotron_core::bounded::read_to_string(&a.hostfile, ferrotron_core::bounded::SETTINGS)
+            .with_context(|| format!("{}: cannot read", a.hostfile.display()))?;
     let hosts = parse_hostfile(&text, &a.hostfile)?;
     if a.command.first().map(String::as_str) != Some("train") {
         bail!("launch runs `train`: `ferrotron launch --hostfile FILE -- train ARGS…`");

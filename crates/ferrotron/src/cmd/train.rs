@@ -22,8 +22,9 @@ pub struct TrainArgs {
 fn resolve(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<TrainConfig> {
     let toml = match &args.config {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("{}: cannot read", path.display()))?;
+            let text =
+                ferrotron_core::bounded::read_to_string(path, ferrotron_core::bounded::SETTINGS)
+                    .with_context(|| format!("{}: cannot read", path.display()))?;
             let table: toml::Table = toml::from_str(&text)
                 .with_context(|| format!("{}: not valid TOML", path.display()))?;
             match serde_json::to_value(table)? {

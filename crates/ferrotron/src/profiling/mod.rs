@@ -190,6 +190,7 @@ fn measure(
                     adam: AdamWConfig::default(),
                     lr: &lr,
                     clip: 1.0,
+                    stop: &|| false,
                 },
                 &mut |_, _, _, r| {
                     reports.push(r.clone());

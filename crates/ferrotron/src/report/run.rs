@@ -104,7 +104,7 @@ pub fn device_table(caption: &str, rows: &[DeviceRow], extra_headers: &[&str]) -
 /// The steps of the run in order; a step recorded twice (a resumed run) keeps its last record.
 fn read_steps(dir: &Path) -> Result<Vec<StepLine>> {
     let path = dir.join("metrics.jsonl");
-    let text = std::fs::read_to_string(&path)
+    let text = ferrotron_core::bounded::read_to_string(&path, ferrotron_core::bounded::RECORDS)
         .with_context(|| format!("{}: cannot read", path.display()))?;
     let mut steps = BTreeMap::new();
     for (i, line) in text
@@ -125,7 +125,7 @@ fn read_steps(dir: &Path) -> Result<Vec<StepLine>> {
 /// Each device's memory capacity, from the run's settings (its `device_memory`, else its cluster).
 fn capacity(dir: &Path) -> Result<u64> {
     let path = dir.join("train_config.json");
-    let text = std::fs::read_to_string(&path)
+    let text = ferrotron_core::bounded::read_to_string(&path, ferrotron_core::bounded::RECORDS)
         .with_context(|| format!("{}: cannot read", path.display()))?;
     let cfg: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;

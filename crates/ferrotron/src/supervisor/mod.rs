@@ -98,6 +98,7 @@ impl Supervisor {
                     self.max_restarts
                 );
             }
+            self.release_lock_of_failed_job(&events)?;
             self.hosts.retain(|h| !gone.contains(&h.name));
             if self.hosts.is_empty() {
                 bail!("no host is left to relaunch on");
@@ -113,6 +114,28 @@ impl Supervisor {
                 events.clone(),
             ));
         }
+    }
+
+    /// The failed job's rank 0 may have died holding the run directory's lock (or be alive on a
+    /// host cut off from the rest, where no check from here can reach it): mpirun has exited, so
+    /// the job is over, and a lock its own hosts took for `train` is released for the relaunch.
+    fn release_lock_of_failed_job(&self, events: &Events) -> Result<()> {
+        let out = &self.cfg.checkpointing.out_dir;
+        for dir in [out.clone(), self.cfg.checkpoint_root()] {
+            let lock = dir.join(ferrotron_engine::dir_lock::LOCK_FILE);
+            let Some(holder) = ferrotron_engine::dir_lock::read_holder(&lock) else {
+                continue;
+            };
+            if holder.what == "train" && self.hosts.iter().any(|h| h.name == holder.host) {
+                std::fs::remove_file(&lock)
+                    .with_context(|| format!("{}: cannot remove", lock.display()))?;
+                events.record(
+                    "lock_released",
+                    serde_json::json!({"dir": dir, "pid": holder.pid, "host": holder.host}),
+                )?;
+            }
+        }
+        Ok(())
     }
 
     fn devices(&self) -> usize {

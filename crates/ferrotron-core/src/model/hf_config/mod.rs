@@ -14,10 +14,13 @@ use std::path::{Path, PathBuf};
 impl ModelConfig {
     /// Reads a Hugging Face `config.json`. Every error names the file and the field.
     pub fn from_hf_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            file: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            crate::bounded::read_to_string(path, crate::bounded::SETTINGS).map_err(|source| {
+                ConfigError::Io {
+                    file: path.to_path_buf(),
+                    source,
+                }
+            })?;
         Self::from_hf_json(&text, path)
     }
 

@@ -478,6 +478,19 @@ impl<'a> MeshStep<'a> {
         })
     }
 
+    /// The name of the first of device `dev`'s tensors (in model order) whose reduced gradient
+    /// holds a NaN or an infinity, if any.
+    pub(crate) fn first_non_finite_grad(&self, dev: &mut Device) -> Option<String> {
+        let specs = dev.zero.specs();
+        dev.zero.with_grad_view(|grads| {
+            specs
+                .iter()
+                .zip(grads.iter())
+                .find(|(_, g)| g.iter().any(|x| !x.is_finite()))
+                .map(|(sp, _)| sp.name.clone())
+        })
+    }
+
     /// Runs device `c.rank()`'s part of the step `1 + warmup` times (only the last counts) and returns
     /// its loss, its gradients (reduced over replicas, whole) and what it measured.
     pub fn run_device<C: Comm>(&self, c: &mut C, warmup: usize) -> Result<DeviceResult> {

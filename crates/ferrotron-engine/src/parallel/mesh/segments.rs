@@ -147,6 +147,8 @@ impl MeshStep<'_> {
         let over = out.outcome.over_capacity.is_some();
         let mut l: Vec<f64> = out.step_loss.clone();
         l.push(over as u8 as f64);
+        // Asked to stop: the segment ends drained, so its last step is where all devices stop.
+        l.push((t.stop)() as u8 as f64);
         c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
         if let Some(e) = out.outcome.over_capacity {
             return Err(e);
@@ -170,6 +172,7 @@ impl MeshStep<'_> {
                 StepReport {
                     step: start + k,
                     loss: l[k] / tokens_per_step as f64,
+                    stop: last && l[steps + 1] > 0.0,
                     grad_norm: norms.iter().sum::<f64>() / norms.len() as f64,
                     lr: t.lr.lr(start + k),
                     stats: shared(&stats, steps),

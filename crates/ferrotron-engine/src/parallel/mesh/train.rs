@@ -35,6 +35,8 @@ pub struct StepReport {
     pub step: usize,
     /// Mean loss over the global batch (the same on every device).
     pub loss: f64,
+    /// Every device stops after this step (one was asked to, by a signal).
+    pub stop: bool,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub lr: f64,
@@ -75,6 +77,9 @@ pub struct Training<'a> {
     pub lr: &'a LrSchedule,
     /// Clip the global gradient norm to this (0: off).
     pub clip: f64,
+    /// Whether this device was asked to stop (a signal): read at the end of each step, where all
+    /// devices agree on it (any one asking stops them all after that step).
+    pub stop: &'a dyn Fn() -> bool,
 }
 
 impl MeshStep<'_> {
@@ -159,9 +164,14 @@ impl MeshStep<'_> {
         }
         let update_end = c.device_time();
         memory_over_step.push(memory::sample(account, update_end));
-        // Every device learns the step's loss (summed from the devices that count it), and whether
-        // any device went over its capacity: then every device ends the run here, together.
-        let mut l = [loss, over_capacity.is_some() as u8 as f64];
+        // Every device learns the step's loss (summed from the devices that count it), whether
+        // any device went over its capacity (then every device ends the run here, together), and
+        // whether any was asked to stop.
+        let mut l = [
+            loss,
+            over_capacity.is_some() as u8 as f64,
+            (t.stop)() as u8 as f64,
+        ];
         c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
         if let Some(e) = over_capacity {
             return Err(e);
@@ -173,12 +183,19 @@ impl MeshStep<'_> {
                 step + 1
             )));
         }
+        // Without loss scaling (which skips such steps), a non-finite loss or norm ends the run:
+        // nothing after it would be worth saving.
+        let loss_total = l[0] / self.total_tokens as f64;
+        if self.loss_scaling().is_none() && !(loss_total.is_finite() && norm.is_finite()) {
+            return Err(self.non_finite(dev, c.rank(), step, loss_total, norm));
+        }
         let ended = c.device_time();
         memory_over_step.push(memory::sample(account, ended));
         let stats = c.stats().since(&from);
         Ok(StepReport {
             step,
-            loss: l[0] / self.total_tokens as f64,
+            loss: loss_total,
+            stop: l[2] > 0.0,
             grad_norm: norm,
             lr: rate as f64,
             // Computing is the device's compute time; the rest of the step is waiting (bubble,
@@ -200,6 +217,26 @@ impl MeshStep<'_> {
             loss_scale: scale_used,
             skipped,
         })
+    }
+
+    /// The error of a step whose loss or gradient norm went non-finite, naming this device's first
+    /// tensor with a non-finite gradient.
+    fn non_finite(
+        &self,
+        dev: &mut Device,
+        rank: usize,
+        step: usize,
+        loss: f64,
+        norm: f64,
+    ) -> EngineError {
+        let found = match self.first_non_finite_grad(dev) {
+            Some(name) => format!("device {rank}'s first tensor with a non-finite gradient is `{name}`"),
+            None => format!("device {rank}'s gradients are finite: the non-finite values are in the loss or on other devices' tensors"),
+        };
+        EngineError::NonFinite(format!(
+            "step {}: the loss is {loss} and the gradient norm {norm}; {found}. The run stops here and saves nothing: the last checkpoint is the last good state. Look for a setting out of its range (learning rate, Adam's betas and epsilon, a norm's epsilon, RoPE's theta) or non-finite weights",
+            step + 1
+        ))
     }
 
     /// fp16 loss scaling: an inf or NaN in any device's gradients skips the step for every device
