@@ -270,7 +270,7 @@ impl TrainConfig {
                     // which an optional setting would take for "not given".
                     if v.is_null() {
                         return Err(EngineError::Invalid(format!(
-                            "train config `{k}`: must be a finite number"
+                            "{source}: `{k}` must be a finite number"
                         )));
                     }
                     merged.insert(k, v);
