@@ -20,6 +20,44 @@ use ferrotron_core::model::WeightLayout;
 /// gradient (a vocab-parallel shard's table holds only some of the vocabulary).
 pub const MASKED_ID: u32 = u32::MAX;
 
+/// Attention's inputs: Q, K and V, token-major (`[tokens, heads·head_dim]`; K and V with the KV
+/// heads).
+#[derive(Debug, Clone, Copy)]
+pub struct Qkv<'a, T = f32> {
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+}
+
+/// What attention's backward reads: the output's gradient, the inputs, and the output and
+/// log-sum-exp forward kept.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnGradInputs<'a, T = f32> {
+    pub dout: &'a [T],
+    pub x: Qkv<'a, T>,
+    pub out: &'a [T],
+    pub lse: &'a [T],
+}
+
+/// Attention's gradients at Q, K and V.
+#[derive(Debug)]
+pub struct QkvGrads<'a, T = f32> {
+    pub dq: &'a mut [T],
+    pub dk: &'a mut [T],
+    pub dv: &'a mut [T],
+}
+
+impl<T> QkvGrads<'_, T> {
+    /// The same gradients, borrowed again (to hand them on and keep them).
+    pub fn reborrow(&mut self) -> QkvGrads<'_, T> {
+        QkvGrads {
+            dq: self.dq,
+            dk: self.dk,
+            dv: self.dv,
+        }
+    }
+}
+
 /// Shape of one attention call: `batch` sequences of `seq` tokens, `heads` query heads sharing
 /// `kv_heads` key/value heads (grouped-query attention), each `head_dim` wide.
 #[derive(Debug, Clone, Copy)]
@@ -236,29 +274,11 @@ pub trait Backend: Sync {
     /// Causal softmax attention, memory-efficient: `lse` keeps each query row's log-sum-exp of its
     /// scaled scores for backward (`s.lse_len()`); no probabilities are kept. Every element of
     /// `out` and `lse` is written, none read.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_forward(
-        &self,
-        s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-        lse: &mut [f32],
-    );
+    fn attention_forward(&self, s: AttnShape, x: Qkv, out: &mut [f32], lse: &mut [f32]);
     /// One block of attention (some queries against some keys): its output rows, normalised over
     /// the block's keys, and their log-sum-exp (−∞ and a zero row for a query that sees none of
     /// them). [`Backend::attention_merge`] combines blocks into the whole.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_block_forward(
-        &self,
-        b: AttnBlock,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-        lse: &mut [f32],
-    );
+    fn attention_block_forward(&self, b: AttnBlock, x: Qkv, out: &mut [f32], lse: &mut [f32]);
     /// Folds a block's output and log-sum-exp (`out_b`, `lse_b`) into the running ones (`out`,
     /// `lse`): softmax over the union of their keys. Shapes as `s.whole()`'s.
     fn attention_merge(
@@ -272,37 +292,11 @@ pub trait Backend: Sync {
     /// One block's share of attention's backward, given the whole attention's output and
     /// log-sum-exp at the block's queries: adds into `dq` (the block's query rows) and `dk`, `dv`
     /// (its key rows).
-    #[allow(clippy::too_many_arguments)]
-    fn attention_block_backward(
-        &self,
-        b: AttnBlock,
-        dout: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-    );
+    fn attention_block_backward(&self, b: AttnBlock, inputs: AttnGradInputs, grads: QkvGrads);
     /// The gradients at Q, K and V, from forward's output and log-sum-exp (the probabilities are
     /// recomputed tile by tile): every element of `dq`, `dk` and `dv` is written (not accumulated
     /// into), none read before.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        s: AttnShape,
-        dout: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-    );
+    fn attention_backward(&self, s: AttnShape, inputs: AttnGradInputs, grads: QkvGrads);
 
     /// `out = silu(gate) · up`.
     fn swiglu_forward(&self, gate: &[f32], up: &[f32], out: &mut [f32]);

@@ -23,7 +23,7 @@
 //! step, sent without holding the device (`Comm::send_overlapped`) and counted as group `cp`.
 
 use crate::comm::{Comm, CommError, Group};
-use crate::kernels::{AttnBlock, AttnShape, Backend, Span};
+use crate::kernels::{AttnBlock, AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads, Span};
 use crate::transformer::TokenBatch;
 use ferrotron_core::layout::CpComm;
 
@@ -171,15 +171,13 @@ pub fn forward<C: Comm>(
     cx: &ContextShard,
     be: &dyn Backend,
     s: AttnShape,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    x: Qkv,
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<(), CommError> {
     match cx.comm {
-        CpComm::Ring => ring_forward(c, g, cx, be, s, q, k, v, out, lse),
-        CpComm::A2a => a2a_forward(c, g, cx, be, s, q, k, v, out, lse),
+        CpComm::Ring => ring_forward(c, g, cx, be, s, x, out, lse),
+        CpComm::A2a => a2a_forward(c, g, cx, be, s, x, out, lse),
     }
 }
 
@@ -191,19 +189,12 @@ pub fn backward<C: Comm>(
     cx: &ContextShard,
     be: &dyn Backend,
     s: AttnShape,
-    dout: &[f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    inputs: AttnGradInputs,
+    grads: QkvGrads,
 ) -> Result<(), CommError> {
     match cx.comm {
-        CpComm::Ring => ring_backward(c, g, cx, be, s, dout, q, k, v, out, lse, dq, dk, dv),
-        CpComm::A2a => a2a_backward(c, g, cx, be, s, dout, q, k, v, out, lse, dq, dk, dv),
+        CpComm::Ring => ring_backward(c, g, cx, be, s, inputs, grads),
+        CpComm::A2a => a2a_backward(c, g, cx, be, s, inputs, grads),
     }
 }
 
@@ -220,9 +211,7 @@ fn ring_forward<C: Comm>(
     cx: &ContextShard,
     be: &dyn Backend,
     s: AttnShape,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    x: Qkv,
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<(), CommError> {
@@ -230,7 +219,8 @@ fn ring_forward<C: Comm>(
     let (next, prev) = neighbours(g, cx);
     out.fill(0.0);
     lse.fill(f32::NEG_INFINITY);
-    let mut kv = [k, v].concat();
+    let (q, k_len) = (x.q, x.k.len());
+    let mut kv = [x.k, x.v].concat();
     let (mut out_b, mut lse_b) = (vec![0f32; out.len()], vec![0f32; lse.len()]);
     for step in 0..n {
         // Send the block in hand on before computing with it: its transfer hides behind the
@@ -239,10 +229,10 @@ fn ring_forward<C: Comm>(
             c.send_overlapped("cp", next, &kv, TAG_KV | step as u64)?;
         }
         let owner = (cx.index + n - step) % n;
-        let (kb, vb) = kv.split_at(k.len());
+        let (k, v) = kv.split_at(k_len);
         for b in blocks(cx, owner, s) {
             lse_b.fill(f32::NEG_INFINITY);
-            be.attention_block_forward(b, q, kb, vb, &mut out_b, &mut lse_b);
+            be.attention_block_forward(b, Qkv { q, k, v }, &mut out_b, &mut lse_b);
             be.attention_merge(s, out, lse, &out_b, &lse_b);
         }
         if step + 1 < n {
@@ -259,20 +249,15 @@ fn ring_backward<C: Comm>(
     cx: &ContextShard,
     be: &dyn Backend,
     s: AttnShape,
-    dout: &[f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    inputs: AttnGradInputs,
+    grads: QkvGrads,
 ) -> Result<(), CommError> {
     let n = cx.size;
     let (next, prev) = neighbours(g, cx);
+    let QkvGrads { dq, dk, dv } = grads;
     dq.fill(0.0);
-    let mut kv = [k, v].concat();
+    let k_len = inputs.x.k.len();
+    let mut kv = [inputs.x.k, inputs.x.v].concat();
     let (mut mine, mut passing) = (vec![0f32; kv.len()], vec![0f32; kv.len()]);
     for step in 0..n {
         if step + 1 < n {
@@ -281,10 +266,19 @@ fn ring_backward<C: Comm>(
         let owner = (cx.index + n - step) % n;
         mine.fill(0.0);
         {
-            let (kb, vb) = kv.split_at(k.len());
-            let (dkb, dvb) = mine.split_at_mut(k.len());
+            let (k, v) = kv.split_at(k_len);
+            let (dk, dv) = mine.split_at_mut(k_len);
+            let block_inputs = AttnGradInputs {
+                x: Qkv { k, v, ..inputs.x },
+                ..inputs
+            };
+            let mut grads = QkvGrads {
+                dq: &mut *dq,
+                dk,
+                dv,
+            };
             for b in blocks(cx, owner, s) {
-                be.attention_block_backward(b, dout, q, kb, vb, out, lse, dq, dkb, dvb);
+                be.attention_block_backward(b, block_inputs, grads.reborrow());
             }
         }
         // The owner's dK and dV so far come from the previous device (which had its K and V one
@@ -299,7 +293,7 @@ fn ring_backward<C: Comm>(
         }
     }
     c.recv_as("cp", prev, &mut passing, TAG_DKV | (n - 1) as u64)?;
-    let (pk, pv) = passing.split_at(k.len());
+    let (pk, pv) = passing.split_at(k_len);
     dk.copy_from_slice(pk);
     dv.copy_from_slice(pv);
     Ok(())
@@ -438,21 +432,24 @@ fn a2a_forward<C: Comm>(
     cx: &ContextShard,
     be: &dyn Backend,
     s: AttnShape,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    x: Qkv,
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<(), CommError> {
     let (qw, kw) = (s.q_width(), s.kv_width());
     let qheads = |r: usize| heads_of(cx, s, r).0;
     let kvheads = |r: usize| heads_of(cx, s, r).1;
-    let hq = to_heads(c, g, cx, s, q, qw, &qheads, TAG_A2A)?;
-    let hk = to_heads(c, g, cx, s, k, kw, &kvheads, TAG_A2A | 1)?;
-    let hv = to_heads(c, g, cx, s, v, kw, &kvheads, TAG_A2A | 2)?;
+    let hq = to_heads(c, g, cx, s, x.q, qw, &qheads, TAG_A2A)?;
+    let hk = to_heads(c, g, cx, s, x.k, kw, &kvheads, TAG_A2A | 1)?;
+    let hv = to_heads(c, g, cx, s, x.v, kw, &kvheads, TAG_A2A | 2)?;
     let hs = head_shape(cx, s);
     let mut ho = vec![0f32; hq.len()];
-    be.attention_forward(hs, &hq, &hk, &hv, &mut ho, lse);
+    let heads = Qkv {
+        q: &hq,
+        k: &hk,
+        v: &hv,
+    };
+    be.attention_forward(hs, heads, &mut ho, lse);
     from_heads(c, g, cx, s, &ho, out, qw, &qheads, TAG_A2A | 3)
 }
 
@@ -463,22 +460,17 @@ fn a2a_backward<C: Comm>(
     cx: &ContextShard,
     be: &dyn Backend,
     s: AttnShape,
-    dout: &[f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    inputs: AttnGradInputs,
+    grads: QkvGrads,
 ) -> Result<(), CommError> {
     let (qw, kw) = (s.q_width(), s.kv_width());
     let qheads = |r: usize| heads_of(cx, s, r).0;
     let kvheads = |r: usize| heads_of(cx, s, r).1;
-    let hq = to_heads(c, g, cx, s, q, qw, &qheads, TAG_A2A | 4)?;
-    let hk = to_heads(c, g, cx, s, k, kw, &kvheads, TAG_A2A | 5)?;
-    let hv = to_heads(c, g, cx, s, v, kw, &kvheads, TAG_A2A | 6)?;
+    let AttnGradInputs { dout, x, out, lse } = inputs;
+    let QkvGrads { dq, dk, dv } = grads;
+    let hq = to_heads(c, g, cx, s, x.q, qw, &qheads, TAG_A2A | 4)?;
+    let hk = to_heads(c, g, cx, s, x.k, kw, &kvheads, TAG_A2A | 5)?;
+    let hv = to_heads(c, g, cx, s, x.v, kw, &kvheads, TAG_A2A | 6)?;
     let ho = to_heads(c, g, cx, s, out, qw, &qheads, TAG_A2A | 7)?;
     let hdo = to_heads(c, g, cx, s, dout, qw, &qheads, TAG_A2A | 8)?;
     let hs = head_shape(cx, s);
@@ -487,9 +479,22 @@ fn a2a_backward<C: Comm>(
         vec![0f32; hk.len()],
         vec![0f32; hv.len()],
     );
-    be.attention_backward(
-        hs, &hdo, &hq, &hk, &hv, &ho, lse, &mut hdq, &mut hdk, &mut hdv,
-    );
+    let head_inputs = AttnGradInputs {
+        dout: &hdo,
+        x: Qkv {
+            q: &hq,
+            k: &hk,
+            v: &hv,
+        },
+        out: &ho,
+        lse,
+    };
+    let head_grads = QkvGrads {
+        dq: &mut hdq,
+        dk: &mut hdk,
+        dv: &mut hdv,
+    };
+    be.attention_backward(hs, head_inputs, head_grads);
     from_heads(c, g, cx, s, &hdq, dq, qw, &qheads, TAG_A2A | 9)?;
     from_heads(c, g, cx, s, &hdk, dk, kw, &kvheads, TAG_A2A | 10)?;
     from_heads(c, g, cx, s, &hdv, dv, kw, &kvheads, TAG_A2A | 11)
@@ -557,13 +562,29 @@ mod tests {
             let (qw, kw) = (s.q_width(), s.kv_width());
             let [q, k, v, dout] = [qw, kw, kw, qw].map(|w| random(batch * seq * w, w as u64));
             let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; s.lse_len()]);
-            be.attention_forward(s, &q, &k, &v, &mut out, &mut lse);
+            let x = Qkv {
+                q: &q,
+                k: &k,
+                v: &v,
+            };
+            be.attention_forward(s, x, &mut out, &mut lse);
             let (mut dq, mut dk, mut dv) = (
                 vec![0f32; q.len()],
                 vec![0f32; k.len()],
                 vec![0f32; v.len()],
             );
-            be.attention_backward(s, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv);
+            let inputs = AttnGradInputs {
+                dout: &dout,
+                x,
+                out: &out,
+                lse: &lse,
+            };
+            let grads = QkvGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            };
+            be.attention_backward(s, inputs, grads);
             let results = ThreadWorld::new(cp).run(|c| {
                 let cx = ContextShard {
                     size: cp,
@@ -575,15 +596,29 @@ mod tests {
                 let rows = |x: &[f32], w| local_rows(&cx, x, w, batch, seq);
                 let (lq, lk, lv, ldo) = (rows(&q, qw), rows(&k, kw), rows(&v, kw), rows(&dout, qw));
                 let (mut o, mut l) = (vec![0f32; lq.len()], vec![0f32; local.lse_len()]);
-                forward(c, &g, &cx, &be, local, &lq, &lk, &lv, &mut o, &mut l)?;
+                let x = Qkv {
+                    q: &lq,
+                    k: &lk,
+                    v: &lv,
+                };
+                forward(c, &g, &cx, &be, local, x, &mut o, &mut l)?;
                 let (mut gq, mut gk, mut gv) = (
                     vec![0f32; lq.len()],
                     vec![0f32; lk.len()],
                     vec![0f32; lv.len()],
                 );
-                backward(
-                    c, &g, &cx, &be, local, &ldo, &lq, &lk, &lv, &o, &l, &mut gq, &mut gk, &mut gv,
-                )?;
+                let inputs = AttnGradInputs {
+                    dout: &ldo,
+                    x,
+                    out: &o,
+                    lse: &l,
+                };
+                let grads = QkvGrads {
+                    dq: &mut gq,
+                    dk: &mut gk,
+                    dv: &mut gv,
+                };
+                backward(c, &g, &cx, &be, local, inputs, grads)?;
                 Ok::<_, CommError>([
                     (o, rows(&out, qw)),
                     (gq, rows(&dq, qw)),

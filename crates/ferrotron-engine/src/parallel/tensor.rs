@@ -18,7 +18,7 @@ use super::context::{self, ContextShard};
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::half_storage::Wire;
-use crate::kernels::{AttnShape, Backend};
+use crate::kernels::{AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads};
 use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
 use ferrotron_core::model::{
     adapter_parts, projection_split, AdapterHalf, Arch, ModelConfig, ParamSpec, TargetSplit,
@@ -619,38 +619,25 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
         &self,
         be: &dyn Backend,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        x: Qkv,
         out: &mut [f32],
         lse: &mut [f32],
     ) {
         match &self.context {
-            Some((cx, g)) => {
-                self.with_comm(|c| context::forward(c, g, cx, be, s, q, k, v, out, lse))
-            }
-            None => be.attention_forward(s, q, k, v, out, lse),
+            Some((cx, g)) => self.with_comm(|c| context::forward(c, g, cx, be, s, x, out, lse)),
+            None => be.attention_forward(s, x, out, lse),
         }
     }
     fn attention_backward(
         &self,
         be: &dyn Backend,
         s: AttnShape,
-        dout: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        inputs: AttnGradInputs,
+        grads: QkvGrads,
     ) {
         match &self.context {
-            Some((cx, g)) => self.with_comm(|c| {
-                context::backward(c, g, cx, be, s, dout, q, k, v, out, lse, dq, dk, dv)
-            }),
-            None => be.attention_backward(s, dout, q, k, v, out, lse, dq, dk, dv),
+            Some((cx, g)) => self.with_comm(|c| context::backward(c, g, cx, be, s, inputs, grads)),
+            None => be.attention_backward(s, inputs, grads),
         }
     }
 }

@@ -4,7 +4,7 @@
 //! unconditionally; for the unsplit model every one is the identity or the local kernel
 //! ([`Unsplit`]), and the parallel layer implements them over process groups.
 
-use crate::kernels::{AttnShape, Backend};
+use crate::kernels::{AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads};
 
 /// What a shard of the model needs from its tensor-parallel group.
 ///
@@ -38,36 +38,25 @@ pub trait ShardCollectives {
     }
     /// Causal attention of this device's queries over their whole sequences (see
     /// [`Backend::attention_forward`]; `lse` is only for [`ShardCollectives::attention_backward`]).
-    #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
         be: &dyn Backend,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        x: Qkv,
         out: &mut [f32],
         lse: &mut [f32],
     ) {
-        be.attention_forward(s, q, k, v, out, lse)
+        be.attention_forward(s, x, out, lse)
     }
     /// The gradients at this device's Q, K and V (see [`Backend::attention_backward`]).
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
         be: &dyn Backend,
         s: AttnShape,
-        dout: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        inputs: AttnGradInputs,
+        grads: QkvGrads,
     ) {
-        be.attention_backward(s, dout, q, k, v, out, lse, dq, dk, dv)
+        be.attention_backward(s, inputs, grads)
     }
 }
 

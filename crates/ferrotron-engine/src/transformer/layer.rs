@@ -6,7 +6,7 @@ use super::linear::{Lin, Weights};
 use super::norm::{NormIds, NormStash};
 use super::weights::WeightSink;
 use super::{ParamStore, Transformer};
-use crate::kernels::{AttnShape, Backend};
+use crate::kernels::{AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads};
 use ferrotron_core::model::{Arch, ModelConfig, NormKind, WeightLayout};
 
 /// Parameter indices of one block.
@@ -245,7 +245,12 @@ pub(crate) fn forward(
     // SAFETY: attention writes every element of its output.
     let attn = unsafe {
         be.overwritten(rows * cfg.q_dim(), &mut |attn| {
-            tp.attention_forward(be, shape, &q, &k, &v, attn, &mut lse)
+            let x = Qkv {
+                q: &q,
+                k: &k,
+                v: &v,
+            };
+            tp.attention_forward(be, shape, x, attn, &mut lse)
         })
     };
     let mut x_mid = row_parallel_forward(&ids.attn_out, be, tp, p, &attn, rows);
@@ -384,7 +389,17 @@ pub(crate) fn backward(
         be.overwritten(q.len(), &mut |dq| {
             dk = be.overwritten(k.len(), &mut |dk| {
                 dv = be.overwritten(v.len(), &mut |dv| {
-                    tp.attention_backward(be, shape, &dattn, &q, &k, &v, &attn, &a.lse, dq, dk, dv)
+                    let inputs = AttnGradInputs {
+                        dout: &dattn,
+                        x: Qkv {
+                            q: &q,
+                            k: &k,
+                            v: &v,
+                        },
+                        out: &attn,
+                        lse: &a.lse,
+                    };
+                    tp.attention_backward(be, shape, inputs, QkvGrads { dq, dk, dv })
                 })
             })
         })

@@ -9,7 +9,7 @@ use anyhow::Result;
 use ferrotron_core::layout::CpComm;
 use ferrotron_core::topology::Link;
 use ferrotron_engine::comm::{Comm, Group, LinkModel, ThreadWorld};
-use ferrotron_engine::kernels::{AttnShape, CpuBackend};
+use ferrotron_engine::kernels::{AttnGradInputs, AttnShape, CpuBackend, Qkv, QkvGrads};
 use ferrotron_engine::parallel::context::{self, ContextShard};
 use rand::{Rng, SeedableRng};
 
@@ -59,10 +59,24 @@ fn measure(s: AttnShape, cp: usize, comm: CpComm, link_gb_s: f64) -> Result<Vec<
             vec![0f32; k.len()],
             vec![0f32; v.len()],
         );
-        context::forward(c, &g, &cx, &be, local, &q, &k, &v, &mut out, &mut lse)?;
-        context::backward(
-            c, &g, &cx, &be, local, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv,
-        )?;
+        let x = Qkv {
+            q: &q,
+            k: &k,
+            v: &v,
+        };
+        context::forward(c, &g, &cx, &be, local, x, &mut out, &mut lse)?;
+        let inputs = AttnGradInputs {
+            dout: &dout,
+            x,
+            out: &out,
+            lse: &lse,
+        };
+        let grads = QkvGrads {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+        };
+        context::backward(c, &g, &cx, &be, local, inputs, grads)?;
         let st = c.stats();
         let (send, recv) = (
             st.by_op.get("cp/send").copied().unwrap_or_default(),

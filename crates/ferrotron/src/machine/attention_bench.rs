@@ -5,7 +5,7 @@
 use super::kernel_bench::Peaks;
 use super::peak::{time_on, Clock};
 use ferrotron_core::precision::Products;
-use ferrotron_engine::kernels::{AttnShape, Backend, CpuBackend};
+use ferrotron_engine::kernels::{AttnGradInputs, AttnShape, Backend, CpuBackend, Qkv, QkvGrads};
 use rand::{Rng, SeedableRng};
 
 /// What was measured: median seconds of each pass, and the FLOPs they count.
@@ -84,10 +84,36 @@ pub fn measure(be: &CpuBackend, s: AttnShape, reps: usize) -> AttentionTimes {
     let peaks = Peaks::measure(be);
     // Backward reads what forward wrote; forward's output is the same every time.
     let forward_s = time_on(Clock::Wall, reps, || {
-        be.attention_forward(s, &q, &k, &v, &mut out, &mut lse)
+        be.attention_forward(
+            s,
+            Qkv {
+                q: &q,
+                k: &k,
+                v: &v,
+            },
+            &mut out,
+            &mut lse,
+        )
     });
     let backward_s = time_on(Clock::Wall, reps, || {
-        be.attention_backward(s, &dout, &q, &k, &v, &out, &lse, &mut dq, &mut dk, &mut dv)
+        be.attention_backward(
+            s,
+            AttnGradInputs {
+                dout: &dout,
+                x: Qkv {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                },
+                out: &out,
+                lse: &lse,
+            },
+            QkvGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            },
+        )
     });
     let forward_flop = forward_flop(&s);
     AttentionTimes {

@@ -9,7 +9,9 @@ use super::peak::{
 use ferrotron_core::model::{ModelConfig, WeightLayout};
 use ferrotron_core::precision::Products;
 use ferrotron_engine::half::bf16;
-use ferrotron_engine::kernels::{bf16_gemm, AttnShape, Backend, CpuBackend, LinearShape, Matrix};
+use ferrotron_engine::kernels::{
+    bf16_gemm, AttnGradInputs, AttnShape, Backend, CpuBackend, LinearShape, Matrix, Qkv, QkvGrads,
+};
 use rand::{Rng, SeedableRng};
 
 /// The peaks the products are read against, and what was said of them.
@@ -193,10 +195,36 @@ pub fn attention_rows(be: &CpuBackend, cfg: &ModelConfig, batch: usize, seq: usi
     // Causal: half of the full QK^T and PV work.
     let gf = 2.0 * 2.0 * (batch * a.heads * seq * seq * a.head_dim) as f64 / 2.0 / 1e9;
     let fwd = best_time(KERNEL_REPS, || {
-        be.attention_forward(a, &q, &k, &vv, &mut out, &mut lse)
+        be.attention_forward(
+            a,
+            Qkv {
+                q: &q,
+                k: &k,
+                v: &vv,
+            },
+            &mut out,
+            &mut lse,
+        )
     });
     let bwd = best_time(KERNEL_REPS, || {
-        be.attention_backward(a, &dout, &q, &k, &vv, &out, &lse, &mut dq, &mut dk, &mut dv)
+        be.attention_backward(
+            a,
+            AttnGradInputs {
+                dout: &dout,
+                x: Qkv {
+                    q: &q,
+                    k: &k,
+                    v: &vv,
+                },
+                out: &out,
+                lse: &lse,
+            },
+            QkvGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            },
+        )
     });
     vec![
         format!(

@@ -9,7 +9,9 @@ use anyhow::{bail, Result};
 use ferrotron_core::model::WeightLayout;
 use ferrotron_core::topology::{cpu_fingerprint, this_machine_cache, Cluster};
 use ferrotron_engine::comm::{Comm, Group, LinkModel, ReduceOp, ThreadWorld};
-use ferrotron_engine::kernels::{AttnShape, Backend, CpuBackend, LinearShape, Matrix};
+use ferrotron_engine::kernels::{
+    AttnGradInputs, AttnShape, Backend, CpuBackend, LinearShape, Matrix, Qkv, QkvGrads,
+};
 use std::path::Path;
 
 /// Rows of the GEMMs measured: a micro-batch of 256 tokens, as the profiles run.
@@ -256,9 +258,35 @@ fn attention_efficiency(be: &CpuBackend, peak: f64) -> f64 {
         let (mut o, mut lse) = (o.clone(), lse.clone());
         let (mut dq, mut dk, mut dv) = (dq.clone(), dk.clone(), dv.clone());
         time_on(Clock::ThreadCpu, 5, || {
-            be.attention_forward(a, &q, &k, &v, &mut o, &mut lse)
+            be.attention_forward(
+                a,
+                Qkv {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                },
+                &mut o,
+                &mut lse,
+            )
         }) + time_on(Clock::ThreadCpu, 5, || {
-            be.attention_backward(a, &dout, &q, &k, &v, &o, &lse, &mut dq, &mut dk, &mut dv)
+            be.attention_backward(
+                a,
+                AttnGradInputs {
+                    dout: &dout,
+                    x: Qkv {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                    },
+                    out: &o,
+                    lse: &lse,
+                },
+                QkvGrads {
+                    dq: &mut dq,
+                    dk: &mut dk,
+                    dv: &mut dv,
+                },
+            )
         })
     });
     let attn_flops = 3.0 * 4.0 * (ROWS * ROWS * a.q_width()) as f64;

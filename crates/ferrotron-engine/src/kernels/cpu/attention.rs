@@ -12,7 +12,7 @@ use super::threads::SendPtr;
 use super::threads::Threads;
 use crate::kernels::float::Real;
 use crate::kernels::simd::{self, simd_kernel};
-use crate::kernels::{extent, AttnBlock, AttnShape};
+use crate::kernels::{extent, AttnBlock, AttnGradInputs, AttnShape, Qkv, QkvGrads};
 use ferrotron_core::precision::Products;
 
 /// `c (+)= a·b` on raw pointers with (row, column) strides. Callers guarantee bounds and that
@@ -291,14 +291,11 @@ struct ForwardScratch<T> {
 /// head, query), the log-sum-exp of the query's scaled scores against them, which is all backward
 /// needs besides Q, K, V and the output. A query that sees none of the block's keys gets a zero row
 /// and −∞. Writes exactly the block's query rows of `out` and `lse`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Real>(
     threads: &Threads,
     products: Products,
     b: AttnBlock,
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    Qkv { q, k, v }: Qkv<T>,
     out: &mut [T],
     lse: &mut [T],
 ) {
@@ -460,21 +457,19 @@ struct BackwardScratch<T> {
 /// One block's share of the gradients at Q, K and V, recomputing each tile's probabilities from the
 /// whole attention's log-sum-exp (and D from its output): adds into the block's query rows of `dq`
 /// and key rows of `dk` and `dv`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_block<T: Real>(
     threads: &Threads,
     products: Products,
     b: AttnBlock,
-    dout: &[T],
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &[T],
-    lse: &[T],
-    dq: &mut [T],
-    dk: &mut [T],
-    dv: &mut [T],
+    inputs: AttnGradInputs<T>,
+    QkvGrads { dq, dk, dv }: QkvGrads<T>,
 ) {
+    let AttnGradInputs {
+        dout,
+        x: Qkv { q, k, v },
+        out,
+        lse,
+    } = inputs;
     check_lengths(&b, q.len(), k.len(), v.len(), out.len(), lse.len());
     assert!(
         dout.len() == q.len() && dq.len() == q.len() && dk.len() == k.len() && dv.len() == v.len(),
@@ -640,36 +635,15 @@ unsafe fn backward_tile<T: Real>(
 
 /// The gradients at Q, K and V of whole-sequence attention: every element of `dq`, `dk` and `dv`
 /// is written, none read.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: Real>(
     threads: &Threads,
     products: Products,
     s: AttnShape,
-    dout: &[T],
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &[T],
-    lse: &[T],
-    dq: &mut [T],
-    dk: &mut [T],
-    dv: &mut [T],
+    inputs: AttnGradInputs<T>,
+    grads: QkvGrads<T>,
 ) {
-    dq.fill(T::ZERO);
-    dk.fill(T::ZERO);
-    dv.fill(T::ZERO);
-    backward_block(
-        threads,
-        products,
-        s.whole(),
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        dk,
-        dv,
-    );
+    grads.dq.fill(T::ZERO);
+    grads.dk.fill(T::ZERO);
+    grads.dv.fill(T::ZERO);
+    backward_block(threads, products, s.whole(), inputs, grads);
 }

@@ -5,7 +5,7 @@
 use super::threads::Threads;
 use super::*;
 use crate::kernels::float::Real;
-use crate::kernels::{AttnShape, LinearShape, RopeTable};
+use crate::kernels::{AttnGradInputs, AttnShape, LinearShape, Qkv, QkvGrads, RopeTable};
 use ferrotron_core::model::WeightLayout;
 use ferrotron_core::precision::Products;
 use rand::{Rng, SeedableRng};
@@ -218,11 +218,21 @@ fn attention_run_on<T: Real>(
 ) -> [Vec<T>; 5] {
     let garbage = |n: usize| vec![T::of(f64::NAN); n];
     let (mut out, mut lse) = (garbage(q.len()), garbage(s.lse_len()));
-    attention::forward(be, products, s.whole(), q, k, v, &mut out, &mut lse);
+    let x = Qkv { q, k, v };
+    attention::forward(be, products, s.whole(), x, &mut out, &mut lse);
     let (mut dq, mut dk, mut dv) = (garbage(q.len()), garbage(k.len()), garbage(v.len()));
-    attention::backward(
-        be, products, s, dout, q, k, v, &out, &lse, &mut dq, &mut dk, &mut dv,
-    );
+    let inputs = AttnGradInputs {
+        dout,
+        x,
+        out: &out,
+        lse: &lse,
+    };
+    let grads = QkvGrads {
+        dq: &mut dq,
+        dk: &mut dk,
+        dv: &mut dv,
+    };
+    attention::backward(be, products, s, inputs, grads);
     [out, lse, dq, dk, dv]
 }
 
@@ -267,9 +277,11 @@ fn causal_attention_with_grouped_query_heads() {
                 &be(),
                 Products::F32,
                 s.whole(),
-                &inp[0],
-                &inp[1],
-                &inp[2],
+                Qkv {
+                    q: &inp[0],
+                    k: &inp[1],
+                    v: &inp[2],
+                },
                 &mut out,
                 &mut lse,
             );
@@ -556,7 +568,12 @@ fn attention_in_blocks_equals_the_whole() {
                     },
                 };
                 let (mut ob, mut lb) = (vec![f64::NAN; qc.len()], vec![f64::NAN; shape.lse_len()]);
-                attention::forward(&be(), Products::F32, block, &qc, &k, &v, &mut ob, &mut lb);
+                let x = Qkv {
+                    q: &qc,
+                    k: &k,
+                    v: &v,
+                };
+                attention::forward(&be(), Products::F32, block, x, &mut ob, &mut lb);
                 attention::merge(&be(), shape, &mut out, &mut lse, &ob, &lb);
             }
             assert!(relative_error(&rows_of(&want_out, qw, (a, b)), &narrow(&out)) < 1e-7);
@@ -584,15 +601,21 @@ fn attention_in_blocks_equals_the_whole() {
                     &be(),
                     Products::F32,
                     block,
-                    &doc,
-                    &qc,
-                    &k,
-                    &v,
-                    &out,
-                    &lse,
-                    &mut dq,
-                    &mut dk,
-                    &mut dv,
+                    AttnGradInputs {
+                        dout: &doc,
+                        x: Qkv {
+                            q: &qc,
+                            k: &k,
+                            v: &v,
+                        },
+                        out: &out,
+                        lse: &lse,
+                    },
+                    QkvGrads {
+                        dq: &mut dq,
+                        dk: &mut dk,
+                        dv: &mut dv,
+                    },
                 );
             }
             for seq in 0..s.batch {

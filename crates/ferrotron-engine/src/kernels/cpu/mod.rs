@@ -20,7 +20,10 @@ mod threads;
 
 pub(crate) use threads::Threads;
 
-use super::{bf16_convert, AttnBlock, AttnShape, Backend, LinearShape, Matrix, RopeTable};
+use super::{
+    bf16_convert, AttnBlock, AttnGradInputs, AttnShape, Backend, LinearShape, Matrix, Qkv,
+    QkvGrads, RopeTable,
+};
 use ferrotron_core::precision::Products;
 use rayon::prelude::*;
 
@@ -204,27 +207,11 @@ impl Backend for CpuBackend {
     fn rope_backward(&self, table: &RopeTable, positions: &[u32], heads: usize, dx: &mut [f32]) {
         rotate::rotate(&self.cores(), table, positions, heads, dx, true)
     }
-    fn attention_forward(
-        &self,
-        s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) {
-        attention::forward(&self.cores(), self.products, s.whole(), q, k, v, out, lse)
+    fn attention_forward(&self, s: AttnShape, x: Qkv, out: &mut [f32], lse: &mut [f32]) {
+        attention::forward(&self.cores(), self.products, s.whole(), x, out, lse)
     }
-    fn attention_block_forward(
-        &self,
-        b: AttnBlock,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) {
-        attention::forward(&self.cores(), self.products, b, q, k, v, out, lse)
+    fn attention_block_forward(&self, b: AttnBlock, x: Qkv, out: &mut [f32], lse: &mut [f32]) {
+        attention::forward(&self.cores(), self.products, b, x, out, lse)
     }
     fn attention_merge(
         &self,
@@ -236,61 +223,11 @@ impl Backend for CpuBackend {
     ) {
         attention::merge(&self.cores(), s, out, lse, out_b, lse_b)
     }
-    fn attention_block_backward(
-        &self,
-        b: AttnBlock,
-        dout: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-    ) {
-        attention::backward_block(
-            &self.cores(),
-            self.products,
-            b,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dq,
-            dk,
-            dv,
-        )
+    fn attention_block_backward(&self, b: AttnBlock, inputs: AttnGradInputs, grads: QkvGrads) {
+        attention::backward_block(&self.cores(), self.products, b, inputs, grads)
     }
-    fn attention_backward(
-        &self,
-        s: AttnShape,
-        dout: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-    ) {
-        attention::backward(
-            &self.cores(),
-            self.products,
-            s,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dq,
-            dk,
-            dv,
-        )
+    fn attention_backward(&self, s: AttnShape, inputs: AttnGradInputs, grads: QkvGrads) {
+        attention::backward(&self.cores(), self.products, s, inputs, grads)
     }
     fn swiglu_forward(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
         activation::swiglu_forward(&self.cores(), gate, up, out)
