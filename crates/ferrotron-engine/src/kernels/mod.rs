@@ -47,6 +47,24 @@ pub struct QkvGrads<'a, T = f32> {
     pub dv: &'a mut [T],
 }
 
+impl<'a, T> Qkv<'a, T> {
+    pub fn new(q: &'a [T], k: &'a [T], v: &'a [T]) -> Self {
+        Self { q, k, v }
+    }
+}
+
+impl<'a, T> AttnGradInputs<'a, T> {
+    pub fn new(dout: &'a [T], x: Qkv<'a, T>, out: &'a [T], lse: &'a [T]) -> Self {
+        Self { dout, x, out, lse }
+    }
+}
+
+impl<'a, T> QkvGrads<'a, T> {
+    pub fn new(dq: &'a mut [T], dk: &'a mut [T], dv: &'a mut [T]) -> Self {
+        Self { dq, dk, dv }
+    }
+}
+
 impl<T> QkvGrads<'_, T> {
     /// The same gradients, borrowed again (to hand them on and keep them).
     pub fn reborrow(&mut self) -> QkvGrads<'_, T> {

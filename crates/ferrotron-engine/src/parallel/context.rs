@@ -444,11 +444,7 @@ fn a2a_forward<C: Comm>(
     let hv = to_heads(c, g, cx, s, x.v, kw, &kvheads, TAG_A2A | 2)?;
     let hs = head_shape(cx, s);
     let mut ho = vec![0f32; hq.len()];
-    let heads = Qkv {
-        q: &hq,
-        k: &hk,
-        v: &hv,
-    };
+    let heads = Qkv::new(&hq, &hk, &hv);
     be.attention_forward(hs, heads, &mut ho, lse);
     from_heads(c, g, cx, s, &ho, out, qw, &qheads, TAG_A2A | 3)
 }
@@ -479,21 +475,8 @@ fn a2a_backward<C: Comm>(
         vec![0f32; hk.len()],
         vec![0f32; hv.len()],
     );
-    let head_inputs = AttnGradInputs {
-        dout: &hdo,
-        x: Qkv {
-            q: &hq,
-            k: &hk,
-            v: &hv,
-        },
-        out: &ho,
-        lse,
-    };
-    let head_grads = QkvGrads {
-        dq: &mut hdq,
-        dk: &mut hdk,
-        dv: &mut hdv,
-    };
+    let head_inputs = AttnGradInputs::new(&hdo, Qkv::new(&hq, &hk, &hv), &ho, lse);
+    let head_grads = QkvGrads::new(&mut hdq, &mut hdk, &mut hdv);
     be.attention_backward(hs, head_inputs, head_grads);
     from_heads(c, g, cx, s, &hdq, dq, qw, &qheads, TAG_A2A | 9)?;
     from_heads(c, g, cx, s, &hdk, dk, kw, &kvheads, TAG_A2A | 10)?;
@@ -562,28 +545,15 @@ mod tests {
             let (qw, kw) = (s.q_width(), s.kv_width());
             let [q, k, v, dout] = [qw, kw, kw, qw].map(|w| random(batch * seq * w, w as u64));
             let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; s.lse_len()]);
-            let x = Qkv {
-                q: &q,
-                k: &k,
-                v: &v,
-            };
+            let x = Qkv::new(&q, &k, &v);
             be.attention_forward(s, x, &mut out, &mut lse);
             let (mut dq, mut dk, mut dv) = (
                 vec![0f32; q.len()],
                 vec![0f32; k.len()],
                 vec![0f32; v.len()],
             );
-            let inputs = AttnGradInputs {
-                dout: &dout,
-                x,
-                out: &out,
-                lse: &lse,
-            };
-            let grads = QkvGrads {
-                dq: &mut dq,
-                dk: &mut dk,
-                dv: &mut dv,
-            };
+            let inputs = AttnGradInputs::new(&dout, x, &out, &lse);
+            let grads = QkvGrads::new(&mut dq, &mut dk, &mut dv);
             be.attention_backward(s, inputs, grads);
             let results = ThreadWorld::new(cp).run(|c| {
                 let cx = ContextShard {
@@ -596,28 +566,15 @@ mod tests {
                 let rows = |x: &[f32], w| local_rows(&cx, x, w, batch, seq);
                 let (lq, lk, lv, ldo) = (rows(&q, qw), rows(&k, kw), rows(&v, kw), rows(&dout, qw));
                 let (mut o, mut l) = (vec![0f32; lq.len()], vec![0f32; local.lse_len()]);
-                let x = Qkv {
-                    q: &lq,
-                    k: &lk,
-                    v: &lv,
-                };
+                let x = Qkv::new(&lq, &lk, &lv);
                 forward(c, &g, &cx, &be, local, x, &mut o, &mut l)?;
                 let (mut gq, mut gk, mut gv) = (
                     vec![0f32; lq.len()],
                     vec![0f32; lk.len()],
                     vec![0f32; lv.len()],
                 );
-                let inputs = AttnGradInputs {
-                    dout: &ldo,
-                    x,
-                    out: &o,
-                    lse: &l,
-                };
-                let grads = QkvGrads {
-                    dq: &mut gq,
-                    dk: &mut gk,
-                    dv: &mut gv,
-                };
+                let inputs = AttnGradInputs::new(&ldo, x, &o, &l);
+                let grads = QkvGrads::new(&mut gq, &mut gk, &mut gv);
                 backward(c, &g, &cx, &be, local, inputs, grads)?;
                 Ok::<_, CommError>([
                     (o, rows(&out, qw)),

@@ -245,11 +245,7 @@ pub(crate) fn forward(
     // SAFETY: attention writes every element of its output.
     let attn = unsafe {
         be.overwritten(rows * cfg.q_dim(), &mut |attn| {
-            let x = Qkv {
-                q: &q,
-                k: &k,
-                v: &v,
-            };
+            let x = Qkv::new(&q, &k, &v);
             tp.attention_forward(be, shape, x, attn, &mut lse)
         })
     };
@@ -389,16 +385,7 @@ pub(crate) fn backward(
         be.overwritten(q.len(), &mut |dq| {
             dk = be.overwritten(k.len(), &mut |dk| {
                 dv = be.overwritten(v.len(), &mut |dv| {
-                    let inputs = AttnGradInputs {
-                        dout: &dattn,
-                        x: Qkv {
-                            q: &q,
-                            k: &k,
-                            v: &v,
-                        },
-                        out: &attn,
-                        lse: &a.lse,
-                    };
+                    let inputs = AttnGradInputs::new(&dattn, Qkv::new(&q, &k, &v), &attn, &a.lse);
                     tp.attention_backward(be, shape, inputs, QkvGrads { dq, dk, dv })
                 })
             })

@@ -59,23 +59,10 @@ fn measure(s: AttnShape, cp: usize, comm: CpComm, link_gb_s: f64) -> Result<Vec<
             vec![0f32; k.len()],
             vec![0f32; v.len()],
         );
-        let x = Qkv {
-            q: &q,
-            k: &k,
-            v: &v,
-        };
+        let x = Qkv::new(&q, &k, &v);
         context::forward(c, &g, &cx, &be, local, x, &mut out, &mut lse)?;
-        let inputs = AttnGradInputs {
-            dout: &dout,
-            x,
-            out: &out,
-            lse: &lse,
-        };
-        let grads = QkvGrads {
-            dq: &mut dq,
-            dk: &mut dk,
-            dv: &mut dv,
-        };
+        let inputs = AttnGradInputs::new(&dout, x, &out, &lse);
+        let grads = QkvGrads::new(&mut dq, &mut dk, &mut dv);
         context::backward(c, &g, &cx, &be, local, inputs, grads)?;
         let st = c.stats();
         let (send, recv) = (

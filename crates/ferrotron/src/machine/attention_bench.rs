@@ -84,35 +84,13 @@ pub fn measure(be: &CpuBackend, s: AttnShape, reps: usize) -> AttentionTimes {
     let peaks = Peaks::measure(be);
     // Backward reads what forward wrote; forward's output is the same every time.
     let forward_s = time_on(Clock::Wall, reps, || {
-        be.attention_forward(
-            s,
-            Qkv {
-                q: &q,
-                k: &k,
-                v: &v,
-            },
-            &mut out,
-            &mut lse,
-        )
+        be.attention_forward(s, Qkv::new(&q, &k, &v), &mut out, &mut lse)
     });
     let backward_s = time_on(Clock::Wall, reps, || {
         be.attention_backward(
             s,
-            AttnGradInputs {
-                dout: &dout,
-                x: Qkv {
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                },
-                out: &out,
-                lse: &lse,
-            },
-            QkvGrads {
-                dq: &mut dq,
-                dk: &mut dk,
-                dv: &mut dv,
-            },
+            AttnGradInputs::new(&dout, Qkv::new(&q, &k, &v), &out, &lse),
+            QkvGrads::new(&mut dq, &mut dk, &mut dv),
         )
     });
     let forward_flop = forward_flop(&s);

@@ -195,35 +195,13 @@ pub fn attention_rows(be: &CpuBackend, cfg: &ModelConfig, batch: usize, seq: usi
     // Causal: half of the full QK^T and PV work.
     let gf = 2.0 * 2.0 * (batch * a.heads * seq * seq * a.head_dim) as f64 / 2.0 / 1e9;
     let fwd = best_time(KERNEL_REPS, || {
-        be.attention_forward(
-            a,
-            Qkv {
-                q: &q,
-                k: &k,
-                v: &vv,
-            },
-            &mut out,
-            &mut lse,
-        )
+        be.attention_forward(a, Qkv::new(&q, &k, &vv), &mut out, &mut lse)
     });
     let bwd = best_time(KERNEL_REPS, || {
         be.attention_backward(
             a,
-            AttnGradInputs {
-                dout: &dout,
-                x: Qkv {
-                    q: &q,
-                    k: &k,
-                    v: &vv,
-                },
-                out: &out,
-                lse: &lse,
-            },
-            QkvGrads {
-                dq: &mut dq,
-                dk: &mut dk,
-                dv: &mut dv,
-            },
+            AttnGradInputs::new(&dout, Qkv::new(&q, &k, &vv), &out, &lse),
+            QkvGrads::new(&mut dq, &mut dk, &mut dv),
         )
     });
     vec![

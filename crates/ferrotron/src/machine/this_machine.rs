@@ -258,34 +258,12 @@ fn attention_efficiency(be: &CpuBackend, peak: f64) -> f64 {
         let (mut o, mut lse) = (o.clone(), lse.clone());
         let (mut dq, mut dk, mut dv) = (dq.clone(), dk.clone(), dv.clone());
         time_on(Clock::ThreadCpu, 5, || {
-            be.attention_forward(
-                a,
-                Qkv {
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                },
-                &mut o,
-                &mut lse,
-            )
+            be.attention_forward(a, Qkv::new(&q, &k, &v), &mut o, &mut lse)
         }) + time_on(Clock::ThreadCpu, 5, || {
             be.attention_backward(
                 a,
-                AttnGradInputs {
-                    dout: &dout,
-                    x: Qkv {
-                        q: &q,
-                        k: &k,
-                        v: &v,
-                    },
-                    out: &o,
-                    lse: &lse,
-                },
-                QkvGrads {
-                    dq: &mut dq,
-                    dk: &mut dk,
-                    dv: &mut dv,
-                },
+                AttnGradInputs::new(&dout, Qkv::new(&q, &k, &v), &o, &lse),
+                QkvGrads::new(&mut dq, &mut dk, &mut dv),
             )
         })
     });

@@ -227,11 +227,7 @@ fn attention_run_on<T: Real>(
         out: &out,
         lse: &lse,
     };
-    let grads = QkvGrads {
-        dq: &mut dq,
-        dk: &mut dk,
-        dv: &mut dv,
-    };
+    let grads = QkvGrads::new(&mut dq, &mut dk, &mut dv);
     attention::backward(be, products, s, inputs, grads);
     [out, lse, dq, dk, dv]
 }
@@ -277,11 +273,7 @@ fn causal_attention_with_grouped_query_heads() {
                 &be(),
                 Products::F32,
                 s.whole(),
-                Qkv {
-                    q: &inp[0],
-                    k: &inp[1],
-                    v: &inp[2],
-                },
+                Qkv::new(&inp[0], &inp[1], &inp[2]),
                 &mut out,
                 &mut lse,
             );
@@ -568,11 +560,7 @@ fn attention_in_blocks_equals_the_whole() {
                     },
                 };
                 let (mut ob, mut lb) = (vec![f64::NAN; qc.len()], vec![f64::NAN; shape.lse_len()]);
-                let x = Qkv {
-                    q: &qc,
-                    k: &k,
-                    v: &v,
-                };
+                let x = Qkv::new(&qc, &k, &v);
                 attention::forward(&be(), Products::F32, block, x, &mut ob, &mut lb);
                 attention::merge(&be(), shape, &mut out, &mut lse, &ob, &lb);
             }
@@ -601,21 +589,8 @@ fn attention_in_blocks_equals_the_whole() {
                     &be(),
                     Products::F32,
                     block,
-                    AttnGradInputs {
-                        dout: &doc,
-                        x: Qkv {
-                            q: &qc,
-                            k: &k,
-                            v: &v,
-                        },
-                        out: &out,
-                        lse: &lse,
-                    },
-                    QkvGrads {
-                        dq: &mut dq,
-                        dk: &mut dk,
-                        dv: &mut dv,
-                    },
+                    AttnGradInputs::new(&doc, Qkv::new(&qc, &k, &v), &out, &lse),
+                    QkvGrads::new(&mut dq, &mut dk, &mut dv),
                 );
             }
             for seq in 0..s.batch {
