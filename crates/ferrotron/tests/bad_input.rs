@@ -174,26 +174,7 @@ fn plan_prints_any_size_in_bounded_lines_and_readable_units() {
 #[test]
 fn a_run_directory_holds_one_run() {
     let dir = temp_dir("run-dir");
-    let run = |out: &Path, steps: &str, extra: &[&str]| {
-        let out = out.to_str().unwrap().to_string();
-        let mut args = vec![
-            "train",
-            "--model",
-            "llama-tiny",
-            "--steps",
-            steps,
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-            "--eval-batches",
-            "1",
-            "--out-dir",
-        ];
-        args.push(&out);
-        args.extend_from_slice(extra);
-        ferrotron(&args)
-    };
+    let run = train;
     // The run fails, and its error names every one of `says` and none of `omits`.
     let refused = |o: &std::process::Output, says: &[&str], omits: &[&str]| {
         let err = stderr(o);

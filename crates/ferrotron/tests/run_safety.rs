@@ -8,34 +8,6 @@ use common::*;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-fn train_args(out: &Path, steps: &str, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "train",
-        "--model",
-        "llama-tiny",
-        "--steps",
-        steps,
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-        "--eval-batches",
-        "1",
-        "--out-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.push(out.to_str().unwrap().to_string());
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
-fn train(out: &Path, steps: &str, extra: &[&str]) -> std::process::Output {
-    let args = train_args(out, steps, extra);
-    ferrotron(&args.iter().map(String::as_str).collect::<Vec<_>>())
-}
-
 fn refused(o: &std::process::Output, says: &[&str]) -> String {
     let err = stderr(o);
     assert!(!o.status.success(), "succeeded: {err}");

@@ -1,7 +1,7 @@
 #![allow(dead_code)]
 //! Helpers shared by the command-line tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// A fresh, empty directory for test `tag` of this test process.
@@ -64,3 +64,33 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 pub mod readme;
+
+/// `train` of `llama-tiny` for `steps` steps of 2 × 16 tokens into `out`, then `extra`.
+pub fn train_args(out: &Path, steps: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "train",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        steps,
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--out-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.push(out.to_str().unwrap().to_string());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// [`train_args`], run to completion.
+pub fn train(out: &Path, steps: &str, extra: &[&str]) -> std::process::Output {
+    let args = train_args(out, steps, extra);
+    ferrotron(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
