@@ -355,3 +355,38 @@ fn poison(file: &Path, part: &str) -> String {
     std::fs::write(file, bytes).unwrap();
     name.clone()
 }
+
+/// The hang drill: device 1 stops answering after step 3; the others give up after the peer
+/// timeout, every device writes its flight records, and the error names the device behind and the
+/// collective it never entered.
+#[test]
+fn a_hung_device_is_named_with_the_collective_it_never_entered() {
+    let dir = temp_dir("hang");
+    let out = dir.join("run");
+    let started = std::time::Instant::now();
+    let o = train(
+        &out,
+        "10",
+        &[
+            "--layout",
+            "dp=2,tp=2",
+            "--inject-hang",
+            "1@3",
+            "--peer-timeout",
+            "5",
+        ],
+    );
+    let took = started.elapsed().as_secs_f64();
+    let err = refused(&o, &["the flight records", "rank 1 never entered"]);
+    assert!(took <= 15.0, "took {took:.1} s: {err}");
+    for rank in 0..4 {
+        let f = out.join(format!("flight/rank-{rank}.json"));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap())
+            .expect("flight records are JSON");
+        assert!(!v["records"].as_array().unwrap().is_empty(), "{f:?}");
+    }
+    refused(
+        &train(&out, "1", &["--inject-hang", "3"]),
+        &["`inject_hang`: `3` is not RANK@STEP"],
+    );
+}

@@ -4,6 +4,7 @@
 //! virtual clock per device). An MPI or NCCL backend implements the same trait.
 
 mod clock;
+pub mod flight;
 mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -238,6 +239,8 @@ pub trait Comm {
 
     /// What this device has sent, received and waited for so far.
     fn stats(&self) -> &CommStats;
+    /// Its last communication operations, oldest first (see [`flight`]).
+    fn flight_records(&self) -> Vec<flight::FlightRecord>;
 
     /// Starts an all-reduce of `buf` and returns at once; compute until [`Comm::wait`] overlaps it.
     fn start_all_reduce<T: Element>(

@@ -53,6 +53,7 @@ pub struct MpiComm {
     recv_buf: Vec<u64>,
     /// Per source: point-to-point messages that arrived before the receive that wants them.
     held: Vec<Vec<Vec<u64>>>,
+    flight: super::flight::FlightRecorder,
 }
 
 impl MpiComm {
@@ -76,6 +77,7 @@ impl MpiComm {
             scratch: Vec::new(),
             recv_buf: Vec::new(),
             held: (0..world).map(|_| Vec::new()).collect(),
+            flight: Default::default(),
         })
     }
 
@@ -236,6 +238,12 @@ impl Transport for MpiComm {
     }
     fn scratch(&mut self) -> &mut Vec<u64> {
         &mut self.scratch
+    }
+    fn flight(&mut self) -> &mut super::flight::FlightRecorder {
+        &mut self.flight
+    }
+    fn flight_records(&self) -> Vec<super::flight::FlightRecord> {
+        self.flight.records()
     }
     fn resume(&mut self) {
         self.clock.accrue(&mut self.stats);

@@ -4,6 +4,7 @@
 //! range to the next rank, receive one range from the previous, add or copy it); the blocking calls
 //! run the list at once, a [`Pending`] operation runs it as its inputs arrive.
 
+use super::flight::{FlightRecord, FlightRecorder};
 use super::stats::{CommStats, OpStats};
 use super::{Comm, CommError, CommResult, Element, Group, ReduceOp};
 use crate::memory::{self, Term};
@@ -17,6 +18,8 @@ pub(crate) struct Tally {
     pub s: OpStats,
     /// A started (asynchronous) operation: its sends do not stop the device's clock.
     pub overlapped: bool,
+    /// Its record in the device's flight recorder.
+    pub flight: u64,
 }
 
 /// Point-to-point messaging with accounting: what a backend provides.
@@ -61,10 +64,15 @@ pub(crate) trait Transport {
     ) -> CommResult<bool>;
     /// Reusable working storage.
     fn scratch(&mut self) -> &mut Vec<u64>;
+    /// The device's flight recorder.
+    fn flight(&mut self) -> &mut FlightRecorder;
+    fn flight_records(&self) -> Vec<FlightRecord>;
 
     fn begin(&mut self, kind: &'static str, op: &'static str, group: &str) -> Tally {
         self.resume();
+        let flight = self.flight().started(kind, op, group);
         Tally {
+            flight,
             kind,
             op,
             group: group.to_string(),
@@ -77,6 +85,7 @@ pub(crate) trait Transport {
     }
     fn end(&mut self, t: Tally) {
         self.pause();
+        self.flight().finished(t.flight, t.s.bytes_sent);
         self.record(t);
     }
 }
@@ -423,6 +432,10 @@ impl<X: Transport> Comm for X {
     }
     fn stats(&self) -> &CommStats {
         self.comm_stats()
+    }
+
+    fn flight_records(&self) -> Vec<FlightRecord> {
+        Transport::flight_records(self)
     }
 
     fn all_reduce<T: Element>(&mut self, g: &Group, buf: &mut [T], op: ReduceOp) -> CommResult<()> {

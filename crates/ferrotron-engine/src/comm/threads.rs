@@ -168,6 +168,7 @@ impl ThreadWorld {
                     ..CommStats::default()
                 },
                 scratch: Vec::new(),
+                flight: Default::default(),
             })
             .collect()
     }
@@ -230,6 +231,7 @@ pub struct ThreadComm {
     stats: CommStats,
     /// Reused working storage (reduce-scatter's copy of its input).
     scratch: Vec<u64>,
+    flight: super::flight::FlightRecorder,
 }
 
 impl ThreadComm {
@@ -435,5 +437,11 @@ impl Transport for ThreadComm {
     }
     fn scratch(&mut self) -> &mut Vec<u64> {
         &mut self.scratch
+    }
+    fn flight(&mut self) -> &mut super::flight::FlightRecorder {
+        &mut self.flight
+    }
+    fn flight_records(&self) -> Vec<super::flight::FlightRecord> {
+        self.flight.records()
     }
 }

@@ -233,6 +233,10 @@ settings! {
             option [] slow_device: Option<usize>;
             /// How much longer the drill's slow device computes per action.
             value [] slow_device_ms: f64 = 10.0;
+            /// Drills: `RANK@STEP` makes device RANK stop answering after step STEP (1-based) for
+            /// twice the peer timeout, so that the others time out and every device writes its
+            /// flight records (`<out_dir>/flight/rank-N.json`).
+            option [] inject_hang: Option<String>;
         }
     }
 }
@@ -341,6 +345,22 @@ impl TrainConfig {
             .checkpoint_dir
             .clone()
             .unwrap_or_else(|| self.checkpointing.out_dir.join("checkpoints"))
+    }
+
+    /// The hang drill's device and step (`inject_hang`), checked.
+    pub fn inject_hang(&self) -> Result<Option<(usize, usize)>> {
+        let Some(text) = &self.logging.inject_hang else {
+            return Ok(None);
+        };
+        let parsed = text
+            .split_once('@')
+            .and_then(|(r, s)| Some((r.trim().parse().ok()?, s.trim().parse().ok()?)));
+        match parsed {
+            Some((rank, step)) if step >= 1 => Ok(Some((rank, step))),
+            _ => Err(EngineError::Invalid(format!(
+                "train config `inject_hang`: `{text}` is not RANK@STEP (a device and a step from 1, e.g. `1@3`)"
+            ))),
+        }
     }
 
     /// Refuses settings that cannot run, naming the setting.
@@ -486,6 +506,7 @@ impl TrainConfig {
                 "must be a non-negative number of milliseconds",
             );
         }
+        self.inject_hang()?;
         if !(0.0..1.0).contains(&self.input.val_fraction) {
             return bad("val_fraction", "must be in [0, 1)");
         }

@@ -70,7 +70,8 @@ pub(super) fn run_device<C: Comm>(
         clip: cfg.optimizer.grad_clip,
         stop: &|| super::preemption::received().is_some(),
     };
-    let mut dev = step.train_device(c, &training, &mut |mesh, c, dev, report| {
+    let hang = cfg.inject_hang()?.filter(|&(rank, _)| rank == c.rank());
+    let trained = step.train_device(c, &training, &mut |mesh, c, dev, report| {
         let mine = Figures::of(report);
         let eval_started = std::time::Instant::now();
         let val_loss = if run.is_eval(report.step) {
@@ -111,6 +112,14 @@ pub(super) fn run_device<C: Comm>(
             memory::set_device(account);
             saved?;
         }
+        if let Some((rank, at)) = hang.filter(|&(_, at)| at == done) {
+            // The drill: stop answering for twice the time the others wait, then give up too.
+            let timeout = cfg.parallelism.peer_timeout.unwrap_or(60.0);
+            std::thread::sleep(std::time::Duration::from_secs_f64(2.0 * timeout));
+            return Err(EngineError::Invalid(format!(
+                "device {rank} stopped answering after step {at} (the --inject-hang drill)"
+            )));
+        }
         if report.stop {
             let dir = run
                 .checkpoints
@@ -127,7 +136,19 @@ pub(super) fn run_device<C: Comm>(
             });
         }
         Ok(())
-    })?;
+    });
+    let mut dev = match trained {
+        Ok(dev) => dev,
+        Err(e) => {
+            // A device that gave up on a peer (or the drill's): its flight records, for the
+            // reporting process to say who was behind.
+            if matches!(e, EngineError::Comm(_)) || hang.is_some() {
+                let records = c.flight_records();
+                super::hang::write(&cfg.checkpointing.out_dir, c.rank(), &e, records);
+            }
+            return Err(e);
+        }
+    };
     let full = step.gather_params(c, &mut dev)?;
     memory::set_capacity(account, None);
     memory::clear_device();

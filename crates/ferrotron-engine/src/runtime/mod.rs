@@ -7,6 +7,7 @@ mod config;
 mod delayed;
 mod device_loop;
 mod effective_batch;
+mod hang;
 mod lora_run;
 mod metrics;
 pub mod preemption;

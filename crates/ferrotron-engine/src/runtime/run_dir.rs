@@ -11,7 +11,13 @@ use std::path::{Path, PathBuf};
 /// What marks a directory as holding a run.
 const RUN_FILES: [&str; 2] = ["train_config.json", "metrics.jsonl"];
 /// What a run writes into its directory (all of it goes with `overwrite`).
-const RUN_OUTPUTS: [&str; 4] = ["train_config.json", "metrics.jsonl", "model", "report.html"];
+const RUN_OUTPUTS: [&str; 5] = [
+    "train_config.json",
+    "metrics.jsonl",
+    "model",
+    "report.html",
+    "flight",
+];
 
 /// Locks `cfg`'s run directory (and its checkpoint directory, when that lies elsewhere) for the
 /// run, checks that the run may write them, and with `overwrite` empties them of the earlier run.
@@ -33,6 +39,8 @@ pub(super) fn claim(cfg: &TrainConfig) -> Result<Vec<DirLock>> {
         locks.push(dir_lock::acquire(&checkpoints, "train", stale)?);
     }
     check_and_clear(cfg, out, &checkpoints)?;
+    // An earlier attempt's flight records would be read as this run's.
+    super::hang::clear(out)?;
     Ok(locks)
 }
 

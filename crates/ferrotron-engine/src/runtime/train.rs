@@ -5,6 +5,7 @@ use super::checkpointing::CheckpointPlan;
 use super::config::TrainConfig;
 use super::device_loop::validation_loss;
 use super::effective_batch;
+use super::hang;
 use super::lora_run;
 use super::metrics::RunOutcome;
 use super::metrics::{DeviceSummary, StepReport};
@@ -229,21 +230,24 @@ fn default_cache_dir() -> PathBuf {
     ferrotron_core::topology::cache_dir()
 }
 
-/// The drill's slow device must be one of the devices of every layout that may run.
+/// The drills' devices (the slow one, the hung one) must be devices of every layout that may run.
 fn check_slow_device(cfg: &TrainConfig, candidates: &[Plan]) -> Result<()> {
-    let Some(d) = cfg.logging.slow_device else {
-        return Ok(());
-    };
     let devices = candidates
         .iter()
         .map(|p| p.layout.world_size())
         .min()
         .unwrap_or(1);
-    if d >= devices {
-        return Err(EngineError::Invalid(format!(
-            "train config `slow_device`: device {d}, but layout `{}` has {devices} devices",
-            candidates[0].layout
-        )));
+    let drills = [
+        ("slow_device", cfg.logging.slow_device),
+        ("inject_hang", cfg.inject_hang()?.map(|(rank, _)| rank)),
+    ];
+    for (key, device) in drills {
+        if let Some(d) = device.filter(|&d| d >= devices) {
+            return Err(EngineError::Invalid(format!(
+                "train config `{key}`: device {d}, but layout `{}` has {devices} devices",
+                candidates[0].layout
+            )));
+        }
     }
     Ok(())
 }
@@ -353,7 +357,14 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
                 tried.push(format!("{layout}: {e}"));
                 continue;
             }
-            other => other?,
+            Err(e) => {
+                // A hang: what the devices' flight records say (MPI ranks write theirs as they
+                // give up; a few seconds is enough).
+                let wait = std::time::Duration::from_secs(if world.reporter() { 5 } else { 0 });
+                let out = &cfg.checkpointing.out_dir;
+                return Err(hang::explain(out, layout.world_size(), wait, e));
+            }
+            Ok(o) => o,
         };
         return finish(
             cfg,
