@@ -309,7 +309,7 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
         .unwrap()
         .to_string();
     m["tensors"][3]["pieces"][0]["key"] = "param/model.layers.99.mlp.up_proj.weight".into();
-    std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+    write_sealed(&path, m);
     let e = open_err(&d);
     assert!(e.contains(&file) && e.contains("layers.99"), "{e}");
 
@@ -320,7 +320,7 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let name = m["tensors"][3]["name"].as_str().unwrap().to_string();
     m["tensors"][3]["pieces"][0]["tp_slice"]["ranges"] = serde_json::json!([[0, 9999]]);
-    std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+    write_sealed(&path, m);
     let e = open_err(&d);
     assert!(
         e.contains(MANIFEST) && e.contains(&name) && e.contains("outside"),
@@ -337,7 +337,7 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
         .as_array_mut()
         .unwrap()
         .retain(|p| p["kind"] != "param" || p["file"] != "rank-00000.safetensors");
-    std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+    write_sealed(&path, m);
     let ck = Checkpoint::open(&d).unwrap();
     let e = ck.params().unwrap_err().to_string();
     assert!(
@@ -354,7 +354,7 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
         "\"rank-00001.safetensors\"",
         "\"../escaped-rank-00001.safetensors\"",
     );
-    std::fs::write(&path, text).unwrap();
+    write_sealed(&path, serde_json::from_str(&text).unwrap());
     let e = open_err(&d);
     assert!(
         e.contains(MANIFEST)
@@ -389,6 +389,21 @@ fn damaged_or_foreign_checkpoints_are_refused_naming_the_file() {
         e.contains(MANIFEST) && e.contains("not a valid manifest"),
         "{e}"
     );
+
+    // A manifest edited by hand (its step): the checksum catches it, in `inspect` too.
+    let d = damaged_copy(&good, "edited");
+    let path = d.join(MANIFEST);
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    m["step"] = (m["step"].as_u64().unwrap() + 1).into();
+    std::fs::write(&path, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    let e = open_err(&d);
+    assert!(
+        e.contains(MANIFEST) && e.contains("checksum does not match"),
+        "{e}"
+    );
+    let e = checkpoint::inspect(&d).unwrap_err().to_string();
+    assert!(e.contains("checksum does not match"), "{e}");
 
     // A checkpoint of another model: resuming the GPT-2 fixture from it.
     let e = train(
@@ -477,4 +492,12 @@ fn training_from_an_imported_model_equals_training_from_its_directory() {
         },
         "import as step 0",
     );
+}
+
+/// `m` written as the manifest at `path`, its checksum recomputed: a deliberate edit, which the
+/// checks behind the checksum must still catch.
+fn write_sealed(path: &std::path::Path, m: serde_json::Value) {
+    let mut m: checkpoint::Manifest = serde_json::from_value(m).unwrap();
+    m.checksum = Some(m.digest());
+    std::fs::write(path, serde_json::to_string(&m).unwrap()).unwrap();
 }

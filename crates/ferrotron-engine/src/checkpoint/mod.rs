@@ -80,9 +80,27 @@ pub struct Manifest {
     /// which `export --merge` and a resume read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_model: Option<String>,
+    /// SHA-256 of the manifest itself (its JSON with this field left out): an edited `step`,
+    /// `cursor` or `total_steps` would make a resume skip or repeat data, so it is caught.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 impl Manifest {
+    /// SHA-256 of this manifest's JSON, its checksum left out.
+    pub fn digest(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let unsealed = Manifest {
+            checksum: None,
+            ..self.clone()
+        };
+        let json = serde_json::to_vec(&unsealed).expect("the manifest serialises");
+        Sha256::digest(&json)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// The tensors the checkpoint holds: the model's parameters, or with LoRA its adapters.
     pub fn trained_specs(&self) -> Vec<ParamSpec> {
         match &self.lora {

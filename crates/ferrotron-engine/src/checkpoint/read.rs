@@ -81,6 +81,19 @@ fn read_manifest(mpath: &Path) -> Result<Manifest> {
         .map_err(|e| EngineError::io(mpath, e))?;
     let manifest: Manifest = serde_json::from_str(&text)
         .map_err(|e| EngineError::format(mpath, format!("not a valid manifest: {e}")))?;
+    match &manifest.checksum {
+        Some(sum) if *sum != manifest.digest() => {
+            return Err(EngineError::format(
+                mpath,
+                "its checksum does not match its content: it was edited or damaged after it was written (a changed `step` or data position would skip or repeat data); use another checkpoint",
+            ))
+        }
+        Some(_) => {}
+        None => eprintln!(
+            "note: {} has no checksum of its own (written by a build before manifests were checksummed): its fields are taken as they are",
+            mpath.display()
+        ),
+    }
     if manifest.format != FORMAT || manifest.version != VERSION {
         return Err(EngineError::format(
             mpath,

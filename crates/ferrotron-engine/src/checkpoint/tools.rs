@@ -172,6 +172,7 @@ pub fn import_hf(
         tokenizer_source: Some(hf_dir.join(TOKENIZER)).filter(|p| p.exists()),
         lora: None,
         base_model: None,
+        checksum: None,
     };
     let specs = cfg.param_specs();
     // The cut is the slice's alone: any shard object makes it.

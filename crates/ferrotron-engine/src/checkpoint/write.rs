@@ -255,6 +255,7 @@ pub fn commit(
             sha256,
         });
     }
+    manifest.checksum = Some(manifest.digest());
     let text = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
     write_atomic(&staging.join(MANIFEST), text.as_bytes())?;
     sync_dir(staging)?;

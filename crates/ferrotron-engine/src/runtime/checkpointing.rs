@@ -59,6 +59,7 @@ impl CheckpointPlan {
                 tokenizer_source: Some(tokenizer.to_path_buf()),
                 lora: None,
                 base_model: None,
+                checksum: None,
             },
         }
     }
