@@ -25,8 +25,16 @@ pub fn read_corpus(source: &str) -> Result<Vec<String>> {
         return Ok(vec![BUILTIN_CORPUS.to_string()]);
     }
     let mut docs = Vec::new();
-    for part in source.split(',').filter(|s| !s.is_empty()) {
+    let parts: Vec<&str> = source.split(',').filter(|s| !s.is_empty()).collect();
+    for part in &parts {
         let path = Path::new(part);
+        if parts.len() > 1 && !path.exists() {
+            // A name with a comma in it is two names here: say so.
+            return Err(EngineError::Invalid(format!(
+                "data `{part}`: no such file or directory (`--data` is split at commas: `{source}` names {})",
+                parts.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ")
+            )));
+        }
         let files: Vec<PathBuf> = if path.is_dir() {
             let mut v: Vec<PathBuf> = std::fs::read_dir(path)
                 .map_err(|e| EngineError::io(path, e))?

@@ -105,6 +105,12 @@ impl Drop for DirLock {
 /// Locks `dir` (created if missing) for `what`. A lock held by a live process is refused, naming
 /// it; one held on another host too; a stale one as `stale` says.
 pub fn acquire(dir: &Path, what: &str, stale: Stale) -> Result<DirLock> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(EngineError::Invalid(format!(
+            "`{}` is a file, not a directory: `{what}` writes a directory there; give another path",
+            dir.display()
+        )));
+    }
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
     let path = dir.join(LOCK_FILE);
     let me = Holder::me(what);

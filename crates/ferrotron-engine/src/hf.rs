@@ -204,12 +204,37 @@ impl WeightReader {
     /// Checks that the directory holds every parameter of `cfg` with its shape, and nothing that
     /// is not one (known buffers and a tied model's `lm_head` aside).
     pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        // Counted before the tensors' list is built: a config declaring 10⁹ layers beside a small
+        // file is refused here, not after gigabytes of names.
+        let with_layers = |n| {
+            ModelConfig {
+                num_layers: n,
+                ..cfg.clone()
+            }
+            .param_specs()
+            .len()
+        };
+        let per_layer = with_layers(1).saturating_sub(with_layers(0));
+        let declared = with_layers(0).saturating_add(per_layer.saturating_mul(cfg.num_layers));
+        if declared > self.index.len() {
+            return Err(EngineError::format(
+                &self.files[0].0,
+                format!(
+                    "holds {} tensors, but config.json's {} layers need {declared}: the config and the weights are not one model",
+                    self.index.len(),
+                    cfg.num_layers
+                ),
+            ));
+        }
         let specs = cfg.param_specs();
         for (name, (k, info)) in &self.index {
             let (file, shape) = (self.files[*k].0.clone(), &info.shape);
             let Some(spec) = specs.iter().find(|s| &s.name == name) else {
-                let tied_head = name == "lm_head.weight" && cfg.tie_word_embeddings;
-                if tied_head || is_known_buffer(name) {
+                if name == "lm_head.weight" && cfg.tie_word_embeddings {
+                    self.check_tied_head(cfg, &file)?;
+                    continue;
+                }
+                if is_known_buffer(name) {
                     continue;
                 }
                 return Err(EngineError::format(
@@ -234,6 +259,24 @@ impl WeightReader {
                 file: self.files[0].0.clone(),
                 name: missing.name.clone(),
             });
+        }
+        Ok(())
+    }
+
+    /// A file with `lm_head.weight` beside `tie_word_embeddings: true`: the model uses the
+    /// embedding as its head, so the head must be the embedding (as tied models save it), or it
+    /// would be dropped without a word.
+    fn check_tied_head(&self, cfg: &ModelConfig, file: &Path) -> Result<()> {
+        let embedding = cfg.embedding_name();
+        if self.index.contains_key(embedding)
+            && self.read("lm_head.weight")? != self.read(embedding)?
+        {
+            return Err(EngineError::format(
+                file,
+                format!(
+                    "tensor `lm_head.weight` differs from `{embedding}`, but config.json says `tie_word_embeddings: true`, so the head would be dropped and the embedding used in its place; set `tie_word_embeddings` to false to keep it"
+                ),
+            ));
         }
         Ok(())
     }

@@ -237,6 +237,13 @@ fn parse_peft_config(text: &str, cfg: &ModelConfig) -> std::result::Result<LoraC
         }
         _ => return Err("field `target_modules` is missing".into()),
     };
+    if targets.is_empty() {
+        // An empty list would read as "every projection" further on: an adapter that adapts
+        // nothing is not what the file says either.
+        return Err(
+            "`target_modules` is empty: an adapter must name the projections it adapts".into(),
+        );
+    }
     let rank = usize::try_from(rank).map_err(|_| "field `r` is too large".to_string())?;
     LoraConfig::new(cfg, rank, alpha, &targets).map_err(|e| e.to_string())
 }
@@ -259,6 +266,7 @@ mod tests {
             (r#""modules_to_save":["lm_head"]"#, "modules_to_save"),
             (r#""target_modules":"all-linear""#, "pattern"),
             (r#""target_modules":["embed_tokens"]"#, "embed_tokens"),
+            (r#""target_modules":[]"#, "`target_modules` is empty"),
             (r#""peft_type":"IA3""#, "IA3"),
         ] {
             let key = patch.split(':').next().unwrap();

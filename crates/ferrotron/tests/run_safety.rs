@@ -390,3 +390,88 @@ fn a_hung_device_is_named_with_the_collective_it_never_entered() {
         &["`inject_hang`: `3` is not RANK@STEP"],
     );
 }
+
+/// A copy of the tiny Llama fixture with `edit` applied to its config.json.
+fn edited_model(dir: &Path, name: &str, edit: impl Fn(&mut serde_json::Value)) -> String {
+    let model = dir.join(name);
+    std::fs::create_dir_all(&model).unwrap();
+    for f in std::fs::read_dir(fixture("llama_tiny")).unwrap().flatten() {
+        std::fs::copy(f.path(), model.join(f.file_name())).unwrap();
+    }
+    let path = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut c);
+    std::fs::write(&path, c.to_string()).unwrap();
+    model.to_str().unwrap().to_string()
+}
+
+/// The inputs whose errors used to be unclear, or missing, each with its clear error.
+#[test]
+fn unclear_and_silent_inputs_get_clear_errors() {
+    let dir = temp_dir("unclear");
+    let out = dir.join("run");
+    let file = dir.join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let under_file = file.join("checkpoints");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["--device-memory".into(), "-1GB".into()],
+            "`-1GB` must be positive",
+        ),
+        (
+            vec!["--device-memory".into(), "1e30GB".into()],
+            "more than 2⁶⁴",
+        ),
+        (
+            vec!["--data".into(), "a,b.txt".into()],
+            "`--data` is split at commas",
+        ),
+        (
+            vec![
+                "--checkpoint-dir".into(),
+                under_file.to_str().unwrap().into(),
+            ],
+            "Not a directory",
+        ),
+        (
+            vec![
+                "--model".into(),
+                edited_model(&dir, "h63", |c| {
+                    c["hidden_size"] = 63.into();
+                    c.as_object_mut().unwrap().remove("head_dim");
+                }),
+            ],
+            "field `hidden_size`: 63 does not split",
+        ),
+        (
+            vec![
+                "--model".into(),
+                edited_model(&dir, "deep", |c| {
+                    c["num_hidden_layers"] = 1_000_000_000.into()
+                }),
+            ],
+            "config.json's 1000000000 layers need",
+        ),
+        (
+            vec![
+                "--model".into(),
+                edited_model(&dir, "tied", |c| c["tie_word_embeddings"] = true.into()),
+            ],
+            "`lm_head.weight` differs from `model.embed_tokens.weight`",
+        ),
+    ];
+    for (extra, says) in cases {
+        // `--model` given here replaces the tiny preset.
+        let mut args = train_args(&out, "1", &[]);
+        match extra.as_slice() {
+            [flag, model] if flag == "--model" => args[2] = model.clone(),
+            _ => args.extend(extra),
+        }
+        refused(
+            &ferrotron(&args.iter().map(String::as_str).collect::<Vec<_>>()),
+            &[says],
+        );
+    }
+    refused(&train(&file, "1", &[]), &["is a file, not a directory"]);
+}

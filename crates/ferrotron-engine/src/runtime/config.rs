@@ -170,7 +170,7 @@ settings! {
             value [] cluster: String = String::from("this-machine");
             /// Memory of each device, e.g. `64MiB`, `1.5GB` (default: the cluster's). Going over it is an
             /// out-of-memory error with the per-term breakdown.
-            option [] device_memory: Option<String>;
+            option [allow_hyphen_values = true] device_memory: Option<String>;
             /// Allow a tensor-parallel group to span nodes.
             value [action = clap::ArgAction::Set] force_cross_node_tp: bool = false;
             /// Where the devices run: `threads` (one process) or `mpi` (one rank per device under mpirun;
@@ -576,7 +576,20 @@ fn flat_keys(
 /// `64MiB`, `1.5GB`, `200000000` → bytes.
 pub fn parse_bytes(spec: &str) -> Result<u64> {
     let t = spec.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    // The unit starts at the first letter that is not an exponent (`1e3GB`, `1.5E-2GiB`).
+    let chars: Vec<(usize, char)> = t.char_indices().collect();
+    let split = chars
+        .iter()
+        .enumerate()
+        .find(|&(i, &(_, c))| {
+            let exponent = matches!(c, 'e' | 'E')
+                && i > 0
+                && chars
+                    .get(i + 1)
+                    .is_some_and(|&(_, n)| n.is_ascii_digit() || n == '-' || n == '+');
+            c.is_ascii_alphabetic() && !exponent
+        })
+        .map_or(t.len(), |(_, &(at, _))| at);
     let (num, unit) = t.split_at(split);
     let x: f64 = num.trim().parse().map_err(|_| {
         EngineError::Invalid(format!(
@@ -602,7 +615,13 @@ pub fn parse_bytes(spec: &str) -> Result<u64> {
             "device_memory `{spec}` must be positive"
         )));
     }
-    Ok((x * scale) as u64)
+    let bytes = x * scale;
+    if bytes >= u64::MAX as f64 {
+        return Err(EngineError::Invalid(format!(
+            "device_memory `{spec}` is {bytes:e} bytes, more than 2⁶⁴: is it the size you meant?"
+        )));
+    }
+    Ok(bytes as u64)
 }
 
 #[cfg(test)]

@@ -39,6 +39,8 @@ pub(super) fn claim(cfg: &TrainConfig) -> Result<Vec<DirLock>> {
         locks.push(dir_lock::acquire(&checkpoints, "train", stale)?);
     }
     check_and_clear(cfg, out, &checkpoints)?;
+    // Found now rather than at the first save, after the training it was meant to keep.
+    probe_writable(&checkpoints)?;
     // An earlier attempt's flight records would be read as this run's.
     super::hang::clear(out)?;
     Ok(locks)
@@ -101,6 +103,21 @@ fn check_and_clear(cfg: &TrainConfig, out: &Path, checkpoints: &Path) -> Result<
             ),
         })),
     }
+}
+
+/// Creates `dir` and a file in it, then removes the file: a read-only or full checkpoint directory
+/// is an error before the run starts.
+fn probe_writable(dir: &Path) -> Result<()> {
+    let refuse = |e: std::io::Error| {
+        EngineError::Invalid(format!(
+            "checkpoint directory `{}` cannot be written ({e}): the run could not save what it trains; give a writable --checkpoint-dir or --out-dir",
+            dir.display()
+        ))
+    };
+    std::fs::create_dir_all(dir).map_err(refuse)?;
+    let probe = dir.join(format!(".write-probe.{}", std::process::id()));
+    std::fs::write(&probe, b"probe").map_err(refuse)?;
+    std::fs::remove_file(&probe).map_err(refuse)
 }
 
 fn is_empty_dir(p: &Path) -> bool {

@@ -216,6 +216,25 @@ impl Reader<'_> {
         let head_dim = match self.opt_usize("head_dim")? {
             Some(d) => d,
             None if family == Family::Qwen3 => 128,
+            // Without `head_dim`, heads cut the hidden size: it must divide (and the head size it
+            // gives is the hidden size's doing, so the error names that field).
+            None if heads > 0 && hidden % heads != 0 => {
+                return Err(self.field(
+                    "hidden_size",
+                    format!(
+                        "{hidden} does not split into num_attention_heads = {heads} equal heads (there is no `head_dim`, so each head is hidden_size / heads wide): give a multiple of {heads}, or `head_dim`"
+                    ),
+                ))
+            }
+            None if heads > 0 && (hidden / heads) % 2 == 1 => {
+                return Err(self.field(
+                    "hidden_size",
+                    format!(
+                        "{hidden} / {heads} heads gives heads {} wide, and rotary embeddings need an even head size: give another hidden_size, or `head_dim`",
+                        hidden / heads
+                    ),
+                ))
+            }
             None => hidden / heads.max(1),
         };
         if let Some(act) = self.opt_string("hidden_act")? {
