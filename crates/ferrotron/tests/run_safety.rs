@@ -475,3 +475,48 @@ fn unclear_and_silent_inputs_get_clear_errors() {
     }
     refused(&train(&file, "1", &[]), &["is a file, not a directory"]);
 }
+
+/// `launch` tells a launcher that could not start from dead hosts: a missing mpirun, and (run as
+/// root without `--allow-run-as-root`) OpenMPI's refusal, are the error, not "every host is gone".
+#[test]
+fn launch_tells_a_launcher_that_could_not_start_from_dead_hosts() {
+    let dir = temp_dir("launcher");
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "localhost slots=2\n").unwrap();
+    let out = dir.join("run");
+    let launch = |mpirun: &str| {
+        ferrotron(&[
+            "launch",
+            "--hostfile",
+            hosts.to_str().unwrap(),
+            "--mpirun",
+            mpirun,
+            "--probe-timeout",
+            "5",
+            "--",
+            "train",
+            "--model",
+            "llama-tiny",
+            "--layout",
+            "dp=2",
+            "--steps",
+            "1",
+            "--out-dir",
+            out.to_str().unwrap(),
+        ])
+    };
+    refused(
+        &launch("/nonexistent/mpirun"),
+        &["cannot run `/nonexistent/mpirun`"],
+    );
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let has_mpirun = Command::new("mpirun").arg("--version").output().is_ok();
+    if root && has_mpirun {
+        let err = refused(
+            &launch("mpirun"),
+            &["mpirun could not start the job", "root"],
+        );
+        assert!(!err.contains("no host is left"), "{err}");
+    }
+}

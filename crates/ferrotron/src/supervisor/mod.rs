@@ -179,6 +179,7 @@ impl Supervisor {
             .flat_map(|h| std::iter::repeat_n(h.name.clone(), h.slots))
             .collect();
         let ends = read_statuses(&attempt.statuses, rank_host.len());
+        let none_started = ends.iter().all(|e| e.text.is_none());
         let texts: Vec<Option<String>> = ends.iter().map(|e| e.text.clone()).collect();
         let mut found = Findings::read(&attempt.output, &texts, &rank_host);
         for h in &self.hosts {
@@ -191,6 +192,26 @@ impl Supervisor {
                     ),
                 );
             }
+        }
+        let all_gone = self
+            .hosts
+            .iter()
+            .all(|h| found.gone.iter().any(|g| g.0 == h.name));
+        if none_started && all_gone {
+            // Not one rank started and not one probe either, on any host: mpirun itself cannot
+            // start a process (it refused, or cannot find a program). That is not a host failure,
+            // and relaunching on fewer hosts would not mend it.
+            let said: Vec<&str> = attempt.output.lines().rev().take(12).collect();
+            let said: Vec<&str> = said.into_iter().rev().collect();
+            events.record(
+                "launch_failed",
+                serde_json::json!({"exit_code": attempt.status.code(), "last_output": said}),
+            )?;
+            bail!(
+                "mpirun could not start the job (exit {:?}): no rank and no probe started on any host, so no host is taken for gone; fix what mpirun says (`--mpirun`, `--mpirun-args`):\n{}",
+                attempt.status.code(),
+                said.join("\n")
+            );
         }
         found.settle(&self.hosts);
         let last_lines: Vec<&str> = attempt.output.lines().rev().take(6).collect();
