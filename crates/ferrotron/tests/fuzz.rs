@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{fixture, temp_dir};
+use common::{ferrotron, fixture, stderr, temp_dir};
 use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::plan::{self, PlanInput, PlanModel};
@@ -697,4 +697,191 @@ fn token_files() {
         },
     );
     assert!(n > 5000);
+}
+
+/// What stands at a reader's path in place of its file: a link to a device, a FIFO nobody writes,
+/// a sparse file larger than the reader's limit. Each must be refused at once, naming what it is.
+fn hostile_files(
+    dir: &std::path::Path,
+    name: &str,
+    limit: u64,
+) -> Vec<(std::path::PathBuf, &'static str)> {
+    let mut out = Vec::new();
+    let device = dir.join(format!("device-{name}"));
+    std::fs::create_dir_all(&device).unwrap();
+    let _ = std::fs::remove_file(device.join(name));
+    std::os::unix::fs::symlink("/dev/zero", device.join(name)).unwrap();
+    out.push((device.join(name), "a device"));
+    let fifo = dir.join(format!("fifo-{name}"));
+    std::fs::create_dir_all(&fifo).unwrap();
+    let c = std::ffi::CString::new(fifo.join(name).to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    out.push((fifo.join(name), "a FIFO"));
+    if limit > 1 << 50 {
+        return out; // no limit to pass (weights are mapped, not read)
+    }
+    let big = dir.join(format!("big-{name}"));
+    std::fs::create_dir_all(&big).unwrap();
+    std::fs::File::create(big.join(name))
+        .unwrap()
+        .set_len(limit + 1)
+        .unwrap();
+    out.push((big.join(name), "more than the"));
+    out
+}
+
+/// Every reader of a file a user or a piece of data names, fed a device, a FIFO and an oversized
+/// file: a clear refusal within a second, naming what the path is.
+#[test]
+fn readers_refuse_devices_fifos_and_oversized_files() {
+    use ferrotron_core::bounded;
+    let dir = temp_dir("fuzz-hostile");
+    let model = fixture("llama_tiny");
+    let cfg = ferrotron_core::model::preset("llama-tiny").unwrap();
+    type Reader<'a> = Box<dyn Fn(&std::path::Path) -> String + 'a>;
+    let err = |r: Result<(), String>| r.err().unwrap_or_else(|| "accepted".into());
+    let copy_model = |to: &std::path::Path, except: &str| {
+        std::fs::create_dir_all(to).unwrap();
+        for f in std::fs::read_dir(&model).unwrap().flatten() {
+            if f.file_name() != except && !to.join(f.file_name()).exists() {
+                std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+            }
+        }
+    };
+    let readers: Vec<(&str, u64, Reader)> = vec![
+        (
+            "config.json",
+            bounded::SETTINGS,
+            Box::new(|p: &std::path::Path| {
+                err(ferrotron_core::model::ModelConfig::from_hf_file(p)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()))
+            }),
+        ),
+        (
+            "tokenizer.json",
+            bounded::TOKENIZER,
+            Box::new(|p: &std::path::Path| {
+                err(ferrotron_engine::data::load_tokenizer(p)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()))
+            }),
+        ),
+        (
+            "corpus.txt",
+            bounded::CORPUS,
+            Box::new(|p: &std::path::Path| {
+                err(ferrotron_engine::data::read_corpus(p.to_str().unwrap())
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()))
+            }),
+        ),
+        (
+            "tokens.safetensors",
+            bounded::CORPUS,
+            Box::new(|p: &std::path::Path| {
+                err(ferrotron_engine::data::read_token_file(p)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()))
+            }),
+        ),
+        (
+            "model.safetensors",
+            u64::MAX - 1,
+            Box::new(|p: &std::path::Path| {
+                let d = p.parent().unwrap();
+                copy_model(d, "model.safetensors");
+                err(ferrotron_engine::hf::load_model(d)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()))
+            }),
+        ),
+        (
+            "adapter_config.json",
+            bounded::SETTINGS,
+            Box::new(|p: &std::path::Path| {
+                err(
+                    ferrotron_engine::lora::Adapters::load_peft(p.parent().unwrap(), &cfg)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                )
+            }),
+        ),
+        (
+            "manifest.json",
+            bounded::SETTINGS,
+            Box::new(|p: &std::path::Path| {
+                err(checkpoint::Checkpoint::open(p.parent().unwrap())
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()))
+            }),
+        ),
+        (
+            "run.toml",
+            bounded::SETTINGS,
+            Box::new(|p: &std::path::Path| {
+                let o = ferrotron(&[
+                    "train",
+                    "--config",
+                    p.to_str().unwrap(),
+                    "--out-dir",
+                    p.with_extension("out").to_str().unwrap(),
+                ]);
+                stderr(&o)
+            }),
+        ),
+        (
+            "hosts",
+            bounded::SETTINGS,
+            Box::new(|p: &std::path::Path| {
+                stderr(&ferrotron(&[
+                    "launch",
+                    "--hostfile",
+                    p.to_str().unwrap(),
+                    "--",
+                    "train",
+                ]))
+            }),
+        ),
+        (
+            "metrics.jsonl",
+            bounded::RECORDS,
+            Box::new(|p: &std::path::Path| {
+                stderr(&ferrotron(&[
+                    "report",
+                    p.parent().unwrap().to_str().unwrap(),
+                    "--out",
+                    p.with_extension("html").to_str().unwrap(),
+                ]))
+            }),
+        ),
+        (
+            "runs.toml",
+            bounded::RECORDS,
+            Box::new(|p: &std::path::Path| {
+                stderr(&ferrotron(&[
+                    "calibrate",
+                    "--runs",
+                    p.to_str().unwrap(),
+                    "--out",
+                    p.with_extension("out").to_str().unwrap(),
+                ]))
+            }),
+        ),
+    ];
+    for (name, limit, read) in &readers {
+        for (path, what) in hostile_files(&dir, name, *limit) {
+            let started = std::time::Instant::now();
+            let e = read(&path);
+            assert!(
+                started.elapsed().as_secs_f64() < 5.0,
+                "{name} as {what} took long"
+            );
+            assert!(
+                e.contains(what) && !e.contains("panicked"),
+                "{name} as {what}: {e}"
+            );
+        }
+    }
 }
