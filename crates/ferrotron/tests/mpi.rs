@@ -414,3 +414,92 @@ fn a_checkpoint_directory_the_ranks_cannot_use_ends_the_job_with_a_clear_error()
         );
     }
 }
+
+/// SIGTERM to mpirun while two ranks train: OpenMPI forwards it to the ranks, which finish their
+/// step together and save it; the checkpoint verifies and the run resumes from it.
+#[test]
+fn sigterm_under_mpirun_saves_the_step_on_every_rank() {
+    let root = temp_dir("mpi-preempt");
+    let out = root.join("run");
+    let mut args: Vec<String> = [
+        "--allow-run-as-root",
+        "--oversubscribe",
+        // mpirun waits this long for the ranks between its SIGTERM and its SIGKILL (and forwards
+        // their last words meanwhile).
+        "--mca",
+        "odls_base_sigkill_timeout",
+        "30",
+        "-np",
+        "2",
+        env!("CARGO_BIN_EXE_ferrotron"),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let cut = [
+        "--backend",
+        "mpi",
+        "--layout",
+        "dp=2",
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "100000",
+    ];
+    args.extend(train_args(&out, &cut));
+    let child = Command::new("mpirun")
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("mpirun runs");
+    let metrics = out.join("metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 10 {
+        assert!(started.elapsed().as_secs() < 120, "the run never got going");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // The ranks stop after their step, save it together (the save is collective) and exit,
+    // releasing rank 0's lock; mpirun itself lingers on its own timeouts, and is ended here.
+    let signalled = std::time::Instant::now();
+    while out.join(".ferrotron.lock").exists() {
+        assert!(signalled.elapsed().as_secs() < 60, "the ranks did not stop");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let mut child = child;
+    let _ = child.kill();
+    let _ = child.wait();
+    let recorded = std::fs::read_to_string(&metrics).unwrap().lines().count();
+    assert!(recorded < 100000, "stopped early");
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), format!("step-{recorded:06}"));
+    let o = ferrotron(&[
+        "checkpoint",
+        "inspect",
+        out.join("checkpoints").to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let resume = out.join("checkpoints");
+    let total = (recorded + 2).to_string();
+    let resumed = train_args(
+        &out,
+        &[
+            "--backend",
+            "mpi",
+            "--layout",
+            "dp=2",
+            "--steps",
+            &total,
+            "--resume",
+            resume.to_str().unwrap(),
+        ],
+    );
+    let (ok, text) = mpirun(2, &resumed.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{text}");
+    assert_eq!(
+        std::fs::read_to_string(&metrics).unwrap().lines().count(),
+        recorded + 2
+    );
+}

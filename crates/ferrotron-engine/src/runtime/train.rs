@@ -268,7 +268,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     let cfg = &guarded;
     // Held until the run ends: a second run, or an --overwrite, in these directories is refused.
     let _locks = if world.reporter() {
-        Some(run_dir::claim(cfg)?)
+        Some(run_dir::claim(cfg).map_err(|e| world.fail_alone(e))?)
     } else {
         None
     };

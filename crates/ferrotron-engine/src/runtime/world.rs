@@ -62,6 +62,17 @@ impl World {
     }
 
     /// Whether this process reports the run (writes metrics, the model, the summary).
+    /// `e`, which ends the run on this process alone: under MPI the whole job ends with it (the
+    /// other ranks would otherwise wait for this one until their peer timeout).
+    pub(super) fn fail_alone(&self, e: EngineError) -> EngineError {
+        #[cfg(feature = "mpi")]
+        if let World::Mpi(c) = self {
+            super::rank_status::note(&format!("error: {e}"));
+            c.abort(&e.to_string(), e.exit_code());
+        }
+        e
+    }
+
     pub fn reporter(&self) -> bool {
         match self {
             World::Threads => true,
@@ -115,13 +126,25 @@ impl World {
                     (Ok(_), _) => Ok(None),
                     // Every device learns of an out-of-memory at the same step and returns (so
                     // `auto` can try the next layout on every rank); any other failure ends the job.
+                    // A preempted run stops on every rank at the same step, its checkpoint saved.
                     (
                         Err(
-                            e @ (EngineError::OutOfMemory { .. } | EngineError::PeerOutOfMemory(_)),
+                            e @ (EngineError::OutOfMemory { .. }
+                            | EngineError::PeerOutOfMemory(_)
+                            | EngineError::Preempted { .. }),
                         ),
                         _,
                     ) => Err(e),
                     (Err(e), _) => {
+                        // Rank 0 says what the flight records say (the others' are written as
+                        // they give up) before the job ends.
+                        let e = if crate::comm::Comm::rank(c.as_ref()) == 0 {
+                            let out = &run.cfg.checkpointing.out_dir;
+                            let wait = std::time::Duration::from_secs(5);
+                            super::hang::explain(out, run.layout.world_size(), wait, e)
+                        } else {
+                            e
+                        };
                         super::rank_status::note(&format!("error: {e}"));
                         c.abort(&e.to_string(), 1) // `abort` names the rank
                     }
