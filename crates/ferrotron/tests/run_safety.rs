@@ -520,3 +520,42 @@ fn launch_tells_a_launcher_that_could_not_start_from_dead_hosts() {
         assert!(!err.contains("no host is left"), "{err}");
     }
 }
+
+/// A run whose loss goes non-finite (here an absurd learning rate blows the weights up after the
+/// first update) stops at that step naming it, saves nothing more, and leaves the last good
+/// checkpoint; the same on an asynchronous schedule.
+#[test]
+fn a_run_that_goes_non_finite_stops_at_that_step() {
+    let dir = temp_dir("non-finite");
+    for (name, layout) in [("sync", ""), ("2bw", "pp=2,schedule=2bw")] {
+        let out = dir.join(name);
+        let mut extra = vec![
+            "--lr",
+            "1e30",
+            "--min-lr",
+            "0",
+            "--warmup-steps",
+            "0",
+            "--grad-clip",
+            "0",
+            "--checkpoint-every",
+            "1",
+        ];
+        if !layout.is_empty() {
+            extra.extend(["--layout", layout]);
+        }
+        refused(
+            &train(&out, "6", &extra),
+            &["step 2: the loss is NaN", "saves nothing"],
+        );
+        let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+        assert_eq!(latest.trim(), "step-000001", "{name}");
+        assert!(!out.join("model").exists(), "{name}: no model saved");
+        let o = ferrotron(&[
+            "checkpoint",
+            "inspect",
+            out.join("checkpoints").to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+}

@@ -159,6 +159,11 @@ impl MeshStep<'_> {
                 c.rank()
             )));
         }
+        // A non-finite loss ends the run at the first step that had one (the asynchronous
+        // schedules' losses are every device's, summed above; they keep no loss scaling).
+        if let Some(k) = (0..steps).find(|&k| !l[k].is_finite()) {
+            return Err(self.non_finite(dev, c.rank(), start + k, l[k], None));
+        }
         let ended = c.device_time();
         let stats = c.stats().since(&from);
         let memory = memory::device_memory(account);

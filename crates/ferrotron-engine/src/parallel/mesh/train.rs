@@ -187,7 +187,7 @@ impl MeshStep<'_> {
         // nothing after it would be worth saving.
         let loss_total = l[0] / self.total_tokens as f64;
         if self.loss_scaling().is_none() && !(loss_total.is_finite() && norm.is_finite()) {
-            return Err(self.non_finite(dev, c.rank(), step, loss_total, norm));
+            return Err(self.non_finite(dev, c.rank(), step, loss_total, Some(norm)));
         }
         let ended = c.device_time();
         memory_over_step.push(memory::sample(account, ended));
@@ -221,21 +221,22 @@ impl MeshStep<'_> {
 
     /// The error of a step whose loss or gradient norm went non-finite, naming this device's first
     /// tensor with a non-finite gradient.
-    fn non_finite(
+    pub(super) fn non_finite(
         &self,
         dev: &mut Device,
         rank: usize,
         step: usize,
         loss: f64,
-        norm: f64,
+        norm: Option<f64>,
     ) -> EngineError {
         let found = match self.first_non_finite_grad(dev) {
             Some(name) => format!("device {rank}'s first tensor with a non-finite gradient is `{name}`"),
             None => format!("device {rank}'s gradients are finite: the non-finite values are in the loss or on other devices' tensors"),
         };
         EngineError::NonFinite(format!(
-            "step {}: the loss is {loss} and the gradient norm {norm}; {found}. The run stops here and saves nothing: the last checkpoint is the last good state. Look for a setting out of its range (learning rate, Adam's betas and epsilon, a norm's epsilon, RoPE's theta) or non-finite weights",
-            step + 1
+            "step {}: the loss is {loss}{}; {found}. The run stops here and saves nothing: the last checkpoint is the last good state. Look for a setting out of its range (learning rate, Adam's betas and epsilon, a norm's epsilon, RoPE's theta) or non-finite weights",
+            step + 1,
+            norm.map_or(String::new(), |n| format!(" and the gradient norm {n}"))
         ))
     }
 
