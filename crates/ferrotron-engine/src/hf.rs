@@ -216,7 +216,9 @@ impl WeightReader {
         };
         let per_layer = with_layers(1).saturating_sub(with_layers(0));
         let declared = with_layers(0).saturating_add(per_layer.saturating_mul(cfg.num_layers));
-        if declared > self.index.len() {
+        // More than a whole layer beyond what the file holds: the config is another model's (a
+        // tensor or two fewer is named below, tensor by tensor).
+        if declared > self.index.len().saturating_add(per_layer) {
             return Err(EngineError::format(
                 &self.files[0].0,
                 format!(
