@@ -398,3 +398,29 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
         "wall_step_time_s": wall,
     })
 }
+
+/// Keeps the lines of `metrics.jsonl` at `path` for steps up to `step` and drops the rest: the
+/// steps after a checkpoint were recorded by the run that died, and the run resumed from it records
+/// them again (a torn last line goes too). Nothing to do where there is no file.
+pub fn keep_steps_up_to(path: &std::path::Path, step: usize) -> Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let bytes = ferrotron_core::bounded::read(path, ferrotron_core::bounded::RECORDS)
+        .map_err(|e| crate::error::EngineError::io(path, e))?;
+    let text = String::from_utf8_lossy(&bytes);
+    let kept: String = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v.get("step")?.as_u64())
+                .is_some_and(|s| s as usize <= step)
+        })
+        .flat_map(|line| [line, "\n"])
+        .collect();
+    if kept.len() != text.len() {
+        crate::hf::write_atomic(path, kept.as_bytes())?;
+    }
+    Ok(())
+}

@@ -23,7 +23,7 @@ pub use crate::memory::MemoryTerms;
 pub use crate::model_source::{resolve_model, ModelSource};
 pub use config::{parse_bytes, TrainConfig};
 pub use delayed::DelayedReference;
-pub use metrics::{DeviceSummary, StepReport};
+pub use metrics::{keep_steps_up_to, DeviceSummary, StepReport};
 pub use resolve::{cluster_for_job, plan_input, resolve_layout};
 pub use step::{layout_step, layout_step_of, layout_step_on, run_step, train_steps, StepOutput};
 pub use train::{train, TrainSummary};

@@ -439,29 +439,11 @@ fn finish(
     })
 }
 
-/// `metrics.jsonl`: a resumed run continues the metrics of the run it resumes.
 /// `metrics.jsonl` to append to: a new run starts it empty; a resumed run from step `start` keeps
-/// the lines of steps up to `start` and drops the rest (steps after the checkpoint it continues
-/// from were recorded by the run that died, and are about to be recorded again; a torn last line
-/// goes too).
+/// the lines of steps up to `start` (see [`super::metrics::keep_steps_up_to`]).
 fn open_metrics(path: &Path, resumed_at: Option<usize>) -> Result<std::fs::File> {
-    if let Some(start) = resumed_at.filter(|_| path.exists()) {
-        let bytes = ferrotron_core::bounded::read(path, ferrotron_core::bounded::RECORDS)
-            .map_err(|e| EngineError::io(path, e))?;
-        let text = String::from_utf8_lossy(&bytes);
-        let kept: String = text
-            .lines()
-            .filter(|line| {
-                serde_json::from_str::<serde_json::Value>(line)
-                    .ok()
-                    .and_then(|v| v.get("step")?.as_u64())
-                    .is_some_and(|step| step as usize <= start)
-            })
-            .flat_map(|line| [line, "\n"])
-            .collect();
-        if kept.len() != text.len() {
-            hf::write_atomic(path, kept.as_bytes())?;
-        }
+    if let Some(start) = resumed_at {
+        super::metrics::keep_steps_up_to(path, start)?;
     }
     std::fs::OpenOptions::new()
         .create(true)

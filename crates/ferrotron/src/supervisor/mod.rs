@@ -98,14 +98,18 @@ impl Supervisor {
                     self.max_restarts
                 );
             }
-            self.release_lock_of_failed_job(&events)?;
+            let released = self.release_lock_of_failed_job()?;
             self.hosts.retain(|h| !gone.contains(&h.name));
             if self.hosts.is_empty() {
                 bail!("no host is left to relaunch on");
             }
             restarts += 1;
             let resume_step;
-            (command, resume_step) = self.relaunch_command(restarts, &events)?;
+            (command, resume_step) = self.relaunch_command(restarts, &events, &released)?;
+            // The failed run's steps past its checkpoint go now (the relaunched run would drop
+            // them anyway): what the watch sees appended is the relaunched run's.
+            let metrics = self.cfg.checkpointing.out_dir.join("metrics.jsonl");
+            ferrotron_engine::runtime::keep_steps_up_to(&metrics, resume_step)?;
             // Records `resumed` while the relaunched job runs (replacing, and so ending, the last).
             watch = Some(ResumeWatch::start(
                 self.cfg.checkpointing.out_dir.join("metrics.jsonl"),
@@ -119,8 +123,10 @@ impl Supervisor {
     /// The failed job's rank 0 may have died holding the run directory's lock (or be alive on a
     /// host cut off from the rest, where no check from here can reach it): mpirun has exited, so
     /// the job is over, and a lock its own hosts took for `train` is released for the relaunch.
-    fn release_lock_of_failed_job(&self, events: &Events) -> Result<()> {
+    /// The directories released (the relaunch event lists them).
+    fn release_lock_of_failed_job(&self) -> Result<Vec<std::path::PathBuf>> {
         let out = &self.cfg.checkpointing.out_dir;
+        let mut released = Vec::new();
         for dir in [out.clone(), self.cfg.checkpoint_root()] {
             let lock = dir.join(ferrotron_engine::dir_lock::LOCK_FILE);
             let Some(holder) = ferrotron_engine::dir_lock::read_holder(&lock) else {
@@ -129,13 +135,10 @@ impl Supervisor {
             if holder.what == "train" && self.hosts.iter().any(|h| h.name == holder.host) {
                 std::fs::remove_file(&lock)
                     .with_context(|| format!("{}: cannot remove", lock.display()))?;
-                events.record(
-                    "lock_released",
-                    serde_json::json!({"dir": dir, "pid": holder.pid, "host": holder.host}),
-                )?;
+                released.push(dir);
             }
         }
-        Ok(())
+        Ok(released)
     }
 
     fn devices(&self) -> usize {
@@ -245,7 +248,12 @@ impl Supervisor {
     /// `train`'s arguments for relaunch `attempt` on the hosts left — the relayout rule, their
     /// cluster, and the latest checkpoint to resume (or a fresh start when nothing was saved) — and
     /// the step it resumes at, recorded as the `relaunch` event.
-    fn relaunch_command(&self, attempt: usize, events: &Events) -> Result<(Vec<String>, usize)> {
+    fn relaunch_command(
+        &self,
+        attempt: usize,
+        events: &Events,
+        locks_released: &[std::path::PathBuf],
+    ) -> Result<(Vec<String>, usize)> {
         let checkpoints = self.cfg.checkpoint_root();
         let resume = Checkpoint::open(&checkpoints).ok();
         let mut next = with_flag(&self.train, "--layout", &self.relayout);
@@ -272,6 +280,7 @@ impl Supervisor {
                 "layout": self.relayout,
                 "resume_from": resume.as_ref().map(|ck| ck.dir.display().to_string()),
                 "resume_step": resume_step,
+                "locks_released": locks_released,
             }),
         )?;
         Ok((next, resume_step))
