@@ -105,7 +105,7 @@ pub(super) fn run_device<C: Comm>(
         let done = report.step + 1;
         // Asked to stop: this step's checkpoint is saved (if it was not due anyway), then every
         // device ends the run here.
-        if run.checkpoints.due(done) || (report.stop && done > run.start) {
+        if run.checkpoints.due(done) || report.stop {
             // The copies a save makes are the host's, not the device's.
             memory::clear_device();
             let saved = save_checkpoint(run, mesh, c, dev, done);
