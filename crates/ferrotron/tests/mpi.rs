@@ -416,7 +416,8 @@ fn a_checkpoint_directory_the_ranks_cannot_use_ends_the_job_with_a_clear_error()
 }
 
 /// SIGTERM to mpirun while two ranks train: OpenMPI forwards it to the ranks, which finish their
-/// step together and save it; the checkpoint verifies and the run resumes from it.
+/// step together and save it; the checkpoint verifies, and the run resumed from it ends with the
+/// uninterrupted run's model, byte for byte.
 #[test]
 fn sigterm_under_mpirun_saves_the_step_on_every_rank() {
     let root = temp_dir("mpi-preempt");
@@ -436,13 +437,14 @@ fn sigterm_under_mpirun_saves_the_step_on_every_rank() {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    const STEPS: &str = "3000";
     let cut = [
         "--backend",
         "mpi",
         "--layout",
         "dp=2",
         "--steps",
-        "100000",
+        STEPS,
         "--checkpoint-every",
         "100000",
     ];
@@ -472,7 +474,7 @@ fn sigterm_under_mpirun_saves_the_step_on_every_rank() {
     let _ = child.kill();
     let _ = child.wait();
     let recorded = std::fs::read_to_string(&metrics).unwrap().lines().count();
-    assert!(recorded < 100000, "stopped early");
+    assert!(recorded < 3000, "stopped early");
     let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
     assert_eq!(latest.trim(), format!("step-{recorded:06}"));
     let o = ferrotron(&[
@@ -482,24 +484,27 @@ fn sigterm_under_mpirun_saves_the_step_on_every_rank() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let resume = out.join("checkpoints");
-    let total = (recorded + 2).to_string();
-    let resumed = train_args(
-        &out,
-        &[
-            "--backend",
-            "mpi",
-            "--layout",
-            "dp=2",
-            "--steps",
-            &total,
-            "--resume",
-            resume.to_str().unwrap(),
-        ],
-    );
+    let mut resumed_args = cut.to_vec();
+    resumed_args.extend(["--resume", resume.to_str().unwrap()]);
+    let resumed = train_args(&out, &resumed_args);
     let (ok, text) = mpirun(2, &resumed.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(ok, "{text}");
     assert_eq!(
         std::fs::read_to_string(&metrics).unwrap().lines().count(),
-        recorded + 2
+        3000,
+        "each step recorded once"
+    );
+    // The same run uninterrupted ends with the same model, byte for byte.
+    let whole = root.join("whole");
+    let uninterrupted = train_args(&whole, &cut);
+    let (ok, text) = mpirun(
+        2,
+        &uninterrupted.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    assert!(ok, "{text}");
+    assert_eq!(
+        std::fs::read(whole.join("model/model.safetensors")).unwrap(),
+        std::fs::read(out.join("model/model.safetensors")).unwrap(),
+        "the resumed run ends where the uninterrupted one does"
     );
 }
