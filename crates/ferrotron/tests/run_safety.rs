@@ -460,6 +460,22 @@ fn unclear_and_silent_inputs_get_clear_errors() {
             ],
             "`lm_head.weight` differs from `model.embed_tokens.weight`",
         ),
+        (
+            vec![
+                "--model".into(),
+                edited_model(&dir, "theta", |c| {
+                    c["rope_parameters"]["rope_theta"] = 0.into()
+                }),
+            ],
+            "field `rope_theta`: 0 must be positive",
+        ),
+        (
+            vec![
+                "--model".into(),
+                edited_model(&dir, "eps", |c| c["rms_norm_eps"] = (-1).into()),
+            ],
+            "field `rms_norm_eps`: -1 must not be negative",
+        ),
     ];
     for (extra, says) in cases {
         // `--model` given here replaces the tiny preset.

@@ -321,6 +321,15 @@ impl ModelConfig {
                 return Err(("sliding_window".into(), "must be positive".into()));
             }
         }
+        if self.arch == Arch::Llama && !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err((
+                "rope_theta".into(),
+                format!(
+                    "{} must be a positive number (RoPE's frequencies are powers of it; 0 gives NaN angles)",
+                    self.rope_theta
+                ),
+            ));
+        }
         if self.arch == Arch::Llama && !self.head_dim.is_multiple_of(2) {
             return Err((
                 "head_dim".into(),
