@@ -260,6 +260,13 @@ pub fn projection_split(cfg: &ModelConfig, module: &str) -> Option<TargetSplit> 
         .map(|p| p.4)
 }
 
+/// Whether `name` is the weight of one of the decoder's projections (its linear layers): what
+/// transformers' 4-bit loading quantizes. The embeddings, the norms and `lm_head` are not.
+pub fn is_projection_weight(cfg: &ModelConfig, name: &str) -> bool {
+    name.strip_suffix(".weight")
+        .is_some_and(|module| projection_split(cfg, module).is_some())
+}
+
 /// Which target and half an adapter tensor name belongs to: (`model.layers.0.self_attn.q_proj`, A).
 pub fn adapter_parts(name: &str) -> Option<(&str, AdapterHalf)> {
     if let Some(m) = name.strip_suffix(".lora_A.weight") {

@@ -8,6 +8,7 @@
 pub mod bf16_convert;
 pub mod cpu;
 pub mod float;
+pub mod nf4;
 mod rope;
 pub mod simd;
 
@@ -176,12 +177,14 @@ pub(crate) fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     }
 }
 
-/// A linear layer's weight as the executor holds it: f32, or (bf16 compute) the bf16 compute copy
-/// the GEMM reads as it is.
+/// A linear layer's weight as the executor holds it: f32, (bf16 compute) the bf16 compute copy
+/// the GEMM reads as it is, or (a QLoRA base) NF4, `[out, in]` whatever the checkpoint's layout,
+/// dequantized tile by tile as the GEMM packs it.
 #[derive(Clone, Copy)]
 pub enum Matrix<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
+    Nf4(&'a nf4::Nf4Matrix),
 }
 
 /// The ops a device must provide. Buffers are row-major; `accumulate` means `+=` instead of `=`.

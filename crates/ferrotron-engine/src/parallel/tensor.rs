@@ -18,6 +18,7 @@ use super::context::{self, ContextShard};
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::half_storage::Wire;
+use crate::kernels::nf4::Nf4Matrix;
 use crate::kernels::{AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads};
 use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
 use ferrotron_core::model::{
@@ -26,6 +27,7 @@ use ferrotron_core::model::{
 };
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// One device's place in a tensor-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -268,15 +270,43 @@ impl TpShard {
     pub fn shard_store(&self, cfg: &ModelConfig, full: &ParamStore) -> Result<ParamStore> {
         let mut specs = Vec::with_capacity(full.specs.len());
         let mut tensors = Vec::with_capacity(full.specs.len());
-        for (spec, t) in full.specs.iter().zip(&full.tensors) {
+        let mut quantized = Vec::with_capacity(full.specs.len());
+        for ((spec, t), q) in full.specs.iter().zip(&full.tensors).zip(&full.nf4) {
             let slice = self.slice(cfg, &spec.name)?;
             specs.push(ParamSpec {
                 shape: Self::shard_shape(&spec.shape, &slice),
                 ..spec.clone()
             });
-            tensors.push(self.cut(spec, &slice, t));
+            match q {
+                Some(q) => {
+                    tensors.push(Vec::new());
+                    quantized.push(Some(Arc::new(Self::cut_nf4(spec, &slice, q))));
+                }
+                None => {
+                    tensors.push(self.cut(spec, &slice, t));
+                    quantized.push(None);
+                }
+            }
         }
-        Ok(ParamStore::from_tensors(specs, tensors))
+        let mut store = ParamStore::from_tensors(specs, tensors);
+        store.nf4 = quantized;
+        Ok(store)
+    }
+
+    /// This device's shard of a quantized projection: the same rows or columns as [`TpShard::cut`]
+    /// keeps of the f32 weight, taken from the `[out, in]` NF4 matrix (a Conv1D weight's cut
+    /// dimension is the other one there).
+    fn cut_nf4(spec: &ParamSpec, slice: &Slice, q: &Nf4Matrix) -> Nf4Matrix {
+        debug_assert_eq!(slice.pad, 0, "projections are never padded");
+        let along_out = (slice.dim == 0) == (spec.layout != WeightLayout::InOut);
+        if along_out {
+            q.cut(&slice.ranges, 0..q.cols)
+        } else {
+            let [cols] = slice.ranges.as_slice() else {
+                unreachable!("an input-dimension cut is one range")
+            };
+            q.cut(&one(0..q.rows), cols.clone())
+        }
     }
 
     /// Whether parameter `name` is replicated whole on every device of the group (norms, row-parallel

@@ -2,6 +2,8 @@
 //! no gradients, no optimizer state and no master copy; under mixed precision it is stored in 16
 //! bits, and as the trained weights are: under bf16 its matrices are read by the kernels as they
 //! are, the rest (and every tensor under f16) widened one unit at a time while that unit computes.
+//! A QLoRA base's projections stay NF4 under every precision: the GEMM dequantizes them tile by
+//! tile.
 
 use super::kept::Kept;
 use super::residency::{units_of, Unit};
@@ -45,8 +47,11 @@ impl FrozenBase {
                     .iter()
                     .zip(&store.specs)
                     .zip(matrices.iter_mut())
-                    .map(|((t, spec), shared)| {
-                        if h == Half::Bf16 && spec.shape.len() == 2 {
+                    .zip(&store.nf4)
+                    .map(|(((t, spec), shared), quantized)| {
+                        if quantized.is_some() {
+                            Kept::Empty
+                        } else if h == Half::Bf16 && spec.shape.len() == 2 {
                             *shared = Some(Arc::new(bf16_convert::rounded(t)));
                             Kept::Empty
                         } else {
@@ -55,7 +60,9 @@ impl FrozenBase {
                     })
                     .collect();
                 let empty = vec![Vec::new(); store.specs.len()];
-                (ParamStore::from_tensors(store.specs, empty), Some(half))
+                let mut names = ParamStore::from_tensors(store.specs, empty);
+                names.nf4 = store.nf4;
+                (names, Some(half))
             }
         };
         Self {
@@ -73,13 +80,15 @@ impl FrozenBase {
 
     /// Bytes the base holds.
     pub fn bytes(&self) -> usize {
-        match &self.half {
-            Some(h) => {
-                let shared: usize = self.matrices.iter().flatten().map(|m| 2 * m.len()).sum();
-                h.iter().map(Kept::bytes).sum::<usize>() + shared
+        let quantized: usize = self.store.nf4.iter().flatten().map(|m| m.bytes()).sum();
+        quantized
+            + match &self.half {
+                Some(h) => {
+                    let shared: usize = self.matrices.iter().flatten().map(|m| 2 * m.len()).sum();
+                    h.iter().map(Kept::bytes).sum::<usize>() + shared
+                }
+                None => 4 * self.store.numel(),
             }
-            None => 4 * self.store.numel(),
-        }
     }
 
     /// Runs `f` with `unit`'s base tensors present in f32.
@@ -94,9 +103,12 @@ impl FrozenBase {
             vec![Vec::new(); self.store.specs.len()],
         );
         for &i in self.units.get(&unit).map_or(&[][..], Vec::as_slice) {
-            match &self.matrices[i] {
-                Some(m) => view.bf16[i] = Some(Arc::clone(m)),
-                None => view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned(),
+            match (&self.store.nf4[i], &self.matrices[i]) {
+                (Some(q), _) => view.nf4[i] = Some(Arc::clone(q)),
+                (None, Some(m)) => view.bf16[i] = Some(Arc::clone(m)),
+                (None, None) => {
+                    view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned()
+                }
             }
         }
         f(&view)

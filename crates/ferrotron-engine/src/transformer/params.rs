@@ -1,7 +1,8 @@
 //! Named parameter tensors (Hugging Face names and shapes), held as f32 for compute.
 
+use crate::kernels::nf4::Nf4Matrix;
 use crate::kernels::Matrix;
-use ferrotron_core::model::{ModelConfig, ParamSpec};
+use ferrotron_core::model::{is_projection_weight, ModelConfig, ParamSpec, WeightLayout};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use std::collections::HashMap;
@@ -15,6 +16,9 @@ pub struct ParamStore {
     /// Under bf16 compute, a matrix's bf16 compute copy, shared with the mixed-precision state that
     /// owns it (its f32 tensor is then empty): the GEMM reads it as it is.
     pub bf16: Vec<Option<Arc<Vec<half::bf16>>>>,
+    /// A QLoRA base: a projection's weight quantized to NF4 (`[out, in]`, whatever the checkpoint's
+    /// layout; its f32 tensor is then empty).
+    pub nf4: Vec<Option<Arc<Nf4Matrix>>>,
     index: HashMap<String, usize>,
 }
 
@@ -33,10 +37,12 @@ impl ParamStore {
             .map(|(i, s)| (s.name.clone(), i))
             .collect();
         let bf16 = vec![None; specs.len()];
+        let nf4 = vec![None; specs.len()];
         Self {
             specs,
             tensors,
             bf16,
+            nf4,
             index,
         }
     }
@@ -44,10 +50,42 @@ impl ParamStore {
     /// Tensor `i` as a matrix (a linear layer's weight, an embedding table): its bf16 compute copy
     /// where there is one.
     pub fn matrix(&self, i: usize) -> Matrix<'_> {
-        match &self.bf16[i] {
-            Some(w) => Matrix::Bf16(w),
-            None => Matrix::F32(&self.tensors[i]),
+        match (&self.nf4[i], &self.bf16[i]) {
+            (Some(w), _) => Matrix::Nf4(w),
+            (None, Some(w)) => Matrix::Bf16(w),
+            (None, None) => Matrix::F32(&self.tensors[i]),
         }
+    }
+
+    /// Quantizes every projection weight to NF4 (a QLoRA base), one tensor at a time: each f32
+    /// tensor is freed as soon as its quantized form exists. A Conv1D weight (`[in, out]`) is
+    /// transposed first, as transformers' 4-bit loading does.
+    pub fn quantize_nf4(&mut self, cfg: &ModelConfig) {
+        for i in 0..self.specs.len() {
+            let spec = &self.specs[i];
+            if !is_projection_weight(cfg, &spec.name) || self.nf4[i].is_some() {
+                continue;
+            }
+            let t = std::mem::take(&mut self.tensors[i]);
+            let (r, c) = (spec.shape[0], spec.shape[1]);
+            let m = match spec.layout {
+                WeightLayout::InOut => {
+                    let mut tr = vec![0f32; t.len()];
+                    for (k, row) in t.chunks_exact(c).enumerate() {
+                        row.iter().enumerate().for_each(|(j, &v)| tr[j * r + k] = v);
+                    }
+                    drop(t);
+                    Nf4Matrix::quantize(&tr, c, r)
+                }
+                _ => Nf4Matrix::quantize(&t, r, c),
+            };
+            self.nf4[i] = Some(Arc::new(m));
+        }
+    }
+
+    /// Whether any tensor is NF4.
+    pub fn is_quantized(&self) -> bool {
+        self.nf4.iter().any(Option::is_some)
     }
 
     /// The store as bf16 compute reads it (a reference's compute copy): matrices rounded to bf16 and
@@ -93,9 +131,12 @@ impl ParamStore {
         let picked: Vec<usize> = (0..self.specs.len())
             .filter(|&i| keep(&self.specs[i].name))
             .collect();
-        let mut out = Self::zeros(picked.iter().map(|&i| self.specs[i].clone()).collect());
+        let mut out = Self::from_tensors(
+            picked.iter().map(|&i| self.specs[i].clone()).collect(),
+            picked.iter().map(|&i| self.tensors[i].clone()).collect(),
+        );
         for (k, &i) in picked.iter().enumerate() {
-            out.tensors[k].clone_from(&self.tensors[i]);
+            out.nf4[k].clone_from(&self.nf4[i]);
         }
         out
     }

@@ -60,6 +60,8 @@ impl Reference {
                     .chunks_exact(8)
                     .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32)
                     .collect(),
+                // Codes (a quantized base's), exact as f32.
+                safetensors::Dtype::U8 => view.data().iter().map(|&b| b as f32).collect(),
                 d => panic!("unexpected dtype {d:?}"),
             };
             tensors.insert(name, (view.shape().to_vec(), data));

@@ -13,6 +13,7 @@ mod f32_gemm;
 mod finite_difference;
 mod linear;
 mod loss;
+mod nf4_linear;
 mod norm;
 mod rotate;
 pub(crate) mod small_gemm;
@@ -104,6 +105,7 @@ impl Backend for CpuBackend {
         match w {
             Matrix::F32(w) => linear::forward(&self.cores(), self.products, s, x, w, bias, y),
             Matrix::Bf16(w) => linear::forward_bf16(&self.cores(), self.products, s, x, w, bias, y),
+            Matrix::Nf4(w) => nf4_linear::forward(&self.cores(), self.products, s, x, w, bias, y),
         }
     }
     fn linear_backward_input(
@@ -120,6 +122,9 @@ impl Backend for CpuBackend {
             }
             Matrix::Bf16(w) => {
                 linear::backward_input_bf16(&self.cores(), self.products, s, dy, w, dx, acc)
+            }
+            Matrix::Nf4(w) => {
+                nf4_linear::backward_input(&self.cores(), self.products, s, dy, w, dx, acc)
             }
         }
     }
@@ -144,6 +149,7 @@ impl Backend for CpuBackend {
         match table {
             Matrix::F32(t) => embedding::forward(&self.cores(), ids, t, dim, out, acc),
             Matrix::Bf16(t) => embedding::forward_bf16(&self.cores(), ids, t, dim, out, acc),
+            Matrix::Nf4(_) => unreachable!("embedding tables are never quantized"),
         }
     }
     fn embedding_backward_weight(&self, ids: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]) {
