@@ -139,6 +139,56 @@ impl std::str::FromStr for MixedPrecision {
 
 crate::serde_as_text!(MixedPrecision);
 
+/// How a LoRA run stores its frozen base's projections: NF4 (QLoRA: 4-bit NormalFloat in blocks of
+/// 64, double-quantized constants, as bitsandbytes' `nf4` with `use_double_quant`), about 0.52
+/// bytes a parameter against bf16's 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BaseQuantization {
+    Nf4,
+}
+
+impl BaseQuantization {
+    /// The name [`BaseQuantization::parse`] takes back.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nf4 => "nf4",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "nf4" => Ok(Self::Nf4),
+            other => Err(ConfigError::Field {
+                file: "--quantize-base".into(),
+                field: "quantize_base".into(),
+                msg: format!("`{other}` is not a base quantization (nf4)"),
+            }),
+        }
+    }
+
+    /// Bytes of a quantized `n`-value matrix: the packed 4-bit codes, one 8-bit absmax code a
+    /// block of 64, one f32 scale a group of 256 blocks, and the f32 offset.
+    pub fn matrix_bytes(self, n: usize) -> usize {
+        let blocks = n.div_ceil(64);
+        n.div_ceil(2) + blocks + 4 * blocks.div_ceil(256) + 4
+    }
+}
+
+impl std::fmt::Display for BaseQuantization {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BaseQuantization {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::parse(s)
+    }
+}
+
+crate::serde_as_text!(BaseQuantization);
+
 /// The number format a model is saved in (`save_dtype`, `checkpoint export --dtype`), as
 /// safetensors stores it; `torch_dtype`'s names are accepted too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -131,7 +131,9 @@ impl Adapters {
     /// The base with every adapter merged in: `W + (alpha/r)·B·A` for each target (in the base's
     /// own layout: GPT-2's Conv1D weights are `[in, out]`).
     pub fn merge(&self, cfg: &ModelConfig, base: &ParamStore) -> Result<ParamStore> {
-        let mut merged = base.clone();
+        // A QLoRA base merges as PEFT's `merge_and_unload` does on a 4-bit base: dequantized, then
+        // the scaled product added (kept in f32 here, not quantized again).
+        let mut merged = base.dequantized();
         let scale = self.config.scale() as f64;
         let r = self.config.rank;
         for t in self.config.modules(cfg) {

@@ -159,6 +159,7 @@ pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
     ));
     if let Some(lora) = &input.lora {
         out.push(format!("2. reduce: LoRA rank {} on {} leaves gradients and optimizer state only for the adapters ({}); the frozen base keeps its weights", lora.rank, lora.targets.join(", "), gb((n.gradients + n.optimizer_states + n.master_weights) as f64)));
+        out.push(quantized_base_note(input, &naive));
     }
     if world > 1 {
         let shard = |z| mem(&Layout { zero: z, ..full });
@@ -205,6 +206,41 @@ pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
         None => out.push("no layout fits: every candidate exceeds device memory even with ZeRO-3, full recompute and the smallest micro-batch; add devices or reduce the model".into()),
     }
     out
+}
+
+/// What storing the frozen base's projections in NF4 does to the unsplit layout `naive`: its
+/// weights with and without, and whether it is the reduction that makes the run fit without a
+/// split (or would be, when the run does not quantize).
+fn quantized_base_note(input: &PlanInput, naive: &Layout) -> String {
+    let usable = input.usable_memory() as f64;
+    let with = |q| {
+        let i = PlanInput {
+            quantize_base: q,
+            ..input.clone()
+        };
+        stage_memory(&i, naive, 0, 1)
+    };
+    let nf4 = crate::precision::BaseQuantization::Nf4;
+    let (plain, quantized) = (with(None), with(Some(nf4)));
+    let fits = |m: &MemoryTerms| (m.total as f64) <= usable;
+    let verdict = match (fits(&plain), fits(&quantized)) {
+        (false, true) => "this is the reduction that makes the run fit without a split",
+        (true, _) => "the run fits without it",
+        (false, false) => "not enough alone: a split is still needed",
+    };
+    let asked = if input.quantize_base.is_some() {
+        "the frozen base's projections in NF4"
+    } else {
+        "quantizing the frozen base's projections to NF4 (--quantize-base nf4)"
+    };
+    format!(
+        "2. reduce: {asked}: weights {} → {} per device ({} → {} in all, {} usable): {verdict}",
+        gb(plain.weights as f64),
+        gb(quantized.weights as f64),
+        gb(plain.total as f64),
+        gb(quantized.total as f64),
+        gb(usable)
+    )
 }
 
 /// Why the chosen layout splits sequences: the activations per device without context parallelism

@@ -3,7 +3,7 @@
 use super::spec::{ActivationModel, AttentionKernel, PlanModel};
 use super::{MemoryTerms, PlanInput};
 use crate::layout::{Layout, Recompute};
-use crate::model::{Arch, LoraConfig, ModelConfig, TargetSplit};
+use crate::model::{is_projection_weight, Arch, LoraConfig, ModelConfig, TargetSplit};
 
 /// Parameters one device of stage `stage` holds before any ZeRO sharding: its layers' share under
 /// tensor parallelism (sharded matrices / tp, replicated norms and row-parallel biases whole), plus the
@@ -420,7 +420,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     let weights = if input.lora.is_some() {
         // The frozen base stays whole on every replica (ZeRO shards only what trains) and is never
         // versioned; the adapters' compute copy is sharded like any trained parameter.
-        (params + versions * trainable / shard(3)) * pr.weights.bytes()
+        frozen_base_bytes(input, l, stage, params) + versions * trainable / shard(3) * pr.weights.bytes()
     } else {
         versions * params * pr.weights.bytes() / shard(3)
     };
@@ -450,6 +450,25 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
         total: 0,
     }
     .with_total()
+}
+
+/// Bytes of the frozen base on a device of `stage` holding `params` of it: in the weights' format,
+/// but (QLoRA) the projections at their quantized size.
+fn frozen_base_bytes(input: &PlanInput, l: &Layout, stage: usize, params: f64) -> f64 {
+    let bytes = input.precision.weights.bytes();
+    let (Some(q), PlanModel::Shape(cfg)) = (input.quantize_base, &input.model) else {
+        return params * bytes;
+    };
+    let layers = super::stage_layers(cfg, l, stage);
+    let projections: Vec<usize> = cfg
+        .param_specs()
+        .iter()
+        .filter(|s| is_projection_weight(cfg, &s.name) && cfg.stage_owns(&s.name, &(0..1)))
+        .map(|s| s.numel() / l.tp)
+        .collect();
+    let quantized = projections.iter().map(|&n| q.matrix_bytes(n)).sum::<usize>() * layers;
+    let unquantized = params - (projections.iter().sum::<usize>() * layers) as f64;
+    quantized as f64 + unquantized * bytes
 }
 
 /// One block's adapter parameters on one device of a tensor-parallel group of `t`: each target's

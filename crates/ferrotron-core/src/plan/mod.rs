@@ -97,6 +97,9 @@ pub struct PlanInput {
     pub attention: AttentionKernel,
     /// LoRA on a frozen base: gradients, master weights and optimizer state for the adapters only.
     pub lora: Option<crate::model::LoraConfig>,
+    /// QLoRA: the frozen base's projections stored quantized (their real bytes, constants
+    /// included); the embeddings, norms and head keep the weights' format.
+    pub quantize_base: Option<crate::precision::BaseQuantization>,
     /// Fraction of device memory kept free (allocator fragmentation, framework, kernels' workspace).
     pub memory_reserve: f64,
     /// Allow a tensor-parallel group to span nodes (priced on the slow link).
@@ -121,6 +124,7 @@ impl PlanInput {
             activation_model: ActivationModel::Ferrotron,
             attention: AttentionKernel::Flash,
             lora: None,
+            quantize_base: None,
             memory_reserve: 0.1,
             force_cross_node_tp: false,
             allow_async: false,
@@ -147,6 +151,12 @@ impl PlanInput {
             return Err(flag(
                 "--reserve",
                 format!("{} is not a fraction in [0, 1)", self.memory_reserve),
+            ));
+        }
+        if let (Some(q), None) = (self.quantize_base, &self.lora) {
+            return Err(flag(
+                "--quantize-base",
+                format!("{q} quantizes a frozen base: give --lora-rank too"),
             ));
         }
         if let Some(lora) = &self.lora {

@@ -80,6 +80,11 @@ pub struct Manifest {
     /// which `export --merge` and a resume read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_model: Option<String>,
+    /// QLoRA: how the frozen base was quantized; a resume and `export --merge` quantize it the same
+    /// way (from the base model: quantization is deterministic, so the base is bit for bit the one
+    /// the adapters trained on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize_base: Option<ferrotron_core::precision::BaseQuantization>,
     /// SHA-256 of the manifest itself (its JSON with this field left out): an edited `step`,
     /// `cursor` or `total_steps` would make a resume skip or repeat data, so it is caught.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -172,6 +172,7 @@ pub fn import_hf(
         tokenizer_source: Some(hf_dir.join(TOKENIZER)).filter(|p| p.exists()),
         lora: None,
         base_model: None,
+        quantize_base: None,
         checksum: None,
     };
     let specs = cfg.param_specs();

@@ -416,13 +416,6 @@ impl Nf4Matrix {
         self.codes.len() + self.absmax_q.len() + 4 * self.absmax_scale.len() + 4
     }
 
-    /// Bytes a whole `rows × cols` matrix takes quantized (the planner's price).
-    pub fn bytes_of(rows: usize, cols: usize) -> usize {
-        let n = rows * cols;
-        let blocks = n.div_ceil(BLOCK);
-        n.div_ceil(2) + blocks + 4 * blocks.div_ceil(ABSMAX_BLOCK) + 4
-    }
-
     /// The quantized storage as bitsandbytes keeps it (whole matrices only): the packed codes, the
     /// 8-bit absmax codes, their scales and the offset.
     pub fn storage(&self) -> (&[u8], &[u8], &[f32], f32) {
@@ -478,5 +471,7 @@ mod tests {
             );
         }
         assert!(cols_cut.bytes() < q.bytes() * 6 / 10);
+        let priced = ferrotron_core::precision::BaseQuantization::Nf4.matrix_bytes(rows * cols);
+        assert_eq!(q.bytes(), priced, "the planner's price is what a matrix holds");
     }
 }

@@ -11,6 +11,7 @@ use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::Device;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{LoraConfig, ModelConfig};
+use ferrotron_core::precision::BaseQuantization;
 use std::path::PathBuf;
 
 /// When and where a run saves, and the manifest fields every save shares.
@@ -59,16 +60,24 @@ impl CheckpointPlan {
                 tokenizer_source: Some(tokenizer.to_path_buf()),
                 lora: None,
                 base_model: None,
+                quantize_base: None,
                 checksum: None,
             },
         }
     }
 
-    /// LoRA: the checkpoints hold the adapters of `lora`, trained on `base_model`.
-    pub fn with_lora(mut self, lora: Option<&LoraConfig>, base_model: String) -> Self {
+    /// LoRA: the checkpoints hold the adapters of `lora`, trained on `base_model` (quantized as
+    /// `quantized` says).
+    pub fn with_lora(
+        mut self,
+        lora: Option<&LoraConfig>,
+        base_model: String,
+        quantized: Option<BaseQuantization>,
+    ) -> Self {
         if let Some(l) = lora {
             self.template.lora = Some(l.clone());
             self.template.base_model = Some(base_model);
+            self.template.quantize_base = quantized;
         }
         self
     }

@@ -10,7 +10,7 @@ use crate::error::{EngineError, Result};
 use crate::optim::{AdamWConfig, LrScaling, LrSchedule};
 use crate::parallel::LossScaling;
 use ferrotron_core::layout::LayoutSpec;
-use ferrotron_core::precision::{MixedPrecision, StorageDtype};
+use ferrotron_core::precision::{BaseQuantization, MixedPrecision, StorageDtype};
 use std::path::PathBuf;
 
 /// Declares the settings once, in groups: each field's doc comment (the help text), its flag and key
@@ -160,6 +160,9 @@ settings! {
             /// Start LoRA from this PEFT adapter directory (adapter_config.json +
             /// adapter_model.safetensors): its rank, alpha and targets.
             option [] adapter: Option<PathBuf>;
+            /// QLoRA: store the frozen base's projections in 4 bits, `nf4` (as bitsandbytes' NF4 with
+            /// double quantization), dequantized tile by tile inside the GEMM.
+            option [] quantize_base: Option<BaseQuantization>;
         }
         /// How the model is cut over which devices, and how they talk.
         parallelism: ParallelismSettings ("Layout and devices") {
@@ -490,6 +493,13 @@ impl TrainConfig {
                     "lora_targets"
                 },
                 "applies to LoRA: give `lora_rank` (or `adapter`) too",
+            );
+        }
+        if no_lora && self.checkpointing.resume.is_none() && self.lora.quantize_base.is_some() {
+            return bad(
+                "quantize_base",
+                "quantizes a frozen base: give `lora_rank` (or `adapter`) too (full training \
+                 updates every weight, which a 4-bit base cannot hold)",
             );
         }
         if !(self.numerics.loss_scale.is_finite() && self.numerics.loss_scale >= 1.0) {

@@ -7,6 +7,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{EngineError, Result};
 use crate::lora::Adapters;
 use ferrotron_core::model::{LoraConfig, ModelConfig};
+use ferrotron_core::precision::BaseQuantization;
 
 /// The LoRA configuration the flags describe on their own (`None` without `--lora-rank`).
 fn from_flags(cfg: &TrainConfig, model: &ModelConfig) -> Result<Option<LoraConfig>> {
@@ -93,6 +94,34 @@ pub(super) fn resolve(
         return Ok(Some(adapters));
     }
     Ok(from_flags(cfg, model)?.map(|config| Adapters::init(model, config, cfg.input.seed)))
+}
+
+/// How the frozen base is stored: as `--quantize-base` says, or as the LoRA checkpoint resumed
+/// from was trained (its adapters continue on the same base, bit for bit). `lora` says whether the
+/// run trains adapters at all.
+pub(super) fn base_quantization(
+    cfg: &TrainConfig,
+    resume: Option<&Checkpoint>,
+    lora: bool,
+) -> Result<Option<BaseQuantization>> {
+    let asked = cfg.lora.quantize_base;
+    let trained_on = resume
+        .filter(|ck| ck.manifest.lora.is_some())
+        .map(|ck| (ck, ck.manifest.quantize_base));
+    match (asked, trained_on) {
+        (Some(q), Some((ck, None))) => Err(EngineError::Invalid(format!(
+            "--quantize-base {q}: the adapters in {} trained on an unquantized base, and a resume \
+             continues them on the same one (leave the flag out, or start a new run from their \
+             exported adapter with --adapter and --quantize-base)",
+            ck.dir.display()
+        ))),
+        (_, Some((_, recorded))) => Ok(recorded),
+        (Some(q), None) if !lora => Err(EngineError::Invalid(format!(
+            "--quantize-base {q} quantizes a frozen base: give --lora-rank or --adapter too \
+             (full training updates every weight, which a 4-bit base cannot hold)"
+        ))),
+        (asked, None) => Ok(asked),
+    }
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use crate::model_source::{resolve_model, ModelSource};
 use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::BaseQuantization;
 use ferrotron_core::plan::Plan;
 use std::path::{Path, PathBuf};
 
@@ -61,6 +62,8 @@ struct StartingPoint {
     resume: Option<Checkpoint>,
     /// LoRA: the adapters that train, where they start.
     adapters: Option<Adapters>,
+    /// QLoRA: how the frozen base (`params`) is quantized.
+    quantized: Option<BaseQuantization>,
     /// The first step to run.
     start: usize,
 }
@@ -94,6 +97,10 @@ impl StartingPoint {
             start = ck.manifest.step;
         }
         let adapters = lora_run::resolve(cfg, &model, resume.as_ref())?;
+        let quantized = lora_run::base_quantization(cfg, resume.as_ref(), adapters.is_some())?;
+        if quantized.is_some() {
+            params.quantize_nf4(&model);
+        }
         if cfg.input.seq_len > model.max_sequence_length() {
             return Err(EngineError::Invalid(format!(
                 "seq_len {} exceeds the model's max_position_embeddings {} ({})",
@@ -111,6 +118,7 @@ impl StartingPoint {
             source,
             resume,
             adapters,
+            quantized,
             start,
         })
     }
@@ -280,6 +288,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     }
     let mut input = plan_input(cfg, &sp.model, world.fixed_devices())?;
     input.lora = sp.adapters.as_ref().map(|a| a.config.clone());
+    input.quantize_base = sp.quantized;
     if let (true, Some(a)) = (world.reporter(), &sp.adapters) {
         eprintln!(
             "LoRA: rank {}, alpha {} on {}: {} trained parameters beside {} frozen",
@@ -324,6 +333,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         .with_lora(
             sp.adapters.as_ref().map(|a| &a.config),
             base_model_name(&cfg.input.model),
+            sp.quantized,
         );
         let run = TrainingRun {
             cfg,

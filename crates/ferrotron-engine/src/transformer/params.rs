@@ -83,6 +83,28 @@ impl ParamStore {
         }
     }
 
+    /// The store with every NF4 tensor dequantized to f32, in its checkpoint layout.
+    pub fn dequantized(&self) -> Self {
+        let mut out = self.clone();
+        for (i, q) in self.nf4.iter().enumerate() {
+            let Some(q) = q else { continue };
+            let w = q.dequantized();
+            out.tensors[i] = match self.specs[i].layout {
+                WeightLayout::InOut => {
+                    let (r, c) = (q.rows, q.cols);
+                    let mut t = vec![0f32; w.len()];
+                    for (o, row) in w.chunks_exact(c.max(1)).enumerate() {
+                        row.iter().enumerate().for_each(|(k, &v)| t[k * r + o] = v);
+                    }
+                    t
+                }
+                _ => w,
+            };
+            out.nf4[i] = None;
+        }
+        out
+    }
+
     /// Whether any tensor is NF4.
     pub fn is_quantized(&self) -> bool {
         self.nf4.iter().any(Option::is_some)

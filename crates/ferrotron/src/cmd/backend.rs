@@ -4,6 +4,7 @@
 use anyhow::Result;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::BaseQuantization;
 use ferrotron_engine::parallel::PipelineRun;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Trained};
 
@@ -45,11 +46,24 @@ pub struct StepModel {
 }
 
 impl StepModel {
-    pub fn load(model: &std::path::Path, adapter: Option<&std::path::Path>) -> Result<Self> {
-        let (cfg, params) = ferrotron_engine::hf::load_model(model)?;
+    /// `quantize`: QLoRA, the base's projections stored in NF4 (only beside adapters).
+    pub fn load(
+        model: &std::path::Path,
+        adapter: Option<&std::path::Path>,
+        quantize: Option<BaseQuantization>,
+    ) -> Result<Self> {
+        let (cfg, mut params) = ferrotron_engine::hf::load_model(model)?;
         let adapters = adapter
             .map(|dir| ferrotron_engine::lora::Adapters::load_peft(dir, &cfg))
             .transpose()?;
+        match (quantize, &adapters) {
+            (Some(q), None) => anyhow::bail!(
+                "--quantize-base {q} quantizes a frozen base: give --adapter too (the gradients \
+                 of a 4-bit base are not computed)"
+            ),
+            (Some(BaseQuantization::Nf4), Some(_)) => params.quantize_nf4(&cfg),
+            (None, _) => {}
+        }
         Ok(Self {
             cfg,
             params,

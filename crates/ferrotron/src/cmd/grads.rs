@@ -32,11 +32,15 @@ pub struct GradsArgs {
     /// gradient of every adapter tensor, named as in its `adapter_model.safetensors`.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// With --adapter: QLoRA, the base's projections quantized to `nf4` (as bitsandbytes' NF4
+    /// with double quantization) and dequantized tile by tile inside the GEMM.
+    #[arg(long)]
+    quantize_base: Option<ferrotron_core::precision::BaseQuantization>,
 }
 
 pub fn run(a: GradsArgs) -> Result<()> {
     let layout = super::concrete_layout(&a.layout)?;
-    let model = super::backend::StepModel::load(&a.model, a.adapter.as_deref())?;
+    let model = super::backend::StepModel::load(&a.model, a.adapter.as_deref(), a.quantize_base)?;
     let cfg = &model.cfg;
     let batch = ferrotron_engine::data::read_token_file(&a.tokens)?;
     batch

@@ -40,6 +40,10 @@ pub struct VerifyArgs {
     /// gradients are compared.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// With --adapter: QLoRA, the base's projections quantized to `nf4` (as bitsandbytes' NF4
+    /// with double quantization) and dequantized tile by tile inside the GEMM.
+    #[arg(long)]
+    quantize_base: Option<ferrotron_core::precision::BaseQuantization>,
     /// Asynchronous schedules (`schedule=2bw|pipedream`): train this many optimizer steps (AdamW,
     /// eps 1e-6, lr 1e-3, global-norm clipping at `--clip`) through the pipeline and through the
     /// single-device trainer that applies the same delays, and compare every parameter.
@@ -59,7 +63,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         );
     }
     let layout = super::concrete_layout(&a.layout)?;
-    let model = super::backend::StepModel::load(&a.model, a.adapter.as_deref())?;
+    let model = super::backend::StepModel::load(&a.model, a.adapter.as_deref(), a.quantize_base)?;
     let (cfg, trained) = (&model.cfg, model.trained());
     let batch = verify_batch(&a, cfg)?;
     if layout.schedule.is_async() || a.steps.is_some() {
@@ -195,11 +199,16 @@ fn describe_split(
     }
     if let Some(ad) = &model.adapters {
         println!(
-            "LoRA adapters: rank {}, alpha {} on {} ({} tensors, the base frozen)",
+            "LoRA adapters: rank {}, alpha {} on {} ({} tensors, the base frozen{})",
             ad.config.rank,
             ad.config.alpha,
             ad.config.targets.join(", "),
-            ad.params.specs.len()
+            ad.params.specs.len(),
+            if model.params.is_quantized() {
+                ", its projections in NF4"
+            } else {
+                ""
+            }
         );
     }
     Ok(())
