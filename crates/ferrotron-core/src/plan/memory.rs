@@ -420,7 +420,8 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     let weights = if input.lora.is_some() {
         // The frozen base stays whole on every replica (ZeRO shards only what trains) and is never
         // versioned; the adapters' compute copy is sharded like any trained parameter.
-        frozen_base_bytes(input, l, stage, params) + versions * trainable / shard(3) * pr.weights.bytes()
+        frozen_base_bytes(input, l, stage, params)
+            + versions * trainable / shard(3) * pr.weights.bytes()
     } else {
         versions * params * pr.weights.bytes() / shard(3)
     };
@@ -466,7 +467,11 @@ fn frozen_base_bytes(input: &PlanInput, l: &Layout, stage: usize, params: f64) -
         .filter(|s| is_projection_weight(cfg, &s.name) && cfg.stage_owns(&s.name, &(0..1)))
         .map(|s| s.numel() / l.tp)
         .collect();
-    let quantized = projections.iter().map(|&n| q.matrix_bytes(n)).sum::<usize>() * layers;
+    let quantized = projections
+        .iter()
+        .map(|&n| q.matrix_bytes(n))
+        .sum::<usize>()
+        * layers;
     let unquantized = params - (projections.iter().sum::<usize>() * layers) as f64;
     quantized as f64 + unquantized * bytes
 }

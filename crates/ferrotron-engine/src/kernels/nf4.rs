@@ -291,7 +291,11 @@ impl Nf4Matrix {
     /// The code of the shard's `i`th value (row-major).
     fn code(&self, i: usize) -> usize {
         let byte = self.codes[i / 2];
-        (if i.is_multiple_of(2) { byte >> 4 } else { byte & 15 }) as usize
+        (if i.is_multiple_of(2) {
+            byte >> 4
+        } else {
+            byte & 15
+        }) as usize
     }
 
     /// The whole matrix's row of the shard's row `r`.
@@ -307,24 +311,62 @@ impl Nf4Matrix {
 
     /// Dequantizes the shard's rows `rows` into `out` (`rows.len() × cols`, row-major).
     pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
+        self.dequantize(rows, 0..self.cols, out)
+    }
+
+    /// Dequantizes the block `rows × cols` of the shard into `out` (row-major).
+    pub fn dequantize(&self, rows: Range<usize>, cols: Range<usize>, out: &mut [f32]) {
+        let width = cols.len();
+        assert!(
+            cols.end <= self.cols,
+            "nf4: columns {cols:?} of {}",
+            self.cols
+        );
         assert_eq!(
             out.len(),
-            rows.len() * self.cols,
-            "nf4: output of the rows asked"
+            rows.len() * width,
+            "nf4: output of the block asked"
         );
-        for (r, out) in rows.zip(out.chunks_exact_mut(self.cols.max(1))) {
+        if width == 0 {
+            return;
+        }
+        for (r, out) in rows.zip(out.chunks_exact_mut(width)) {
             let start = self.whole_row(r) * self.whole_cols + self.col_start;
-            let mut c = 0;
+            let mut c = cols.start;
             // One absmax per run of values inside one block.
-            while c < self.cols {
+            while c < cols.end {
                 let at = start + c;
-                let end = self.cols.min(c + BLOCK - at % BLOCK);
+                let end = cols.end.min(c + BLOCK - at % BLOCK);
                 let m = self.absmax(at / BLOCK);
-                for (j, o) in (c..end).zip(&mut out[c..end]) {
-                    *o = NF4_CODE[self.code(r * self.cols + j)] * m;
-                }
+                self.scaled_codes(
+                    r * self.cols + c,
+                    m,
+                    &mut out[c - cols.start..end - cols.start],
+                );
                 c = end;
             }
+        }
+    }
+
+    /// `out[j] = NF4_CODE[code(first + j)] · m`, two codes a byte at a time.
+    #[inline]
+    fn scaled_codes(&self, first: usize, m: f32, out: &mut [f32]) {
+        let (mut i, mut j) = (first, 0);
+        if i % 2 == 1 && j < out.len() {
+            out[j] = NF4_CODE[(self.codes[i / 2] & 15) as usize] * m;
+            (i, j) = (i + 1, j + 1);
+        }
+        let pairs = (out.len() - j) / 2;
+        for (o, &b) in out[j..j + 2 * pairs]
+            .chunks_exact_mut(2)
+            .zip(&self.codes[i / 2..i / 2 + pairs])
+        {
+            o[0] = NF4_CODE[(b >> 4) as usize] * m;
+            o[1] = NF4_CODE[(b & 15) as usize] * m;
+        }
+        (i, j) = (i + 2 * pairs, j + 2 * pairs);
+        if j < out.len() {
+            out[j] = NF4_CODE[(self.codes[i / 2] >> 4) as usize] * m;
         }
     }
 
@@ -472,6 +514,10 @@ mod tests {
         }
         assert!(cols_cut.bytes() < q.bytes() * 6 / 10);
         let priced = ferrotron_core::precision::BaseQuantization::Nf4.matrix_bytes(rows * cols);
-        assert_eq!(q.bytes(), priced, "the planner's price is what a matrix holds");
+        assert_eq!(
+            q.bytes(),
+            priced,
+            "the planner's price is what a matrix holds"
+        );
     }
 }

@@ -22,8 +22,8 @@ use crate::model_source::{resolve_model, ModelSource};
 use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
-use ferrotron_core::precision::BaseQuantization;
 use ferrotron_core::plan::Plan;
+use ferrotron_core::precision::BaseQuantization;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone)]
@@ -291,12 +291,16 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     input.quantize_base = sp.quantized;
     if let (true, Some(a)) = (world.reporter(), &sp.adapters) {
         eprintln!(
-            "LoRA: rank {}, alpha {} on {}: {} trained parameters beside {} frozen",
+            "LoRA: rank {}, alpha {} on {}: {} trained parameters beside {} frozen{}",
             a.config.rank,
             a.config.alpha,
             a.config.targets.join(", "),
             a.params.numel(),
-            sp.params.numel()
+            sp.params.parameters(),
+            match sp.quantized {
+                Some(q) => format!(" (projections in {q})"),
+                None => String::new(),
+            }
         );
     }
     let candidates = resolve_layout(&cfg.parallelism.layout, &input)?;
@@ -437,7 +441,7 @@ fn finish(
         final_val_loss: out.last_val,
         final_train_loss: out.last_loss,
         tokens_per_s: out.tokens_per_s,
-        num_params: sp.params.numel(),
+        num_params: sp.params.parameters(),
         trained_params: sp.trained().params.numel(),
         model_dir: cfg.checkpointing.out_dir.join("model"),
         train_tokens: data.train_tokens,

@@ -96,21 +96,25 @@ impl FrozenBase {
         let Some(half) = &self.half else {
             return f(&self.store);
         };
-        // The widened unit is a transient working copy, as a 16-bit trained unit's f32 view is.
-        let _buffers = memory::scope(Term::CommBuffers);
-        let mut view = ParamStore::from_tensors(
-            self.store.specs.clone(),
-            vec![Vec::new(); self.store.specs.len()],
-        );
-        for &i in self.units.get(&unit).map_or(&[][..], Vec::as_slice) {
-            match (&self.store.nf4[i], &self.matrices[i]) {
-                (Some(q), _) => view.nf4[i] = Some(Arc::clone(q)),
-                (None, Some(m)) => view.bf16[i] = Some(Arc::clone(m)),
-                (None, None) => {
-                    view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned()
+        // The widened unit is a transient working copy, as a 16-bit trained unit's f32 view is
+        // (what the unit then computes counts as what it is).
+        let view = {
+            let _buffers = memory::scope(Term::CommBuffers);
+            let mut view = ParamStore::from_tensors(
+                self.store.specs.clone(),
+                vec![Vec::new(); self.store.specs.len()],
+            );
+            for &i in self.units.get(&unit).map_or(&[][..], Vec::as_slice) {
+                match (&self.store.nf4[i], &self.matrices[i]) {
+                    (Some(q), _) => view.nf4[i] = Some(Arc::clone(q)),
+                    (None, Some(m)) => view.bf16[i] = Some(Arc::clone(m)),
+                    (None, None) => {
+                        view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned()
+                    }
                 }
             }
-        }
+            view
+        };
         f(&view)
     }
 }

@@ -171,6 +171,12 @@ impl ParamStore {
         self.id(name).map(|i| self.tensors[i].as_slice())
     }
 
+    /// Parameters the store stands for, by their shapes (a quantized tensor's too).
+    pub fn parameters(&self) -> usize {
+        self.specs.iter().map(ParamSpec::numel).sum()
+    }
+
+    /// Values held in f32.
     pub fn numel(&self) -> usize {
         self.tensors.iter().map(Vec::len).sum()
     }

@@ -33,6 +33,9 @@ pub enum BenchCommand {
     /// LoRA against full fine-tuning of the same model and batches: tokens/s, forward/backward,
     /// and memory per term measured beside the planner's prediction.
     Lora(LoraBench),
+    /// LoRA on an NF4 base against LoRA on the bf16 (and f32) base: tokens/s, the weights term
+    /// measured and predicted, bytes per quantized parameter.
+    Qlora(LoraBench),
 }
 
 #[derive(Args)]
@@ -119,6 +122,20 @@ pub struct LoraBench {
     /// Kernel threads (0: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+}
+
+impl LoraBench {
+    fn args(&self) -> super::bench_lora::LoraBenchArgs<'_> {
+        super::bench_lora::LoraBenchArgs {
+            model: &self.model,
+            rank: self.rank,
+            batch: self.batch,
+            mbs: self.mbs,
+            seq: self.seq,
+            steps: self.steps,
+            threads: self.threads,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -229,15 +246,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Zero3(b) => {
             super::bench_zero3::run(&b.model, &b.dp, b.link_gb_s, b.batch, b.seq)
         }
-        BenchCommand::Lora(b) => super::bench_lora::run(super::bench_lora::LoraBenchArgs {
-            model: &b.model,
-            rank: b.rank,
-            batch: b.batch,
-            mbs: b.mbs,
-            seq: b.seq,
-            steps: b.steps,
-            threads: b.threads,
-        }),
+        BenchCommand::Lora(b) => super::bench_lora::run(b.args()),
+        BenchCommand::Qlora(b) => super::bench_qlora::run(b.args()),
         BenchCommand::Predict(b) => {
             let layouts = if b.layouts.is_empty() {
                 super::bench_predict::LAYOUTS.map(String::from).to_vec()

@@ -6,7 +6,8 @@
 use anyhow::Result;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{LoraConfig, ModelConfig};
-use ferrotron_core::plan::{evaluate, PlanInput, PlanModel, StateDtypes};
+use ferrotron_core::plan::{evaluate, PlanInput, PlanModel};
+use ferrotron_core::precision::{BaseQuantization, MixedPrecision};
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_core::topology::Cluster;
 use ferrotron_engine::comm::{ClockSource, ThreadWorld};
@@ -18,14 +19,21 @@ use ferrotron_engine::transformer::{TokenBatch, Trained};
 use rand::{Rng, SeedableRng};
 
 /// What one way of training measured.
-struct Measured {
+pub(super) struct Measured {
     /// Median wall seconds per step, and the median forward and backward actions' seconds.
-    step_s: f64,
-    forward_s: f64,
-    backward_s: f64,
-    memory: MemoryTerms,
-    predicted: MemoryTerms,
-    trained_params: usize,
+    pub step_s: f64,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub memory: MemoryTerms,
+    pub predicted: MemoryTerms,
+    pub trained_params: usize,
+}
+
+/// How a measured run stores and computes: its precision policy and (QLoRA) its base's quantization.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Numerics {
+    pub precision: MixedPrecision,
+    pub quantized: Option<BaseQuantization>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -34,7 +42,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn measure(
+pub(super) fn measure(
     cfg: &ModelConfig,
     trained: Trained,
     batches: &[TokenBatch],
@@ -42,6 +50,7 @@ fn measure(
     threads: usize,
     mbs: usize,
     lora: Option<&LoraConfig>,
+    numerics: Numerics,
 ) -> Result<Measured> {
     let b = &batches[0];
     let layout = Layout {
@@ -57,7 +66,8 @@ fn measure(
     };
     let mut results = ThreadWorld::new(1).clock(ClockSource::Wall).run(|c| {
         let step = MeshStep::new(cfg, trained.params, b, &layout, &partition)?
-            .with_kernel_threads(threads);
+            .with_kernel_threads(threads)
+            .with_precision(numerics.precision);
         let mut step = match trained.lora {
             Some((base, l)) => step.with_lora(base, l),
             None => step,
@@ -86,7 +96,7 @@ fn measure(
         Ok::<_, ferrotron_engine::EngineError>((steps, fwd, bwd, memory))
     });
     let (steps, fwd, bwd, memory) = results.remove(0)??;
-    let predicted = predicted_memory(cfg, b, &layout, lora)?;
+    let predicted = predicted_memory(cfg, b, &layout, lora, numerics)?;
     Ok(Measured {
         step_s: median(steps),
         forward_s: median(fwd),
@@ -106,16 +116,18 @@ fn action_seconds(timeline: &[(ferrotron_core::schedule::Action, f64, f64)], for
         .sum()
 }
 
-/// The planner's memory per term for this one-device f32 run.
+/// The planner's memory per term for this one-device run.
 fn predicted_memory(
     cfg: &ModelConfig,
     b: &TokenBatch,
     layout: &Layout,
     lora: Option<&LoraConfig>,
+    numerics: Numerics,
 ) -> Result<MemoryTerms> {
     let input = PlanInput {
-        precision: StateDtypes::parse("weights=fp32,grads=fp32,master=fp32,optimizer=fp32")?,
+        precision: numerics.precision.state_dtypes(),
         lora: lora.cloned(),
+        quantize_base: numerics.quantized,
         memory_reserve: 0.0,
         ..PlanInput::new(
             PlanModel::Shape(cfg.clone()),
@@ -138,38 +150,70 @@ pub struct LoraBenchArgs<'a> {
     pub threads: usize,
 }
 
+/// What both LoRA benchmarks run on: the model, its base, fresh adapters and the batches (two
+/// untimed steps first).
+pub(super) struct Setup {
+    pub cfg: ModelConfig,
+    pub base: ferrotron_engine::transformer::ParamStore,
+    pub lora: LoraConfig,
+    pub adapters: Adapters,
+    pub batches: Vec<TokenBatch>,
+    pub warmup: usize,
+    pub threads: usize,
+}
+
+pub(super) fn setup(a: &LoraBenchArgs) -> Result<Setup> {
+    if a.batch % a.mbs != 0 {
+        anyhow::bail!("--batch {} is not a multiple of --mbs {}", a.batch, a.mbs);
+    }
+    let (cfg, base, _) = ferrotron_engine::runtime::resolve_model(a.model, 0)?;
+    let lora = LoraConfig::new(&cfg, a.rank, 2.0 * a.rank as f64, &[])?;
+    let adapters = Adapters::init(&cfg, lora.clone(), 1);
+    let threads = if a.threads == 0 {
+        ferrotron_engine::kernels::CpuBackend::default().threads
+    } else {
+        a.threads
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let warmup = 2;
+    let batches: Vec<TokenBatch> = (0..warmup + a.steps)
+        .map(|_| TokenBatch {
+            ids: (0..a.batch * a.seq)
+                .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
+                .collect(),
+            batch: a.batch,
+            seq: a.seq,
+        })
+        .collect();
+    Ok(Setup {
+        cfg,
+        base,
+        lora,
+        adapters,
+        batches,
+        warmup,
+        threads,
+    })
+}
+
 pub fn run(a: LoraBenchArgs) -> Result<()> {
+    let Setup {
+        cfg,
+        base,
+        lora,
+        adapters,
+        batches,
+        warmup,
+        threads,
+    } = setup(&a)?;
     let LoraBenchArgs {
         model,
         rank,
         batch,
         mbs,
         seq,
-        steps,
-        threads,
+        ..
     } = a;
-    if batch % mbs != 0 {
-        anyhow::bail!("--batch {batch} is not a multiple of --mbs {mbs}");
-    }
-    let (cfg, base, _) = ferrotron_engine::runtime::resolve_model(model, 0)?;
-    let lora = LoraConfig::new(&cfg, rank, 2.0 * rank as f64, &[])?;
-    let adapters = Adapters::init(&cfg, lora.clone(), 1);
-    let threads = if threads == 0 {
-        ferrotron_engine::kernels::CpuBackend::default().threads
-    } else {
-        threads
-    };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-    let warmup = 2;
-    let batches: Vec<TokenBatch> = (0..warmup + steps)
-        .map(|_| TokenBatch {
-            ids: (0..batch * seq)
-                .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
-                .collect(),
-            batch,
-            seq,
-        })
-        .collect();
     let full = measure(
         &cfg,
         Trained::full(&base),
@@ -178,9 +222,19 @@ pub fn run(a: LoraBenchArgs) -> Result<()> {
         threads,
         mbs,
         None,
+        Numerics::default(),
     )?;
     let trained = Trained::lora(&base, &lora, &adapters.params);
-    let adapted = measure(&cfg, trained, &batches, warmup, threads, mbs, Some(&lora))?;
+    let adapted = measure(
+        &cfg,
+        trained,
+        &batches,
+        warmup,
+        threads,
+        mbs,
+        Some(&lora),
+        Numerics::default(),
+    )?;
     let tokens = (batch * seq) as f64;
     println!(
         "ferrotron bench lora: {model} ({:.2}M parameters), batch {batch} x seq {seq} in \

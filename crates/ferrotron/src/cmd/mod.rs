@@ -4,6 +4,7 @@ mod bench_async;
 mod bench_context;
 mod bench_lora;
 mod bench_predict;
+mod bench_qlora;
 mod bench_train;
 mod bench_zero3;
 pub mod calibrate;

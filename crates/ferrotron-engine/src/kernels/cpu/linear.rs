@@ -12,7 +12,7 @@ use ferrotron_core::precision::Products;
 /// A linear layer's product: on the bf16 GEMM when the backend says so (the operands are f32 here),
 /// else [`gemm_strided`].
 #[allow(clippy::too_many_arguments)]
-pub(super) fn product<T: Real>(
+fn product<T: Real>(
     threads: &Threads,
     products: Products,
     m: usize,

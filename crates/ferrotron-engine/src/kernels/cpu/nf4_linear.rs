@@ -1,54 +1,171 @@
-//! A linear layer over an NF4 weight (a QLoRA base): the weight is dequantized a panel of its
-//! output rows at a time, into the compute precision's operand, just before the GEMM packs it; no
-//! full-precision copy of the matrix exists. The token rows are split over the threads, each with
-//! its own panel (dequantizing costs `out × in` per thread, against `2 · rows/threads · out · in`
-//! FLOP of product).
+//! A linear layer over an NF4 weight (a QLoRA base): the weight is dequantized a panel at a time
+//! into the operand the GEMM packs, in the compute precision (f32, or bf16 under bf16 products);
+//! no full-precision copy of the matrix exists. The threads split the weight (the forward its
+//! output rows, the input gradient its input columns), so each value is dequantized once a call;
+//! each thread multiplies its panels into its own columns of the output.
 
-use super::linear::product;
-use super::threads::{SendPtr, Threads};
+use super::bf16_gemm::{self, Operand, Path};
+use super::f32_gemm::gemm_strided;
+use super::threads::Threads;
+use crate::kernels::bf16_convert;
 use crate::kernels::nf4::Nf4Matrix;
 use crate::kernels::LinearShape;
 use crate::memory::{self, Term};
 use ferrotron_core::precision::Products;
+use rayon::prelude::*;
+use std::ops::Range;
 
 /// Values in one dequantized panel: big enough that the GEMM's packing of the activations is
 /// spread over many output columns, small enough to stay in the L2 cache.
-const PANEL_VALUES: usize = 1 << 15;
+const PANEL_VALUES: usize = 1 << 16;
 
-/// Output rows of `w` a panel holds: a multiple of 16, 16 to 256.
-pub(crate) fn panel_rows(w: &Nf4Matrix) -> usize {
-    ((PANEL_VALUES / w.cols.max(1)) & !15)
-        .clamp(16, 256)
-        .min(w.rows.max(1))
+/// Rows of a panel `width` values wide: a multiple of 16, at least 16.
+pub(crate) fn panel_rows(width: usize) -> usize {
+    ((PANEL_VALUES / width.max(1)) & !15).max(16)
 }
 
-/// Token rows each thread takes, and how many threads: one below ~4 MFLOP of product.
-fn split(threads: &Threads, rows: usize, w: &Nf4Matrix) -> (usize, usize) {
-    let n = if 2 * rows * w.rows * w.cols >= 1 << 22 {
-        threads.count().min(rows.div_ceil(16)).max(1)
+/// How a panel is multiplied: in f32; in bf16 on the bf16 instructions (the panel dequantized
+/// into bf16); or in bf16 on the f32 GEMM where the CPU has none (both operands rounded to bf16,
+/// as the bf16 GEMM's fallback does, the activations once a call rather than once a panel).
+#[derive(Clone, Copy, PartialEq)]
+enum Arithmetic {
+    F32,
+    Bf16,
+    Bf16OnF32,
+}
+
+impl Arithmetic {
+    fn of(products: Products) -> Self {
+        match products {
+            Products::F32 => Self::F32,
+            Products::Bf16 if bf16_gemm::best_path() == Path::F32Gemm => Self::Bf16OnF32,
+            Products::Bf16 => Self::Bf16,
+        }
+    }
+
+    /// The activations as this arithmetic multiplies them: as they are, or rounded to bf16.
+    fn operand<'a>(self, x: &'a [f32], rounded: &'a mut Vec<f32>) -> &'a [f32] {
+        if self != Self::Bf16OnF32 {
+            return x;
+        }
+        let _w = memory::scope(Term::Other);
+        *rounded = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        rounded
+    }
+}
+
+/// A thread's panel, dequantized into the arithmetic's operand.
+#[derive(Default)]
+struct Panel {
+    f32: Vec<f32>,
+    bf16: Vec<half::bf16>,
+}
+
+impl Panel {
+    /// Rows `rows`, columns `cols` of `w`.
+    fn fill(&mut self, arith: Arithmetic, w: &Nf4Matrix, rows: Range<usize>, cols: Range<usize>) {
+        self.f32.resize(rows.len() * cols.len(), 0.0);
+        w.dequantize(rows, cols, &mut self.f32);
+        match arith {
+            Arithmetic::F32 => {}
+            Arithmetic::Bf16OnF32 => self.f32.iter_mut().for_each(|x| {
+                *x = half::bf16::from_f32(*x).to_f32();
+            }),
+            Arithmetic::Bf16 => {
+                self.bf16.resize(self.f32.len(), half::bf16::ZERO);
+                bf16_convert::round_into(&self.f32, &mut self.bf16);
+            }
+        }
+    }
+
+    /// `c (+)= a · b`, `b` this panel viewed with strides `b_strides`.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        arith: Arithmetic,
+        (m, n, k): (usize, usize, usize),
+        a: (&[f32], usize, usize),
+        b_strides: (usize, usize),
+        c: &mut [f32],
+        c_rs: usize,
+        acc: bool,
+    ) {
+        let (rs, cs) = b_strides;
+        match arith {
+            Arithmetic::F32 | Arithmetic::Bf16OnF32 => {
+                let one = Threads::new(1);
+                gemm_strided(&one, m, n, k, a, (&self.f32, rs, cs), c, c_rs, acc, false)
+            }
+            Arithmetic::Bf16 => {
+                let (av, bv) = (
+                    Operand::F32(a.0, a.1, a.2),
+                    Operand::Bf16(&self.bf16, rs, cs),
+                );
+                bf16_gemm::gemm(m, n, k, av, bv, c, c_rs, acc, 1)
+            }
+        }
+    }
+}
+
+/// `len` cut into the threads' parts (multiples of 16 but the last): one part below ~4 MFLOP of
+/// product, where the fork/join costs more than it saves.
+fn parts(threads: &Threads, len: usize, flop: usize) -> Vec<Range<usize>> {
+    let n = if flop >= 1 << 22 {
+        threads.count().min(len.div_ceil(16)).max(1)
     } else {
         1
     };
-    let per = rows.div_ceil(n);
-    (per, rows.div_ceil(per.max(1)))
+    let per = len.div_ceil(n).div_ceil(16) * 16;
+    (0..len)
+        .step_by(per.max(1))
+        .map(|s| s..len.min(s + per))
+        .collect()
 }
 
-/// Runs `f(token rows, panel scratch)` over blocks of token rows, in parallel.
-fn over_token_blocks(
-    threads: &Threads,
+/// Runs `f(part, its output, its panel)` for every part, in parallel when there are several. With
+/// one part, `f` writes `whole` directly (row stride `width`); with several, each its own block
+/// (row stride the part's length), then copied (or, `acc`, added) into `whole`'s columns.
+fn over_parts(
+    parts: &[Range<usize>],
     rows: usize,
-    w: &Nf4Matrix,
-    f: &(dyn Fn(std::ops::Range<usize>, &mut Vec<f32>) + Sync),
+    whole: &mut [f32],
+    width: usize,
+    acc: bool,
+    f: &(dyn Fn(Range<usize>, &mut [f32], usize, &mut Panel) + Sync),
 ) {
-    let (per, blocks) = split(threads, rows, w);
-    // The panel is kernel workspace, as the GEMM's packing buffers are.
-    let scratch = || {
+    let panel = || {
         let _w = memory::scope(Term::Other);
-        Vec::with_capacity(panel_rows(w) * w.cols)
+        Panel::default()
     };
-    threads.for_tasks_with(blocks, scratch, |panel, b| {
-        f(b * per..rows.min((b + 1) * per), panel)
-    });
+    if let [only] = parts {
+        return f(only.clone(), whole, width, &mut panel());
+    }
+    let mut outs: Vec<Vec<f32>> = {
+        let _w = memory::scope(Term::Other);
+        parts.iter().map(|p| vec![0f32; rows * p.len()]).collect()
+    };
+    outs.par_iter_mut()
+        .zip(parts.par_iter())
+        .for_each_init(panel, |panel, (out, part)| {
+            let _w = memory::scope(Term::Other);
+            f(part.clone(), out, part.len(), panel)
+        });
+    for (part, out) in parts.iter().zip(&outs) {
+        for (row, src) in whole
+            .chunks_exact_mut(width)
+            .zip(out.chunks_exact(part.len()))
+        {
+            let dst = &mut row[part.clone()];
+            if acc {
+                dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+            } else {
+                dst.copy_from_slice(src);
+            }
+        }
+    }
 }
 
 /// `y = x·Wᵀ (+ bias)`, `W` the `[out, in]` NF4 matrix.
@@ -61,43 +178,36 @@ pub(crate) fn forward(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) {
-    let (i, o) = (s.in_dim, s.out_dim);
+    let (m, i, o) = (s.rows, s.in_dim, s.out_dim);
     check(s, w);
-    assert!(
-        x.len() >= s.rows * i && y.len() >= s.rows * o,
-        "nf4 linear: operands"
+    assert!(x.len() >= m * i && y.len() >= m * o, "nf4 linear: operands");
+    let arith = Arithmetic::of(products);
+    let mut rounded = Vec::new();
+    let x = arith.operand(&x[..m * i], &mut rounded);
+    // Each part is a range of W's rows: y's columns.
+    let parts = parts(threads, o, 2 * m * i * o);
+    over_parts(
+        &parts,
+        m,
+        &mut y[..m * o],
+        o,
+        false,
+        &|part, out, stride, panel| {
+            let step = panel_rows(i);
+            for r0 in part.clone().step_by(step) {
+                let n = step.min(part.end - r0);
+                panel.fill(arith, w, r0..r0 + n, 0..i);
+                // out[:, r0..r0+n] = x · panelᵀ
+                let c = &mut out[r0 - part.start..];
+                panel.product(arith, (m, n, i), (x, i, 1), (1, i), c, stride, false);
+            }
+        },
     );
-    let out = SendPtr(y.as_mut_ptr());
-    let one = Threads::new(1);
-    over_token_blocks(threads, s.rows, w, &|tokens, panel| {
-        let m = tokens.len();
-        // SAFETY: the blocks of token rows are disjoint, so each task writes its own rows of `y`.
-        let y = unsafe { std::slice::from_raw_parts_mut(out.get().add(tokens.start * o), m * o) };
-        let x = &x[tokens.start * i..tokens.end * i];
-        let step = panel_rows(w);
-        for r0 in (0..o).step_by(step) {
-            let n = step.min(o - r0);
-            panel.resize(n * i, 0.0);
-            w.dequantize_rows(r0..r0 + n, panel);
-            // y[:, r0..r0+n] = x · panelᵀ
-            product(
-                &one,
-                products,
-                m,
-                n,
-                i,
-                (x, i, 1),
-                (panel, 1, i),
-                &mut y[r0..],
-                o,
-                false,
-            );
-        }
-        if let Some(b) = bias {
-            y.chunks_exact_mut(o)
-                .for_each(|row| row.iter_mut().zip(b).for_each(|(y, &b)| *y += b));
-        }
-    });
+    if let Some(b) = bias {
+        y[..m * o]
+            .chunks_exact_mut(o)
+            .for_each(|row| row.iter_mut().zip(b).for_each(|(y, &b)| *y += b));
+    }
 }
 
 /// `dx (+)= dy·W`, `W` the `[out, in]` NF4 matrix.
@@ -110,43 +220,50 @@ pub(crate) fn backward_input(
     dx: &mut [f32],
     acc: bool,
 ) {
-    let (i, o) = (s.in_dim, s.out_dim);
+    let (m, i, o) = (s.rows, s.in_dim, s.out_dim);
     check(s, w);
     assert!(
-        dy.len() >= s.rows * o && dx.len() >= s.rows * i,
+        dy.len() >= m * o && dx.len() >= m * i,
         "nf4 linear: operands"
     );
-    let out = SendPtr(dx.as_mut_ptr());
-    let one = Threads::new(1);
-    over_token_blocks(threads, s.rows, w, &|tokens, panel| {
-        let m = tokens.len();
-        // SAFETY: as in `forward`, each task writes its own rows of `dx`.
-        let dx = unsafe { std::slice::from_raw_parts_mut(out.get().add(tokens.start * i), m * i) };
-        let dy = &dy[tokens.start * o..tokens.end * o];
-        let step = panel_rows(w);
-        for r0 in (0..o).step_by(step) {
-            let n = step.min(o - r0);
-            panel.resize(n * i, 0.0);
-            w.dequantize_rows(r0..r0 + n, panel);
-            // dx += dy[:, r0..r0+n] · panel
-            let add = acc || r0 > 0;
-            product(
-                &one,
-                products,
-                m,
-                i,
-                n,
-                (&dy[r0..], o, 1),
-                (panel, i, 1),
-                dx,
-                i,
-                add,
-            );
+    let arith = Arithmetic::of(products);
+    let mut rounded = Vec::new();
+    let dy = arith.operand(&dy[..m * o], &mut rounded);
+    if o == 0 {
+        if !acc {
+            dx[..m * i].fill(0.0);
         }
-        if o == 0 && !acc {
-            dx.fill(0.0);
-        }
-    });
+        return;
+    }
+    // Each part is a range of W's columns: dx's columns.
+    let parts = parts(threads, i, 2 * m * i * o);
+    let whole = parts.len() == 1;
+    over_parts(
+        &parts,
+        m,
+        &mut dx[..m * i],
+        i,
+        acc,
+        &|part, out, stride, panel| {
+            let step = panel_rows(part.len());
+            for r0 in (0..o).step_by(step) {
+                let n = step.min(o - r0);
+                panel.fill(arith, w, r0..r0 + n, part.clone());
+                // out (+)= dy[:, r0..r0+n] · panel
+                let add = (whole && acc) || r0 > 0;
+                let a = (&dy[r0..], o, 1);
+                panel.product(
+                    arith,
+                    (m, part.len(), n),
+                    a,
+                    (part.len(), 1),
+                    out,
+                    stride,
+                    add,
+                );
+            }
+        },
+    );
 }
 
 fn check(s: LinearShape, w: &Nf4Matrix) {
@@ -163,6 +280,7 @@ fn check(s: LinearShape, w: &Nf4Matrix) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::cpu::linear;
     use ferrotron_core::model::WeightLayout;
 
     fn case(rows: usize, i: usize, o: usize) -> (LinearShape, Vec<f32>, Vec<f32>, Nf4Matrix) {
@@ -186,29 +304,25 @@ mod tests {
 
     #[test]
     fn panels_compute_the_product_of_the_dequantized_matrix() {
-        // 300 output rows: several panels, the last one short; odd sizes everywhere.
-        for threads in [1, 2] {
-            let (s, x, dy, w) = case(70, 176, 300);
+        // 1100 output rows: several panels, the last one short; odd sizes everywhere. Under bf16
+        // products both operands are rounded to bf16, as the dense product rounds them.
+        for (threads, products) in [(1, Products::F32), (2, Products::F32), (2, Products::Bf16)] {
+            let (s, x, dy, w) = case(70, 176, 1100);
             let t = Threads::new(threads);
             let dense = w.dequantized();
-            let mut y = vec![0f32; 70 * 300];
+            let mut y = vec![0f32; 70 * 1100];
             let mut want = y.clone();
-            forward(&t, Products::F32, s, &x, &w, None, &mut y);
-            super::super::linear::forward(&t, Products::F32, s, &x, &dense, None, &mut want);
+            forward(&t, products, s, &x, &w, None, &mut y);
+            linear::forward(&t, products, s, &x, &dense, None, &mut want);
             let mut dx = vec![1f32; 70 * 176];
             let mut want_dx = dx.clone();
-            backward_input(&t, Products::F32, s, &dy, &w, &mut dx, true);
-            super::super::linear::backward_input(
-                &t,
-                Products::F32,
-                s,
-                &dy,
-                &dense,
-                &mut want_dx,
-                true,
-            );
+            backward_input(&t, products, s, &dy, &w, &mut dx, true);
+            linear::backward_input(&t, products, s, &dy, &dense, &mut want_dx, true);
             for (a, b) in y.iter().zip(&want).chain(dx.iter().zip(&want_dx)) {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{products:?}: {a} vs {b}"
+                );
             }
         }
     }
