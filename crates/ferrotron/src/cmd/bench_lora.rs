@@ -163,7 +163,7 @@ pub(super) struct Setup {
 }
 
 pub(super) fn setup(a: &LoraBenchArgs) -> Result<Setup> {
-    if a.batch % a.mbs != 0 {
+    if !a.batch.is_multiple_of(a.mbs) {
         anyhow::bail!("--batch {} is not a multiple of --mbs {}", a.batch, a.mbs);
     }
     let (cfg, base, _) = ferrotron_engine::runtime::resolve_model(a.model, 0)?;

@@ -125,6 +125,10 @@ fn parts(threads: &Threads, len: usize, flop: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// What a thread does with its part of the weight: `(part, its output, the output's row stride,
+/// its panel)`.
+type PartWork<'a> = dyn Fn(Range<usize>, &mut [f32], usize, &mut Panel) + Sync + 'a;
+
 /// Runs `f(part, its output, its panel)` for every part, in parallel when there are several. With
 /// one part, `f` writes `whole` directly (row stride `width`); with several, each its own block
 /// (row stride the part's length), then copied (or, `acc`, added) into `whole`'s columns.
@@ -134,7 +138,7 @@ fn over_parts(
     whole: &mut [f32],
     width: usize,
     acc: bool,
-    f: &(dyn Fn(Range<usize>, &mut [f32], usize, &mut Panel) + Sync),
+    f: &PartWork,
 ) {
     let panel = || {
         let _w = memory::scope(Term::Other);
