@@ -208,3 +208,13 @@ fn a_3d_mesh_matches_peft_on_bitsandbytes() {
         );
     }
 }
+
+#[test]
+fn context_parallel_matches_peft_on_bitsandbytes() {
+    for model in ["llama_tiny", "gpt2_tiny"] {
+        let c = case(model);
+        for layout in ["cp=2", "cp=2,tp=2,sp=true"] {
+            check(&c, model, layout);
+        }
+    }
+}

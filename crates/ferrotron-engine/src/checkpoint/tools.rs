@@ -329,7 +329,7 @@ pub fn export_merged(
             )))
         }
     };
-    let (cfg, base_params, source) = crate::model_source::resolve_model(&base_spec, 0)?;
+    let (cfg, mut base_params, source) = crate::model_source::resolve_model(&base_spec, 0)?;
     if matches!(source, crate::model_source::ModelSource::Preset(_)) {
         return Err(EngineError::Invalid(format!(
             "the adapters' base is the preset `{base_spec}`, whose weights were drawn from a \
@@ -337,6 +337,11 @@ pub fn export_merged(
         )));
     }
     ck.check_model(&cfg)?;
+    // QLoRA: the adapters trained on the quantized base; merged onto it (dequantized), as PEFT
+    // merges on a 4-bit base.
+    if let Some(ferrotron_core::precision::BaseQuantization::Nf4) = m.quantize_base {
+        base_params.quantize_nf4(&cfg);
+    }
     let merged = adapters.merge(&cfg, &base_params)?;
     hf::save_model(out, &cfg, &merged, dtype)?;
     if let Some(src) = ck.tokenizer() {
@@ -395,12 +400,16 @@ pub fn inspect(path: &Path) -> Result<String> {
     if let Some(l) = &m.lora {
         let _ = writeln!(
             out,
-            "LoRA adapters: rank {}, alpha {}, on {}; {} trained parameters; base model {}",
+            "LoRA adapters: rank {}, alpha {}, on {}; {} trained parameters; base model {}{}",
             l.rank,
             l.alpha,
             l.targets.join(", "),
             l.num_params(&m.model),
-            m.base_model.as_deref().unwrap_or("not recorded")
+            m.base_model.as_deref().unwrap_or("not recorded"),
+            match m.quantize_base {
+                Some(q) => format!(" (its projections quantized to {q})"),
+                None => String::new(),
+            }
         );
     }
     let _ = writeln!(
