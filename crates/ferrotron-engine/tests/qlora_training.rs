@@ -162,9 +162,10 @@ fn the_merged_export_of_a_4bit_base_reproduces_peft_s_merged_logits() {
     }
 }
 
-#[test]
-fn measured_memory_is_the_planners_and_the_base_is_half_a_byte_a_parameter() {
-    let mut c = config("memory", "llama-small", "", 1);
+/// One step of LoRA rank 8 on llama-small's NF4 base on `layout`: each device's measured and
+/// predicted memory per term (`metrics.jsonl`).
+fn memory_of(tag: &str, layout: &str) -> Vec<(serde_json::Value, serde_json::Value)> {
+    let mut c = config(tag, "llama-small", layout, 1);
     c.lora.adapter = None;
     c.lora.lora_rank = Some(8);
     c.input.seq_len = 128;
@@ -173,8 +174,48 @@ fn measured_memory_is_the_planners_and_the_base_is_half_a_byte_a_parameter() {
     train(&c, &mut |_| {}).unwrap();
     let line = std::fs::read_to_string(c.checkpointing.out_dir.join("metrics.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
-    let dev = &first["devices"][0];
-    let (measured, predicted) = (&dev["peak_memory_bytes"], &dev["predicted_memory_bytes"]);
+    first["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["peak_memory_bytes"].clone(),
+                d["predicted_memory_bytes"].clone(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn zero_3_shards_the_4bit_codes_over_the_replicas() {
+    let weights = |layout: &str| -> f64 {
+        let devices = memory_of(&layout.replace([',', '='], "-"), layout);
+        for (m, p) in &devices {
+            let (m, p) = (
+                m["weights"].as_f64().unwrap(),
+                p["weights"].as_f64().unwrap(),
+            );
+            assert!(
+                (m - p).abs() / m <= 0.10,
+                "{layout}: weights {m} vs predicted {p}"
+            );
+        }
+        devices[0].0["weights"].as_f64().unwrap()
+    };
+    let (z2, z3) = (weights("dp=2,zero=2,mbs=1"), weights("dp=2,zero=3,mbs=1"));
+    // llama-small's projections: 3.21M parameters, 1.61 MB of codes; ZeRO-3 keeps half of them
+    // (and half of the adapters' compute copy, 0.32 MB).
+    assert!(
+        z2 - z3 > 0.7e6 + 0.3e6,
+        "ZeRO-2 {z2} vs ZeRO-3 {z3} bytes of weights"
+    );
+}
+
+#[test]
+fn measured_memory_is_the_planners_and_the_base_is_half_a_byte_a_parameter() {
+    let devices = memory_of("memory", "");
+    let (measured, predicted) = (&devices[0].0, &devices[0].1);
     let total = measured["total"].as_f64().unwrap();
     for term in [
         "weights",

@@ -340,7 +340,7 @@ fn comm_buffers(
         } else {
             0.0
         };
-        tp_buf + dp_buf + z3_buf + context_buffers(cfg, l, local).1
+        tp_buf + dp_buf + z3_buf + gathered_codes(input, cfg, l) + context_buffers(cfg, l, local).1
     } else {
         // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
         // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
@@ -453,27 +453,55 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     .with_total()
 }
 
+/// One block's projection weights on a device (each `numel / tp`): what QLoRA quantizes.
+fn projection_numels(cfg: &ModelConfig, l: &Layout) -> Vec<usize> {
+    cfg.param_specs()
+        .iter()
+        .filter(|s| is_projection_weight(cfg, &s.name) && cfg.stage_owns(&s.name, &(0..1)))
+        .map(|s| s.numel() / l.tp)
+        .collect()
+}
+
+/// Whether ZeRO-3 shards a QLoRA base's codes on this layout.
+fn sharded_codes(input: &PlanInput, l: &Layout) -> bool {
+    input.quantize_base.is_some() && l.zero == 3 && l.replicas() > 1
+}
+
 /// Bytes of the frozen base on a device of `stage` holding `params` of it: in the weights' format,
-/// but (QLoRA) the projections at their quantized size.
+/// but (QLoRA) the projections at their quantized size, and under ZeRO-3 their codes a piece of
+/// the replicas' (the constants whole).
 fn frozen_base_bytes(input: &PlanInput, l: &Layout, stage: usize, params: f64) -> f64 {
     let bytes = input.precision.weights.bytes();
     let (Some(q), PlanModel::Shape(cfg)) = (input.quantize_base, &input.model) else {
         return params * bytes;
     };
     let layers = super::stage_layers(cfg, l, stage);
-    let projections: Vec<usize> = cfg
-        .param_specs()
+    let projections = projection_numels(cfg, l);
+    let per_layer: usize = projections
         .iter()
-        .filter(|s| is_projection_weight(cfg, &s.name) && cfg.stage_owns(&s.name, &(0..1)))
-        .map(|s| s.numel() / l.tp)
-        .collect();
-    let quantized = projections
-        .iter()
-        .map(|&n| q.matrix_bytes(n))
-        .sum::<usize>()
-        * layers;
+        .map(|&n| {
+            let (whole, codes) = (q.matrix_bytes(n), n.div_ceil(2));
+            if sharded_codes(input, l) {
+                whole - codes + codes.div_ceil(l.replicas())
+            } else {
+                whole
+            }
+        })
+        .sum();
     let unquantized = params - (projections.iter().sum::<usize>() * layers) as f64;
-    quantized as f64 + unquantized * bytes
+    (per_layer * layers) as f64 + unquantized * bytes
+}
+
+/// ZeRO-3 on a QLoRA base: a block's gathered codes and this rank's pieces sent for them.
+fn gathered_codes(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
+    if !sharded_codes(input, l) {
+        return 0.0;
+    }
+    let codes: usize = projection_numels(cfg, l)
+        .iter()
+        .map(|n| n.div_ceil(2))
+        .sum();
+    codes as f64 * (1.0 + 1.0 / l.replicas() as f64)
 }
 
 /// One block's adapter parameters on one device of a tensor-parallel group of `t`: each target's

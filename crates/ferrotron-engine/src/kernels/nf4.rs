@@ -453,6 +453,27 @@ impl Nf4Matrix {
         }
     }
 
+    /// The matrix without its codes (what ZeRO-3 keeps whole: the constants) and the codes.
+    pub fn split_codes(mut self) -> (Self, Vec<u8>) {
+        let codes = std::mem::take(&mut self.codes);
+        (self, codes)
+    }
+
+    /// The matrix `shell` (from [`Nf4Matrix::split_codes`]) with its `codes` back.
+    pub fn with_codes(shell: &Self, codes: Vec<u8>) -> Self {
+        assert_eq!(
+            codes.len(),
+            (shell.rows * shell.cols).div_ceil(2),
+            "nf4: codes of a {}×{} matrix",
+            shell.rows,
+            shell.cols
+        );
+        Self {
+            codes,
+            ..shell.clone()
+        }
+    }
+
     /// Bytes held: the codes and the quantization constants.
     pub fn bytes(&self) -> usize {
         self.codes.len() + self.absmax_q.len() + 4 * self.absmax_scale.len() + 4

@@ -3,13 +3,18 @@
 //! bits, and as the trained weights are: under bf16 its matrices are read by the kernels as they
 //! are, the rest (and every tensor under f16) widened one unit at a time while that unit computes.
 //! A QLoRA base's projections stay NF4 under every precision: the GEMM dequantizes them tile by
-//! tile.
+//! tile. Under ZeRO-3 their 4-bit codes are sharded over the replicas as the trained parameters
+//! are, and a unit's are all-gathered just before it computes ([`FrozenBase::gather_unit`]); the
+//! quantization constants (1/32 of the codes' bytes) stay whole.
 
 use super::kept::Kept;
 use super::residency::{units_of, Unit};
 use super::ParamStore;
+use crate::comm::{Comm, CommError, Group};
+use crate::kernels::nf4::Nf4Matrix;
 use crate::kernels::{bf16_convert, CpuBackend};
 use crate::memory::{self, Term};
+use crate::pieces::{owned, piece};
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::precision::Half;
 use std::collections::HashMap;
@@ -25,6 +30,16 @@ pub struct FrozenBase {
     matrices: Vec<Option<Arc<Vec<half::bf16>>>>,
     /// The tensors each unit reads.
     units: HashMap<Unit, Vec<usize>>,
+    /// ZeRO-3 over the replicas: each quantized matrix's constants and this rank's piece of its
+    /// codes (the matrix itself is then not in `store`).
+    sharded: Option<ShardedCodes>,
+}
+
+/// The NF4 codes of the base cut over `dp` replicas: per tensor, the matrix without its codes,
+/// this rank's piece (padded) and the codes' whole length.
+struct ShardedCodes {
+    dp: usize,
+    pieces: Vec<Option<(Nf4Matrix, Vec<u8>, usize)>>,
 }
 
 impl FrozenBase {
@@ -70,7 +85,97 @@ impl FrozenBase {
             half,
             matrices,
             units,
+            sharded: None,
         }
+    }
+
+    /// ZeRO-3: keeps only this rank's piece (of `dp`) of every NF4 matrix's codes; the units'
+    /// codes are then gathered as they compute ([`FrozenBase::gather_unit`]).
+    pub fn shard_codes(mut self, dp: usize, rank: usize) -> Self {
+        if dp < 2 || !self.store.is_quantized() {
+            return self;
+        }
+        let _weights = memory::scope(Term::Weights);
+        let pieces = self
+            .store
+            .nf4
+            .iter_mut()
+            .map(|q| {
+                let q = q.take()?;
+                let (shell, codes) = Arc::unwrap_or_clone(q).split_codes();
+                let len = codes.len();
+                let mut mine = codes[owned(len, dp, rank)].to_vec();
+                mine.resize(piece(len, dp, rank).len(), 0);
+                mine.shrink_to_fit();
+                Some((shell, mine, len))
+            })
+            .collect();
+        self.sharded = Some(ShardedCodes { dp, pieces });
+        self
+    }
+
+    /// Whether `unit` reads sharded codes, so must be gathered ([`FrozenBase::gather_unit`]).
+    pub fn needs_gather(&self, unit: Unit) -> bool {
+        self.sharded
+            .as_ref()
+            .is_some_and(|s| self.unit_ids(unit).iter().any(|&i| s.pieces[i].is_some()))
+    }
+
+    /// The base tensors `unit` reads with its NF4 codes all-gathered from every replica of `group`
+    /// (ZeRO-3). Without a communicator (an earlier collective failed), or when the gather fails,
+    /// the codes are zeros: the step fails on the error, and what it computed meanwhile is
+    /// discarded.
+    pub fn gather_unit<C: Comm>(
+        &self,
+        c: Option<&mut C>,
+        group: &Group,
+        unit: Unit,
+    ) -> (ParamStore, Result<(), CommError>) {
+        let Some(sh) = &self.sharded else {
+            unreachable!("gather_unit without sharded codes: see needs_gather")
+        };
+        let ids: Vec<usize> = self
+            .unit_ids(unit)
+            .iter()
+            .copied()
+            .filter(|&i| sh.pieces[i].is_some())
+            .collect();
+        // The gathered codes are a transient buffer, as a ZeRO-3 unit's gathered parameters are.
+        let _buffers = memory::scope(Term::CommBuffers);
+        let mine: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| sh.pieces[i].as_ref().map_or(&[][..], |p| &p.1[..]))
+            .copied()
+            .collect();
+        let mut all = vec![0u8; mine.len() * sh.dp];
+        let done = match c {
+            Some(c) => c.all_gather(group, &mine, &mut all),
+            None => Err(CommError::Usage("an earlier collective failed".into())),
+        };
+        if done.is_err() {
+            all.fill(0x77);
+        }
+        let (block, mut at) = (mine.len(), 0);
+        let gathered = ids
+            .iter()
+            .map(|&i| {
+                let (shell, piece, len) = sh.pieces[i].as_ref().expect("a sharded matrix");
+                let n = piece.len();
+                let mut codes = Vec::with_capacity(n * sh.dp);
+                for k in 0..sh.dp {
+                    codes.extend_from_slice(&all[k * block + at..k * block + at + n]);
+                }
+                codes.truncate(*len);
+                at += n;
+                (i, Arc::new(Nf4Matrix::with_codes(shell, codes)))
+            })
+            .collect();
+        drop(all);
+        (self.view(unit, gathered), done)
+    }
+
+    fn unit_ids(&self, unit: Unit) -> &[usize] {
+        self.units.get(&unit).map_or(&[][..], Vec::as_slice)
     }
 
     /// The names and shapes of the tensors (what the executor resolves its indices against).
@@ -80,7 +185,21 @@ impl FrozenBase {
 
     /// Bytes the base holds.
     pub fn bytes(&self) -> usize {
-        let quantized: usize = self.store.nf4.iter().flatten().map(|m| m.bytes()).sum();
+        let sharded: usize = self.sharded.as_ref().map_or(0, |s| {
+            s.pieces
+                .iter()
+                .flatten()
+                .map(|(shell, piece, _)| shell.bytes() + piece.len())
+                .sum()
+        });
+        let quantized: usize = sharded
+            + self
+                .store
+                .nf4
+                .iter()
+                .flatten()
+                .map(|m| m.bytes())
+                .sum::<usize>();
         quantized
             + match &self.half {
                 Some(h) => {
@@ -91,30 +210,42 @@ impl FrozenBase {
             }
     }
 
-    /// Runs `f` with `unit`'s base tensors present in f32.
+    /// Runs `f` with `unit`'s base tensors present in f32 (a unit of sharded codes is gathered
+    /// instead, [`FrozenBase::gather_unit`]).
     pub fn with_unit(&self, unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
-        let Some(half) = &self.half else {
+        assert!(
+            !self.needs_gather(unit),
+            "a ZeRO-3 base's codes are gathered through its residency"
+        );
+        if self.half.is_none() {
             return f(&self.store);
-        };
+        }
+        f(&self.view(unit, Vec::new()))
+    }
+
+    /// `unit`'s tensors as the executor reads them: the NF4 matrices in `gathered` (index,
+    /// matrix) or in the store, 16-bit tensors shared or widened, f32 ones as they are.
+    fn view(&self, unit: Unit, gathered: Vec<(usize, Arc<Nf4Matrix>)>) -> ParamStore {
         // The widened unit is a transient working copy, as a 16-bit trained unit's f32 view is
         // (what the unit then computes counts as what it is).
-        let view = {
-            let _buffers = memory::scope(Term::CommBuffers);
-            let mut view = ParamStore::from_tensors(
-                self.store.specs.clone(),
-                vec![Vec::new(); self.store.specs.len()],
-            );
-            for &i in self.units.get(&unit).map_or(&[][..], Vec::as_slice) {
-                match (&self.store.nf4[i], &self.matrices[i]) {
-                    (Some(q), _) => view.nf4[i] = Some(Arc::clone(q)),
-                    (None, Some(m)) => view.bf16[i] = Some(Arc::clone(m)),
-                    (None, None) => {
-                        view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned()
-                    }
+        let _buffers = memory::scope(Term::CommBuffers);
+        let mut view = ParamStore::from_tensors(
+            self.store.specs.clone(),
+            vec![Vec::new(); self.store.specs.len()],
+        );
+        for &i in self.unit_ids(unit) {
+            match (&self.store.nf4[i], &self.matrices[i], &self.half) {
+                (Some(q), ..) => view.nf4[i] = Some(Arc::clone(q)),
+                (None, Some(m), _) => view.bf16[i] = Some(Arc::clone(m)),
+                (None, None, Some(half)) => {
+                    view.tensors[i] = half[i].get(&CpuBackend::single_threaded()).into_owned()
                 }
+                (None, None, None) => view.tensors[i].clone_from(&self.store.tensors[i]),
             }
-            view
-        };
-        f(&view)
+        }
+        for (i, q) in gathered {
+            view.nf4[i] = Some(q);
+        }
+        view
     }
 }

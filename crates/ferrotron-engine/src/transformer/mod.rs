@@ -301,20 +301,67 @@ impl Transformer {
         self
     }
 
-    /// Runs `f` with the tensors `unit`'s work reads: `p` alone, or with LoRA the frozen base's
-    /// unit and `p` as the adapters.
-    fn weights(&self, unit: Unit, p: &ParamStore, f: &mut dyn FnMut(Weights)) {
-        match &self.frozen {
-            None => f(Weights {
-                base: p,
-                adapters: None,
-            }),
-            Some(base) => base.with_unit(unit, &mut |b| {
-                f(Weights {
+    /// Runs `f` with the tensors `unit`'s work reads, as `res` holds them: its parameters alone, or
+    /// with LoRA the frozen base's unit (gathered by `res` when its codes are sharded) and the
+    /// parameters as the adapters.
+    fn with_weights(&self, res: &mut dyn Residency, unit: Unit, f: &mut dyn FnMut(Weights)) {
+        self.with_weights_and(res, unit, None, &mut |w, _| f(w))
+    }
+
+    /// [`Transformer::with_weights`] with the gradient store of `res` too.
+    fn with_weights_and_grads(
+        &self,
+        res: &mut dyn Residency,
+        unit: Unit,
+        f: &mut dyn FnMut(Weights, &mut ParamStore),
+    ) {
+        self.with_weights_and(res, unit, Some(()), &mut |w, g| {
+            f(w, g.expect("a gradient store"))
+        })
+    }
+
+    fn with_weights_and(
+        &self,
+        res: &mut dyn Residency,
+        unit: Unit,
+        grads: Option<()>,
+        f: &mut dyn FnMut(Weights, Option<&mut ParamStore>),
+    ) {
+        let gathered = match &self.frozen {
+            Some(base) if base.needs_gather(unit) => Some(res.gather_frozen(unit, base)),
+            _ => None,
+        };
+        let mut run = |p: &ParamStore, g: Option<&mut ParamStore>| match (&self.frozen, &gathered) {
+            (None, _) => f(
+                Weights {
+                    base: p,
+                    adapters: None,
+                },
+                g,
+            ),
+            (Some(_), Some(b)) => f(
+                Weights {
                     base: b,
                     adapters: Some(p),
+                },
+                g,
+            ),
+            (Some(base), None) => {
+                let mut g = g;
+                base.with_unit(unit, &mut |b| {
+                    f(
+                        Weights {
+                            base: b,
+                            adapters: Some(p),
+                        },
+                        g.as_deref_mut(),
+                    )
                 })
-            }),
+            }
+        };
+        match grads {
+            None => res.params(unit, &mut |p| run(p, None)),
+            Some(()) => res.params_and_grads(unit, &mut |p, g| run(p, Some(g))),
         }
     }
 

@@ -39,17 +39,15 @@ impl Transformer {
                     .expect("token input needs the stage with the embedding");
                 let local = self.vocab.local_ids(&b.ids);
                 let mut x = Vec::new();
-                res.params(Unit::Embedding, &mut |p| {
-                    self.weights(Unit::Embedding, p, &mut |w| {
-                        let mut e = be.zeros(rows * h);
-                        be.embedding_forward(&local, w.base.matrix(embed), h, &mut e, false);
-                        // Each device looked up the ids its vocabulary slice holds: the rows sum
-                        // over the group.
-                        x = tp.reduce(e);
-                        if let Some(wpe) = self.pos_embed {
-                            be.embedding_forward(mine, w.base.matrix(wpe), h, &mut x, true);
-                        }
-                    })
+                self.with_weights(res, Unit::Embedding, &mut |w| {
+                    let mut e = be.zeros(rows * h);
+                    be.embedding_forward(&local, w.base.matrix(embed), h, &mut e, false);
+                    // Each device looked up the ids its vocabulary slice holds: the rows sum
+                    // over the group.
+                    x = tp.reduce(e);
+                    if let Some(wpe) = self.pos_embed {
+                        be.embedding_forward(mine, w.base.matrix(wpe), h, &mut x, true);
+                    }
                 });
                 (x, local)
             }
@@ -62,20 +60,18 @@ impl Transformer {
             let mut layer_in = Some(x);
             let mut result = None;
             let unit = Unit::Layer(self.layer_range.start + i);
-            res.params(unit, &mut |p| {
-                self.weights(unit, p, &mut |w| {
-                    let x = layer_in.take().expect("a layer runs once");
-                    result = Some(layer::forward(
-                        self,
-                        be,
-                        tp,
-                        w,
-                        ids,
-                        x,
-                        (batch, seq),
-                        &positions,
-                    ));
-                })
+            self.with_weights(res, unit, &mut |w| {
+                let x = layer_in.take().expect("a layer runs once");
+                result = Some(layer::forward(
+                    self,
+                    be,
+                    tp,
+                    w,
+                    ids,
+                    x,
+                    (batch, seq),
+                    &positions,
+                ));
             });
             let (out, acts) = result.expect("the layer ran");
             match input {
@@ -100,21 +96,16 @@ impl Transformer {
         };
         match (&self.final_norm, &self.head) {
             (Some(norm), Some(head)) => {
-                res.params(Unit::Head, &mut |p| {
-                    self.weights(Unit::Head, p, &mut |w| {
-                        let normed = norm.forward(be, w.base, &x, self.cfg.norm_eps as f32);
-                        let normed_all = tp.gather_rows(&normed.out);
-                        let normed_in = normed_all.as_deref().unwrap_or(&normed.out);
-                        let logits = head.product(be, w.base, normed_in, rows, false);
-                        let mut normed = normed;
-                        state.final_out = Kept::keep(
-                            be,
-                            std::mem::take(&mut normed.out),
-                            self.activation_storage,
-                        );
-                        state.final_norm = Some(normed);
-                        state.logits = logits;
-                    })
+                self.with_weights(res, Unit::Head, &mut |w| {
+                    let normed = norm.forward(be, w.base, &x, self.cfg.norm_eps as f32);
+                    let normed_all = tp.gather_rows(&normed.out);
+                    let normed_in = normed_all.as_deref().unwrap_or(&normed.out);
+                    let logits = head.product(be, w.base, normed_in, rows, false);
+                    let mut normed = normed;
+                    state.final_out =
+                        Kept::keep(be, std::mem::take(&mut normed.out), self.activation_storage);
+                    state.final_norm = Some(normed);
+                    state.logits = logits;
                 });
                 state.final_in = Kept::keep(be, x, self.activation_storage);
             }
@@ -146,13 +137,9 @@ impl Transformer {
         // where they should.
         let mut in_unit = |unit: Unit, f: &mut dyn FnMut(Weights, &mut WeightSink)| {
             if defer_weights {
-                res.params(unit, &mut |p| {
-                    self.weights(unit, p, &mut |w| f(w, &mut WeightSink::Later(&mut jobs)))
-                })
+                self.with_weights(res, unit, &mut |w| f(w, &mut WeightSink::Later(&mut jobs)))
             } else {
-                res.params_and_grads(unit, &mut |p, g| {
-                    self.weights(unit, p, &mut |w| f(w, &mut WeightSink::Now(g)))
-                })
+                self.with_weights_and_grads(res, unit, &mut |w, g| f(w, &mut WeightSink::Now(g)))
             }
         };
         let mut loss_sum = 0.0;

@@ -4,7 +4,7 @@
 //! away as soon as its backward is done. The executor brackets each unit's work with these calls and
 //! knows nothing else of it.
 
-use super::ParamStore;
+use super::{FrozenBase, ParamStore};
 use ferrotron_core::model::ModelConfig;
 
 /// The groups of parameters the executor uses together.
@@ -49,6 +49,11 @@ pub trait Residency {
     /// Runs `f` with `unit`'s parameters present and a gradient store its weight gradients accumulate
     /// into.
     fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore));
+    /// A frozen base's `unit` whose codes are sharded ([`FrozenBase::needs_gather`]), gathered; a
+    /// residency that shards nothing never sees one.
+    fn gather_frozen(&mut self, unit: Unit, _base: &FrozenBase) -> ParamStore {
+        panic!("{unit:?}: a frozen base sharded over replicas needs a sharding residency (ZeRO-3)")
+    }
 }
 
 /// Every parameter present throughout; gradients (if any) accumulate in one store.

@@ -4,7 +4,7 @@
 use super::ZeroState;
 use crate::comm::Comm;
 use crate::parallel::tensor::TpGroup;
-use crate::transformer::{ParamStore, Residency, Unit};
+use crate::transformer::{FrozenBase, ParamStore, Residency, Unit};
 
 /// The executor's view of a [`ZeroState`]: units gathered just in time (ZeRO-3), gradients reduced
 /// away per unit (ZeRO-2/3) or in background buckets (ZeRO 0–1).
@@ -42,6 +42,19 @@ impl<C: Comm> Residency for ZeroResidency<'_, '_, C> {
         if gathered {
             s.release_unit(unit);
         }
+    }
+
+    fn gather_frozen(&mut self, unit: Unit, base: &FrozenBase) -> ParamStore {
+        let s = &mut *self.state;
+        let mut view = None;
+        self.tpg.with_comm(|c| {
+            // One collective at a time on the group: a prefetch in flight completes first.
+            s.finish_prefetch(c)?;
+            let (v, done) = base.gather_unit(Some(c), &s.dp_group, unit);
+            view = Some(v);
+            done
+        });
+        view.unwrap_or_else(|| base.gather_unit::<C>(None, &s.dp_group, unit).0)
     }
 
     fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {

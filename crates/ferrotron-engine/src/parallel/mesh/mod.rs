@@ -353,6 +353,13 @@ impl<'a> MeshStep<'a> {
                         let _weights = memory::scope(Term::Weights);
                         let mine = b.subset(|n| cfg.stage_owns(n, r));
                         let base = FrozenBase::new(&local, mine, self.precision.storage());
+                        // ZeRO-3 shards the 4-bit codes of a QLoRA base over the replicas too.
+                        let base = if layout.zero == 3 {
+                            let replicas = self.mesh.replica_group(rank);
+                            base.shard_codes(replicas.size(), self.mesh.replica_index(rank))
+                        } else {
+                            base
+                        };
                         chunk(base.names()).with_lora(lora, &store, base)
                     }
                     _ => chunk(&store),
