@@ -145,8 +145,9 @@ fn plan_prices_the_4bit_base_and_says_when_it_is_what_fits() {
     let weights = v["candidates"][0]["memory_bytes"]["weights"]
         .as_f64()
         .unwrap();
-    // 64.4e9 projection parameters at ~0.516 bytes, the rest (2.1e9) in bf16, the adapters.
-    assert!(weights > 33e9 && weights < 40e9, "{weights}");
+    // 68.4e9 projection parameters at ~0.516 bytes (35.3 GB), the embeddings (2.1e9) in bf16, the
+    // adapters' compute copy.
+    assert!(weights > 37e9 && weights < 42e9, "{weights}");
 }
 
 #[test]

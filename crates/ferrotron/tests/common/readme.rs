@@ -154,7 +154,7 @@ pub fn shortened(words: &[String]) -> Vec<String> {
         for (f, v) in [("--model", "llama-tiny"), ("--batch", "8"), ("--seq", "32")] {
             set_flag(&mut w, f, v);
         }
-    } else if which == "bench lora" {
+    } else if which == "bench lora" || which == "bench qlora" {
         for (f, v) in [("--model", "llama-tiny"), ("--steps", "1"), ("--seq", "32")] {
             set_flag(&mut w, f, v);
         }
