@@ -8,33 +8,17 @@
 mod common;
 
 use common::*;
-use ferrotron_core::layout::LayoutSpec;
-use ferrotron_core::model::{ModelConfig, PEFT_PREFIX};
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::nf4::{dynamic_map, NF4_CODE};
-use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::lora::Adapters;
-use ferrotron_engine::runtime::layout_step_of;
-use ferrotron_engine::transformer::{ParamStore, Trained};
 
-/// As for LoRA on an f32 base: PEFT's f32 and f64 adapter gradients differ by ~5e-6 per tensor.
-const GRAD_TOL: f64 = 1e-5;
-const LOSS_TOL: f64 = 1e-6;
-
-struct Case {
-    cfg: ModelConfig,
-    base: ParamStore,
-    adapters: Adapters,
-    reference: Reference,
-}
-
-fn case(model: &str) -> Case {
+fn case(model: &str) -> LoraCase {
     let (cfg, mut base) = hf::load_model(&fixture(model)).unwrap();
     base.quantize_nf4(&cfg);
     let dir = fixture("qlora").join(model);
     let adapters = Adapters::load_peft(&dir, &cfg).unwrap();
     let reference = Reference::from_file(dir.join("qlora_reference.safetensors"));
-    Case {
+    LoraCase {
         cfg,
         base,
         adapters,
@@ -110,60 +94,13 @@ fn quantized_storage_and_dequantized_weights_equal_bitsandbytes_bit_for_bit() {
     }
 }
 
-/// The loss and adapter gradients of `layout` against PEFT + bitsandbytes' f32 reference.
-fn check(c: &Case, model: &str, layout: &str) {
-    let parsed = LayoutSpec::parse(layout).unwrap().layout;
-    let trained = Trained::lora(&c.base, &c.adapters.config, &c.adapters.params);
-    let (loss, grads, _) = layout_step_of(
-        &c.cfg,
-        trained,
-        &c.reference.batch,
-        &parsed,
-        &CpuBackend::default(),
-    )
-    .unwrap_or_else(|e| panic!("{model} {layout}: {e}"));
-    let want = c.reference.get("loss_f32")[0] as f64;
-    let loss_err = (loss - want).abs() / want;
-    assert!(
-        loss_err <= LOSS_TOL,
-        "{model} {layout}: loss {loss} vs PEFT {want} ({loss_err:.2e})"
-    );
-    assert_eq!(grads.specs.len(), c.adapters.params.specs.len());
-    let mut worst = 0f64;
-    for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
-        let name = format!("grad_f32.{PEFT_PREFIX}{}", spec.name);
-        let e = rel_err(g, c.reference.get(&name));
-        assert!(
-            e <= GRAD_TOL,
-            "{model} {layout}: {} rel err {e:.3e}",
-            spec.name
-        );
-        worst = worst.max(e);
-    }
-    println!("{model} {layout}: loss rel {loss_err:.1e}, worst adapter gradient {worst:.1e}");
-}
-
 #[test]
 fn one_device_matches_peft_on_bitsandbytes() {
     for model in ["llama_tiny", "gpt2_tiny"] {
         let c = case(model);
-        check(&c, model, "");
-        // Against the f64 reference (the same adapters on the dequantized base): the bound holds
-        // against the exact gradients too.
-        let trained = Trained::lora(&c.base, &c.adapters.config, &c.adapters.params);
-        let (_, grads, _) = layout_step_of(
-            &c.cfg,
-            trained,
-            &c.reference.batch,
-            &Default::default(),
-            &CpuBackend::default(),
-        )
-        .unwrap();
-        for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
-            let name = format!("grad_f64.{PEFT_PREFIX}{}", spec.name);
-            let e = rel_err_f64(g, &c.reference.get_f64(model, &name));
-            assert!(e <= GRAD_TOL, "{model}: {} vs f64 {e:.3e}", spec.name);
-        }
+        check_lora(&c, model, "");
+        // Against the f64 reference (the same adapters on the dequantized base).
+        check_lora_f64(&c, model);
     }
 }
 
@@ -172,7 +109,7 @@ fn tensor_parallel_matches_peft_on_bitsandbytes() {
     for model in ["llama_tiny", "gpt2_tiny"] {
         let c = case(model);
         for layout in ["tp=2", "tp=2,sp=true"] {
-            check(&c, model, layout);
+            check_lora(&c, model, layout);
         }
     }
 }
@@ -182,7 +119,7 @@ fn pipelines_match_peft_on_bitsandbytes() {
     for model in ["llama_tiny", "gpt2_tiny"] {
         let c = case(model);
         for layout in ["pp=3,mbs=2,schedule=1f1b", "pp=3,mbs=2,schedule=zbh1"] {
-            check(&c, model, layout);
+            check_lora(&c, model, layout);
         }
     }
 }
@@ -192,7 +129,7 @@ fn data_parallel_matches_peft_on_bitsandbytes_under_zero_2_and_3() {
     for model in ["llama_tiny", "gpt2_tiny"] {
         let c = case(model);
         for zero in [2, 3] {
-            check(&c, model, &format!("dp=3,mbs=1,zero={zero}"));
+            check_lora(&c, model, &format!("dp=3,mbs=1,zero={zero}"));
         }
     }
 }
@@ -201,7 +138,7 @@ fn data_parallel_matches_peft_on_bitsandbytes_under_zero_2_and_3() {
 fn a_3d_mesh_matches_peft_on_bitsandbytes() {
     for model in ["llama_tiny", "gpt2_tiny"] {
         let c = case(model);
-        check(
+        check_lora(
             &c,
             model,
             "dp=3,tp=2,pp=2,mbs=1,zero=3,sp=true,schedule=zbh1",
@@ -214,7 +151,7 @@ fn context_parallel_matches_peft_on_bitsandbytes() {
     for model in ["llama_tiny", "gpt2_tiny"] {
         let c = case(model);
         for layout in ["cp=2", "cp=2,tp=2,sp=true"] {
-            check(&c, model, layout);
+            check_lora(&c, model, layout);
         }
     }
 }

@@ -188,3 +188,83 @@ pub fn f32_plan_input(
         ..PlanInput::new(PlanModel::Shape(cfg.clone()), cluster, seq, batch)
     }
 }
+
+/// A LoRA model (its base, f32 or NF4, and PEFT's adapters) with its PEFT reference.
+pub struct LoraCase {
+    pub cfg: ModelConfig,
+    pub base: ParamStore,
+    pub adapters: ferrotron_engine::lora::Adapters,
+    pub reference: Reference,
+}
+
+/// f32 tolerances against PEFT, as for the model's own gradients: PEFT's f32 and f64 adapter
+/// gradients differ by a few 1e-6 per tensor, and an independent f32 implementation sums in other
+/// orders.
+pub const LORA_GRAD_TOL: f64 = 1e-5;
+pub const LORA_LOSS_TOL: f64 = 1e-6;
+
+/// The loss and every adapter gradient of `layout` against the reference's f32 values (PEFT's);
+/// returns the worst relative gradient error.
+pub fn check_lora(c: &LoraCase, model: &str, layout: &str) -> f64 {
+    use ferrotron_core::model::PEFT_PREFIX;
+    let parsed = ferrotron_core::layout::LayoutSpec::parse(layout)
+        .unwrap()
+        .layout;
+    let trained = ferrotron_engine::transformer::Trained::lora(
+        &c.base,
+        &c.adapters.config,
+        &c.adapters.params,
+    );
+    let (loss, grads, _) = ferrotron_engine::runtime::layout_step_of(
+        &c.cfg,
+        trained,
+        &c.reference.batch,
+        &parsed,
+        &CpuBackend::default(),
+    )
+    .unwrap_or_else(|e| panic!("{model} {layout}: {e}"));
+    let want = c.reference.get("loss_f32")[0] as f64;
+    let loss_err = (loss - want).abs() / want;
+    assert!(
+        loss_err <= LORA_LOSS_TOL,
+        "{model} {layout}: loss {loss} vs PEFT {want} ({loss_err:.2e})"
+    );
+    assert_eq!(grads.specs.len(), c.adapters.params.specs.len());
+    let mut worst = 0f64;
+    for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
+        let name = format!("grad_f32.{PEFT_PREFIX}{}", spec.name);
+        let e = rel_err(g, c.reference.get(&name));
+        assert!(
+            e <= LORA_GRAD_TOL,
+            "{model} {layout}: {} rel err {e:.3e}",
+            spec.name
+        );
+        worst = worst.max(e);
+    }
+    println!("{model} {layout}: loss rel {loss_err:.1e}, worst adapter gradient {worst:.1e}");
+    worst
+}
+
+/// The adapter gradients of the unsplit step against the reference's f64 values: the bound holds
+/// against the exact gradients too.
+pub fn check_lora_f64(c: &LoraCase, model: &str) {
+    use ferrotron_core::model::PEFT_PREFIX;
+    let trained = ferrotron_engine::transformer::Trained::lora(
+        &c.base,
+        &c.adapters.config,
+        &c.adapters.params,
+    );
+    let (_, grads, _) = ferrotron_engine::runtime::layout_step_of(
+        &c.cfg,
+        trained,
+        &c.reference.batch,
+        &Default::default(),
+        &CpuBackend::default(),
+    )
+    .unwrap();
+    for (spec, g) in grads.specs.iter().zip(&grads.tensors) {
+        let name = format!("grad_f64.{PEFT_PREFIX}{}", spec.name);
+        let e = rel_err_f64(g, &c.reference.get_f64(model, &name));
+        assert!(e <= LORA_GRAD_TOL, "{model}: {} vs f64 {e:.3e}", spec.name);
+    }
+}
