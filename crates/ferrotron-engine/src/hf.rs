@@ -5,6 +5,7 @@
 use crate::error::{EngineError, Result};
 use crate::transformer::ParamStore;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::precision::BaseQuantization;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
@@ -298,14 +299,27 @@ impl WeightReader {
 
 /// Reads the model's parameters by Hugging Face name, checking every shape.
 pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
+    load_params_as(dir, cfg, None)
+}
+
+/// [`load_params`], with (QLoRA) the projections quantized as they are read: one tensor is in f32
+/// at a time, never the whole model.
+pub fn load_params_as(
+    dir: &Path,
+    cfg: &ModelConfig,
+    quantize: Option<BaseQuantization>,
+) -> Result<ParamStore> {
     let reader = WeightReader::open(dir)?;
     reader.check(cfg)?;
     let specs = cfg.param_specs();
-    let tensors = specs
-        .iter()
-        .map(|s| reader.read(&s.name))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(ParamStore::from_tensors(specs, tensors))
+    let mut store = ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]);
+    for (i, s) in specs.iter().enumerate() {
+        store.tensors[i] = reader.read(&s.name)?;
+        if let Some(BaseQuantization::Nf4) = quantize {
+            store.quantize_tensor_nf4(cfg, i);
+        }
+    }
+    Ok(store)
 }
 
 /// `data` in `dtype`, as little-endian bytes.

@@ -4,6 +4,7 @@ use crate::error::{EngineError, Result};
 use crate::hf;
 use crate::transformer::ParamStore;
 use ferrotron_core::model::{preset, ModelConfig, PRESET_NAMES};
+use ferrotron_core::precision::BaseQuantization;
 use std::path::{Path, PathBuf};
 
 /// Where a model came from: a Hugging Face directory (fine-tuning) or a preset (from scratch).
@@ -15,18 +16,46 @@ pub enum ModelSource {
 
 /// `spec` is a preset name or a Hugging Face model directory. Presets start from seeded random weights.
 pub fn resolve_model(spec: &str, seed: u64) -> Result<(ModelConfig, ParamStore, ModelSource)> {
+    let (cfg, source) = resolve_config(spec)?;
+    let params = source.load(&cfg, seed, None)?;
+    Ok((cfg, params, source))
+}
+
+/// The configuration of `spec` (a preset name or a Hugging Face model directory) and where its
+/// weights are, without reading them.
+pub fn resolve_config(spec: &str) -> Result<(ModelConfig, ModelSource)> {
     let path = Path::new(spec);
     if path.is_dir() {
-        let (cfg, params) = hf::load_model(path)?;
-        return Ok((cfg, params, ModelSource::HfDir(path.to_path_buf())));
+        return Ok((
+            hf::read_config(path)?,
+            ModelSource::HfDir(path.to_path_buf()),
+        ));
     }
     if PRESET_NAMES.contains(&spec) {
-        let cfg = preset(spec)?;
-        let params = ParamStore::init_random(&cfg, seed);
-        return Ok((cfg, params, ModelSource::Preset(spec.to_string())));
+        return Ok((preset(spec)?, ModelSource::Preset(spec.to_string())));
     }
     Err(EngineError::Invalid(format!(
         "model `{spec}` is neither a directory nor a preset (presets: {})",
         PRESET_NAMES.join(", ")
     )))
+}
+
+impl ModelSource {
+    /// The weights of `cfg` (this source's configuration): read, or (a preset) drawn from `seed`;
+    /// with `quantize`, the projections quantized as they are read (QLoRA).
+    pub fn load(
+        &self,
+        cfg: &ModelConfig,
+        seed: u64,
+        quantize: Option<BaseQuantization>,
+    ) -> Result<ParamStore> {
+        let mut params = match self {
+            ModelSource::HfDir(dir) => return hf::load_params_as(dir, cfg, quantize),
+            ModelSource::Preset(_) => ParamStore::init_random(cfg, seed),
+        };
+        if let Some(BaseQuantization::Nf4) = quantize {
+            params.quantize_nf4(cfg);
+        }
+        Ok(params)
+    }
 }

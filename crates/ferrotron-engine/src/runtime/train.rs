@@ -18,7 +18,7 @@ use crate::data::{self, SequenceSampler, TokenSplit};
 use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::lora::Adapters;
-use crate::model_source::{resolve_model, ModelSource};
+use crate::model_source::{resolve_config, ModelSource};
 use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
@@ -70,7 +70,7 @@ struct StartingPoint {
 
 impl StartingPoint {
     fn resolve(cfg: &TrainConfig) -> Result<Self> {
-        let (model, mut params, source) = resolve_model(&cfg.input.model, cfg.input.seed)?;
+        let (model, source) = resolve_config(&cfg.input.model)?;
         let resume = cfg
             .checkpointing
             .resume
@@ -89,18 +89,19 @@ impl StartingPoint {
                     cfg.optimizer.steps
                 )));
             }
-            if ck.manifest.lora.is_none() {
-                params = ck.params()?;
-            } else {
+            if ck.manifest.lora.is_some() {
                 check_base(ck, &cfg.input.model)?;
             }
             start = ck.manifest.step;
         }
         let adapters = lora_run::resolve(cfg, &model, resume.as_ref())?;
         let quantized = lora_run::base_quantization(cfg, resume.as_ref(), adapters.is_some())?;
-        if quantized.is_some() {
-            params.quantize_nf4(&model);
-        }
+        // A full-training checkpoint holds the weights; otherwise they are the model's (QLoRA:
+        // quantized as they are read).
+        let params = match &resume {
+            Some(ck) if ck.manifest.lora.is_none() => ck.params()?,
+            _ => source.load(&model, cfg.input.seed, quantized)?,
+        };
         if cfg.input.seq_len > model.max_sequence_length() {
             return Err(EngineError::Invalid(format!(
                 "seq_len {} exceeds the model's max_position_embeddings {} ({})",

@@ -58,29 +58,28 @@ impl ParamStore {
     }
 
     /// Quantizes every projection weight to NF4 (a QLoRA base), one tensor at a time: each f32
-    /// tensor is freed as soon as its quantized form exists. A Conv1D weight (`[in, out]`) is
-    /// transposed first, as transformers' 4-bit loading does.
+    /// tensor is freed as soon as its quantized form exists.
     pub fn quantize_nf4(&mut self, cfg: &ModelConfig) {
         for i in 0..self.specs.len() {
-            let spec = &self.specs[i];
-            if !is_projection_weight(cfg, &spec.name) || self.nf4[i].is_some() {
-                continue;
-            }
-            let t = std::mem::take(&mut self.tensors[i]);
-            let (r, c) = (spec.shape[0], spec.shape[1]);
-            let m = match spec.layout {
-                WeightLayout::InOut => {
-                    let mut tr = vec![0f32; t.len()];
-                    for (k, row) in t.chunks_exact(c).enumerate() {
-                        row.iter().enumerate().for_each(|(j, &v)| tr[j * r + k] = v);
-                    }
-                    drop(t);
-                    Nf4Matrix::quantize(&tr, c, r)
-                }
-                _ => Nf4Matrix::quantize(&t, r, c),
-            };
-            self.nf4[i] = Some(Arc::new(m));
+            self.quantize_tensor_nf4(cfg, i);
         }
+    }
+
+    /// Quantizes tensor `i` to NF4 if it is a projection's weight (what transformers' 4-bit loading
+    /// quantizes), freeing its f32 values. A Conv1D weight (`[in, out]`) is transposed first, as
+    /// transformers does.
+    pub fn quantize_tensor_nf4(&mut self, cfg: &ModelConfig, i: usize) {
+        let spec = &self.specs[i];
+        if !is_projection_weight(cfg, &spec.name) || self.nf4[i].is_some() {
+            return;
+        }
+        let t = std::mem::take(&mut self.tensors[i]);
+        let (r, c) = (spec.shape[0], spec.shape[1]);
+        let m = match spec.layout {
+            WeightLayout::InOut => Nf4Matrix::quantize(&transposed(&t, r, c), c, r),
+            _ => Nf4Matrix::quantize(&t, r, c),
+        };
+        self.nf4[i] = Some(Arc::new(m));
     }
 
     /// The store with every NF4 tensor dequantized to f32, in its checkpoint layout.
@@ -90,14 +89,7 @@ impl ParamStore {
             let Some(q) = q else { continue };
             let w = q.dequantized();
             out.tensors[i] = match self.specs[i].layout {
-                WeightLayout::InOut => {
-                    let (r, c) = (q.rows, q.cols);
-                    let mut t = vec![0f32; w.len()];
-                    for (o, row) in w.chunks_exact(c.max(1)).enumerate() {
-                        row.iter().enumerate().for_each(|(k, &v)| t[k * r + o] = v);
-                    }
-                    t
-                }
+                WeightLayout::InOut => transposed(&w, q.rows, q.cols),
                 _ => w,
             };
             out.nf4[i] = None;
@@ -184,4 +176,15 @@ impl ParamStore {
     pub fn zero_(&mut self) {
         self.tensors.iter_mut().for_each(|t| t.fill(0.0));
     }
+}
+
+/// The `[cols, rows]` transpose of the row-major `[rows, cols]` matrix `t`.
+fn transposed(t: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; t.len()];
+    for (r, row) in t.chunks_exact(cols.max(1)).enumerate() {
+        row.iter()
+            .enumerate()
+            .for_each(|(c, &v)| out[c * rows + r] = v);
+    }
+    out
 }

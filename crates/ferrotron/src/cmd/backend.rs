@@ -52,18 +52,18 @@ impl StepModel {
         adapter: Option<&std::path::Path>,
         quantize: Option<BaseQuantization>,
     ) -> Result<Self> {
-        let (cfg, mut params) = ferrotron_engine::hf::load_model(model)?;
+        let cfg = ferrotron_engine::hf::read_config(model)?;
         let adapters = adapter
             .map(|dir| ferrotron_engine::lora::Adapters::load_peft(dir, &cfg))
             .transpose()?;
-        match (quantize, &adapters) {
-            (Some(q), None) => anyhow::bail!(
+        if let (Some(q), None) = (quantize, &adapters) {
+            anyhow::bail!(
                 "--quantize-base {q} quantizes a frozen base: give --adapter too (the gradients \
                  of a 4-bit base are not computed)"
-            ),
-            (Some(BaseQuantization::Nf4), Some(_)) => params.quantize_nf4(&cfg),
-            (None, _) => {}
+            )
         }
+        // QLoRA: the projections quantized as they are read.
+        let params = ferrotron_engine::hf::load_params_as(model, &cfg, quantize)?;
         Ok(Self {
             cfg,
             params,
