@@ -349,6 +349,44 @@ fn lora_adapter_gradients_under_mpi_match_peft() {
     }
 }
 
+/// QLoRA under MPI: each rank quantizes its shard of the base as it reads it, and ZeRO-3 gathers the
+/// 4-bit codes over the ranks; the adapter gradients equal PEFT + bitsandbytes'.
+#[test]
+fn qlora_adapter_gradients_under_mpi_match_peft_with_bitsandbytes() {
+    let dir = temp_dir("mpi-qlora");
+    let out = dir.join("grads.safetensors");
+    let adapter = fixture("qlora").join("llama_tiny");
+    let refs = adapter.join("qlora_reference.safetensors");
+    let (ok, text) = mpirun(
+        4,
+        &[
+            "grads",
+            "--model",
+            fixture("llama_tiny").to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--quantize-base",
+            "nf4",
+            "--tokens",
+            refs.to_str().unwrap(),
+            "--layout",
+            "dp=2,tp=2,zero=3,mbs=1",
+            "--backend",
+            "mpi",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    let (got, want) = (read_f32(&out), read_f32(&refs));
+    let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
+    assert_eq!(got.len() - 1, names.len());
+    for name in names {
+        let g = &got[&name.replace("grad_f32.", "grad.")];
+        assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{name}");
+    }
+}
+
 /// Checkpoints live on a filesystem every rank shares; a rank that cannot write (or read) the
 /// checkpoint directory ends the whole job with an error that names it — it never leaves the
 /// others waiting in a collective.

@@ -123,7 +123,7 @@ impl FrozenBase {
 
     /// The base tensors `unit` reads with its NF4 codes all-gathered from every replica of `group`
     /// (ZeRO-3). Without a communicator (an earlier collective failed), or when the gather fails,
-    /// the codes are zeros: the step fails on the error, and what it computed meanwhile is
+    /// every code is NF4's zero: the step fails on the error, and what it computed meanwhile is
     /// discarded.
     pub fn gather_unit<C: Comm>(
         &self,
@@ -153,6 +153,7 @@ impl FrozenBase {
             None => Err(CommError::Usage("an earlier collective failed".into())),
         };
         if done.is_err() {
+            // Two codes 7 a byte: NF4's 0.
             all.fill(0x77);
         }
         let (block, mut at) = (mine.len(), 0);

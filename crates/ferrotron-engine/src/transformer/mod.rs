@@ -305,7 +305,7 @@ impl Transformer {
     /// with LoRA the frozen base's unit (gathered by `res` when its codes are sharded) and the
     /// parameters as the adapters.
     fn with_weights(&self, res: &mut dyn Residency, unit: Unit, f: &mut dyn FnMut(Weights)) {
-        self.with_weights_and(res, unit, None, &mut |w, _| f(w))
+        self.with_weights_and(res, unit, false, &mut |w, _| f(w))
     }
 
     /// [`Transformer::with_weights`] with the gradient store of `res` too.
@@ -315,16 +315,17 @@ impl Transformer {
         unit: Unit,
         f: &mut dyn FnMut(Weights, &mut ParamStore),
     ) {
-        self.with_weights_and(res, unit, Some(()), &mut |w, g| {
+        self.with_weights_and(res, unit, true, &mut |w, g| {
             f(w, g.expect("a gradient store"))
         })
     }
 
+    /// The two above: with `with_grads`, `f` gets the gradient store too.
     fn with_weights_and(
         &self,
         res: &mut dyn Residency,
         unit: Unit,
-        grads: Option<()>,
+        with_grads: bool,
         f: &mut dyn FnMut(Weights, Option<&mut ParamStore>),
     ) {
         let gathered = match &self.frozen {
@@ -359,9 +360,10 @@ impl Transformer {
                 })
             }
         };
-        match grads {
-            None => res.params(unit, &mut |p| run(p, None)),
-            Some(()) => res.params_and_grads(unit, &mut |p, g| run(p, Some(g))),
+        if with_grads {
+            res.params_and_grads(unit, &mut |p, g| run(p, Some(g)))
+        } else {
+            res.params(unit, &mut |p| run(p, None))
         }
     }
 
