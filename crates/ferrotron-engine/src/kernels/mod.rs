@@ -179,7 +179,7 @@ pub(crate) fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
 
 /// A linear layer's weight as the executor holds it: f32, (bf16 compute) the bf16 compute copy
 /// the GEMM reads as it is, or (a QLoRA base) NF4, `[out, in]` whatever the checkpoint's layout,
-/// dequantized tile by tile as the GEMM packs it.
+/// dequantized a panel at a time into the operand the GEMM packs.
 #[derive(Clone, Copy)]
 pub enum Matrix<'a> {
     F32(&'a [f32]),

@@ -161,7 +161,7 @@ settings! {
             /// adapter_model.safetensors): its rank, alpha and targets.
             option [] adapter: Option<PathBuf>;
             /// QLoRA: store the frozen base's projections in 4 bits, `nf4` (as bitsandbytes' NF4 with
-            /// double quantization), dequantized tile by tile inside the GEMM.
+            /// double quantization), dequantized a panel at a time into the GEMM's operand.
             option [] quantize_base: Option<BaseQuantization>;
         }
         /// How the model is cut over which devices, and how they talk.

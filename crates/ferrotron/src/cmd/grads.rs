@@ -33,7 +33,7 @@ pub struct GradsArgs {
     #[arg(long)]
     adapter: Option<PathBuf>,
     /// With --adapter: QLoRA, the base's projections quantized to `nf4` (as bitsandbytes' NF4
-    /// with double quantization) and dequantized tile by tile inside the GEMM.
+    /// with double quantization) and dequantized a panel at a time into the GEMM's operand.
     #[arg(long)]
     quantize_base: Option<ferrotron_core::precision::BaseQuantization>,
 }
