@@ -3,9 +3,9 @@
 //! bits, and as the trained weights are: under bf16 its matrices are read by the kernels as they
 //! are, the rest (and every tensor under f16) widened one unit at a time while that unit computes.
 //! A QLoRA base's projections stay NF4 under every precision: the linear layer dequantizes them a
-//! panel at a time. Under ZeRO-3 their 4-bit codes are sharded over the replicas as the trained parameters
-//! are, and a unit's are all-gathered just before it computes ([`FrozenBase::gather_unit`]); the
-//! quantization constants (1/32 of the codes' bytes) stay whole.
+//! panel at a time. Under ZeRO-3 their 4-bit codes are sharded over the replicas as the trained
+//! parameters are, and a unit's are all-gathered just before it computes
+//! ([`FrozenBase::gather_unit`]); the quantization constants (1/32 of the codes' bytes) stay whole.
 
 use super::kept::Kept;
 use super::residency::{units_of, Unit};
