@@ -63,15 +63,7 @@ fn fixture_of(cfg: &TrainConfig) -> PathBuf {
 }
 
 fn losses(cfg: &TrainConfig) -> Vec<f64> {
-    std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
+    metric_losses(&cfg.checkpointing.out_dir)
 }
 
 fn assert_close(a: &ParamStore, b: &ParamStore, tol: f64, what: &str) {

@@ -252,15 +252,7 @@ fn measured_memory_is_the_planners_and_the_base_is_half_a_byte_a_parameter() {
 }
 
 fn losses(cfg: &TrainConfig) -> Vec<f64> {
-    std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
+    metric_losses(&cfg.checkpointing.out_dir)
 }
 
 #[test]

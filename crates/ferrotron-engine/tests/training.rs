@@ -316,15 +316,7 @@ fn losses(layout: &str, steps: usize) -> Vec<f64> {
         c
     };
     train(&cfg, &mut |_| {}).unwrap();
-    std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
+    metric_losses(&cfg.checkpointing.out_dir)
 }
 
 fn assert_tracks(layouts: &[&str], steps: usize) {

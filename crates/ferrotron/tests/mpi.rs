@@ -314,77 +314,69 @@ fn readme_mpirun_commands_run() {
     assert!(ran >= 2, "only {ran} mpirun commands found");
 }
 
-#[test]
-fn lora_adapter_gradients_under_mpi_match_peft() {
-    let dir = std::env::temp_dir().join(format!("ferrotron-mpi-lora-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// `grads --adapter` of `model` under mpirun on 4 ranks (with `extra` flags) against the f32 adapter
+/// gradients of `reference`.
+fn mpi_adapter_grads_match(model: &str, adapter: &str, reference: &str, extra: &[&str]) {
+    let dir = temp_dir(&format!("mpi-{adapter}-{model}"));
     let out = dir.join("grads.safetensors");
-    let adapter = fixture("lora").join("gpt2_tiny");
-    let refs = adapter.join("lora_reference.safetensors");
-    let (ok, text) = mpirun(
-        4,
-        &[
-            "grads",
-            "--model",
-            fixture("gpt2_tiny").to_str().unwrap(),
-            "--adapter",
-            adapter.to_str().unwrap(),
-            "--tokens",
-            refs.to_str().unwrap(),
-            "--layout",
-            "tp=2,pp=2,mbs=1",
-            "--backend",
-            "mpi",
-            "--out",
-            out.to_str().unwrap(),
-        ],
+    let adapter = fixture(adapter).join(model);
+    let refs = adapter.join(reference);
+    let (model_dir, adapter_dir, refs_path, out_path) = (
+        fixture(model).display().to_string(),
+        adapter.display().to_string(),
+        refs.display().to_string(),
+        out.display().to_string(),
     );
+    let mut args = vec![
+        "grads",
+        "--model",
+        &model_dir,
+        "--adapter",
+        &adapter_dir,
+        "--tokens",
+        &refs_path,
+        "--backend",
+        "mpi",
+        "--out",
+        &out_path,
+    ];
+    args.extend_from_slice(extra);
+    let (ok, text) = mpirun(4, &args);
     assert!(ok, "{text}");
     let (got, want) = (read_f32(&out), read_f32(&refs));
     let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
     assert_eq!(got.len() - 1, names.len());
     for name in names {
         let g = &got[&name.replace("grad_f32.", "grad.")];
-        assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{name}");
+        assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{model}: {name}");
     }
+}
+
+#[test]
+fn lora_adapter_gradients_under_mpi_match_peft() {
+    mpi_adapter_grads_match(
+        "gpt2_tiny",
+        "lora",
+        "lora_reference.safetensors",
+        &["--layout", "tp=2,pp=2,mbs=1"],
+    );
 }
 
 /// QLoRA under MPI: each rank quantizes its shard of the base as it reads it, and ZeRO-3 gathers the
 /// 4-bit codes over the ranks; the adapter gradients equal PEFT + bitsandbytes'.
 #[test]
 fn qlora_adapter_gradients_under_mpi_match_peft_with_bitsandbytes() {
-    let dir = temp_dir("mpi-qlora");
-    let out = dir.join("grads.safetensors");
-    let adapter = fixture("qlora").join("llama_tiny");
-    let refs = adapter.join("qlora_reference.safetensors");
-    let (ok, text) = mpirun(
-        4,
+    mpi_adapter_grads_match(
+        "llama_tiny",
+        "qlora",
+        "qlora_reference.safetensors",
         &[
-            "grads",
-            "--model",
-            fixture("llama_tiny").to_str().unwrap(),
-            "--adapter",
-            adapter.to_str().unwrap(),
             "--quantize-base",
             "nf4",
-            "--tokens",
-            refs.to_str().unwrap(),
             "--layout",
             "dp=2,tp=2,zero=3,mbs=1",
-            "--backend",
-            "mpi",
-            "--out",
-            out.to_str().unwrap(),
         ],
     );
-    assert!(ok, "{text}");
-    let (got, want) = (read_f32(&out), read_f32(&refs));
-    let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
-    assert_eq!(got.len() - 1, names.len());
-    for name in names {
-        let g = &got[&name.replace("grad_f32.", "grad.")];
-        assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{name}");
-    }
 }
 
 /// Checkpoints live on a filesystem every rank shares; a rank that cannot write (or read) the

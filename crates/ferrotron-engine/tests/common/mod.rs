@@ -268,3 +268,16 @@ pub fn check_lora_f64(c: &LoraCase, model: &str) {
         assert!(e <= LORA_GRAD_TOL, "{model}: {} vs f64 {e:.3e}", spec.name);
     }
 }
+
+/// The training loss of every step a run in `out_dir` recorded (`metrics.jsonl`).
+pub fn metric_losses(out_dir: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
