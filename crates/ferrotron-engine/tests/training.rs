@@ -487,3 +487,28 @@ fn mixed_precision_training_reaches_the_f32_validation_loss() {
         );
     }
 }
+
+/// Every step's MFU in `metrics.jsonl` is the planner's model FLOPs and peak over that step's
+/// measured time: `mfu × step_time_s` is the planner's `mfu × step_time_s` for the layout, every step.
+#[test]
+fn every_step_reports_its_mfu_on_the_planners_flops() {
+    let cfg = {
+        let mut c = tiny_config("mfu");
+        c.optimizer.steps = 3;
+        c.logging.eval_every = 0;
+        c.parallelism.layout = "dp=2,tp=2,mbs=2".parse().unwrap();
+        c
+    };
+    train(&cfg, &mut |_| {}).unwrap();
+    let text = std::fs::read_to_string(cfg.checkpointing.out_dir.join("metrics.jsonl")).unwrap();
+    let model = ferrotron_engine::hf::read_config(&fixture("llama_tiny")).unwrap();
+    let input = ferrotron_engine::runtime::plan_input(&cfg, &model, None).unwrap();
+    let plan = ferrotron_core::plan::evaluate(&input, &cfg.parallelism.layout.layout).unwrap();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let (mfu, step) = (v["mfu"].as_f64().unwrap(), v["step_time_s"].as_f64().unwrap());
+        assert!(mfu > 0.0 && mfu < 1.5, "{line}");
+        let (got, want) = (mfu * step, plan.mfu * plan.step_time_s);
+        assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}");
+    }
+}

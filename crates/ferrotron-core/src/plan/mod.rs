@@ -205,9 +205,25 @@ pub struct Plan {
     pub step_time_s: f64,
     pub tokens_per_s: f64,
     pub tflops_per_device: f64,
+    /// Model FLOPs utilisation: the step's model FLOPs (forward and backward: 2 FLOP per matmul
+    /// parameter and token, three times, plus attention's QKᵀ and PV over the whole T×T; no
+    /// recompute; with LoRA two passes, the base's weight gradients left out) over the step time
+    /// and the devices' peak.
     pub mfu: f64,
     pub fits: bool,
     pub explain: Vec<String>,
+}
+
+impl Plan {
+    /// The MFU of this layout's step had it taken `step_s` (a measured step): the same model FLOPs
+    /// and peak as [`Plan::mfu`], so the two differ exactly as the step times do.
+    pub fn mfu_at(&self, step_s: f64) -> f64 {
+        if step_s > 0.0 {
+            self.mfu * self.step_time_s / step_s
+        } else {
+            0.0
+        }
+    }
 }
 
 fn rule(field: &str, msg: String) -> ConfigError {

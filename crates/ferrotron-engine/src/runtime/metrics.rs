@@ -22,6 +22,8 @@ pub struct StepReport {
     pub grad_norm: f64,
     pub tokens_per_s: f64,
     pub step_time_s: f64,
+    /// Model FLOPs utilisation of the step (the planner's FLOPs and peak over this step's time).
+    pub mfu: f64,
     pub val_loss: Option<f64>,
     pub memory: MemoryTerms,
     /// Warnings raised at this step (a straggler forming).
@@ -43,6 +45,7 @@ impl StepReport {
             "grad_norm": self.grad_norm,
             "tokens_per_s": self.tokens_per_s,
             "step_time_s": self.step_time_s,
+            "mfu": self.mfu,
             "val_loss": self.val_loss,
             "warnings": self.warnings,
         });
@@ -326,6 +329,7 @@ impl<'a> MetricsWriter<'a> {
             grad_norm: f.grad_norm,
             tokens_per_s: batch_tokens as f64 / dt,
             step_time_s: dt,
+            mfu: self.run.plan.mfu_at(dt),
             val_loss: f.val_loss,
             memory,
             warnings,

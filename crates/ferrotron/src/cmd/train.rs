@@ -123,15 +123,22 @@ fn train_with_progress(cfg: &TrainConfig) -> Result<TrainSummary> {
             last_val = Some(v);
             pb.suspend(|| {
                 eprintln!(
-                    "step {:>5}  train loss {:.4}  val loss {:.4}  lr {:.2e}  {:.0} tok/s",
-                    r.step, r.loss, v, r.lr, r.tokens_per_s
+                    "step {:>5}  train loss {:.4}  val loss {:.4}  lr {:.2e}  {:.0} tok/s  MFU {:.1}%",
+                    r.step,
+                    r.loss,
+                    v,
+                    r.lr,
+                    r.tokens_per_s,
+                    100.0 * r.mfu
                 )
             });
         }
         let val = last_val.map_or(String::new(), |v| format!(" val {v:.3}"));
         pb.set_message(format!(
-            "loss {:.3}{val} | {:.0} tok/s",
-            r.loss, r.tokens_per_s
+            "loss {:.3}{val} | {:.0} tok/s | MFU {:.1}%",
+            r.loss,
+            r.tokens_per_s,
+            100.0 * r.mfu
         ));
         pb.set_position(r.step as u64);
     })?;
