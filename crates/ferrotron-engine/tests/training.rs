@@ -506,7 +506,10 @@ fn every_step_reports_its_mfu_on_the_planners_flops() {
     let plan = ferrotron_core::plan::evaluate(&input, &cfg.parallelism.layout.layout).unwrap();
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        let (mfu, step) = (v["mfu"].as_f64().unwrap(), v["step_time_s"].as_f64().unwrap());
+        let (mfu, step) = (
+            v["mfu"].as_f64().unwrap(),
+            v["step_time_s"].as_f64().unwrap(),
+        );
         assert!(mfu > 0.0 && mfu < 1.5, "{line}");
         let (got, want) = (mfu * step, plan.mfu * plan.step_time_s);
         assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}");

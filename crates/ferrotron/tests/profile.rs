@@ -104,6 +104,11 @@ fn tensor_parallel_collectives_are_measured_inside_the_actions_beside_their_pred
         assert!(measured > 0.0 && measured < whole, "{kind}: {v}");
         assert!(predicted > 0.0, "{kind}: {v}");
     }
+    // MFU on the planner's FLOPs: measured and predicted differ as the step times do.
+    let (mfu, step) = (&v["mfu"], &v["step_time_s"]);
+    let ratio =
+        |x: &serde_json::Value| x["measured"].as_f64().unwrap() / x["predicted"].as_f64().unwrap();
+    assert!((ratio(mfu) * ratio(step) - 1.0).abs() < 1e-9, "{v}");
 }
 
 #[test]

@@ -102,6 +102,15 @@ pub fn run(b: TrainBench) -> Result<()> {
         "| GFLOP/s | {:.1} |",
         flop * step.len() as f64 / total / 1e9
     );
+    // The peak `plan` and `train` take MFU against: `this-machine`'s device is one core (its
+    // measured peak once calibrated); these kernels run on `threads` of them.
+    let core = ferrotron_core::topology::Cluster::parse("this-machine")?.peak_flops;
+    println!(
+        "| MFU (of {} threads × this-machine's {:.1} GFLOP/s a core) | {:.1}% |",
+        be.threads,
+        core / 1e9,
+        100.0 * flop * step.len() as f64 / total / (core * be.threads as f64)
+    );
     let engine = engine_step_times(&cfg, &b, be.threads)?;
     let engine_total: f64 = engine.iter().sum();
     let engine_tps = tokens as f64 * engine.len() as f64 / engine_total;

@@ -96,6 +96,12 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         ] {
             println!("{}", t.markdown());
         }
+        println!(
+            "MFU {:.1}% measured, {:.1}% predicted (the planner's model FLOPs over the step time \
+             and the cluster's peak)\n",
+            100.0 * p.plan.mfu_at(p.times.step.measured),
+            100.0 * p.plan.mfu
+        );
         println!("verdicts:");
         for v in &p.verdicts {
             println!("- {v}");
@@ -132,6 +138,8 @@ fn record_of(a: &ProfileArgs, p: &Profile) -> serde_json::Value {
         "backward_comm_s": t.backward_comm.json(),
         "reduce_s": t.reduce.json(),
         "optimizer_s": t.optimizer.json(),
+        // The planner's model FLOPs and peak over the measured step, and over its own.
+        "mfu": {"measured": p.plan.mfu_at(t.step.measured), "predicted": p.plan.mfu},
         "verdicts": p.verdicts,
     })
 }
