@@ -443,3 +443,22 @@ fn a_reader_that_stops_early_ends_the_output_without_a_panic() {
     let o = child.wait_with_output().expect("ends");
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
+
+/// `--layout auto` says what it chose and why before the first step, and every step its MFU.
+#[test]
+fn auto_explains_its_choice_before_training_and_steps_report_mfu() {
+    let out = temp_dir("auto-explains");
+    let o = train(&out, "2", &["--layout", "auto", "--eval-every", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    let (chose, first_step) = (
+        err.find("layout auto: ").expect("the choice"),
+        err.find("step     1").expect("a progress line"),
+    );
+    assert!(chose < first_step, "{err}");
+    assert!(
+        err.contains("1. the arithmetic first") && err.contains("chosen: "),
+        "{err}"
+    );
+    assert!(err.contains("MFU "), "{err}");
+}

@@ -306,6 +306,17 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
     }
     let candidates = resolve_layout(&cfg.parallelism.layout, &input)?;
     check_slow_device(cfg, &candidates)?;
+    if world.reporter() && cfg.parallelism.layout.is_auto() {
+        // What `auto` chose and why, before training starts (as `plan` explains it).
+        eprintln!(
+            "layout auto: {} (the fastest of {} that fit), because:",
+            candidates[0].layout,
+            candidates.len()
+        );
+        for note in ferrotron_core::plan::search_notes(&input, candidates.first()) {
+            eprintln!("  {note}");
+        }
+    }
     let data = TrainingData::prepare(cfg, &sp, world.reporter())?;
     if world.reporter() {
         run_dir::record_settings(cfg)?;
