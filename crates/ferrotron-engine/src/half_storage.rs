@@ -16,7 +16,7 @@
 use crate::comm::{Comm, CommError, Element, Group, ReduceOp};
 use crate::kernels::bf16_convert;
 use crate::memory::{self, Term};
-use crate::pieces::{owned as own, piece};
+use crate::pieces::{from_gathered, owned as own, padded_piece, piece};
 use crate::transformer::ParamStore;
 use std::sync::Arc;
 
@@ -89,14 +89,6 @@ fn widen<T: Half16>(v: &[T]) -> Vec<f32> {
     T::widen_all(v)
 }
 
-/// A rank's padded piece of `t`.
-fn piece_of<T: Copy + Default>(t: &[T], dp: usize, rank: usize) -> Vec<T> {
-    let r = own(t.len(), dp, rank);
-    let mut p = t[r].to_vec();
-    p.resize(piece(t.len(), dp, rank).len(), T::default());
-    p
-}
-
 /// One optimizer update's gradients held outside the state (an asynchronous schedule accumulates
 /// each update in a store of its own): the 16-bit sums and, once reduced, the f32 main gradients.
 pub struct HalfGrads<T> {
@@ -160,7 +152,7 @@ impl<T: Half16> HalfParts<T> {
                 .iter()
                 .map(|t| {
                     if shard_master {
-                        piece_of(t, dp, rank)
+                        padded_piece(t, dp, rank)
                     } else {
                         t.clone()
                     }
@@ -175,7 +167,7 @@ impl<T: Half16> HalfParts<T> {
                 .map(|t| {
                     let w = round::<T>(t);
                     Arc::new(if stage == 3 && dp > 1 {
-                        piece_of(&w, dp, rank)
+                        padded_piece(&w, dp, rank)
                     } else {
                         w
                     })
@@ -278,12 +270,7 @@ impl<T: Half16> HalfParts<T> {
         let mut at = 0;
         for &i in ids {
             let n = piece(self.lens[i], self.dp, 0).len();
-            let mut t = Vec::with_capacity(n * self.dp);
-            for k in 0..self.dp {
-                t.extend_from_slice(&all[k * block + at..k * block + at + n]);
-            }
-            t.truncate(self.lens[i]);
-            let t = Arc::new(t);
+            let t = Arc::new(from_gathered(&all, self.dp, block, at, self.lens[i]));
             if !shared(view, i, &t) {
                 view.tensors[i] = widen(&t);
             }
@@ -309,7 +296,7 @@ impl<T: Half16> HalfParts<T> {
         let mut buf: Vec<T> = Vec::new();
         for k in 0..self.dp {
             for &i in ids {
-                let p = piece_of(&scratch.tensors[i], self.dp, k);
+                let p = padded_piece(&scratch.tensors[i], self.dp, k);
                 buf.extend(p.iter().map(|&x| T::from_f32(x)));
             }
         }
@@ -342,7 +329,7 @@ impl<T: Half16> HalfParts<T> {
             for g in self.grads.iter_mut() {
                 let mut buf: Vec<T> = Vec::new();
                 for k in 0..self.dp {
-                    buf.extend(piece_of(g, self.dp, k));
+                    buf.extend(padded_piece(g, self.dp, k));
                 }
                 let mut mine = vec![T::default(); buf.len() / self.dp];
                 c.reduce_scatter(group, &buf, &mut mine, ReduceOp::Sum)?;
@@ -357,7 +344,7 @@ impl<T: Half16> HalfParts<T> {
             .iter()
             .map(|g| {
                 if self.sharded_master() && !self.sharded_grads() {
-                    widen(&piece_of(g, self.dp, self.rank))
+                    widen(&padded_piece(g, self.dp, self.rank))
                 } else {
                     widen(g)
                 }
@@ -418,13 +405,8 @@ impl<T: Half16> HalfParts<T> {
             .lens
             .iter()
             .map(|&len| {
-                let n = piece(len, self.dp, 0).len();
-                let mut t = Vec::with_capacity(n * self.dp);
-                for k in 0..self.dp {
-                    t.extend_from_slice(&all[k * block + at..k * block + at + n]);
-                }
-                t.truncate(len);
-                at += n;
+                let t = from_gathered(&all, self.dp, block, at, len);
+                at += piece(len, self.dp, 0).len();
                 t
             })
             .collect())

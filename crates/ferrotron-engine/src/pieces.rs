@@ -16,3 +16,29 @@ pub(crate) fn owned(len: usize, dp: usize, rank: usize) -> Range<usize> {
     let end = r.end.min(len);
     r.start.min(end)..end
 }
+
+/// A rank's padded piece of `t` (what it keeps and sends; zeros past the end of the tensor).
+pub(crate) fn padded_piece<T: Copy + Default>(t: &[T], dp: usize, rank: usize) -> Vec<T> {
+    let mut p = t[owned(t.len(), dp, rank)].to_vec();
+    p.resize(piece(t.len(), dp, rank).len(), T::default());
+    p
+}
+
+/// A tensor of `len` elements out of an all-gather whose every rank contributed a block of `block`
+/// elements holding this tensor's padded piece at offset `at`: the pieces in rank order, the
+/// padding dropped.
+pub(crate) fn from_gathered<T: Copy>(
+    all: &[T],
+    dp: usize,
+    block: usize,
+    at: usize,
+    len: usize,
+) -> Vec<T> {
+    let n = piece(len, dp, 0).len();
+    let mut t = Vec::with_capacity(n * dp);
+    for k in 0..dp {
+        t.extend_from_slice(&all[k * block + at..k * block + at + n]);
+    }
+    t.truncate(len);
+    t
+}

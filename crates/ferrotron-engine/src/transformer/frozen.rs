@@ -14,7 +14,7 @@ use crate::comm::{Comm, CommError, Group};
 use crate::kernels::nf4::Nf4Matrix;
 use crate::kernels::{bf16_convert, CpuBackend};
 use crate::memory::{self, Term};
-use crate::pieces::{owned, piece};
+use crate::pieces::{from_gathered, padded_piece};
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::precision::Half;
 use std::collections::HashMap;
@@ -103,11 +103,7 @@ impl FrozenBase {
             .map(|q| {
                 let q = q.take()?;
                 let (shell, codes) = Arc::unwrap_or_clone(q).split_codes();
-                let len = codes.len();
-                let mut mine = codes[owned(len, dp, rank)].to_vec();
-                mine.resize(piece(len, dp, rank).len(), 0);
-                mine.shrink_to_fit();
-                Some((shell, mine, len))
+                Some((shell, padded_piece(&codes, dp, rank), codes.len()))
             })
             .collect();
         self.sharded = Some(ShardedCodes { dp, pieces });
@@ -161,13 +157,8 @@ impl FrozenBase {
             .iter()
             .map(|&i| {
                 let (shell, piece, len) = sh.pieces[i].as_ref().expect("a sharded matrix");
-                let n = piece.len();
-                let mut codes = Vec::with_capacity(n * sh.dp);
-                for k in 0..sh.dp {
-                    codes.extend_from_slice(&all[k * block + at..k * block + at + n]);
-                }
-                codes.truncate(*len);
-                at += n;
+                let codes = from_gathered(&all, sh.dp, block, at, *len);
+                at += piece.len();
                 (i, Arc::new(Nf4Matrix::with_codes(shell, codes)))
             })
             .collect();

@@ -4,6 +4,7 @@
 use super::{piece, ZeroState};
 use crate::comm::{Comm, CommError};
 use crate::memory::{self, Term};
+use crate::pieces::from_gathered;
 use crate::transformer::Unit;
 
 impl ZeroState {
@@ -37,14 +38,8 @@ impl ZeroState {
         let mut at = 0;
         for &id in ids {
             let len = params.specs[id].numel();
-            let n = piece(len, self.dp, 0).len();
-            let mut t = Vec::with_capacity(n * self.dp);
-            for k in 0..self.dp {
-                t.extend_from_slice(&all[k * block + at..k * block + at + n]);
-            }
-            t.truncate(len);
-            params.tensors[id] = t;
-            at += n;
+            params.tensors[id] = from_gathered(all, self.dp, block, at, len);
+            at += piece(len, self.dp, 0).len();
         }
     }
 

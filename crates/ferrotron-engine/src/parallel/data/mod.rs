@@ -26,19 +26,15 @@ use std::ops::Range;
 
 pub use crate::transformer::units_of;
 
+use crate::pieces::padded_piece;
 pub(crate) use crate::pieces::{owned, piece};
 
 /// Rank `rank`'s piece of each tensor, padded, concatenated.
 fn own_pieces(tensors: &[&[f32]], dp: usize, rank: usize) -> Vec<f32> {
-    let mut out = Vec::new();
-    for t in tensors {
-        let r = piece(t.len(), dp, rank);
-        let end = r.end.min(t.len());
-        let start = r.start.min(end);
-        out.extend_from_slice(&t[start..end]);
-        out.resize(out.len() + r.len() - (end - start), 0.0);
-    }
-    out
+    tensors
+        .iter()
+        .flat_map(|t| padded_piece(t, dp, rank))
+        .collect()
 }
 
 /// What a rank owns of one tensor of its shard: the range of the flattened tensor, and there the f32
