@@ -41,17 +41,23 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(super) fn measure(
-    cfg: &ModelConfig,
+/// Trains `trained` (with LoRA, the adapters of `lora`) through the loop on `s`'s batches, stored
+/// and computed as `numerics` says, and measures it.
+fn measure(
+    s: &Setup,
     trained: Trained,
-    batches: &[TokenBatch],
-    warmup: usize,
-    threads: usize,
-    mbs: usize,
     lora: Option<&LoraConfig>,
     numerics: Numerics,
 ) -> Result<Measured> {
+    let Setup {
+        cfg,
+        batches,
+        warmup,
+        threads,
+        mbs,
+        ..
+    } = s;
+    let (cfg, warmup, threads, mbs) = (cfg, *warmup, *threads, *mbs);
     let b = &batches[0];
     let layout = Layout {
         micro_batch_size: mbs,
@@ -160,6 +166,20 @@ pub(super) struct Setup {
     pub batches: Vec<TokenBatch>,
     pub warmup: usize,
     pub threads: usize,
+    /// Sequences per micro-batch.
+    pub mbs: usize,
+}
+
+impl Setup {
+    /// [`measure`] on these batches.
+    pub fn measure(
+        &self,
+        trained: Trained,
+        lora: Option<&LoraConfig>,
+        numerics: Numerics,
+    ) -> Result<Measured> {
+        measure(self, trained, lora, numerics)
+    }
 }
 
 pub(super) fn setup(a: &LoraBenchArgs) -> Result<Setup> {
@@ -193,19 +213,15 @@ pub(super) fn setup(a: &LoraBenchArgs) -> Result<Setup> {
         batches,
         warmup,
         threads,
+        mbs: a.mbs,
     })
 }
 
 pub fn run(a: LoraBenchArgs) -> Result<()> {
-    let Setup {
-        cfg,
-        base,
-        lora,
-        adapters,
-        batches,
-        warmup,
-        threads,
-    } = setup(&a)?;
+    let s = setup(&a)?;
+    let full = s.measure(Trained::full(&s.base), None, Numerics::default())?;
+    let trained = Trained::lora(&s.base, &s.lora, &s.adapters.params);
+    let adapted = s.measure(trained, Some(&s.lora), Numerics::default())?;
     let LoraBenchArgs {
         model,
         rank,
@@ -214,27 +230,7 @@ pub fn run(a: LoraBenchArgs) -> Result<()> {
         seq,
         ..
     } = a;
-    let full = measure(
-        &cfg,
-        Trained::full(&base),
-        &batches,
-        warmup,
-        threads,
-        mbs,
-        None,
-        Numerics::default(),
-    )?;
-    let trained = Trained::lora(&base, &lora, &adapters.params);
-    let adapted = measure(
-        &cfg,
-        trained,
-        &batches,
-        warmup,
-        threads,
-        mbs,
-        Some(&lora),
-        Numerics::default(),
-    )?;
+    let (cfg, lora, threads) = (&s.cfg, &s.lora, s.threads);
     let tokens = (batch * seq) as f64;
     println!(
         "ferrotron bench lora: {model} ({:.2}M parameters), batch {batch} x seq {seq} in \

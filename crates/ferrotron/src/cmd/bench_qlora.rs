@@ -2,24 +2,17 @@
 //! run, through the training loop on one device: tokens/s, the weights term measured by the
 //! tracking allocator beside the planner's, and the base's bytes per quantized parameter.
 
-use super::bench_lora::{measure, setup, LoraBenchArgs, Measured, Numerics, Setup};
+use super::bench_lora::{setup, LoraBenchArgs, Measured, Numerics};
 use anyhow::Result;
 use ferrotron_core::precision::{BaseQuantization, MixedPrecision};
 use ferrotron_engine::memory::format_bytes;
 use ferrotron_engine::transformer::Trained;
 
 pub fn run(a: LoraBenchArgs) -> Result<()> {
-    let Setup {
-        cfg,
-        base,
-        lora,
-        adapters,
-        batches,
-        warmup,
-        threads,
-    } = setup(&a)?;
-    let mut quantized = base.clone();
-    quantized.quantize_nf4(&cfg);
+    let s = setup(&a)?;
+    let (cfg, lora, threads) = (&s.cfg, &s.lora, s.threads);
+    let mut quantized = s.base.clone();
+    quantized.quantize_nf4(cfg);
     let (bytes, params) = quantized
         .nf4
         .iter()
@@ -53,23 +46,14 @@ pub fn run(a: LoraBenchArgs) -> Result<()> {
     let tokens = (a.batch * a.seq) as f64;
     for precision in [MixedPrecision::Bf16, MixedPrecision::F32] {
         let run = |store, q: Option<BaseQuantization>| {
-            let trained = Trained::lora(store, &lora, &adapters.params);
+            let trained = Trained::lora(store, lora, &s.adapters.params);
             let numerics = Numerics {
                 precision,
                 quantized: q,
             };
-            measure(
-                &cfg,
-                trained,
-                &batches,
-                warmup,
-                threads,
-                a.mbs,
-                Some(&lora),
-                numerics,
-            )
+            s.measure(trained, Some(lora), numerics)
         };
-        let plain = run(&base, None)?;
+        let plain = run(&s.base, None)?;
         let nf4 = run(&quantized, Some(BaseQuantization::Nf4))?;
         let row = |name: &str, m: &Measured, ratio: String| {
             println!(
