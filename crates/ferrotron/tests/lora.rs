@@ -35,25 +35,16 @@ fn grads_with_an_adapter_writes_every_adapter_gradient_by_its_peft_name() {
             path(&out),
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
-        let got = read_f32(&out);
-        let want = read_f32(&refs);
-        let loss_err = (got["loss"].1[0] as f64 - want["loss_f32"].1[0] as f64).abs()
-            / want["loss_f32"].1[0] as f64;
-        assert!(loss_err <= 1e-6, "{model} {layout}: loss {loss_err:e}");
-        let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
+        assert_adapter_grads(&out, &refs, &format!("{model} {layout}"));
+        // Named as the adapter's own tensors.
         let adapter_tensors = read_f32(&adapter.join("adapter_model.safetensors"));
-        assert_eq!(names.len(), adapter_tensors.len());
-        assert_eq!(
-            got.len() - 1,
-            names.len(),
-            "one gradient per adapter tensor"
-        );
-        for name in names {
-            let peft_name = name.trim_start_matches("grad_f32.");
-            assert!(adapter_tensors.contains_key(peft_name), "{peft_name}");
-            let g = &got[&format!("grad.{peft_name}")];
-            assert_eq!(g.0, want[name].0);
-            assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{model}: {name}");
+        let got = read_f32(&out);
+        assert_eq!(got.len() - 1, adapter_tensors.len());
+        for peft_name in adapter_tensors.keys() {
+            assert!(
+                got.contains_key(&format!("grad.{peft_name}")),
+                "{peft_name}"
+            );
         }
     }
 }

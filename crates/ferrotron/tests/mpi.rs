@@ -343,13 +343,7 @@ fn mpi_adapter_grads_match(model: &str, adapter: &str, reference: &str, extra: &
     args.extend_from_slice(extra);
     let (ok, text) = mpirun(4, &args);
     assert!(ok, "{text}");
-    let (got, want) = (read_f32(&out), read_f32(&refs));
-    let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
-    assert_eq!(got.len() - 1, names.len());
-    for name in names {
-        let g = &got[&name.replace("grad_f32.", "grad.")];
-        assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{model}: {name}");
-    }
+    assert_adapter_grads(&out, &refs, model);
 }
 
 #[test]

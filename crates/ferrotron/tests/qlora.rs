@@ -36,23 +36,7 @@ fn grads_on_a_4bit_base_equal_peft_with_bitsandbytes() {
             path(&out),
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
-        let (got, want) = (read_f32(&out), read_f32(&refs));
-        let loss_err = (got["loss"].1[0] as f64 - want["loss_f32"].1[0] as f64).abs()
-            / want["loss_f32"].1[0] as f64;
-        assert!(loss_err <= 1e-6, "{model} {layout}: loss {loss_err:e}");
-        let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
-        assert_eq!(
-            got.len() - 1,
-            names.len(),
-            "one gradient per adapter tensor"
-        );
-        for name in names {
-            let g = &got[&format!("grad.{}", name.trim_start_matches("grad_f32."))];
-            assert!(
-                rel_err(&g.1, &want[name].1) <= 1e-5,
-                "{model} {layout}: {name}"
-            );
-        }
+        assert_adapter_grads(&out, &refs, &format!("{model} {layout}"));
     }
 }
 

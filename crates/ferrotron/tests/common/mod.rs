@@ -65,6 +65,27 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 pub mod readme;
 
+/// `grads --adapter`'s output `got` (`loss`, `grad.<PEFT name>`) against `reference`'s f32 values
+/// (PEFT's): the loss within 1e-6, one gradient per adapter tensor, each of its shape and within
+/// 1e-5 relative.
+pub fn assert_adapter_grads(got: &PathBuf, reference: &PathBuf, what: &str) {
+    let (got, want) = (read_f32(got), read_f32(reference));
+    let loss = want["loss_f32"].1[0] as f64;
+    let loss_err = (got["loss"].1[0] as f64 - loss).abs() / loss;
+    assert!(loss_err <= 1e-6, "{what}: loss {loss_err:e}");
+    let names: Vec<&String> = want.keys().filter(|k| k.starts_with("grad_f32.")).collect();
+    assert_eq!(
+        got.len() - 1,
+        names.len(),
+        "{what}: one gradient per adapter tensor"
+    );
+    for name in names {
+        let g = &got[&name.replace("grad_f32.", "grad.")];
+        assert_eq!(g.0, want[name].0, "{what}: {name}");
+        assert!(rel_err(&g.1, &want[name].1) <= 1e-5, "{what}: {name}");
+    }
+}
+
 /// `train` of `llama-tiny` for `steps` steps of 2 × 16 tokens into `out`, then `extra`.
 pub fn train_args(out: &Path, steps: &str, extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = [
