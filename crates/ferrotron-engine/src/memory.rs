@@ -413,14 +413,12 @@ impl Drop for Accounts {
 /// Bytes for people: `1.23 MB`.
 pub fn format_bytes(b: u64) -> String {
     let b = b as f64;
-    if b >= 1e9 {
-        format!("{:.2} GB", b / 1e9)
-    } else if b >= 1e6 {
-        format!("{:.2} MB", b / 1e6)
-    } else if b >= 1e3 {
-        format!("{:.1} kB", b / 1e3)
-    } else {
-        format!("{b} B")
+    match [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)]
+        .into_iter()
+        .find(|&(_, d)| b >= d)
+    {
+        Some((unit, d)) => format!("{:.2} {unit}", b / d),
+        None => format!("{b} B"),
     }
 }
 

@@ -349,10 +349,28 @@ impl<'a> MetricsWriter<'a> {
             extra.insert("loss_scale".into(), f.loss_scale.into());
             extra.insert("skipped".into(), f.skipped.into());
         }
+        // The run's first line says what was run, for a report made from the file alone.
+        if f.step == 0 {
+            extra.insert("run".into(), self.run_record());
+        }
         let line = report.metrics_line(extra, devices);
         writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;
         on_step(&report);
         Ok(())
+    }
+
+    /// When the run started (Unix seconds), the model's parameters and those trained, and the
+    /// validation loss before the first step.
+    fn run_record(&self) -> serde_json::Value {
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        serde_json::json!({
+            "started_unix_s": started,
+            "parameters": self.run.model_cfg.num_params(),
+            "trained_parameters": self.run.trained.params.numel(),
+            "initial_val_loss": self.run.initial_val_loss,
+        })
     }
 
     pub(super) fn finish(mut self, params: ParamStore) -> RunOutcome {

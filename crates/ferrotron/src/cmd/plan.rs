@@ -1,3 +1,4 @@
+use crate::report::plan::PlanPage;
 use anyhow::Result;
 use clap::Args;
 use ferrotron_core::layout::{Layout, LayoutSpec};
@@ -314,7 +315,18 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 print_plan(&p);
             }
             if let Some(dir) = &a.out {
-                write_pictures(dir, &input, &p, std::slice::from_ref(&p))?;
+                let why = search_notes(&input, Some(&p));
+                write_pictures(
+                    dir,
+                    &PlanPage {
+                        input: &input,
+                        model: &a.model,
+                        chosen: &p,
+                        candidates: std::slice::from_ref(&p),
+                        shapes: 1,
+                        why: &why,
+                    },
+                )?;
             }
         }
         spec => {
@@ -343,22 +355,28 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 }
             }
             if let (Some(dir), Some(best)) = (&a.out, plans.first()) {
-                write_pictures(dir, &input, best, &plans[..plans.len().min(a.top.max(1))])?;
+                write_pictures(
+                    dir,
+                    &PlanPage {
+                        input: &input,
+                        model: &a.model,
+                        chosen: best,
+                        candidates: &plans,
+                        shapes: a.top,
+                        why: &notes,
+                    },
+                )?;
             }
         }
     }
     Ok(())
 }
 
-/// The predicted pictures and a report page of `chosen` (with the candidates compared), into `dir`.
-fn write_pictures(
-    dir: &std::path::Path,
-    input: &plan::PlanInput,
-    chosen: &plan::Plan,
-    candidates: &[plan::Plan],
-) -> Result<()> {
+/// The predicted pictures and a report page of the chosen layout (with the candidates compared),
+/// into `dir`.
+fn write_pictures(dir: &std::path::Path, page: &PlanPage) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    let files = crate::report::plan::plan_files(input, chosen, candidates)?;
+    let files = crate::report::plan::plan_files(page)?;
     for (name, body) in &files {
         std::fs::write(dir.join(name), body)?;
     }

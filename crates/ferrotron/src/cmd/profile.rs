@@ -89,7 +89,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
             a.steps
         );
         for t in [
-            &p.times.table(),
+            &p.times.table(a.threshold),
             &p.tables.devices,
             &p.tables.links,
             &p.tables.memory,
@@ -157,8 +157,42 @@ fn write_report(a: &ProfileArgs, p: Profile) -> Result<Vec<&'static str>> {
         .collect();
     let links = ferrotron_core::plan::links(&p.input.cluster, &p.layout);
     let trace = serde_json::to_string(&trace(&p.devices, &names))?;
+    let l = &p.layout;
+    // Only the groups this layout has (a group of one device moves nothing).
+    let groups = [
+        ("tp", l.tp, links.tp.bandwidth_bytes_per_s, vec!["tp"]),
+        ("cp", l.cp, links.cp.bandwidth_bytes_per_s, vec!["cp"]),
+        (
+            "dp",
+            l.dp * l.cp,
+            links.dp.bandwidth_bytes_per_s,
+            vec!["dp"],
+        ),
+        (
+            "pp",
+            l.pp,
+            links.pp.bandwidth_bytes_per_s,
+            vec!["p2p", "pp"],
+        ),
+    ];
+    let step = p.devices[0].report.step + 1;
+    let run = crate::report::plan::plan_facts(
+        &p.input,
+        &a.model,
+        &p.plan,
+        &format!(
+            "step {step} of {}, the median by time (device time)",
+            a.steps
+        ),
+    );
     let mut files = crate::report::profile::profile_files(ProfileFacts {
+        run,
         layout: p.layout.to_string(),
+        layout_map: crate::report::cluster::layout_map_svg(
+            &p.layout,
+            &p.input.cluster,
+            &p.plan.comm_bytes_per_step,
+        ),
         devices: names
             .iter()
             .cloned()
@@ -167,11 +201,12 @@ fn write_report(a: &ProfileArgs, p: Profile) -> Result<Vec<&'static str>> {
         plan: &p.plan,
         predicted: crate::report::plan::predicted_panel(&p.input, &p.plan)?,
         capacity: p.input.cluster.device_memory_bytes,
-        links: vec![
-            ("tp", links.tp.bandwidth_bytes_per_s, vec!["tp"]),
-            ("dp", links.dp.bandwidth_bytes_per_s, vec!["dp"]),
-            ("pp", links.pp.bandwidth_bytes_per_s, vec!["p2p", "pp"]),
-        ],
+        links: groups
+            .into_iter()
+            .filter(|g| g.1 > 1)
+            .map(|(name, _, bandwidth, kinds)| (name, bandwidth, kinds))
+            .collect(),
+        time_table: p.times.table(a.threshold),
         device_table: p.tables.devices,
         link_table: p.tables.links,
         memory_table: p.tables.memory,

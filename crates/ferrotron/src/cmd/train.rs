@@ -234,7 +234,12 @@ fn print_devices(summary: &TrainSummary) {
         device_table(
             &caption,
             &rows,
-            &["sent/step", "step (device s)", "step (wall s)"]
+            "idle, mean over the run (%)",
+            &[
+                "sent per step",
+                "step, device time (s)",
+                "step, wall time (s)"
+            ]
         )
         .markdown()
     );

@@ -125,7 +125,8 @@ impl StepTimes {
         ]
     }
 
-    pub(crate) fn table(&self) -> Table {
+    /// The parts measured beside predicted, each with its verdict against `threshold` (relative).
+    pub(crate) fn table(&self, threshold: f64) -> Table {
         let mut t = Table::new(
             "step time, measured (device time) and predicted",
             &[
@@ -133,14 +134,29 @@ impl StepTimes {
                 "measured (ms)",
                 "predicted (ms)",
                 "measured / predicted",
+                "verdict",
             ],
         );
         for (name, p) in self.parts() {
+            let verdict = if p.predicted <= 0.0 {
+                if p.measured > 0.0 {
+                    "not predicted".to_string()
+                } else {
+                    "none, as predicted".to_string()
+                }
+            } else if (p.ratio() - 1.0).abs() <= threshold {
+                format!("within {:.0}%", 100.0 * threshold)
+            } else if p.ratio() > 1.0 {
+                format!("slower than predicted ({}×)", p.ratio_text())
+            } else {
+                format!("faster than predicted ({}×)", p.ratio_text())
+            };
             t.row(vec![
                 name.to_string(),
                 format!("{:.2}", p.measured * 1e3),
                 format!("{:.2}", p.predicted * 1e3),
                 p.ratio_text(),
+                verdict,
             ]);
         }
         t

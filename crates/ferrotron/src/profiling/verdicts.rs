@@ -26,6 +26,7 @@ pub(crate) fn verdicts(e: &Evidence) -> Vec<String> {
     let (bytes_off, bytes_ok) = bytes(e);
     out.extend(idle_off);
     out.extend(bytes_off);
+    out.extend(memory(e));
     // What agrees is said too, so that a reader of a report with some figures off still sees which
     // were measured to match.
     let agreeing: Vec<String> = idle_ok.into_iter().chain(bytes_ok).collect();
@@ -118,6 +119,44 @@ fn idle(e: &Evidence, busy: &[f64], straggler: Option<&str>) -> (Vec<String>, Ve
         ));
     }
     (off, ok)
+}
+
+/// Memory terms of at least this share of a device's peak get a verdict when they are off.
+const MEMORY_TERM_SHARE: f64 = 0.05;
+
+/// Every memory term (of at least 5% of a device's peak, measured or predicted) off its prediction
+/// by more than the threshold on some device: its worst device, and on how many it is off.
+fn memory(e: &Evidence) -> Vec<String> {
+    let names = crate::report::TERM_COLUMNS;
+    let mut out = Vec::new();
+    for (t, name) in names.iter().enumerate().take(6) {
+        // (device, measured, predicted) of each device where the term is off.
+        let mut off: Vec<(usize, u64, u64)> = Vec::new();
+        for (d, m) in e.devices.iter().enumerate() {
+            let got = m.report.memory.peak_terms();
+            let want = e.plan.memory_bytes_per_stage[e.coords[d].pp];
+            let (g, w) = (got.terms()[t].1, want.terms()[t].1);
+            let share = g.max(w) as f64 / got.total.max(want.total).max(1) as f64;
+            let ratio = g as f64 / w.max(1) as f64;
+            if share >= MEMORY_TERM_SHARE && (ratio - 1.0).abs() > e.threshold {
+                off.push((d, g, w));
+            }
+        }
+        let far = |x: &(usize, u64, u64)| (x.1 as f64 / x.2.max(1) as f64).ln().abs();
+        if let Some(&(d, g, w)) = off.iter().max_by(|a, b| far(a).total_cmp(&far(b))) {
+            out.push(format!(
+                "memory, {name}: {} measured vs {} predicted on device {d} ({:.2}×); off by more \
+                 than {:.0}% on {} of {} devices",
+                format_bytes(g),
+                format_bytes(w),
+                g as f64 / w.max(1) as f64,
+                100.0 * e.threshold,
+                off.len(),
+                e.devices.len()
+            ));
+        }
+    }
+    out
 }
 
 /// Bytes per group (on its busiest device) against the planner's traffic.

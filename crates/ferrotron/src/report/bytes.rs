@@ -1,6 +1,7 @@
 //! Bytes each device sent on one group (tp, dp or pp) in a step, against what the group's link
 //! could have carried in the same time.
 
+use super::colours;
 use super::svg::{self, escape, Axis, Unit, FONT};
 use std::fmt::Write;
 
@@ -51,7 +52,7 @@ pub fn bytes_svg(rows: &[(String, u64)], link: &LinkBudget) -> String {
         let w = axis.fraction(*bytes as f64) * plot_w;
         let _ = writeln!(
             s,
-            r##"<text class="label" x="{:.1}" y="{:.1}" text-anchor="end">{}</text><rect class="sent" data-device="{}" data-group="{}" x="{left:.1}" y="{:.1}" width="{w:.2}" height="{:.1}" fill="#4c9be8"><title>{}: {} ({:.3}% of the link's budget)</title></rect>"##,
+            r##"<text class="label" x="{:.1}" y="{:.1}" text-anchor="end">{}</text><rect class="sent" data-device="{}" data-group="{}" x="{left:.1}" y="{:.1}" width="{w:.2}" height="{:.1}" fill="{}"><title>{}: {} ({:.3}% of the link's budget)</title></rect>"##,
             left - 6.0,
             y + row * 0.7,
             escape(name),
@@ -59,6 +60,7 @@ pub fn bytes_svg(rows: &[(String, u64)], link: &LinkBudget) -> String {
             link.group,
             y + 2.0,
             row - 4.0,
+            colours::SENT,
             escape(name),
             crate::report::show_bytes(*bytes),
             100.0 * *bytes as f64 / budget.max(1.0)
@@ -68,7 +70,8 @@ pub fn bytes_svg(rows: &[(String, u64)], link: &LinkBudget) -> String {
         let x = left + axis.fraction(budget) * plot_w;
         let _ = writeln!(
             s,
-            r##"<line class="limit" data-limit="link budget" x1="{x:.1}" x2="{x:.1}" y1="{top:.1}" y2="{base:.1}" stroke="#c0392b" stroke-dasharray="5 3" stroke-width="1.5"/>"##
+            r##"<line class="limit" data-limit="link budget" x1="{x:.1}" x2="{x:.1}" y1="{top:.1}" y2="{base:.1}" stroke="{}" stroke-dasharray="5 3" stroke-width="1.5"/>"##,
+            colours::LINK_BUDGET
         );
     }
     s.push_str("</svg>\n");

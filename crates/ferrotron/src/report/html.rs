@@ -1,6 +1,7 @@
 //! Tables that print as markdown in the terminal and as real `<table>`s in a page, and the page:
 //! one self-contained HTML file (inline CSS and SVG, nothing fetched over the network).
 
+use super::facts::RunFacts;
 use super::svg::escape;
 use std::fmt::Write;
 
@@ -21,8 +22,14 @@ impl Table {
         }
     }
 
+    /// A row; a figure that rounds to zero is never shown negative (`-0.00` reads as a sign error).
     pub fn row(&mut self, cells: Vec<String>) {
-        self.rows.push(cells);
+        let unsigned_zero = |c: String| match c.strip_prefix('-') {
+            Some(rest) if rest.parse::<f64>() == Ok(0.0) => rest.to_string(),
+            _ => c,
+        };
+        self.rows
+            .push(cells.into_iter().map(unsigned_zero).collect());
     }
 
     /// The caption, then a markdown table (for the terminal).
@@ -41,7 +48,7 @@ impl Table {
 
     /// An HTML table; cells that read as numbers are right-aligned.
     pub fn html(&self) -> String {
-        let mut s = String::from("<table>\n");
+        let mut s = String::from("<div class=\"table\"><table>\n");
         if !self.caption.is_empty() {
             let _ = writeln!(s, "<caption>{}</caption>", escape(&self.caption));
         }
@@ -65,7 +72,7 @@ impl Table {
             }
             s.push_str("</tr>\n");
         }
-        s.push_str("</tbody></table>\n");
+        s.push_str("</tbody></table></div>\n");
         s
     }
 }
@@ -106,6 +113,16 @@ impl Section {
         self
     }
 
+    /// A numbered list of steps; a step that numbers itself (`1. …`) keeps its own number.
+    pub fn ordered(mut self, items: &[String]) -> Section {
+        self.body.push_str("<ol class=\"steps\">\n");
+        for i in items {
+            let _ = writeln!(self.body, "<li>{}</li>", escape(i));
+        }
+        self.body.push_str("</ol>\n");
+        self
+    }
+
     /// A bulleted list.
     pub fn list(mut self, items: &[String]) -> Section {
         self.body.push_str("<ul>\n");
@@ -117,24 +134,31 @@ impl Section {
     }
 }
 
+/// Pages fit any screen from 800 px up: headings wrap anywhere, pictures scale with their
+/// viewBox, tables scroll inside their own box; nothing widens the page.
 const STYLE: &str = "body{font-family:sans-serif;margin:20px;max-width:1240px;color:#222}\
-h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}\
+h1{font-size:22px;overflow-wrap:anywhere}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}\
+dl.facts{display:flex;flex-wrap:wrap;gap:6px 24px;margin:0 0 12px;font-size:13px}\
+dl.facts div{max-width:100%}dl.facts dt{color:#666;font-size:11px}dl.facts dd{margin:0;overflow-wrap:anywhere}\
+.table{max-width:100%;overflow-x:auto}\
 table{border-collapse:collapse;font-size:12px;margin:8px 0 16px}\
 caption{text-align:left;font-weight:bold;padding:4px 0}\
 th{background:#f2f2f2;text-align:left;vertical-align:bottom;max-width:9em}\
-th,td{border:1px solid #ddd;padding:3px 6px}td.num{text-align:right;white-space:nowrap}\
+th,td{border:1px solid #ddd;padding:3px 6px}td{overflow-wrap:anywhere;min-width:3em}td.num{text-align:right;white-space:nowrap}\
 tbody tr:nth-child(even){background:#fafafa}\
 .pictures{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start}\
-figure{margin:0;max-width:100%;overflow-x:auto}p.note{margin:6px 0;max-width:60em}";
+figure{margin:0;max-width:100%}svg{max-width:100%;height:auto}\
+p.note{margin:6px 0;max-width:60em;overflow-wrap:anywhere}li{overflow-wrap:anywhere}ol.steps{list-style:none;padding-left:8px}ol.steps li{margin:4px 0}";
 
-/// The page: a title, then each section in order.
-pub fn page(title: &str, sections: &[Section]) -> String {
+/// The page: a title, what was run, then each section in order.
+pub fn page(title: &str, facts: &RunFacts, sections: &[Section]) -> String {
     let mut s = format!(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width\"><title>{0}</title>\
          <style>{STYLE}</style></head><body>\n<h1>{0}</h1>\n",
         escape(title)
     );
+    s.push_str(&facts.html());
     for sec in sections {
         let _ = writeln!(s, "<h2>{}</h2>", escape(&sec.heading));
         for n in &sec.notes {
@@ -154,13 +178,20 @@ mod tests {
     fn a_table_is_markdown_for_the_terminal_and_html_for_the_page() {
         let mut t = Table::new("memory", &["device", "peak (MB)"]);
         t.row(vec!["0".into(), "31.20".into()]);
+        t.row(vec!["-0.00".into(), "-1.50".into()]);
+        assert_eq!(t.rows[1], ["0.00", "-1.50"]);
+        t.rows.pop();
         assert_eq!(
             t.markdown(),
             "memory\n\n| device | peak (MB) |\n|---|---|\n| 0 | 31.20 |\n"
         );
         let h = t.html();
         assert!(h.contains("<th>peak (MB)</th>") && h.contains("<td class=\"num\">31.20</td>"));
-        let p = page("a <b>", &[Section::new("s").table(&t)]);
+        let p = page(
+            "a <b>",
+            &RunFacts::default(),
+            &[Section::new("s").table(&t)],
+        );
         assert!(p.contains("<title>a &lt;b&gt;</title>") && !p.contains("http"));
     }
 }

@@ -6,16 +6,11 @@ use std::fmt::Write;
 
 pub struct Series {
     pub name: String,
-    pub colour: &'static str,
+    pub colour: String,
     pub points: Vec<(f64, f64)>,
     /// Draw a dot on each point (sparse series such as validation loss).
     pub dots: bool,
 }
-
-/// Colours for series that have no meaning of their own (devices).
-pub const PALETTE: [&str; 8] = [
-    "#4c9be8", "#e8794c", "#8bc34a", "#9b6fd1", "#f2c14e", "#7f8c8d", "#e84c8b", "#2bb3a3",
-];
 
 /// A chart of `series` against the step; `unit` for the values; `from_zero` keeps 0 on the axis.
 /// Points that are not finite (a skipped fp16 step's loss) are left out.
@@ -24,7 +19,7 @@ pub fn line_chart(title: &str, unit: Unit, from_zero: bool, series: &[Series]) -
         .iter()
         .map(|s| Series {
             name: s.name.clone(),
-            colour: s.colour,
+            colour: s.colour.clone(),
             points: s
                 .points
                 .iter()
@@ -51,7 +46,10 @@ pub fn line_chart(title: &str, unit: Unit, from_zero: bool, series: &[Series]) -
         (0.0, 1.0)
     };
     let x_axis = Axis::new(x_lo, x_hi, 6, Unit::plain(""));
-    let entries: Vec<(&str, String)> = series.iter().map(|s| (s.colour, s.name.clone())).collect();
+    let entries: Vec<svg::Swatch> = series
+        .iter()
+        .map(|s| (s.colour.clone(), s.name.clone()))
+        .collect();
     let (left, top, plot_w, plot_h): (f64, f64, f64, f64) =
         (y_axis.label_width() + 10.0, 30.0, 520.0, 200.0);
     let width = (left + plot_w + 16.0 + legend_width(&entries)).max(svg::title_width(title, None));

@@ -1,20 +1,22 @@
 //! Memory pictures: each device's bytes stacked by term (the planner's six terms), on a scale
 //! chosen from the bars, with the capacity drawn when it is in range and stated when it is not.
 
+use super::colours;
 use super::svg::{self, escape, legend, legend_width, Axis, LabelFit, Unit};
 use ferrotron_core::plan::MemoryTerms;
 use std::fmt::Write;
 
-/// The terms in stacking order, with their colours; `other` is what a measured total holds beyond
-/// the planner's six terms (kernel workspaces, the host's bookkeeping).
-pub const TERMS: [(&str, &str); 7] = [
-    ("weights", "#4c9be8"),
-    ("gradients", "#e8794c"),
-    ("master_weights", "#8bc34a"),
-    ("optimizer_states", "#9b6fd1"),
-    ("activations", "#f2c14e"),
-    ("comm_buffers", "#7f8c8d"),
-    ("other", "#d5d5d5"),
+/// The terms in stacking order: the name checks rely on (`data-term`), the name a reader sees (the
+/// tables' column), and the colour; `other` is what a measured total holds beyond the planner's
+/// six terms (kernel workspaces, the host's bookkeeping).
+pub const TERMS: [(&str, &str, &str); 7] = [
+    ("weights", "weights", colours::WEIGHTS),
+    ("gradients", "gradients", colours::GRADIENTS),
+    ("master_weights", "master", colours::MASTER),
+    ("optimizer_states", "optimizer", colours::OPTIMIZER_STATE),
+    ("activations", "activations", colours::ACTIVATIONS),
+    ("comm_buffers", "comm", colours::COMM),
+    ("other", "other", colours::OTHER),
 ];
 
 /// The bytes of each of [`TERMS`] in `m`.
@@ -42,28 +44,35 @@ pub struct Limit {
     pub colour: &'static str,
 }
 
-/// Bars at most this many times their largest are drawn to scale: a limit further up is stated.
-const LIMIT_IN_RANGE: f64 = 1.6;
+/// A limit at most this many times the tallest bar is drawn across the bars (the scale reaches it);
+/// one further up gets a headroom gauge above the chart instead.
+const LIMIT_IN_RANGE: f64 = 4.0;
 /// No bar is drawn shorter (a bar this short is stated as drawn at the minimum).
 pub const MIN_BAR_PX: f64 = 4.0;
+/// The headroom gauge's height, px.
+const GAUGE_H: f64 = 10.0;
 
 /// One stacked bar per entry of `bars` (`<rect class="term" data-device data-term>` per term), a
-/// value axis in the data's unit, and the limits.
+/// value axis in the data's unit, and the limits: a line across the bars
+/// (`<line class="limit" data-limit>`) when the scale reaches them, else a gauge of the limit with
+/// the tallest bar's share of it (`<rect class="headroom" data-limit>`), so headroom reads at any
+/// fill.
 pub fn bars_svg(title: &str, bars: &[(String, MemoryTerms)], limits: &[Limit]) -> String {
     let largest = bars.iter().map(|(_, m)| m.total).max().unwrap_or(0).max(1) as f64;
-    let in_range: Vec<&Limit> = limits
+    let (in_range, far): (Vec<&Limit>, Vec<&Limit>) = limits
         .iter()
-        .filter(|l| l.bytes > 0 && (l.bytes as f64) <= largest * LIMIT_IN_RANGE)
-        .collect();
-    let off: Vec<String> = limits
+        .filter(|l| l.bytes > 0)
+        .partition(|l| (l.bytes as f64) <= largest * LIMIT_IN_RANGE);
+    let gauges: Vec<String> = far
         .iter()
-        .filter(|l| l.bytes > 0 && (l.bytes as f64) > largest * LIMIT_IN_RANGE)
         .map(|l| {
+            let used = largest / l.bytes as f64;
             format!(
-                "{} {} is off this scale: the tallest bar is {:.2}% of it",
+                "{} {}: the tallest bar uses {:.1}% of it, {:.1}% headroom",
                 l.name,
                 crate::report::show_bytes(l.bytes),
-                100.0 * largest / l.bytes as f64
+                100.0 * used,
+                100.0 * (1.0 - used)
             )
         })
         .collect();
@@ -75,25 +84,50 @@ pub fn bars_svg(title: &str, bars: &[(String, MemoryTerms)], limits: &[Limit]) -
     let names: Vec<String> = bars.iter().map(|(n, _)| n.clone()).collect();
     let slot = (640.0 / bars.len().max(1) as f64).clamp(10.0, 64.0);
     let fit = LabelFit::choose(&names, slot);
-    let note = (!off.is_empty()).then(|| off.join("; "));
-    let mut entries: Vec<(&str, String)> = TERMS.iter().map(|(t, c)| (*c, t.to_string())).collect();
+    let mut entries: Vec<svg::Swatch> = TERMS
+        .iter()
+        .map(|(_, shown, c)| (c.to_string(), shown.to_string()))
+        .collect();
     for l in &in_range {
         entries.push((
-            l.colour,
+            l.colour.to_string(),
             format!("{} {}", l.name, crate::report::show_bytes(l.bytes)),
         ));
     }
-    let (left, top, plot_h) = (
-        axis.label_width() + 10.0,
-        if note.is_some() { 46.0 } else { 30.0 },
-        240.0,
-    );
+    if !far.is_empty() {
+        entries.push((colours::USED.to_string(), "used (tallest bar)".into()));
+    }
+    let left = axis.label_width() + 10.0;
+    // Each gauge takes a line of text and the gauge under it.
+    let gauge_h = FONT_LINE + GAUGE_H + 6.0;
+    let top = 30.0 + gauge_h * far.len() as f64;
+    let plot_h = 240.0;
     let plot_w = slot * bars.len().max(1) as f64;
+    let gauge_w = plot_w.max(200.0);
     let width = (left + plot_w + 16.0 + legend_width(&entries))
-        .max(svg::title_width(title, note.as_deref()));
-    let height = top + plot_h + fit.height(&names) + 8.0;
+        .max(left + gauge_w + 8.0)
+        .max(gauges.iter().fold(svg::title_width(title, None), |w, g| {
+            w.max(svg::text_width(g, svg::FONT) + 8.0)
+        }));
+    let height = (top + plot_h + fit.height(&names) + 8.0).max(top + 16.0 * entries.len() as f64);
     let mut s = svg::open(width, height);
-    svg::title(&mut s, title, note.as_deref());
+    svg::title(&mut s, title, None);
+    for (i, (l, text)) in far.iter().zip(&gauges).enumerate() {
+        let y = 30.0 + gauge_h * i as f64;
+        let used = (largest / l.bytes as f64 * gauge_w).max(1.0);
+        let _ = writeln!(
+            s,
+            r##"<text class="label" x="{left:.1}" y="{:.1}" fill="#555">{}</text><rect x="{left:.1}" y="{:.1}" width="{gauge_w:.1}" height="{GAUGE_H}" fill="white" stroke="{}" stroke-width="1.5"/><rect class="headroom" data-limit="{}" x="{left:.1}" y="{:.1}" width="{used:.2}" height="{GAUGE_H}" fill="{}"><title>{}</title></rect>"##,
+            y + FONT_LINE - 3.0,
+            escape(text),
+            y + FONT_LINE,
+            l.colour,
+            l.name,
+            y + FONT_LINE,
+            colours::USED,
+            escape(text)
+        );
+    }
     let base = top + plot_h;
     axis.draw_y(&mut s, left, base, top, left + plot_w);
     let px = |v: f64| axis.fraction(v) * plot_h;
@@ -117,6 +151,9 @@ pub fn bars_svg(title: &str, bars: &[(String, MemoryTerms)], limits: &[Limit]) -
     s
 }
 
+/// A line of label text, px.
+const FONT_LINE: f64 = svg::FONT + 4.0;
+
 /// One device's bar, its terms stacked from `base` up, `x` and `w` wide; `px` turns bytes into
 /// pixels. A bar too short to see is drawn at the minimum, its terms in proportion.
 fn stacked_bar(
@@ -133,12 +170,12 @@ fn stacked_bar(
         1.0
     };
     let mut y = base;
-    for ((term, fill), v) in TERMS.iter().zip(stacked(m)) {
+    for ((term, shown, fill), v) in TERMS.iter().zip(stacked(m)) {
         let h = px(v as f64) * stretch;
         y -= h;
         let _ = writeln!(
             s,
-            r#"<rect class="term" data-device="{}" data-term="{term}" x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{fill}"><title>{} {term}: {}</title></rect>"#,
+            r#"<rect class="term" data-device="{}" data-term="{term}" x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{fill}"><title>{} {shown}: {}</title></rect>"#,
             escape(name),
             escape(name),
             crate::report::show_bytes(v)
@@ -204,8 +241,9 @@ pub fn over_step_svg(traces: &[MemoryTrace]) -> Vec<String> {
                 .collect();
             let _ = writeln!(
                 s,
-                r##"<polyline class="live" points="{}" fill="none" stroke="#4c9be8" stroke-width="1.5"/>"##,
-                points.join(" ")
+                r##"<polyline class="live" points="{}" fill="none" stroke="{}" stroke-width="1.5"/>"##,
+                points.join(" "),
+                colours::LIVE
             );
             // The peak fell in the interval ending at the first sample that saw it.
             if let Some(i) = t.samples.iter().position(|s| s.2 == peak) {
@@ -214,9 +252,10 @@ pub fn over_step_svg(traces: &[MemoryTrace]) -> Vec<String> {
                 let text = format!("peak {}", crate::report::show_bytes(peak));
                 let w = svg::text_width(&text, svg::FONT);
                 let tx = (x - w / 2.0).clamp(left + 2.0, left + plot_w - w - 2.0);
+                let peak_colour = colours::PEAK;
                 let _ = writeln!(
                     s,
-                    r##"<circle class="peak" cx="{x:.1}" cy="{y:.1}" r="3.5" fill="#c0392b"><title>peak {} between {} and {}</title></circle><text class="label" x="{tx:.1}" y="{:.1}" fill="#c0392b">{text}</text>"##,
+                    r##"<circle class="peak" cx="{x:.1}" cy="{y:.1}" r="3.5" fill="{peak_colour}"><title>peak {} between {} and {}</title></circle><text class="label" x="{tx:.1}" y="{:.1}" fill="{peak_colour}">{text}</text>"##,
                     crate::report::show_bytes(peak),
                     x_axis.unit.show(from, 3),
                     x_axis.unit.show(t.samples[i].0, 3),

@@ -1,10 +1,11 @@
 //! The page of a training run (`train --report`, or `ferrotron report DIR` afterwards), made from
 //! what the run recorded: `metrics.jsonl` (one line per step) and `train_config.json`.
 
-use super::lines::{line_chart, Series, PALETTE};
+use super::colours;
+use super::lines::{line_chart, Series};
 use super::memory::{bars_svg, Limit};
 use super::svg::Unit;
-use super::{page, show_bytes, Section, Table};
+use super::{page, RunFacts, Section, Table};
 use anyhow::{bail, Context, Result};
 use ferrotron_core::plan::MemoryTerms;
 use ferrotron_core::topology::Cluster;
@@ -25,6 +26,18 @@ struct StepLine {
     layout: String,
     #[serde(default)]
     devices: Vec<DeviceLine>,
+    /// On the run's first line: what was run (runs recorded before this field: none).
+    #[serde(default)]
+    run: Option<RunLine>,
+}
+
+/// The run's first line's record of what was run.
+#[derive(Deserialize)]
+struct RunLine {
+    started_unix_s: u64,
+    parameters: u64,
+    trained_parameters: u64,
+    initial_val_loss: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -53,29 +66,48 @@ pub struct DeviceRow {
     pub tp_rank: usize,
     pub measured: MemoryTerms,
     pub predicted: MemoryTerms,
-    /// Idle fraction in the last step.
+    /// The idle fraction under `idle_header` (the last step's, or the mean over the run).
     pub idle_fraction: f64,
     /// Cells under the caller's `extra_headers`.
     pub extra: Vec<String>,
 }
 
-/// Per device and per term, the measured peak against the planner's prediction: the table the
-/// terminal prints at the end of `train` and the run page shows.
-pub fn device_table(caption: &str, rows: &[DeviceRow], extra_headers: &[&str]) -> Table {
+/// Per device and per term, the measured peak against the planner's prediction, in one unit for
+/// the whole table (chosen from its largest figure, named in every header): the table the
+/// terminal prints at the end of `train` and the run page shows. `other` is what the measured
+/// total holds beyond the planner's terms (kernels' workspaces; not predicted).
+pub fn device_table(
+    caption: &str,
+    rows: &[DeviceRow],
+    idle_header: &str,
+    extra_headers: &[&str],
+) -> Table {
     // A cp column only where sequences were split.
     let split = rows.iter().any(|d| d.cp_rank > 0);
-    let mut headers = vec!["device", "stage", "dp"];
+    let largest = rows
+        .iter()
+        .map(|d| d.measured.total.max(d.predicted.total))
+        .max()
+        .unwrap_or(0);
+    let unit = Unit::bytes(largest as f64);
+    let mut headers: Vec<String> = ["device", "stage", "dp"].map(String::from).to_vec();
     if split {
-        headers.push("cp");
+        headers.push("cp".into());
     }
-    headers.push("tp");
-    headers.extend_from_slice(&super::TERM_COLUMNS);
-    headers.push("idle (%)");
-    headers.extend_from_slice(extra_headers);
-    let mut table = Table::new(caption, &headers);
+    headers.push("tp".into());
+    let (terms, total) = super::TERM_COLUMNS.split_at(6);
+    for t in terms.iter().chain(["other"].iter()).chain(total) {
+        headers.push(format!("{t} ({}), measured / predicted", unit.name));
+    }
+    headers.push(idle_header.into());
+    headers.extend(extra_headers.iter().map(|h| h.to_string()));
+    let header_refs: Vec<&str> = headers.iter().map(String::as_str).collect();
+    let mut table = Table::new(caption, &header_refs);
+    let v = |b: u64| unit.show(b as f64, if unit.divisor == 1.0 { 0 } else { 2 });
+    let number = |b: u64| v(b).trim_end_matches(unit.name).trim_end().to_string();
     for d in rows {
         let (m, p) = (&d.measured, &d.predicted);
-        let pair = |a: u64, b: u64| format!("{} / {}", show_bytes(a), show_bytes(b));
+        let pair = |a: u64, b: u64| format!("{} / {}", number(a), number(b));
         let mut cells = vec![
             d.device.to_string(),
             d.stage.to_string(),
@@ -84,17 +116,12 @@ pub fn device_table(caption: &str, rows: &[DeviceRow], extra_headers: &[&str]) -
         if split {
             cells.push(d.cp_rank.to_string());
         }
-        cells.extend([
-            d.tp_rank.to_string(),
-            pair(m.weights, p.weights),
-            pair(m.gradients, p.gradients),
-            pair(m.master_weights, p.master_weights),
-            pair(m.optimizer_states, p.optimizer_states),
-            pair(m.activations, p.activations),
-            pair(m.comm_buffers, p.comm_buffers),
-            pair(m.total, p.total),
-            format!("{:.1}", 100.0 * d.idle_fraction),
-        ]);
+        cells.push(d.tp_rank.to_string());
+        cells.extend(m.terms().iter().zip(p.terms()).map(|(a, b)| pair(a.1, b.1)));
+        let six: u64 = m.terms().iter().map(|t| t.1).sum();
+        cells.push(format!("{} / —", number(m.total.saturating_sub(six))));
+        cells.push(pair(m.total, p.total));
+        cells.push(format!("{:.1}", 100.0 * d.idle_fraction));
         cells.extend(d.extra.iter().cloned());
         table.row(cells);
     }
@@ -123,12 +150,7 @@ fn read_steps(dir: &Path) -> Result<Vec<StepLine>> {
 }
 
 /// Each device's memory capacity, from the run's settings (its `device_memory`, else its cluster).
-fn capacity(dir: &Path) -> Result<u64> {
-    let path = dir.join("train_config.json");
-    let text = ferrotron_core::bounded::read_to_string(&path, ferrotron_core::bounded::RECORDS)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
-    let cfg: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+fn capacity(cfg: &serde_json::Value) -> Result<u64> {
     if let Some(spec) = cfg["device_memory"].as_str() {
         return Ok(ferrotron_engine::runtime::parse_bytes(spec)?);
     }
@@ -136,10 +158,60 @@ fn capacity(dir: &Path) -> Result<u64> {
     Ok(Cluster::parse(cluster)?.device_memory_bytes)
 }
 
+/// The run's settings as recorded in `train_config.json`.
+fn settings(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("train_config.json");
+    let text = ferrotron_core::bounded::read_to_string(&path, ferrotron_core::bounded::RECORDS)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))
+}
+
+/// What the run was, from its settings and its first line.
+fn run_facts(cfg: &serde_json::Value, steps: &[StepLine], capacity: u64) -> Result<RunFacts> {
+    let text = |k: &str, default: &str| cfg[k].as_str().unwrap_or(default).to_string();
+    let number = |k: &str| cfg[k].as_u64().unwrap_or(0);
+    let first = steps.first().expect("at least one step");
+    let last = steps.last().expect("at least one step");
+    let model = text("model", "?");
+    let model = match first.run.as_ref() {
+        Some(r) if r.trained_parameters < r.parameters => format!(
+            "{model}, {} parameters ({} trained)",
+            super::facts::count(r.parameters as f64),
+            super::facts::count(r.trained_parameters as f64)
+        ),
+        Some(r) => format!(
+            "{model}, {} parameters",
+            super::facts::count(r.parameters as f64)
+        ),
+        None => model,
+    };
+    let cluster = Cluster::parse(&text("cluster", "this-machine"))?;
+    let mut cluster_words = super::facts::cluster(&cluster);
+    if cfg["device_memory"].is_string() {
+        cluster_words.push_str(&format!(
+            "; each device held to {}",
+            super::show_bytes(capacity)
+        ));
+    }
+    Ok(RunFacts {
+        model,
+        cluster: cluster_words,
+        layout: format!("{} ({} devices)", last.layout, last.devices.len()),
+        batch: format!("{} × {} tokens", number("batch_size"), number("seq_len")),
+        precision: text("precision", "f32"),
+        step: format!("steps {}–{} of {}", first.step, last.step, number("steps")),
+        date: first.run.as_ref().map_or("not recorded".into(), |r| {
+            format!("started {}", super::facts::date_of(r.started_unix_s))
+        }),
+    })
+}
+
 /// The page of the run in `dir`.
 pub fn run_page(dir: &Path) -> Result<String> {
     let steps = read_steps(dir)?;
-    let capacity = capacity(dir)?;
+    let cfg = settings(dir)?;
+    let capacity = capacity(&cfg)?;
+    let facts = run_facts(&cfg, &steps, capacity)?;
     let last = steps.last().expect("at least one step");
     let [loss, speed, idle] = charts(&steps);
     let (memory, table) = memory_section(&steps, capacity);
@@ -158,16 +230,18 @@ pub fn run_page(dir: &Path) -> Result<String> {
         speeds.iter().sum::<f64>() / speeds.len() as f64
     };
     let val = steps.iter().rev().find_map(|s| s.val_loss);
-    let devices = last.devices.len();
+    let initial_val = steps[0].run.as_ref().and_then(|r| r.initial_val_loss);
     let summary = format!(
-        "{} steps on layout `{}` ({} device{}): training loss {:.4} → {:.4}{}; {:.0} tokens/s (mean after the first step)",
+        "{} steps: training loss {:.4} → {:.4}{}{}; {:.0} tokens/s (mean after the first step)",
         steps.len(),
-        last.layout,
-        devices,
-        if devices == 1 { "" } else { "s" },
         steps[0].loss,
         last.loss,
-        val.map_or(String::new(), |v| format!(", last validation loss {v:.4}")),
+        initial_val.map_or(String::new(), |v| format!(
+            ", validation loss {v:.4} before the first step"
+        )),
+        val.map_or(String::new(), |v| format!(
+            ", {v:.4} at the last evaluation"
+        )),
         mean_speed
     );
     let straggler_section = if warnings.is_empty() {
@@ -175,8 +249,10 @@ pub fn run_page(dir: &Path) -> Result<String> {
     } else {
         Section::new("straggler warnings").list(&warnings)
     };
+    let model = cfg["model"].as_str().unwrap_or("?");
     Ok(page(
-        &format!("ferrotron train: {}", dir.display()),
+        &format!("ferrotron train: {model} — {}", last.layout),
+        &facts,
         &[
             Section::new("run").note(summary),
             Section::new("loss and speed").pictures(&[&loss, &speed]),
@@ -190,10 +266,17 @@ pub fn run_page(dir: &Path) -> Result<String> {
     ))
 }
 
-/// The run's line charts: loss (training and validation), tokens per second, idle per device.
+/// The run's line charts: loss (training, and validation from before the first step), tokens
+/// per second, idle per device.
 fn charts(steps: &[StepLine]) -> [String; 3] {
     let devices = steps.last().map_or(0, |l| l.devices.len());
     let step_of = |s: &StepLine| s.step as f64;
+    // The validation loss before the first step is drawn at step 0.
+    let initial = steps
+        .first()
+        .and_then(|s| s.run.as_ref())
+        .and_then(|r| r.initial_val_loss)
+        .map(|v| (0.0, v));
     let loss = line_chart(
         "loss",
         Unit::plain(""),
@@ -201,16 +284,20 @@ fn charts(steps: &[StepLine]) -> [String; 3] {
         &[
             Series {
                 name: "training".into(),
-                colour: PALETTE[0],
+                colour: colours::TRAINING_LOSS.into(),
                 points: steps.iter().map(|s| (step_of(s), s.loss)).collect(),
                 dots: false,
             },
             Series {
                 name: "validation".into(),
-                colour: PALETTE[1],
-                points: steps
-                    .iter()
-                    .filter_map(|s| s.val_loss.map(|v| (step_of(s), v)))
+                colour: colours::VALIDATION_LOSS.into(),
+                points: initial
+                    .into_iter()
+                    .chain(
+                        steps
+                            .iter()
+                            .filter_map(|s| s.val_loss.map(|v| (step_of(s), v))),
+                    )
                     .collect(),
                 dots: true,
             },
@@ -222,7 +309,7 @@ fn charts(steps: &[StepLine]) -> [String; 3] {
         true,
         &[Series {
             name: "tokens/s".into(),
-            colour: PALETTE[2],
+            colour: colours::TOKENS_PER_S.into(),
             points: steps.iter().map(|s| (step_of(s), s.tokens_per_s)).collect(),
             dots: false,
         }],
@@ -234,7 +321,7 @@ fn charts(steps: &[StepLine]) -> [String; 3] {
         &(0..devices)
             .map(|d| Series {
                 name: format!("device {d}"),
-                colour: PALETTE[d % PALETTE.len()],
+                colour: colours::device(d, devices),
                 points: steps
                     .iter()
                     .filter_map(|s| {
@@ -282,7 +369,7 @@ fn memory_section(steps: &[StepLine], capacity: u64) -> (String, Table) {
         &[Limit {
             name: "capacity",
             bytes: capacity,
-            colour: "#c0392b",
+            colour: colours::CAPACITY,
         }],
     );
     let rows: Vec<DeviceRow> = last
@@ -304,6 +391,7 @@ fn memory_section(steps: &[StepLine], capacity: u64) -> (String, Table) {
     let table = device_table(
         "per device: peak over the run, measured / the planner's prediction",
         &rows,
+        "idle, last step (%)",
         &[],
     );
     (memory, table)

@@ -127,6 +127,12 @@ impl Axis {
             .map(|f| f * mag)
             .find(|&s| s >= raw)
             .unwrap_or(10.0 * mag);
+        // Whole bytes only: there is no fraction of one.
+        let step = if unit.name == "B" {
+            step.max(1.0)
+        } else {
+            step
+        };
         let first = (lo_u / step).floor() * step;
         let last = (hi_u / step).ceil() * step;
         let count = ((last - first) / step).round() as usize;
@@ -287,13 +293,18 @@ impl LabelFit {
     }
 }
 
-/// A legend in a column: a swatch and a name per entry, 16 px apart, starting at (`x`, `y`).
-pub fn legend(s: &mut String, x: f64, y: f64, entries: &[(&str, String)]) {
+/// One legend entry: a colour and what it means.
+pub type Swatch = (String, String);
+
+/// A legend in a column: a swatch (`<rect class="swatch" data-meaning>`) and a name per entry,
+/// 16 px apart, starting at (`x`, `y`).
+pub fn legend(s: &mut String, x: f64, y: f64, entries: &[Swatch]) {
     for (i, (colour, name)) in entries.iter().enumerate() {
         let y = y + 16.0 * i as f64;
         let _ = writeln!(
             s,
-            r#"<rect x="{x:.1}" y="{:.1}" width="10" height="10" fill="{colour}"/><text class="label" x="{:.1}" y="{:.1}">{}</text>"#,
+            r#"<rect class="swatch" data-meaning="{}" x="{x:.1}" y="{:.1}" width="10" height="10" fill="{colour}"/><text class="label" x="{:.1}" y="{:.1}">{}</text>"#,
+            escape(name),
             y,
             x + 14.0,
             y + 9.0,
@@ -302,8 +313,41 @@ pub fn legend(s: &mut String, x: f64, y: f64, entries: &[(&str, String)]) {
     }
 }
 
+/// A legend in rows under a chart: entries left to right from (`x`, `y`), a new row where the next
+/// would pass `width`; the height it took.
+pub fn legend_rows(s: &mut String, x: f64, y: f64, width: f64, entries: &[Swatch]) -> f64 {
+    let (mut cx, mut cy) = (x, y);
+    for (colour, name) in entries {
+        let w = text_width(name, FONT) + 18.0 + 12.0;
+        if cx > x && cx + w > x + width {
+            cx = x;
+            cy += 16.0;
+        }
+        let _ = writeln!(
+            s,
+            r#"<rect class="swatch" data-meaning="{}" x="{cx:.1}" y="{cy:.1}" width="10" height="10" fill="{colour}"/><text class="label" x="{:.1}" y="{:.1}">{}</text>"#,
+            escape(name),
+            cx + 14.0,
+            cy + 9.0,
+            escape(name)
+        );
+        cx += w;
+    }
+    if entries.is_empty() {
+        0.0
+    } else {
+        cy - y + 16.0
+    }
+}
+
+/// The height [`legend_rows`] takes for `entries` in `width`.
+pub fn legend_rows_height(width: f64, entries: &[Swatch]) -> f64 {
+    let mut scratch = String::new();
+    legend_rows(&mut scratch, 0.0, 0.0, width, entries)
+}
+
 /// The width a [`legend`] needs.
-pub fn legend_width(entries: &[(&str, String)]) -> f64 {
+pub fn legend_width(entries: &[Swatch]) -> f64 {
     entries
         .iter()
         .map(|(_, n)| text_width(n, FONT) + 18.0)
@@ -323,6 +367,8 @@ mod tests {
         let t = Axis::new(0.0, 0.0636, 6, Unit::seconds(0.0636));
         assert_eq!(t.unit.name, "ms");
         assert!((t.hi - 0.08).abs() < 1e-12, "{}", t.hi);
+        let bytes = Axis::new(0.0, 0.0, 4, Unit::bytes(0.0));
+        assert!(bytes.ticks.iter().all(|t| t.fract() == 0.0), "{bytes:?}");
         let small = Axis::new(0.0, 0.9, 4, Unit::plain(""));
         assert_eq!(small.label(0.25), "0.25");
         assert!(Axis::new(5.0, 5.0, 4, Unit::plain("")).hi > 5.0);
