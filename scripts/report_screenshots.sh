@@ -23,6 +23,6 @@ shot() { # page, picture, height in pixels
   --out "$work/plan" >/dev/null
 "$bin" train --steps 40 --eval-every 10 --layout dp=2,pp=2 --batch-size 8 --seq-len 64 \
   --report --out-dir "$work/train" >/dev/null 2>&1
-shot "$work/profile/report.html" docs/images/profile-report.png 2300
-shot "$work/plan/report.html" docs/images/plan-report.png 1250
-shot "$work/train/report.html" docs/images/train-report.png 1900
+shot "$work/profile/report.html" docs/images/profile-report.png 3900
+shot "$work/plan/report.html" docs/images/plan-report.png 2900
+shot "$work/train/report.html" docs/images/train-report.png 2100
