@@ -31,12 +31,23 @@ fn profile(args: &[&str], out: &Path) -> (bool, String) {
 
 /// Elements of an SVG file with the given class, after checking that it parses as XML.
 fn boxes(path: &Path, class: &str) -> usize {
+    kinds(path, class, None)
+}
+
+/// Elements of `class` (with `data-kind` among `kinds`, if given) in the SVG at `path`.
+fn kinds(path: &Path, class: &str, kinds: Option<&[&str]>) -> usize {
     let text = std::fs::read_to_string(path).unwrap();
     let doc = roxmltree::Document::parse(&text)
         .unwrap_or_else(|e| panic!("{} is not XML: {e}", path.display()));
     doc.descendants()
         .filter(|n| n.attribute("class") == Some(class))
+        .filter(|n| kinds.is_none_or(|k| k.contains(&n.attribute("data-kind").unwrap_or(""))))
         .count()
+}
+
+/// Forward and backward boxes (the actions of the schedule).
+fn actions(path: &Path) -> usize {
+    kinds(path, "action", Some(&["forward", "backward"]))
 }
 
 #[test]
@@ -70,17 +81,23 @@ fn a_balanced_3d_layout_is_within_the_prediction_and_the_pictures_show_every_act
         );
     }
     // 8 devices × 4 micro-batches × (forward + backward); the planner's 2 stages × 8 actions.
-    assert_eq!(boxes(&out.join("timeline.svg"), "action"), 64);
-    assert_eq!(boxes(&out.join("timeline_predicted.svg"), "action"), 16);
+    assert_eq!(actions(&out.join("timeline.svg")), 64);
+    assert_eq!(actions(&out.join("timeline_predicted.svg")), 16);
+    // Then the rest of the step: every device's optimizer step; each stage's reduction and
+    // optimizer step, predicted.
+    let (measured, predicted) = (out.join("timeline.svg"), out.join("timeline_predicted.svg"));
+    assert_eq!(kinds(&measured, "action", Some(&["optimizer"])), 8);
+    assert_eq!(kinds(&predicted, "action", Some(&["reduction"])), 2);
+    assert_eq!(kinds(&predicted, "action", Some(&["optimizer"])), 2);
     // One box per device (or stage) per term: the planner's six and what else a device held.
     assert_eq!(boxes(&out.join("memory.svg"), "term"), 8 * 7);
     assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 2 * 7);
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
-    // Both timelines on one axis, measured and predicted memory, memory over the step of each
-    // device, bytes on each of the three groups' links.
+    // The layout on the cluster, both timelines on one axis, measured and predicted memory, memory
+    // over the step of each device, bytes on each of the three groups' links.
     assert_eq!(
         html.matches("<svg").count(),
-        1 + 2 + 8 + 3,
+        1 + 1 + 2 + 8 + 3,
         "the report embeds the pictures"
     );
     assert!(html.contains("verdicts"));
@@ -238,7 +255,7 @@ fn plan_writes_the_predicted_pictures() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(boxes(&out.join("timeline_predicted.svg"), "action"), 4 * 16);
+    assert_eq!(actions(&out.join("timeline_predicted.svg")), 4 * 16);
     assert_eq!(boxes(&out.join("memory_predicted.svg"), "term"), 4 * 7);
     assert!(std::fs::read_to_string(out.join("report.html"))
         .unwrap()

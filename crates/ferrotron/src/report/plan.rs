@@ -296,7 +296,12 @@ mod tests {
             let p = evaluate(&input, &l).unwrap();
             let panel = predicted_panel(&input, &p).unwrap().expect("a timeline");
             let rel = (panel.length() - p.step_time_s).abs() / p.step_time_s;
-            assert!(rel < 1e-9, "{layout}: {} vs {}", panel.length(), p.step_time_s);
+            assert!(
+                rel < 1e-9,
+                "{layout}: {} vs {}",
+                panel.length(),
+                p.step_time_s
+            );
             let kinds: Vec<SpanKind> = panel.tracks[0].iter().map(|s| s.kind).collect();
             assert!(kinds.contains(&SpanKind::Update), "{layout}");
             assert_eq!(kinds.contains(&SpanKind::Reduce), l.dp > 1, "{layout}");
