@@ -56,6 +56,18 @@ fn narayanan_table1_left_out_runs_are_predicted_within_5_percent() {
     let text = stdout(&o);
     let loo = percent_after(&text, "leave-one-out: mean |error|");
     assert!(loo <= 5.0, "leave-one-out mean |error| {loo}%:\n{text}");
+    // The cluster file carries that error, and the preset the same table's.
+    let carried: toml::Value = toml::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let err = carried["calibration"]["step_time_error"]
+        .as_float()
+        .unwrap();
+    assert!((100.0 * err - loo).abs() < 0.01, "{err} vs {loo}%");
+    let preset = ferrotron_core::topology::Cluster::parse("dgx-a100-80g").unwrap();
+    let preset_err = preset.calibration.step_time_error.unwrap();
+    assert!(
+        (100.0 * preset_err - loo).abs() < 0.05,
+        "the preset's {preset_err} vs {loo}%"
+    );
     // The cluster file is taken wherever a cluster is, with overrides after it.
     let spec = format!("{},nodes=4", file.display());
     let o = ferrotron(&[

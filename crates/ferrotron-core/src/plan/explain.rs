@@ -311,3 +311,35 @@ fn context_line(l: &Layout, p: &Plan, link: &str) -> String {
         }
     )
 }
+
+/// How a candidate ranks against the best one, given the time model's own error on this cluster:
+/// a note when its predicted step is within that error of the best's (the two are then not told
+/// apart), none when it is further or the error was never measured (see [`ranking_note`]).
+pub fn within_error_of_best(input: &PlanInput, best: &Plan, p: &Plan) -> Option<String> {
+    let err = input.cluster.calibration.step_time_error?;
+    let slower = p.step_time_s / best.step_time_s.max(f64::MIN_POSITIVE) - 1.0;
+    (slower <= err).then(|| {
+        format!(
+            "within error of #1: {:+.1}% predicted, inside the ±{:.1}% the step time is measured to be off on {}",
+            100.0 * slower,
+            100.0 * err,
+            input.cluster.name
+        )
+    })
+}
+
+/// What the ranking of candidates rests on: the time model's measured error on this cluster, or
+/// that it was never measured.
+pub fn ranking_note(input: &PlanInput) -> String {
+    match input.cluster.calibration.step_time_error {
+        Some(e) => format!(
+            "ranking: by predicted step time; candidates within ±{:.1}% of #1 (the step time's measured error on {}) are marked, not told apart",
+            100.0 * e,
+            input.cluster.name
+        ),
+        None => format!(
+            "ranking: by predicted step time; the step time's error on {} was never measured (`calibrate --runs FILE --leave-one-out` measures it), so close candidates are not marked",
+            input.cluster.name
+        ),
+    }
+}

@@ -15,7 +15,7 @@ pub use cost::{
     gemm_time, layer_forward_flops, layer_gemm_shapes, layer_time, links, step_flops,
     tp_bytes_per_device, LayerTime, Links, Traffic,
 };
-pub use explain::search_notes;
+pub use explain::{ranking_note, search_notes, within_error_of_best};
 pub use memory::{
     largest_unit_params, layer_activation_bytes, padded_vocab, params_on_device,
     stage_activation_stash, stage_memory,

@@ -717,3 +717,32 @@ fn context_parallel_rules_are_named() {
     // of a node splits.
     assert!(check_layout(&input, &l("dp=2,tp=2,cp=4,cp_comm=a2a")).is_ok());
 }
+
+#[test]
+fn candidates_within_the_measured_error_of_the_best_are_marked_not_ranked() {
+    let mut input = PlanInput::new(
+        PlanModel::parse("llama2-7b").unwrap(),
+        Cluster::parse("dgx-a100-80g,nodes=2").unwrap(),
+        2048,
+        64,
+    );
+    let best = evaluate(
+        &input,
+        &crate::layout::LayoutSpec::parse("dp=4,tp=4,mbs=1")
+            .unwrap()
+            .layout,
+    )
+    .unwrap();
+    let mut close = best.clone();
+    close.step_time_s *= 1.03;
+    let mut far = best.clone();
+    far.step_time_s *= 1.10;
+    let note = explain::within_error_of_best(&input, &best, &close).expect("within 4.07%");
+    assert!(note.contains("+3.0%") && note.contains("4.1%"), "{note}");
+    assert!(explain::within_error_of_best(&input, &best, &far).is_none());
+    // A constant changed by hand: the measured error no longer holds, nothing is marked.
+    input.cluster = Cluster::parse("dgx-a100-80g,nodes=2,peak_tflops=400").unwrap();
+    assert_eq!(input.cluster.calibration.step_time_error, None);
+    assert!(explain::within_error_of_best(&input, &best, &close).is_none());
+    assert!(explain::ranking_note(&input).contains("never measured"));
+}

@@ -179,11 +179,20 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     }
     let (runs, base_spec) = measured_runs(&a)?;
     let start = Cluster::parse(&base_spec)?;
-    let (fitted, errors) = if a.leave_one_out {
+    let (mut fitted, errors) = if a.leave_one_out {
         fit_with_errors(&runs, &start, &params)?
     } else {
         fit_all(&runs, &start, &params)?
     };
+    // The error the fitted cluster carries, by which `plan` tells close candidates apart: that of
+    // the runs left out when measured, else that of the fit.
+    let mean_abs = |v: Vec<f64>| v.iter().map(|e| e.abs()).sum::<f64>() / v.len().max(1) as f64;
+    let left_out: Vec<f64> = errors.iter().filter_map(|e| e.left_out).collect();
+    fitted.calibration.step_time_error = Some(if left_out.is_empty() {
+        mean_abs(errors.iter().map(|e| e.after).collect())
+    } else {
+        mean_abs(left_out)
+    });
     println!(
         "ferrotron calibrate: {} runs, fitting {} from `{base_spec}`",
         runs.len(),

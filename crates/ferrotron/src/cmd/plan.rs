@@ -336,7 +336,18 @@ pub fn run(a: PlanArgs) -> Result<()> {
             }
             let notes = search_notes(&input, plans.first());
             if a.json {
-                let c: Vec<_> = plans.iter().take(a.top.max(1)).map(plan_json).collect();
+                let c: Vec<_> = plans
+                    .iter()
+                    .take(a.top.max(1))
+                    .enumerate()
+                    .map(|(i, p)| {
+                        let mut j = plan_json(p);
+                        j["within_error_of_best"] = (i > 0
+                            && plan::within_error_of_best(&input, &plans[0], p).is_some())
+                        .into();
+                        j
+                    })
+                    .collect();
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&json!({ "candidates": c, "explain": notes }))?
@@ -346,8 +357,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
                 for n in &notes {
                     println!("  {n}");
                 }
+                println!("  {}", plan::ranking_note(&input));
                 for (i, p) in plans.iter().take(a.top).enumerate() {
                     println!("\n#{} ", i + 1);
+                    if let Some(note) = (i > 0)
+                        .then(|| plan::within_error_of_best(&input, &plans[0], p))
+                        .flatten()
+                    {
+                        println!("{note}");
+                    }
                     print_plan(p);
                 }
                 if plans.is_empty() {

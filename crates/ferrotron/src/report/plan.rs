@@ -124,7 +124,7 @@ fn shape(p: &Plan) -> (usize, usize, usize, usize, u8) {
 /// The layouts a search compared (or the one evaluated), best first: the best of each distinct
 /// shape (up to `shown` shapes), the variants of its shape folded into its row (their vpp,
 /// micro-batch size, schedule and step).
-pub fn candidate_table(plans: &[Plan], shown: usize) -> Table {
+pub fn candidate_table(input: &PlanInput, plans: &[Plan], shown: usize) -> Table {
     let mut t = Table::new(
         "candidates, best first: the best layout of each shape (dp, tp, pp, cp, ZeRO), its variants folded in",
         &[
@@ -138,6 +138,7 @@ pub fn candidate_table(plans: &[Plan], shown: usize) -> Table {
             "tokens/s",
             "TFLOP/s per device",
             "MFU (%)",
+            "step vs #1",
             "variants of this shape",
         ],
     );
@@ -161,6 +162,16 @@ pub fn candidate_table(plans: &[Plan], shown: usize) -> Table {
             format!("{:.0}", p.tokens_per_s),
             format!("{:.2}", p.tflops_per_device),
             format!("{:.1}", 100.0 * p.mfu),
+            match (i, shapes.first()) {
+                (0, _) | (_, None) => "—".into(),
+                (_, Some((best, _))) => {
+                    let slower = 100.0 * (p.step_time_s / best.step_time_s - 1.0);
+                    match ferrotron_core::plan::within_error_of_best(input, best, p) {
+                        Some(_) => format!("{slower:+.1}%, within error of #1"),
+                        None => format!("{slower:+.1}%"),
+                    }
+                }
+            },
             folded,
         ]);
     }
@@ -182,11 +193,11 @@ fn fold_variants(variants: &[&Plan]) -> String {
     let steps = variants.iter().map(|p| p.step_time_s);
     let (lo, hi) = steps.fold((f64::INFINITY, 0.0f64), |(a, b), t| (a.min(t), b.max(t)));
     format!(
-        "{} more: vpp {}, mbs {}, {} — step {:.4}–{:.4} s",
-        variants.len(),
+        "vpp {}, mbs {}, {}: {} more, step {:.4}–{:.4} s",
         values(&|p| p.layout.vpp.to_string()),
         values(&|p| p.layout.micro_batch_size.to_string()),
         values(&|p| p.layout.schedule.name().to_string()),
+        variants.len(),
         lo,
         hi
     )
@@ -256,7 +267,11 @@ pub fn plan_files(pg: &PlanPage) -> anyhow::Result<Vec<(&'static str, String)>> 
         sections.push(Section::new("predicted timeline").pictures(&[&tl]));
         files.push(("timeline_predicted.svg", tl));
     }
-    sections.push(Section::new("candidates").table(&candidate_table(pg.candidates, pg.shapes)));
+    sections.push(
+        Section::new("candidates")
+            .note(ferrotron_core::plan::ranking_note(input))
+            .table(&candidate_table(input, pg.candidates, pg.shapes)),
+    );
     files.push(("memory_predicted.svg", memory));
     files.push(("layout_map.svg", map));
     let facts = plan_facts(input, pg.model, chosen, "one step, predicted");
