@@ -49,7 +49,9 @@ impl ZeroState {
             self.opt.step_slices(&mut p, &g, lr);
         } else {
             // In f32 the parameters are their own master copy: update this rank's part in place,
-            // then gather every part.
+            // then gather every part, one unit at a time (as the gradients were reduced), so the
+            // gather's buffers are one unit's, not the stage's.
+            let chunks = self.gather_chunks();
             let params = &mut self.params;
             let mut p: Vec<&mut [f32]> = params
                 .tensors
@@ -60,32 +62,36 @@ impl ZeroState {
                 })
                 .collect();
             self.opt.step_slices(&mut p, &g, lr);
-            let (mine, mut all) = {
-                let _buffers = memory::scope(Term::CommBuffers);
-                let ts: Vec<&[f32]> = params.tensors.iter().map(Vec::as_slice).collect();
-                let mine: Vec<f32> = own_pieces(&ts, dp, rank);
-                let all = vec![0f32; mine.len() * dp];
-                (mine, all)
-            };
-            c.all_gather(&self.dp_group, &mine, &mut all)?;
-            let block = mine.len();
-            let mut at = 0;
-            for t in params.tensors.iter_mut() {
-                let (len, n) = (t.len(), piece(t.len(), dp, 0).len());
-                for k in 0..dp {
-                    let r = piece(len, dp, k);
-                    let end = r.end.min(len);
-                    let start = r.start.min(end);
-                    t[start..end]
-                        .copy_from_slice(&all[k * block + at..k * block + at + (end - start)]);
-                }
-                at += n;
+            for ids in &chunks {
+                gather_updated(c, &self.dp_group, params, ids, dp, rank)?;
             }
         }
         drop(g);
         self.grad_pieces = pieces;
         self.grads = whole;
         Ok(())
+    }
+
+    /// The tensors gathered together after an update: each unit's (in order of their first tensor),
+    /// then any tensor no unit holds on its own.
+    fn gather_chunks(&self) -> Vec<Vec<usize>> {
+        let mut chunks: Vec<Vec<usize>> = self.units.values().cloned().collect();
+        chunks.iter_mut().for_each(|c| c.sort_unstable());
+        chunks.sort();
+        let mut seen = vec![false; self.params.tensors.len()];
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        for c in chunks {
+            // A tensor shared by two units (tied embeddings) is gathered once.
+            let fresh: Vec<usize> = c
+                .into_iter()
+                .filter(|&i| !std::mem::replace(&mut seen[i], true))
+                .collect();
+            if !fresh.is_empty() {
+                out.push(fresh);
+            }
+        }
+        out.extend((0..seen.len()).filter(|&i| !seen[i]).map(|i| vec![i]));
+        out
     }
 
     /// The range of each flattened tensor this rank owns: whole, or its ZeRO piece without the
@@ -154,4 +160,37 @@ impl ZeroState {
             self.opt.v[i][..v.len()].copy_from_slice(&v);
         }
     }
+}
+
+/// All-gathers the updated pieces of tensors `ids` over `group` into the whole tensors.
+fn gather_updated<C: Comm>(
+    c: &mut C,
+    group: &crate::comm::Group,
+    params: &mut ParamStore,
+    ids: &[usize],
+    dp: usize,
+    rank: usize,
+) -> Result<(), CommError> {
+    let (mine, mut all) = {
+        let _buffers = memory::scope(Term::CommBuffers);
+        let ts: Vec<&[f32]> = ids.iter().map(|&i| params.tensors[i].as_slice()).collect();
+        let mine: Vec<f32> = own_pieces(&ts, dp, rank);
+        let all = vec![0f32; mine.len() * dp];
+        (mine, all)
+    };
+    c.all_gather(group, &mine, &mut all)?;
+    let block = mine.len();
+    let mut at = 0;
+    for &i in ids {
+        let t = &mut params.tensors[i];
+        let (len, n) = (t.len(), piece(t.len(), dp, 0).len());
+        for k in 0..dp {
+            let r = piece(len, dp, k);
+            let end = r.end.min(len);
+            let start = r.start.min(end);
+            t[start..end].copy_from_slice(&all[k * block + at..k * block + at + (end - start)]);
+        }
+        at += n;
+    }
+    Ok(())
 }
