@@ -206,6 +206,17 @@ fn backward_working_set(
         0.0
     };
     let attention = tok * (2.0 * qd + 2.0 * kvd + h) + probs;
+    // A 16-bit stash is widened to f32 as each backward half reads it: the MLP's pre-activations
+    // and its norm's output; attention's output, q, k and v (kept in f32 they are read in place).
+    let (mlp_widened, attention_widened) = if act_bytes < 4.0 {
+        let pre = match cfg.arch {
+            Arch::Llama => 2.0 * f,
+            Arch::Gpt2 => f,
+        };
+        (tok * (pre + h), tok * (2.0 * qd + 2.0 * kvd))
+    } else {
+        (0.0, 0.0)
+    };
     // The memory-efficient kernel's scratch on its thread: a tile of probabilities and one of
     // their gradients (256 queries × 512 keys at most), its head's K and V transposed (rows of both
     // padded by 16), and the products' packed right operand (a key tile by a head at most).
@@ -216,7 +227,7 @@ fn backward_working_set(
     } else {
         0.0
     };
-    (4.0 * mlp - freed).max(4.0 * (attention + kernel))
+    (4.0 * (mlp + mlp_widened) - freed).max(4.0 * (attention + attention_widened + kernel))
 }
 
 /// Context parallelism's f32 buffers on one device for `local` tokens per sequence, as measured at
@@ -391,14 +402,20 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 let block = backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
                     + 2.0 * boundary
                     + context_buffers(cfg, l, local).0;
-                // Unpipelined, the head's tensors (the final norm's, the logits) are freed before
-                // the first block's backward starts: the peak holds one or the other. (A pipeline's
-                // last stage runs other micro-batches' heads beside a block's backward: both.)
-                if l.pp == 1 {
-                    block - head_stash(input, cfg, l, stage).min(block)
+                // The last stage's heads: each micro-batch between the end of its forward and the
+                // start of its backward holds its head's tensors (the final norm's, the logits). A
+                // head's backward frees them before its first block's backward starts, so the
+                // peak holds every head in flight, or all but one beside a block's backward. GPipe
+                // turns with every micro-batch in flight; the others run each micro-batch's
+                // backward right after its forward on the last stage: one head. (The stash
+                // counts one head already.)
+                let head = head_stash(input, cfg, l, stage);
+                let heads = if l.schedule == crate::layout::Schedule::Gpipe {
+                    in_flight.max(1)
                 } else {
-                    block
-                }
+                    1
+                } as f64;
+                (heads - 1.0) * head + block - head.min(block)
             } else {
                 0.0
             };
