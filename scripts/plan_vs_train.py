@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The planner against `train` on this machine, layout by layout: step time and every memory term.
+
+Calibrates this machine (`calibrate --this-machine`), then for each llama-small layout (8 devices, or
+fewer where the layout has fewer, batch 8 x 128) prices it with `plan --json` on that cluster file and
+trains it with `train` for STEPS steps on the same cluster. Prints one markdown table of step time
+(the median over the steps after the first two of the slowest device's `step_time_s` in
+`metrics.jsonl` — device time, what one device of the priced cluster takes; the wall time on a small
+machine is every device sharing its cores — against `plan`'s `step_time_s`) and, per layout, the worst memory term of at least 5% of a device's total (measured
+peak against `predicted_memory_bytes`, each device of `metrics.jsonl`'s last line), and whether
+`plan`'s pick among the layouts is within 3% of the measured fastest.
+
+    cargo build --release && scripts/plan_vs_train.py [STEPS]
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXE = os.path.join(ROOT, "target", "release", "ferrotron")
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+SEQ, BATCH = 128, 8
+LAYOUTS = [
+    "dp=8,mbs=1",
+    "tp=4,dp=2,mbs=2",
+    "pp=4,dp=2,mbs=1",
+    "dp=8,zero=3,mbs=1",
+    "dp=2,tp=2,pp=2,mbs=2",
+    "dp=2,tp=2,pp=2,zero=1,mbs=2",
+    "tp=2,pp=4,mbs=1",
+]
+TERMS = ["weights", "gradients", "master_weights", "optimizer_states", "activations", "comm_buffers"]
+
+
+def run(args):
+    out = subprocess.run([EXE] + args, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"ferrotron {' '.join(args)}:\n{out.stderr}")
+    return out.stdout
+
+
+def worst_term(devices):
+    """The memory term furthest from its prediction among those of at least 5% of a device."""
+    worst = (0.0, "")
+    for d in devices:
+        got, want = d["peak_memory_bytes"], d["predicted_memory_bytes"]
+        total = max(got["total"], want["total"], 1)
+        for t in TERMS:
+            g, w = got[t], want[t]
+            if max(g, w) < 0.05 * total:
+                continue
+            err = g / max(w, 1) - 1.0
+            if abs(err) > abs(worst[0]):
+                worst = (err, f"{t} on device {d['device']}: {g / 1e6:.2f} vs {w / 1e6:.2f} MB")
+    return worst
+
+
+def main():
+    work = tempfile.mkdtemp(prefix="ferrotron-plan-vs-train.")
+    cluster = os.path.join(work, "this-machine.toml")
+    run(["calibrate", "--this-machine", "--out", cluster])
+    rows = []
+    for layout in LAYOUTS:
+        plan = json.loads(run(["plan", "--model", "llama-small", "--cluster", cluster, "--seq", str(SEQ),
+                               "--global-batch", str(BATCH), "--layout", layout, "--json"]))
+        out = os.path.join(work, layout.replace(",", "_").replace("=", ""))
+        run(["train", "--steps", str(STEPS), "--batch-size", str(BATCH), "--seq-len", str(SEQ),
+             "--layout", layout, "--cluster", cluster, "--out-dir", out])
+        lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if l.strip()]
+        # Device time: what a step takes one device of the cluster the plan prices (the threads
+        # backend's clock); wall time here is 8 devices sharing this machine's cores.
+        measured = statistics.median(max(d["step_time_s"] for d in l["devices"]) for l in lines[2:])
+        rows.append((layout, plan["step_time_s"], measured, worst_term(lines[-1]["devices"])))
+    print(f"plan against train on this machine (`calibrate --this-machine`), llama-small, "
+          f"{BATCH} x {SEQ} tokens, median of steps 3-{STEPS}\n")
+    print("| layout | plan (ms) | train (ms) | train / plan | within 10% | worst memory term (>= 5%) | within 10% |")
+    print("|---|---|---|---|---|---|---|")
+    for layout, p, m, (err, what) in rows:
+        print(f"| {layout} | {1e3 * p:.1f} | {1e3 * m:.1f} | {m / p:.2f} | {'yes' if abs(m / p - 1) <= 0.10 else 'no'} "
+              f"| {what} ({err:+.0%}) | {'yes' if abs(err) <= 0.10 else 'no'} |")
+    pick = min(rows, key=lambda r: r[1])
+    fastest = min(rows, key=lambda r: r[2])
+    print(f"\nplan's pick {pick[0]} trains at {1e3 * pick[2]:.1f} ms, "
+          f"{pick[2] / fastest[2] - 1:+.1%} against the measured fastest {fastest[0]} ({1e3 * fastest[2]:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()
