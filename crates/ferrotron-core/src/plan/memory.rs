@@ -405,7 +405,8 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 // The last stage's heads: each micro-batch between the end of its forward and the
                 // start of its backward holds its head's tensors (the final norm's, the logits). A
                 // head's backward frees them before its first block's backward starts, so the
-                // peak holds every head in flight, or all but one beside a block's backward. GPipe
+                // peak holds every head in flight (one with its backward's gradients), or all but
+                // one beside a block's backward. GPipe
                 // turns with every micro-batch in flight; the others run each micro-batch's
                 // backward right after its forward on the last stage: one head. (The stash
                 // counts one head already.)
@@ -415,7 +416,21 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
                 } else {
                     1
                 } as f64;
-                (heads - 1.0) * head + block - head.min(block)
+                // The head's backward adds its gradients to its tensors: the final norm's output
+                // gradient (whole rows, before the reduction) and its input gradient (this
+                // device's rows), in f32.
+                let head_backward = if head > 0.0 {
+                    let rows = (l.micro_batch_size * local) as f64;
+                    let here = if l.sequence_parallel && l.tp > 1 {
+                        rows / l.tp as f64
+                    } else {
+                        rows
+                    };
+                    4.0 * (rows + here) * cfg.hidden_size as f64
+                } else {
+                    0.0
+                };
+                (heads - 1.0) * head + head_backward.max(block - head)
             } else {
                 0.0
             };
