@@ -63,15 +63,26 @@ struct Msg {
 /// (and page-faults) nothing.
 type Pool = Arc<Mutex<Vec<Vec<u64>>>>;
 
-/// Copies `data` into a buffer from `pool` (or a new one).
+/// Copies `data` into a buffer from `pool` (the smallest that holds it), or a new one. When none
+/// holds it, the pool's largest is freed first: a buffer too small for the messages now passing
+/// would only linger (what the pool holds counts as its allocator's communication buffers, and
+/// should be what the messages in flight need, not every size the step has sent).
 fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
     let bytes = std::mem::size_of_val(data);
     let words = bytes.div_ceil(8);
     let mut v = {
         let mut free = pool.lock().expect("pool lock");
-        match free.iter().position(|b| b.capacity() >= words) {
+        let fits = (0..free.len())
+            .filter(|&i| free[i].capacity() >= words)
+            .min_by_key(|&i| free[i].capacity());
+        match fits {
             Some(i) => free.swap_remove(i),
-            None => Vec::new(),
+            None => {
+                if let Some(i) = (0..free.len()).max_by_key(|&i| free[i].capacity()) {
+                    drop(free.swap_remove(i));
+                }
+                Vec::new()
+            }
         }
     };
     v.clear();
