@@ -189,6 +189,30 @@ unsafe impl GlobalAlloc for TrackingAllocator {
 #[global_allocator]
 static GLOBAL: TrackingAllocator = TrackingAllocator;
 
+/// Moves `v`'s allocation to `term`, on the device it is charged to: a buffer idle in a cache (the
+/// threads backend's message pools) is `other`, reserved and not in use, as a caching allocator's
+/// reserve is; taken out again, it counts where it is used.
+pub fn retag<T>(v: &Vec<T>, term: Term) {
+    let bytes = v.capacity() * std::mem::size_of::<T>();
+    if bytes == 0 {
+        return;
+    }
+    // SAFETY: a vector with capacity owns an allocation of exactly `bytes` from the global
+    // allocator, which is this module's: its header (device, term) lies in front of the data. The
+    // caller owns `v`, so nothing frees it meanwhile.
+    unsafe {
+        let p = v.as_ptr() as *mut u8;
+        let device = (p.sub(4) as *const u16).read_unaligned();
+        let old = p.sub(2).read();
+        if old == term as u8 {
+            return;
+        }
+        charge(device, old, -(bytes as i64));
+        p.sub(2).write(term as u8);
+        charge(device, term as u8, bytes as i64);
+    }
+}
+
 /// Counts this thread's allocations to `device` from now on (a device thread calls it first).
 pub fn set_device(device: usize) {
     let d = if device < MAX_DEVICES {
@@ -474,6 +498,17 @@ mod tests {
             let m = device_memory(d);
             assert_eq!(m.live[0] - before.live[0], 1 << 20);
             assert!(m.live[4] - before.live[4] >= 400_000);
+            // A buffer moved to another term (a pooled message idle in its cache) counts there,
+            // and is freed from there.
+            let pooled = {
+                let _g = scope(Term::CommBuffers);
+                vec![0u64; 1000]
+            };
+            retag(&pooled, Term::Other);
+            let m = device_memory(d);
+            assert_eq!(m.live[5], before.live[5]);
+            assert_eq!(m.live[6] - before.live[6], 8000);
+            drop(pooled);
             drop(w);
             drop(a);
             let after = device_memory(d);

@@ -65,8 +65,8 @@ type Pool = Arc<Mutex<Vec<Vec<u64>>>>;
 
 /// Copies `data` into a buffer from `pool` (the smallest that holds it), or a new one. When none
 /// holds it, the pool's largest is freed first: a buffer too small for the messages now passing
-/// would only linger (what the pool holds counts as its allocator's communication buffers, and
-/// should be what the messages in flight need, not every size the step has sent).
+/// would only linger. A pooled buffer counts as `other` (reserve) while idle and as a
+/// communication buffer while it carries a message.
 fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
     let bytes = std::mem::size_of_val(data);
     let words = bytes.div_ceil(8);
@@ -76,7 +76,11 @@ fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
             .filter(|&i| free[i].capacity() >= words)
             .min_by_key(|&i| free[i].capacity());
         match fits {
-            Some(i) => free.swap_remove(i),
+            Some(i) => {
+                let v = free.swap_remove(i);
+                crate::memory::retag(&v, crate::memory::Term::CommBuffers);
+                v
+            }
             None => {
                 if let Some(i) = (0..free.len()).max_by_key(|&i| free[i].capacity()) {
                     drop(free.swap_remove(i));
@@ -279,6 +283,8 @@ impl ThreadComm {
         t.s.time_blocked_s += wait - moving;
         t.s.bytes_received += msg.bytes as u64;
         let result = consume(view::<T>(&msg.payload, msg.len));
+        // Idle in the pool, the buffer is reserve (`other`) until a message takes it again.
+        crate::memory::retag(&msg.payload, crate::memory::Term::Other);
         self.pools[self.rank]
             .lock()
             .expect("pool lock")
