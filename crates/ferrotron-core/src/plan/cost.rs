@@ -13,6 +13,11 @@ pub use crate::model::{head_forward_flops, layer_forward_flops};
 /// (adding the recomputed forward where recompute is on, and the memory-efficient attention's
 /// recomputed scores in backward). A frozen base (LoRA) computes no weight gradients: its backward
 /// is the input gradients alone, as much as the forward.
+///
+/// Model FLOPs count attention's products over the keys each query sees — under the causal mask
+/// (and a sliding window) not the whole sequence — as Megatron-Core and FlashAttention count them:
+/// `passes · (2·N·tokens + 4·q_dim·Σ keys seen)`. Hardware FLOPs count them in full, as Narayanan et
+/// al. 2021 report the TFLOP/s per device the calibration tables hold.
 pub fn step_flops(
     cfg: &ModelConfig,
     l: &Layout,
@@ -37,7 +42,20 @@ pub fn step_flops(
     };
     // Its backward recomputes QKᵀ: half the forward's attention products again.
     let scores_again = if flash { attention_forward / 2.0 } else { 0.0 };
-    (model, model + extra + scores_again)
+    let unmasked: f64 = (0..cfg.num_layers)
+        .map(|i| 1.0 - keys_seen(seq, cfg.attention_window(i)) / seq as f64)
+        .sum::<f64>()
+        / cfg.num_layers.max(1) as f64;
+    let masked = passes * attention_forward * unmasked;
+    (model - masked, model + extra + scores_again)
+}
+
+/// The keys a query sees on average over a sequence of `seq` under the causal mask, and within
+/// `window` positions when the layer has a sliding window.
+pub fn keys_seen(seq: usize, window: Option<usize>) -> f64 {
+    let (s, w) = (seq as f64, window.unwrap_or(seq).min(seq) as f64);
+    // Query i sees min(i + 1, w) keys: 1, 2, …, w, then w for the remaining s − w queries.
+    (w * (w + 1.0) / 2.0 + (s - w) * w) / s
 }
 
 /// Which link each group's traffic uses: the slow one when any group of that dimension spans nodes

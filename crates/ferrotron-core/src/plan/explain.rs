@@ -118,6 +118,17 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
         p.tflops_per_device,
         p.mfu * 100.0
     ));
+    if p.step_time_s > 0.0 {
+        // The two FLOP counts behind those figures, per token, from the step's own arithmetic.
+        let devices_time = p.step_time_s * p.layout.world_size() as f64;
+        let tokens = (input.global_batch * input.seq) as f64;
+        out.push(format!(
+            "FLOPs per token: {:.3e} model (forward and backward, attention under the causal mask: MFU's numerator, against {:.1} TFLOP/s peak per device), {:.3e} hardware (with recompute, attention in full as Narayanan et al. count it: the TFLOP/s figure's)",
+            p.mfu * devices_time * input.cluster.peak_flops / tokens,
+            input.cluster.peak_flops / 1e12,
+            p.tflops_per_device * 1e12 * devices_time / tokens,
+        ));
+    }
     out
 }
 

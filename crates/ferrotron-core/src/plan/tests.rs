@@ -746,3 +746,25 @@ fn candidates_within_the_measured_error_of_the_best_are_marked_not_ranked() {
     assert!(explain::within_error_of_best(&input, &best, &close).is_none());
     assert!(explain::ranking_note(&input).contains("never measured"));
 }
+
+#[test]
+fn model_flops_count_attention_under_the_causal_mask_and_its_window() {
+    use crate::model::ModelConfig;
+    // A query sees on average (s + 1) / 2 keys under the causal mask; within a window w < s,
+    // (w(w + 1)/2 + (s − w)·w) / s.
+    assert_eq!(cost::keys_seen(4, None), 2.5);
+    assert_eq!(cost::keys_seen(4, Some(2)), (3.0 + 4.0) / 4.0);
+    assert_eq!(cost::keys_seen(4, Some(8)), 2.5);
+    let cfg = ModelConfig::llama(32000, 4096, 11008, 32, 32, 32, 4096, 10000.0);
+    let l = Layout::default();
+    let (seq, batch) = (4096, 1);
+    let (model, hardware) = step_flops(&cfg, &l, seq, batch, false, AttentionKernel::Materialized);
+    // Materialised attention, no recompute: hardware counts the products in full, model FLOPs
+    // the causal half of them (plus the diagonal).
+    let full = 3.0 * 4.0 * (seq * seq) as f64 * cfg.q_dim() as f64 * cfg.num_layers as f64;
+    let seen = 3.0 * 4.0 * seq as f64 * 2048.5 * cfg.q_dim() as f64 * cfg.num_layers as f64;
+    assert!(
+        (hardware - model - (full - seen)).abs() < 1e-6 * hardware,
+        "{model} {hardware}"
+    );
+}
