@@ -285,10 +285,12 @@ fn trained_peaks(
 
 /// A pipeline's last stage holds the heads of the micro-batches between their forward and their
 /// backward: one under 1F1B (each backward follows its forward there, and a head's backward frees
-/// it before the first block's), every one under GPipe; and a 16-bit stash is widened to f32 as a
-/// block's backward reads it. Activations on both stages within 10% of the planner, f32 and bf16.
+/// it before the first block's), every one under GPipe; a 16-bit stash is widened to f32 as a
+/// block's backward reads it; and ZB-H1's input gradients turn stashes into deferred weight-gradient
+/// jobs in the proportions its simulation holds them. Activations on both stages within 10% of the
+/// planner, f32 and bf16.
 #[test]
-fn pipeline_stages_activations_match_the_planner_under_1f1b_and_gpipe_in_f32_and_bf16() {
+fn pipeline_stages_activations_match_the_planner_under_1f1b_gpipe_and_zbh1_in_f32_and_bf16() {
     use ferrotron_core::plan::{evaluate, StateDtypes};
     use ferrotron_core::precision::MixedPrecision;
     let (cfg, params, batch) = mid_sized_llama();
@@ -304,7 +306,11 @@ fn pipeline_stages_activations_match_the_planner_under_1f1b_and_gpipe_in_f32_and
     ] {
         let mut input = f32_plan_input(&cfg, batch.seq, batch.batch);
         input.precision = StateDtypes::parse(dtypes).unwrap();
-        for spec in ["pp=2,mbs=1", "pp=2,mbs=2,schedule=gpipe"] {
+        for spec in [
+            "pp=2,mbs=1",
+            "pp=2,mbs=2,schedule=gpipe",
+            "pp=2,mbs=1,schedule=zbh1",
+        ] {
             let l = LayoutSpec::parse(spec).unwrap().layout;
             let plan = evaluate(&input, &l).unwrap();
             for (d, (got, _)) in trained_peaks(&cfg, &params, &batch, &l, precision)

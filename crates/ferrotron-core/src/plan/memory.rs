@@ -370,6 +370,96 @@ fn comm_buffers(
     }
 }
 
+/// What one layer's deferred weight-gradient jobs keep for one micro-batch on one device, in bytes
+/// (a split backward's input-gradient half frees the layer's stash and leaves, for the weight-
+/// gradient half, a copy of each linear's input and output gradient and of each norm's). Always f32,
+/// the executor's compute precision.
+fn layer_weight_job_bytes(cfg: &ModelConfig, l: &Layout, seq: usize) -> f64 {
+    let t = l.tp as f64;
+    let tok = (l.micro_batch_size * seq / l.cp.max(1)) as f64;
+    let h = cfg.hidden_size as f64;
+    let (qd, f) = (cfg.q_dim() as f64 / t, cfg.intermediate_size as f64 / t);
+    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
+    // Each linear's input (whole rows) and output gradient.
+    let linears = match cfg.arch {
+        // q, k, v and gate, up read the norms' outputs; o the attention's; down the activation.
+        Arch::Llama => (5.0 * h + qd + f) + (qd + 2.0 * kvd + 2.0 * h + 2.0 * f),
+        // The fused qkv and fc read the norms' outputs; proj the activation.
+        Arch::Gpt2 => (2.0 * h + qd + f) + (3.0 * qd + 2.0 * h + f),
+    };
+    // Two norms, each its input and output gradient, on this device's rows.
+    let rows_here = if l.sequence_parallel && l.tp > 1 {
+        t
+    } else {
+        1.0
+    };
+    4.0 * tok * (linears + 4.0 * h / rows_here)
+}
+
+/// The head's deferred weight-gradient jobs on the last stage: the output layer's input and logits'
+/// gradient, the final norm's input and output gradient (f32).
+fn head_weight_job_bytes(input: &PlanInput, cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
+    if stage + 1 != l.pp {
+        return 0.0;
+    }
+    let tok = (l.micro_batch_size * super::local_seq(input, l)) as f64;
+    let h = cfg.hidden_size as f64;
+    4.0 * tok * (3.0 * h + padded_vocab(cfg, l.tp) as f64 / l.tp as f64)
+}
+
+/// Activations of one device of `stage` under a split backward (ZB-H1), at the worst of the states
+/// the simulation saw it in (`held`): each stash of a chunk (with its head on the last stage) and
+/// each chunk's deferred weight-gradient jobs; while an input gradient runs, one more chunk's jobs
+/// beside the last layer's stash it is still reading and a block's backward working set. None when
+/// the backward is joint, or the activation model is another engine's.
+pub fn split_backward_activations(
+    input: &PlanInput,
+    l: &Layout,
+    stage: usize,
+    held: &[crate::schedule::Held],
+) -> Option<f64> {
+    let PlanModel::Shape(cfg) = &input.model else {
+        return None;
+    };
+    if held.is_empty() || input.activation_model != ActivationModel::Ferrotron {
+        return None;
+    }
+    let act_bytes = input.precision.weights.bytes();
+    let per_layer = layer_activation_bytes(
+        cfg,
+        l,
+        input.seq,
+        (input.activation_model, input.attention),
+        act_bytes,
+    );
+    let layers = super::chunk_layers(cfg, l)
+        .into_iter()
+        .skip(stage)
+        .step_by(l.pp.max(1))
+        .max()
+        .unwrap_or(0) as f64;
+    let stash = per_layer * layers + head_stash(input, cfg, l, stage);
+    let jobs = layer_weight_job_bytes(cfg, l, input.seq) * layers
+        + head_weight_job_bytes(input, cfg, l, stage);
+    let local = super::local_seq(input, l);
+    let boundary = (l.micro_batch_size * local * cfg.hidden_size) as f64 * act_bytes;
+    let working = backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
+        + 2.0 * boundary
+        + context_buffers(cfg, l, local).0;
+    let worst = held
+        .iter()
+        .map(|h| {
+            let (a, b) = (h.stashes as f64, h.weight_jobs as f64);
+            if h.converting {
+                (a - 1.0) * stash + (b + 1.0) * jobs + per_layer + working
+            } else {
+                a * stash + b * jobs
+            }
+        })
+        .fold(0.0, f64::max);
+    Some(worst)
+}
+
 /// Memory of one device of `stage`, holding `in_flight` chunk stashes at its peak.
 pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usize) -> MemoryTerms {
     let pr = &input.precision;

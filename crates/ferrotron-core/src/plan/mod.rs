@@ -575,7 +575,15 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
     let stages: Vec<MemoryTerms> = (0..l.pp)
         .map(|s| {
             let flight = sim.as_ref().map_or(0, |t| t.timeline.peak_in_flight[s]);
-            stage_memory(input, l, s, flight)
+            let mut m = stage_memory(input, l, s, flight);
+            // A split backward holds stashes and deferred weight-gradient jobs in the proportions
+            // the simulation saw.
+            let held = sim.as_ref().map_or(&[][..], |t| &t.timeline.held[s][..]);
+            if let Some(a) = memory::split_backward_activations(input, l, s, held) {
+                m.activations = a as u64;
+                m = m.with_total();
+            }
+            m
         })
         .collect();
     let worst = *stages

@@ -15,7 +15,7 @@ mod simulate;
 pub use asynchronous::{build_async, AsyncRule};
 pub use generate::{build, MAX_ACTIONS};
 pub use partition::StagePartition;
-pub use simulate::{replay, simulate, ActionCosts, Event, Timeline};
+pub use simulate::{replay, simulate, ActionCosts, Event, Held, Timeline};
 
 use std::fmt;
 

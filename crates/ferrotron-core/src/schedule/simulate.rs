@@ -50,8 +50,23 @@ pub struct Timeline {
     pub events: Vec<Event>,
     pub makespan: f64,
     pub busy: Vec<f64>,
-    /// Peak number of (micro-batch, chunk) activation stashes held at once, per stage.
+    /// Peak number of (micro-batch, chunk) activation stashes held at once, per stage (under a
+    /// split backward, counting the deferred weight-gradient jobs that stand in for a stash between
+    /// its input gradient and its weight gradient).
     pub peak_in_flight: Vec<usize>,
+    /// Under a split backward, per stage, the states a peak can fall in: after each forward, and as
+    /// each input gradient starts (it turns a stash into deferred weight-gradient jobs, holding both
+    /// while it runs). Empty for a joint backward.
+    pub held: Vec<Vec<Held>>,
+}
+
+/// What a stage holds: `stashes` forward stashes and `weight_jobs` chunks' deferred weight-gradient
+/// jobs; `converting` while an input gradient turns one more stash into jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub stashes: usize,
+    pub weight_jobs: usize,
+    pub converting: bool,
 }
 
 impl Timeline {
@@ -153,7 +168,19 @@ fn run(
     let mut free_at = vec![0f64; p];
     let mut busy = vec![0f64; p];
     let mut stash = vec![0usize; p];
+    let mut jobs = vec![0usize; p];
     let mut peak = vec![0usize; p];
+    let mut held: Vec<Vec<Held>> = vec![Vec::new(); p];
+    let split = s
+        .actions
+        .iter()
+        .flatten()
+        .any(|a| matches!(a, Action::BackwardInput { .. }));
+    let note = |held: &mut Vec<Held>, h: Held| {
+        if split && !held.contains(&h) {
+            held.push(h);
+        }
+    };
     let total: usize = s.actions.iter().map(Vec::len).sum();
     let mut events = Vec::with_capacity(total);
     while events.len() < total {
@@ -205,15 +232,32 @@ fn run(
                     Action::Forward { .. } => {
                         f_done[idx] = end;
                         stash[stage] += 1;
-                        peak[stage] = peak[stage].max(stash[stage]);
+                        peak[stage] = peak[stage].max(stash[stage] + jobs[stage]);
+                        let h = Held {
+                            stashes: stash[stage],
+                            weight_jobs: jobs[stage],
+                            converting: false,
+                        };
+                        note(&mut held[stage], h);
                     }
                     Action::Backward { .. } => {
                         g_done[idx] = end;
                         stash[stage] -= 1;
                     }
-                    Action::BackwardInput { .. } => g_done[idx] = end,
-                    // The stash is freed once the weight gradient, its last user, is done.
-                    Action::BackwardWeight { .. } => stash[stage] -= 1,
+                    // The input gradient frees the stash and leaves the weight gradient's inputs,
+                    // which the weight gradient frees.
+                    Action::BackwardInput { .. } => {
+                        g_done[idx] = end;
+                        let h = Held {
+                            stashes: stash[stage],
+                            weight_jobs: jobs[stage],
+                            converting: true,
+                        };
+                        note(&mut held[stage], h);
+                        stash[stage] -= 1;
+                        jobs[stage] += 1;
+                    }
+                    Action::BackwardWeight { .. } => jobs[stage] -= 1,
                     Action::Update { .. } => {}
                 }
                 events.push(Event {
@@ -243,6 +287,7 @@ fn run(
         makespan,
         busy,
         peak_in_flight: peak,
+        held,
     })
 }
 
@@ -363,6 +408,30 @@ mod tests {
     use super::super::build;
     use super::*;
     use crate::layout::Schedule;
+
+    /// A split backward's states: on ZB-H1's last stage of two, each micro-batch is a stash after
+    /// its forward and jobs after its input gradient, never both; the first stage holds up to two
+    /// stashes beside a chunk's jobs. A joint backward records none.
+    #[test]
+    fn a_split_backward_holds_stashes_then_weight_jobs() {
+        let costs = [ActionCosts::uniform(1.0, 2.0)];
+        let zb = simulate(&build(Schedule::Zbh1, 2, 8, 1).unwrap(), &costs).unwrap();
+        let held = |stashes, weight_jobs, converting| Held {
+            stashes,
+            weight_jobs,
+            converting,
+        };
+        assert!(zb.held[1].contains(&held(1, 0, true)));
+        assert!(
+            zb.held[1].iter().all(|h| h.stashes + h.weight_jobs <= 1),
+            "{:?}",
+            zb.held[1]
+        );
+        assert!(zb.held[0].contains(&held(2, 1, false)), "{:?}", zb.held[0]);
+        assert_eq!(zb.peak_in_flight, vec![3, 1]);
+        let joint = simulate(&build(Schedule::OneFOneB, 2, 8, 1).unwrap(), &costs).unwrap();
+        assert!(joint.held.iter().all(Vec::is_empty));
+    }
 
     fn bubble(kind: Schedule, p: usize, m: usize, v: usize, costs: ActionCosts) -> Timeline {
         simulate(&build(kind, p, m, v).unwrap(), &[costs]).unwrap()
