@@ -103,6 +103,45 @@ fn narayanan_table1_left_out_runs_are_predicted_within_5_percent() {
     assert!(stderr(&o).contains("bad.toml"), "{}", stderr(&o));
 }
 
+/// A fit that carries: constants fitted to the table's two extremes (its smallest and its largest
+/// model) predict the eight runs between them within 4% mean. Two runs pin down one constant; the
+/// others stay, and calibrate says so. A name not in the table is refused by name.
+#[test]
+fn a_fit_on_the_tables_two_extremes_predicts_the_rest_within_4_percent() {
+    let _cores = cores();
+    let dir = temp_dir("calibrate-fit-on");
+    let runs = repo("data/calibration/narayanan2021-table1.toml");
+    let file = dir.join("two.toml");
+    let o = ferrotron(&[
+        "calibrate",
+        "--runs",
+        runs.to_str().unwrap(),
+        "--fit-on",
+        "GPT 1.7B,GPT 1008.0B",
+        "--out",
+        file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("2 runs pin down at most 1 constant: fitting gemm_efficiency_max"),
+        "{text}"
+    );
+    let held = percent_after(&text, "held out of the fit (8 of 10 runs): mean |error|");
+    assert!(held <= 4.0, "held-out mean |error| {held}%:\n{text}");
+    let o = ferrotron(&[
+        "calibrate",
+        "--runs",
+        runs.to_str().unwrap(),
+        "--fit-on",
+        "GPT 2B",
+        "--out",
+        file.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("`GPT 2B`"), "{}", stderr(&o));
+}
+
 #[test]
 fn a_runs_file_with_a_bad_run_is_refused_naming_it() {
     let dir = temp_dir("calibrate-bad-runs");

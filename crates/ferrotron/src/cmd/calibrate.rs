@@ -43,6 +43,10 @@ pub struct CalibrateArgs {
     /// Also report each run predicted by constants fitted to the others (one fit per run).
     #[arg(long)]
     leave_one_out: bool,
+    /// Fit to these runs only (their names, comma-separated) and report how the constants predict
+    /// every other run: whether a fit on a few runs carries to the rest of its table.
+    #[arg(long, value_delimiter = ',', conflicts_with = "leave_one_out")]
+    fit_on: Vec<String>,
 }
 
 /// One `[[run]]` of a runs file.
@@ -179,8 +183,29 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     }
     let (runs, base_spec) = measured_runs(&a)?;
     let start = Cluster::parse(&base_spec)?;
+    // n runs pin down at most n − 1 constants and still say something about the fit: the first of
+    // `--fit` move, the rest stay at the starting cluster's.
+    let fitted_runs = if a.fit_on.is_empty() {
+        runs.len()
+    } else {
+        a.fit_on.len()
+    };
+    let mut params = params;
+    if fitted_runs <= params.len() && params.len() > 1 {
+        let kept = fitted_runs.saturating_sub(1).max(1);
+        println!(
+            "{fitted_runs} run{} pin down at most {kept} constant{}: fitting {}, keeping {} at `{base_spec}`'s",
+            if fitted_runs == 1 { "" } else { "s" },
+            if kept == 1 { "" } else { "s" },
+            params[..kept].iter().map(|p| p.name()).collect::<Vec<_>>().join(", "),
+            params[kept..].iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
+        );
+        params.truncate(kept);
+    }
     let (mut fitted, errors) = if a.leave_one_out {
         fit_with_errors(&runs, &start, &params)?
+    } else if !a.fit_on.is_empty() {
+        fit_on(&runs, &a.fit_on, &start, &params)?
     } else {
         fit_all(&runs, &start, &params)?
     };
@@ -305,6 +330,49 @@ fn fit_all(
     Ok((fitted, errors))
 }
 
+/// Fits the parameters to the runs named `names` only; each other run's error under that fit is its
+/// "left out" figure (held out of the fit).
+fn fit_on(
+    runs: &[MeasuredRun],
+    names: &[String],
+    start: &Cluster,
+    params: &[FitParam],
+) -> Result<(Cluster, Vec<RunErrors>)> {
+    if let Some(missing) = names.iter().find(|n| !runs.iter().any(|r| &r.name == *n)) {
+        bail!(
+            "--fit-on: no run is named `{missing}` (runs: {})",
+            runs.iter()
+                .map(|r| r.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let chosen: Vec<MeasuredRun> = runs
+        .iter()
+        .filter(|r| names.contains(&r.name))
+        .cloned()
+        .collect();
+    let fitted = ferrotron_core::plan::calibrate::fit(&chosen, start, params)?;
+    let errors = runs
+        .iter()
+        .map(|r| {
+            let held_out = !names.contains(&r.name);
+            Ok(RunErrors {
+                name: r.name.clone(),
+                measured: r.value(),
+                before: r.error(start)?,
+                after: r.error(&fitted)?,
+                left_out: if held_out {
+                    Some(r.error(&fitted)?)
+                } else {
+                    None
+                },
+            })
+        })
+        .collect::<Result<Vec<_>, ferrotron_core::ConfigError>>()?;
+    Ok((fitted, errors))
+}
+
 /// Mean and worst |error| before and after the fit (and left out, when asked).
 fn print_error_summary(errors: &[RunErrors], leave_one_out: bool, runs: usize) {
     let summary = |pick: &dyn Fn(&RunErrors) -> Option<f64>| {
@@ -324,5 +392,11 @@ fn print_error_summary(errors: &[RunErrors], leave_one_out: bool, runs: usize) {
             let (ml, xl) = summary(&|e| e.left_out);
             println!("leave-one-out: mean |error| {ml:.2}% (max {xl:.2}%)");
         }
+    } else if errors.iter().any(|e| e.left_out.is_some()) {
+        let held = errors.iter().filter(|e| e.left_out.is_some()).count();
+        let (mh, xh) = summary(&|e| e.left_out);
+        println!(
+            "held out of the fit ({held} of {runs} runs): mean |error| {mh:.2}% (max {xh:.2}%)"
+        );
     }
 }
