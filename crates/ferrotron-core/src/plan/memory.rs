@@ -252,6 +252,41 @@ fn context_buffers(cfg: &ModelConfig, l: &Layout, local: usize) -> (f64, f64) {
     (4.0 * tok * (2.0 * kvd + qd), 4.0 * tok * messages)
 }
 
+/// One layer's stash for one micro-batch on one device, and the layers of this stage's largest
+/// chunk (its chunks are equal unless the split is uneven).
+fn layer_stash_and_chunk(
+    input: &PlanInput,
+    cfg: &ModelConfig,
+    l: &Layout,
+    stage: usize,
+) -> (f64, f64) {
+    let per_layer = layer_activation_bytes(
+        cfg,
+        l,
+        input.seq,
+        (input.activation_model, input.attention),
+        input.precision.weights.bytes(),
+    );
+    let layers = super::chunk_layers(cfg, l)
+        .into_iter()
+        .skip(stage)
+        .step_by(l.pp.max(1))
+        .max()
+        .unwrap_or(0) as f64;
+    (per_layer, layers)
+}
+
+/// The engine's working set on top of the stash while a block's backward runs: its gradients, the
+/// boundary tensors coming and going, and context parallelism's blocks in flight.
+fn block_working_set(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
+    let act_bytes = input.precision.weights.bytes();
+    let local = super::local_seq(input, l);
+    let boundary = (l.micro_batch_size * local * cfg.hidden_size) as f64 * act_bytes;
+    backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
+        + 2.0 * boundary
+        + context_buffers(cfg, l, local).0
+}
+
 /// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
 /// chunk stashes: its layers' stashes, a fully recomputed layer's working set, and on the last stage
 /// the final norm's tensors and the f32 logits of the micro-batch in flight for the loss.
@@ -265,20 +300,7 @@ pub fn stage_activation_stash(
         return 0.0;
     };
     let act_bytes = input.precision.weights.bytes();
-    let per_layer = layer_activation_bytes(
-        cfg,
-        l,
-        input.seq,
-        (input.activation_model, input.attention),
-        act_bytes,
-    );
-    // A chunk stash of this stage's largest chunk (all its chunks are equal unless the split is uneven).
-    let layers_per_chunk = super::chunk_layers(cfg, l)
-        .into_iter()
-        .skip(stage)
-        .step_by(l.pp.max(1))
-        .max()
-        .unwrap_or(0) as f64;
+    let (per_layer, layers_per_chunk) = layer_stash_and_chunk(input, cfg, l, stage);
     let mut act = per_layer * layers_per_chunk * in_flight as f64;
     if l.recompute == Recompute::Full {
         act += recompute_working_set(
@@ -424,28 +446,11 @@ pub fn split_backward_activations(
     if held.is_empty() || input.activation_model != ActivationModel::Ferrotron {
         return None;
     }
-    let act_bytes = input.precision.weights.bytes();
-    let per_layer = layer_activation_bytes(
-        cfg,
-        l,
-        input.seq,
-        (input.activation_model, input.attention),
-        act_bytes,
-    );
-    let layers = super::chunk_layers(cfg, l)
-        .into_iter()
-        .skip(stage)
-        .step_by(l.pp.max(1))
-        .max()
-        .unwrap_or(0) as f64;
+    let (per_layer, layers) = layer_stash_and_chunk(input, cfg, l, stage);
     let stash = per_layer * layers + head_stash(input, cfg, l, stage);
     let jobs = layer_weight_job_bytes(cfg, l, input.seq) * layers
         + head_weight_job_bytes(input, cfg, l, stage);
-    let local = super::local_seq(input, l);
-    let boundary = (l.micro_batch_size * local * cfg.hidden_size) as f64 * act_bytes;
-    let working = backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
-        + 2.0 * boundary
-        + context_buffers(cfg, l, local).0;
+    let working = block_working_set(input, cfg, l);
     let worst = held
         .iter()
         .map(|h| {
@@ -489,9 +494,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             // The engine's working set on top of the stash: a block's backward gradients, the
             // boundary tensors coming and going, and context parallelism's blocks in flight.
             let working = if ferrotron {
-                let block = backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
-                    + 2.0 * boundary
-                    + context_buffers(cfg, l, local).0;
+                let block = block_working_set(input, cfg, l);
                 // The last stage's heads: each micro-batch between the end of its forward and the
                 // start of its backward holds its head's tensors (the final norm's, the logits). A
                 // head's backward frees them before its first block's backward starts, so the
