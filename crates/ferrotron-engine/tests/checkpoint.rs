@@ -18,13 +18,6 @@ use std::sync::OnceLock;
 /// f32 relative tolerance after five AdamW steps on two layouts (different reduction orders).
 const TOL: f64 = 1e-5;
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotron-ckpt-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 /// An 8-layer variant of the tiny Llama (so that pp=4 with two chunks per device fits), saved as a
 /// Hugging Face directory with the fixture's tokenizer, and a small corpus.
 fn model_and_data() -> &'static (PathBuf, PathBuf) {

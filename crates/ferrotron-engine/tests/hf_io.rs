@@ -6,14 +6,7 @@ use common::*;
 use ferrotron_engine::hf::{self, StorageDtype};
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::transformer::Transformer;
-use std::path::{Path, PathBuf};
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotron-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use std::path::Path;
 
 #[test]
 fn save_then_load_gives_bit_identical_logits() {

@@ -19,37 +19,16 @@ use std::path::PathBuf;
 /// f32 relative tolerance after a few AdamW steps on two layouts (reduction orders differ).
 const TOL: f64 = 1e-5;
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotron-lora-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 fn config(tag: &str, model: &str, layout: &str, steps: usize) -> TrainConfig {
-    let corpus = temp_dir(&format!("{tag}-data")).join("manual.txt");
-    std::fs::write(&corpus, &data::BUILTIN_CORPUS[..80_000]).unwrap();
-    {
-        let mut c = TrainConfig::default();
-        c.input.model = fixture(model).display().to_string();
-        c.input.data = corpus.display().to_string();
-        c.optimizer.steps = steps;
-        c.optimizer.batch_size = 8;
-        c.input.seq_len = 32;
-        c.optimizer.lr = 1e-2;
-        c.optimizer.min_lr = 1e-3;
-        c.optimizer.warmup_steps = 2;
-        // As in data_parallel.rs: Adam's g/(|g| + eps) turns f32 rounding of near-zero gradients
-        // into visible differences between layouts when eps is 1e-8.
-        c.optimizer.adam_eps = 1e-6;
-        c.optimizer.grad_clip = 0.5;
-        c.logging.eval_every = 0;
-        c.logging.eval_batches = 2;
-        c.lora.lora_rank = Some(4);
-        c.parallelism.layout = layout.parse().unwrap();
-        c.checkpointing.out_dir = temp_dir(tag);
-        c
-    }
+    let mut c = lora_run_config(
+        tag,
+        &fixture(model).display().to_string(),
+        layout,
+        steps,
+        1e-2,
+    );
+    c.lora.lora_rank = Some(4);
+    c
 }
 
 /// The adapters a finished run wrote (`<out_dir>/adapter`, PEFT's format).

@@ -9,44 +9,19 @@ use common::*;
 use ferrotron_core::model::is_projection_weight;
 use ferrotron_core::precision::BaseQuantization;
 use ferrotron_engine::checkpoint::Checkpoint;
-use ferrotron_engine::data;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::lora::Adapters;
 use ferrotron_engine::runtime::{train, TrainConfig};
 use ferrotron_engine::transformer::Trained;
-use std::path::PathBuf;
 
 /// f32 relative tolerance after a few AdamW steps on two layouts (reduction orders differ).
 const TOL: f64 = 1e-5;
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotron-qlora-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 fn config(tag: &str, model: &str, layout: &str, steps: usize) -> TrainConfig {
-    let corpus = temp_dir(&format!("{tag}-data")).join("manual.txt");
-    std::fs::write(&corpus, &data::BUILTIN_CORPUS[..80_000]).unwrap();
-    let mut c = TrainConfig::default();
-    c.input.model = model.to_string();
-    c.input.data = corpus.display().to_string();
-    c.optimizer.steps = steps;
-    c.optimizer.batch_size = 8;
-    c.input.seq_len = 32;
-    c.optimizer.lr = 3e-3;
-    c.optimizer.min_lr = 1e-3;
-    c.optimizer.warmup_steps = 2;
-    c.optimizer.adam_eps = 1e-6;
-    c.optimizer.grad_clip = 0.5;
-    c.logging.eval_every = 0;
-    c.logging.eval_batches = 2;
+    let mut c = lora_run_config(tag, model, layout, steps, 3e-3);
     c.lora.adapter = Some(fixture("qlora").join("llama_tiny"));
     c.lora.quantize_base = Some(BaseQuantization::Nf4);
-    c.parallelism.layout = layout.parse().unwrap();
-    c.checkpointing.out_dir = temp_dir(tag);
     c
 }
 

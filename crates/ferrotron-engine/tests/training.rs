@@ -10,14 +10,6 @@ use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::runtime::{run_step, train, TrainConfig};
 use ferrotron_engine::transformer::{TokenBatch, Transformer};
 use rand::{Rng, SeedableRng};
-use std::path::PathBuf;
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotron-train-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 #[test]
 fn micro_batches_accumulate_to_the_full_batch_gradient() {

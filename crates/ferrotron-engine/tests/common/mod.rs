@@ -8,6 +8,18 @@ use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// A fresh, empty directory for test `tag` of this test binary and process.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "ferrotron-{}-{tag}-{}",
+        env!("CARGO_CRATE_NAME"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
@@ -280,4 +292,36 @@ pub fn metric_losses(out_dir: &std::path::Path) -> Vec<f64> {
                 .unwrap()
         })
         .collect()
+}
+
+/// A short fine-tuning run of `model` on `layout` for LoRA and QLoRA tests: the built-in corpus,
+/// batch 8 × 32, peak learning rate `lr` warming up over 2 steps to a floor of 1e-3, clipping at 0.5,
+/// no evaluation during the run. Adam's eps is 1e-6: at 1e-8, g/(|g| + eps) turns f32 rounding of
+/// near-zero gradients into visible differences between layouts (as in data_parallel.rs). The
+/// caller adds the adapters.
+pub fn lora_run_config(
+    tag: &str,
+    model: &str,
+    layout: &str,
+    steps: usize,
+    lr: f64,
+) -> ferrotron_engine::runtime::TrainConfig {
+    let corpus = temp_dir(&format!("{tag}-data")).join("manual.txt");
+    std::fs::write(&corpus, &ferrotron_engine::data::BUILTIN_CORPUS[..80_000]).unwrap();
+    let mut c = ferrotron_engine::runtime::TrainConfig::default();
+    c.input.model = model.to_string();
+    c.input.data = corpus.display().to_string();
+    c.optimizer.steps = steps;
+    c.optimizer.batch_size = 8;
+    c.input.seq_len = 32;
+    c.optimizer.lr = lr;
+    c.optimizer.min_lr = 1e-3;
+    c.optimizer.warmup_steps = 2;
+    c.optimizer.adam_eps = 1e-6;
+    c.optimizer.grad_clip = 0.5;
+    c.logging.eval_every = 0;
+    c.logging.eval_batches = 2;
+    c.parallelism.layout = layout.parse().unwrap();
+    c.checkpointing.out_dir = temp_dir(tag);
+    c
 }
