@@ -6,10 +6,6 @@ mod common;
 
 use common::*;
 
-fn path(p: &std::path::Path) -> &str {
-    p.to_str().unwrap()
-}
-
 #[test]
 fn grads_with_an_adapter_writes_every_adapter_gradient_by_its_peft_name() {
     for (model, layout) in [

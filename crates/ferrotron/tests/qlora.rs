@@ -6,10 +6,6 @@ mod common;
 
 use common::*;
 
-fn path(p: &std::path::Path) -> &str {
-    p.to_str().unwrap()
-}
-
 #[test]
 fn grads_on_a_4bit_base_equal_peft_with_bitsandbytes() {
     for (model, layout) in [

@@ -411,8 +411,9 @@ fn memory_terms_off_have_verdicts(html: &str) {
         .split("<table>")
         .find(|t| t.contains("peak memory per term"))
         .expect("the memory table");
-    let cells = |row: &str| -> Vec<String> {
-        row.split("<td")
+    // The text of each cell opening with `open` (`<td`, `<th`) in `row`.
+    let cells = |row: &str, open: &str| -> Vec<String> {
+        row.split(open)
             .skip(1)
             .map(|c| {
                 c.split('>')
@@ -425,23 +426,24 @@ fn memory_terms_off_have_verdicts(html: &str) {
             })
             .collect()
     };
-    let terms = [
-        "weights",
-        "gradients",
-        "master",
-        "optimizer",
-        "activations",
-        "comm",
-    ];
+    // The terms are the columns the page names in megabytes; the last of them is the total.
+    let headers = cells(table.split("</thead>").next().unwrap(), "<th");
+    let columns: Vec<(usize, &str)> = headers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, h)| h.strip_suffix(" (MB)").map(|t| (i, t)))
+        .collect();
+    let ((total, _), terms) = columns.split_last().expect("the terms and their total");
+    assert!(terms.len() >= 6, "{headers:?}");
     for row in table.split("<tr>").skip(2) {
-        let c = cells(row);
+        let c = cells(row, "<td");
         let pair = |i: usize| -> (f64, f64) {
             let (a, b) = c[i].split_once(" / ").expect("measured / predicted");
             (a.trim().parse().unwrap(), b.trim().parse().unwrap())
         };
-        let (total_m, total_p) = pair(7);
-        for (i, term) in terms.iter().enumerate() {
-            let (m, p) = pair(i + 1);
+        let (total_m, total_p) = pair(*total);
+        for &(i, term) in terms {
+            let (m, p) = pair(i);
             let share = m.max(p) / total_m.max(total_p);
             // Rounded to 0.01 MB in the table: only clear cases are judged.
             if share >= 0.06 && p > 0.1 && (m / p - 1.0).abs() > 0.2 {

@@ -338,6 +338,8 @@ fn fit_on(
     start: &Cluster,
     params: &[FitParam],
 ) -> Result<(Cluster, Vec<RunErrors>)> {
+    // `--fit-on "a, b"` names `a` and `b`.
+    let names: Vec<String> = names.iter().map(|n| n.trim().to_string()).collect();
     if let Some(missing) = names.iter().find(|n| !runs.iter().any(|r| &r.name == *n)) {
         bail!(
             "--fit-on: no run is named `{missing}` (runs: {})",

@@ -1,3 +1,4 @@
+use crate::report::facts::count;
 use crate::report::run::{device_table, DeviceRow};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -153,15 +154,15 @@ fn print_summary(cfg: &TrainConfig, summary: &TrainSummary) -> Result<()> {
         String::new()
     } else {
         format!(
-            " ({:.3}M of them trained: LoRA adapters, written to {} as PEFT writes them; the \
+            " ({} of them trained: LoRA adapters, written to {} as PEFT writes them; the \
              model below has them merged)",
-            summary.trained_params as f64 / 1e6,
+            count(summary.trained_params as f64),
             cfg.checkpointing.out_dir.join("adapter").display()
         )
     };
     println!(
-        "done: {:.2}M parameters{trained}, {} train / {} validation tokens, {:.0} tokens/s",
-        summary.num_params as f64 / 1e6,
+        "done: {} parameters{trained}, {} train / {} validation tokens, {:.0} tokens/s",
+        count(summary.num_params as f64),
         summary.train_tokens,
         summary.val_tokens,
         summary.tokens_per_s

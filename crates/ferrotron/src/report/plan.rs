@@ -185,7 +185,6 @@ fn fold_variants(variants: &[&Plan]) -> String {
     }
     let values = |f: &dyn Fn(&Plan) -> String| {
         let mut v: Vec<String> = variants.iter().map(|p| f(p)).collect();
-        v.dedup();
         v.sort();
         v.dedup();
         v.join("/")

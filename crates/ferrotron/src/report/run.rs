@@ -103,8 +103,9 @@ pub fn device_table(
     headers.extend(extra_headers.iter().map(|h| h.to_string()));
     let header_refs: Vec<&str> = headers.iter().map(String::as_str).collect();
     let mut table = Table::new(caption, &header_refs);
-    let v = |b: u64| unit.show(b as f64, if unit.divisor == 1.0 { 0 } else { 2 });
-    let number = |b: u64| v(b).trim_end_matches(unit.name).trim_end().to_string();
+    // Figures in the table's unit, named in the headers.
+    let decimals = if unit.divisor == 1.0 { 0 } else { 2 };
+    let number = |b: u64| format!("{:.decimals$}", b as f64 / unit.divisor);
     for d in rows {
         let (m, p) = (&d.measured, &d.predicted);
         let pair = |a: u64, b: u64| format!("{} / {}", number(a), number(b));

@@ -12,6 +12,11 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// A path as a command-line argument.
+pub fn path(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
+}
+
 /// `ferrotron ARGS…`, run to completion.
 pub fn ferrotron(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ferrotron"))

@@ -67,10 +67,41 @@ fn page_commands(page: &'static str) -> Vec<ReadmeCommand> {
         out.push(ReadmeCommand {
             page,
             line: start,
-            words: command.split_whitespace().map(str::to_string).collect(),
+            words: shell_words(command),
         });
     }
     out
+}
+
+/// The words a shell makes of `command`: split at whitespace outside quotes, the quotes removed
+/// (`--fit-on "GPT 1.7B,GPT 1008.0B"` is two words).
+fn shell_words(command: &str) -> Vec<String> {
+    let (mut words, mut word, mut quote, mut started) = (Vec::new(), String::new(), None, false);
+    for ch in command.chars() {
+        match (quote, ch) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => word.push(c),
+            (None, '"' | '\'') => {
+                quote = Some(ch);
+                started = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if started {
+                    words.push(std::mem::take(&mut word));
+                    started = false;
+                }
+            }
+            (None, c) => {
+                word.push(c);
+                started = true;
+            }
+        }
+    }
+    assert!(quote.is_none(), "an unclosed quote in `{command}`");
+    if started {
+        words.push(word);
+    }
+    words
 }
 
 /// The `run.toml` example of the training guide (its only TOML block).
