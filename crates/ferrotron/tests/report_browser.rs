@@ -411,9 +411,9 @@ fn memory_terms_off_have_verdicts(html: &str) {
         .split("<table>")
         .find(|t| t.contains("peak memory per term"))
         .expect("the memory table");
-    // The text of each cell opening with `open` (`<td`, `<th`) in `row`.
-    let cells = |row: &str, open: &str| -> Vec<String> {
-        row.split(open)
+    // The text of each data cell (`<td>` or `<td class="num">`) of `row`.
+    let cells = |row: &str| -> Vec<String> {
+        row.split("<td")
             .skip(1)
             .map(|c| {
                 c.split('>')
@@ -427,7 +427,14 @@ fn memory_terms_off_have_verdicts(html: &str) {
             .collect()
     };
     // The terms are the columns the page names in megabytes; the last of them is the total.
-    let headers = cells(table.split("</thead>").next().unwrap(), "<th");
+    let headers: Vec<&str> = table
+        .split("</thead>")
+        .next()
+        .unwrap()
+        .split("<th>")
+        .skip(1)
+        .map(|h| h.split('<').next().unwrap_or(""))
+        .collect();
     let columns: Vec<(usize, &str)> = headers
         .iter()
         .enumerate()
@@ -436,7 +443,7 @@ fn memory_terms_off_have_verdicts(html: &str) {
     let ((total, _), terms) = columns.split_last().expect("the terms and their total");
     assert!(terms.len() >= 6, "{headers:?}");
     for row in table.split("<tr>").skip(2) {
-        let c = cells(row, "<td");
+        let c = cells(row);
         let pair = |i: usize| -> (f64, f64) {
             let (a, b) = c[i].split_once(" / ").expect("measured / predicted");
             (a.trim().parse().unwrap(), b.trim().parse().unwrap())
