@@ -21,6 +21,9 @@ pub enum EngineError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
+    /// An object store refused or could not be reached; `location` is the URL.
+    #[error("{location}: {msg}")]
+    Storage { location: String, msg: String },
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]

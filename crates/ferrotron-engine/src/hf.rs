@@ -371,22 +371,7 @@ pub fn write_tensors(
     write_atomic(file, &bytes)
 }
 
-/// Writes a file so that readers see either the old content or the complete new one.
-pub fn write_atomic(file: &Path, bytes: &[u8]) -> Result<()> {
-    // A name of this process's and this call's own: writers in other processes (MPI ranks) or
-    // threads never share a temporary file.
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    // Hidden (`.name.PID-N.tmp`), so that a crash between write and rename leaves nothing a
-    // reader or a person takes for the file.
-    let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let tmp = file.with_file_name(format!(".{name}.{}-{n}.tmp", std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(|e| EngineError::io(&tmp, e))?;
-    std::fs::File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| EngineError::io(&tmp, e))?;
-    std::fs::rename(&tmp, file).map_err(|e| EngineError::io(file, e))
-}
+pub use crate::storage::write_atomic;
 
 /// Writes a Hugging Face model directory: `config.json` and `model.safetensors`.
 pub fn save_model(

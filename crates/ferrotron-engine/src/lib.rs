@@ -22,6 +22,7 @@ pub mod parallel;
 pub mod paths;
 mod pieces;
 pub mod runtime;
+pub mod storage;
 
 /// Training frees and reallocates the same large activation buffers every step. glibc would hand them
 /// back to the kernel and fault every page in again; keep them in the heap instead. Call once, early,

@@ -33,6 +33,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "comm",
             "error",
             "paths",
+            "storage",
             "dir_lock",
             "pieces",
             "transformer",
