@@ -3,6 +3,7 @@
 //! form transformers loads.
 
 use crate::error::{EngineError, Result};
+use crate::storage::Location;
 use crate::transformer::ParamStore;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::precision::BaseQuantization;
@@ -24,7 +25,16 @@ fn is_known_buffer(name: &str) -> bool {
 }
 
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
-    Ok(ModelConfig::from_hf_file(&dir.join("config.json"))?)
+    read_config_at(&Location::Local(dir.to_path_buf()))
+}
+
+/// The `config.json` of the model directory (or object-store prefix) `model`.
+pub fn read_config_at(model: &Location) -> Result<ModelConfig> {
+    let file = model.join("config.json");
+    let bytes = file.read(ferrotron_core::bounded::SETTINGS)?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| EngineError::format(file.as_error_path(), "not UTF-8 text"))?;
+    Ok(ModelConfig::from_hf_json(&text, &file.as_error_path())?)
 }
 
 /// Loads config and weights of a Hugging Face model directory.
@@ -34,48 +44,59 @@ pub fn load_model(dir: &Path) -> Result<(ModelConfig, ParamStore)> {
     Ok((cfg, params))
 }
 
-/// The safetensors files of a model directory, single-file or sharded.
-fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let single = dir.join("model.safetensors");
-    if single.exists() {
+/// The safetensors files of a model directory or prefix, single-file or sharded.
+fn weight_files(model: &Location) -> Result<Vec<Location>> {
+    let single = model.join("model.safetensors");
+    if single.exists()? {
         return Ok(vec![single]);
     }
-    let index = dir.join("model.safetensors.index.json");
-    if !index.exists() {
+    let index = model.join("model.safetensors.index.json");
+    let Some(bytes) = index.try_read(ferrotron_core::bounded::SETTINGS)? else {
         return Err(EngineError::format(
-            dir,
+            model.as_error_path(),
             "no model.safetensors or model.safetensors.index.json",
         ));
-    }
-    let text = ferrotron_core::bounded::read_to_string(&index, ferrotron_core::bounded::SETTINGS)
-        .map_err(|e| EngineError::io(&index, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| EngineError::format(&index, format!("not valid JSON: {e}")))?;
+    };
+    let index_path = index.as_error_path();
+    let v: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| EngineError::format(&index_path, format!("not valid JSON: {e}")))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
         .ok_or_else(|| {
-            EngineError::format(&index, "field `weight_map` is missing or not an object")
+            EngineError::format(
+                &index_path,
+                "field `weight_map` is missing or not an object",
+            )
         })?;
-    let mut files: Vec<PathBuf> = map
+    let mut names: Vec<&str> = map
         .values()
-        .map(|f| match f.as_str() {
-            Some(f) => crate::paths::contained(dir, f, &index),
-            None => Err(EngineError::format(
-                &index,
-                "field `weight_map` has a non-string file name",
-            )),
+        .map(|f| {
+            f.as_str().ok_or_else(|| {
+                EngineError::format(&index_path, "field `weight_map` has a non-string file name")
+            })
         })
         .collect::<Result<_>>()?;
-    files.sort();
-    files.dedup();
-    if files.is_empty() {
+    names.sort();
+    names.dedup();
+    if names.is_empty() {
         return Err(EngineError::format(
-            &index,
+            &index_path,
             "field `weight_map` names no tensor: the index lists no weight file",
         ));
     }
-    Ok(files)
+    names
+        .into_iter()
+        .map(|name| match model {
+            Location::Local(dir) => {
+                crate::paths::contained(dir, name, &index_path).map(Location::Local)
+            }
+            Location::S3(_) => {
+                crate::paths::plain_name(name, &index_path)?;
+                Ok(model.join(name))
+            }
+        })
+        .collect()
 }
 
 /// Converts a stored tensor to f32 (exactly: bf16 and f16 values are representable in f32).
@@ -180,26 +201,118 @@ pub fn read_tensors_f32(file: &Path) -> Result<NamedTensors> {
     Ok(out)
 }
 
-/// A model directory's weights, memory-mapped: a tensor is converted to f32 only when read, so a
-/// reader holds one tensor at a time, not the model.
+/// A model's weights where they are (a local directory or an object-store prefix): the headers
+/// are read once; a tensor, or the rows and columns of it a device keeps, is read only when asked
+/// for, so a reader holds one tensor at a time and a device reads only its slice.
 pub struct WeightReader {
-    files: Vec<(PathBuf, memmap2::Mmap)>,
+    files: Vec<WeightFile>,
     /// Tensor name → the file holding it and where.
     index: BTreeMap<String, (usize, ArrayInfo)>,
+    /// Bytes of the files' headers (read by every reader).
+    pub header_bytes: u64,
+}
+
+/// One safetensors file of a model, kept open.
+struct WeightFile {
+    location: Location,
+    /// A local file, open (read at offsets by any thread).
+    local: Option<std::fs::File>,
+}
+
+impl WeightFile {
+    fn read_at(&self, range: std::ops::Range<u64>) -> Result<Vec<u8>> {
+        match &self.local {
+            Some(f) => {
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; (range.end - range.start) as usize];
+                f.read_exact_at(&mut buf, range.start)
+                    .map_err(|e| EngineError::io(self.location.as_error_path(), e))?;
+                Ok(buf)
+            }
+            None => self.location.read_range(range),
+        }
+    }
+}
+
+/// The header of the safetensors file `file`: its arrays by name, placed in the file.
+fn read_header(file: &WeightFile) -> Result<(BTreeMap<String, ArrayInfo>, u64)> {
+    let path = file.location.as_error_path();
+    let bad = |e: String| EngineError::format(&path, format!("not a valid safetensors file: {e}"));
+    let size = match &file.local {
+        Some(f) => f.metadata().map_err(|e| EngineError::io(&path, e))?.len(),
+        None => file
+            .location
+            .size()?
+            .ok_or_else(|| EngineError::format(&path, "missing"))?,
+    };
+    if size < 8 {
+        return Err(bad(format!("{size} bytes, shorter than a header")));
+    }
+    let n = u64::from_le_bytes(file.read_at(0..8)?.try_into().expect("8 bytes"));
+    if n > size - 8 {
+        return Err(bad(format!("a header of {n} bytes in a file of {size}")));
+    }
+    // Parsing checks the arrays follow each other, each of the size its dtype and shape make;
+    // the file's length is checked against their end below.
+    let metadata: safetensors::tensor::Metadata =
+        serde_json::from_slice(&file.read_at(8..8 + n)?).map_err(|e| bad(e.to_string()))?;
+    let start = 8 + n as usize;
+    let mut index = BTreeMap::new();
+    let mut end = start;
+    for (name, info) in metadata.tensors() {
+        let (a, b) = info.data_offsets;
+        end = end.max(start + b);
+        let info = ArrayInfo {
+            dtype: info.dtype,
+            shape: info.shape.clone(),
+            bytes: start + a..start + b,
+        };
+        index.insert(name, info);
+    }
+    if end as u64 != size {
+        return Err(bad(format!(
+            "its header places data up to byte {end}, the file has {size} bytes (truncated or damaged)"
+        )));
+    }
+    Ok((index, 8 + n))
 }
 
 impl WeightReader {
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::open_at(&Location::Local(dir.to_path_buf()))
+    }
+
+    /// Reads the headers of the model at `model` (its weights stay where they are).
+    pub fn open_at(model: &Location) -> Result<Self> {
         let mut files = Vec::new();
         let mut index = BTreeMap::new();
-        for (k, file) in weight_files(dir)?.into_iter().enumerate() {
-            let map = map_file(&file)?;
-            for (name, info) in array_index(&file, &map)? {
+        let mut header_bytes = 0;
+        for (k, location) in weight_files(model)?.into_iter().enumerate() {
+            let local = match &location {
+                Location::Local(p) => Some(
+                    ferrotron_core::bounded::open(p, u64::MAX)
+                        .map_err(|e| EngineError::io(p, e))?
+                        .0,
+                ),
+                Location::S3(_) => None,
+            };
+            let file = WeightFile { location, local };
+            let (arrays, head) = read_header(&file)?;
+            header_bytes += head;
+            for (name, info) in arrays {
                 index.insert(name, (k, info));
             }
-            files.push((file, map));
+            files.push(file);
         }
-        Ok(Self { files, index })
+        Ok(Self {
+            files,
+            index,
+            header_bytes,
+        })
+    }
+
+    fn file_path(&self, k: usize) -> PathBuf {
+        self.files[k].location.as_error_path()
     }
 
     /// Checks that the directory holds every parameter of `cfg` with its shape, and nothing that
@@ -221,7 +334,7 @@ impl WeightReader {
         // tensor or two fewer is named below, tensor by tensor).
         if declared > self.index.len().saturating_add(per_layer) {
             return Err(EngineError::format(
-                &self.files[0].0,
+                self.file_path(0),
                 format!(
                     "holds {} tensors, but config.json's {} layers need {declared}: the config and the weights are not one model",
                     self.index.len(),
@@ -231,7 +344,7 @@ impl WeightReader {
         }
         let specs = cfg.param_specs();
         for (name, (k, info)) in &self.index {
-            let (file, shape) = (self.files[*k].0.clone(), &info.shape);
+            let (file, shape) = (self.file_path(*k), &info.shape);
             let Some(spec) = specs.iter().find(|s| &s.name == name) else {
                 if name == "lm_head.weight" && cfg.tie_word_embeddings {
                     self.check_tied_head(cfg, &file)?;
@@ -259,7 +372,7 @@ impl WeightReader {
         }
         if let Some(missing) = specs.iter().find(|s| !self.index.contains_key(&s.name)) {
             return Err(EngineError::MissingTensor {
-                file: self.files[0].0.clone(),
+                file: self.file_path(0),
                 name: missing.name.clone(),
             });
         }
@@ -286,30 +399,71 @@ impl WeightReader {
 
     /// Tensor `name`, converted to f32.
     pub fn read(&self, name: &str) -> Result<Vec<f32>> {
-        let Some((k, info)) = self.index.get(name) else {
-            return Err(EngineError::MissingTensor {
-                file: self.files[0].0.clone(),
+        let info = &self.info(name)?.1;
+        let numel = info.shape.iter().product::<usize>().max(1);
+        Ok(self.read_rows(name, &[(0..numel, 0)])?.0)
+    }
+
+    fn info(&self, name: &str) -> Result<&(usize, ArrayInfo)> {
+        self.index
+            .get(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: self.file_path(0),
                 name: name.to_string(),
-            });
-        };
-        let (file, map) = &self.files[*k];
-        decode_weight(info.dtype, &map[info.bytes.clone()], file, name)
+            })
+    }
+
+    /// The elements `runs` of tensor `name` (each a range of flat indices, followed by that many
+    /// zeros of padding), concatenated, as f32; and the bytes read. Adjacent runs are read in one
+    /// request.
+    pub fn read_rows(
+        &self,
+        name: &str,
+        runs: &[(std::ops::Range<usize>, usize)],
+    ) -> Result<(Vec<f32>, u64)> {
+        let (k, info) = self.info(name)?;
+        let file = &self.files[*k];
+        let width = info.dtype.bitsize() / 8;
+        let mut out = Vec::with_capacity(runs.iter().map(|(r, pad)| r.len() + pad).sum());
+        let mut read = 0u64;
+        let mut i = 0;
+        while i < runs.len() {
+            // The longest stretch of runs that follow each other in the file with no padding
+            // between them: one request.
+            let mut j = i;
+            while j + 1 < runs.len() && runs[j].1 == 0 && runs[j + 1].0.start == runs[j].0.end {
+                j += 1;
+            }
+            let (first, last) = (runs[i].0.start, runs[j].0.end);
+            let at = (info.bytes.start + first * width) as u64;
+            let bytes = file.read_at(at..at + ((last - first) * width) as u64)?;
+            read += bytes.len() as u64;
+            out.extend(decode_weight(
+                info.dtype,
+                &bytes,
+                &file.location.as_error_path(),
+                name,
+            )?);
+            out.resize(out.len() + runs[j].1, 0.0);
+            i = j + 1;
+        }
+        Ok((out, read))
     }
 }
 
 /// Reads the model's parameters by Hugging Face name, checking every shape.
 pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
-    load_params_as(dir, cfg, None)
+    load_params_as(&Location::Local(dir.to_path_buf()), cfg, None)
 }
 
 /// [`load_params`], with (QLoRA) the projections quantized as they are read: one tensor is in f32
 /// at a time, never the whole model.
 pub fn load_params_as(
-    dir: &Path,
+    model: &Location,
     cfg: &ModelConfig,
     quantize: Option<BaseQuantization>,
 ) -> Result<ParamStore> {
-    let reader = WeightReader::open(dir)?;
+    let reader = WeightReader::open_at(model)?;
     reader.check(cfg)?;
     let specs = cfg.param_specs();
     let mut store = ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]);

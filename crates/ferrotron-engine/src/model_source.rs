@@ -1,16 +1,18 @@
-//! The model a run starts from: a Hugging Face directory, or a preset drawn from a seed.
+//! The model a run starts from: a Hugging Face directory (local, or a prefix on an object store),
+//! or a preset drawn from a seed.
 
 use crate::error::{EngineError, Result};
 use crate::hf;
+use crate::storage::{self, Location};
 use crate::transformer::ParamStore;
 use ferrotron_core::model::{preset, ModelConfig, PRESET_NAMES};
 use ferrotron_core::precision::BaseQuantization;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Where a model came from: a Hugging Face directory (fine-tuning) or a preset (from scratch).
 #[derive(Debug, Clone)]
 pub enum ModelSource {
-    HfDir(PathBuf),
+    HfDir(Location),
     Preset(String),
 }
 
@@ -21,21 +23,27 @@ pub fn resolve_model(spec: &str, seed: u64) -> Result<(ModelConfig, ParamStore, 
     Ok((cfg, params, source))
 }
 
-/// The configuration of `spec` (a preset name or a Hugging Face model directory) and where its
-/// weights are, without reading them.
+/// The configuration of `spec` (a preset name, a Hugging Face model directory or an
+/// `s3://bucket/prefix` holding one) and where its weights are, without reading them.
 pub fn resolve_config(spec: &str) -> Result<(ModelConfig, ModelSource)> {
+    if storage::is_remote(spec) {
+        let model = Location::parse(spec)?;
+        // A missing bucket or wrong credentials are said now, before any work.
+        model.check_reachable()?;
+        return Ok((hf::read_config_at(&model)?, ModelSource::HfDir(model)));
+    }
     let path = Path::new(spec);
     if path.is_dir() {
         return Ok((
             hf::read_config(path)?,
-            ModelSource::HfDir(path.to_path_buf()),
+            ModelSource::HfDir(Location::Local(path.to_path_buf())),
         ));
     }
     if PRESET_NAMES.contains(&spec) {
         return Ok((preset(spec)?, ModelSource::Preset(spec.to_string())));
     }
     Err(EngineError::Invalid(format!(
-        "model `{spec}` is neither a directory nor a preset (presets: {})",
+        "model `{spec}` is neither a directory, an s3:// URL nor a preset (presets: {})",
         PRESET_NAMES.join(", ")
     )))
 }

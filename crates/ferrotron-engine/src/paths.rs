@@ -36,6 +36,25 @@ pub fn contained(dir: &Path, name: &str, source: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Checks that `name` is a relative path of plain components (on an object store, where there is
+/// nothing to follow, that is all [`contained`] needs). `source` is the file that named it.
+pub fn plain_name(name: &str, source: &Path) -> Result<()> {
+    let plain = !name.is_empty()
+        && Path::new(name)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+    if plain {
+        Ok(())
+    } else {
+        Err(EngineError::format(
+            source,
+            format!(
+                "names the file `{name}`, which is not a plain relative name inside its directory"
+            ),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,7 +66,11 @@ impl EarlierRun {
                 .as_ref()
                 .and_then(|v| Self::from_settings(origin, v)));
         }
-        let ModelSource::HfDir(dir) = source else {
+        // A local model directory only: the run that wrote it is beside it.
+        let Some(dir) = (match source {
+            ModelSource::HfDir(model) => model.local(),
+            ModelSource::Preset(_) => None,
+        }) else {
             return Ok(None);
         };
         let Some(run) = dir

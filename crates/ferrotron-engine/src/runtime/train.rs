@@ -108,7 +108,7 @@ impl StartingPoint {
                 cfg.input.seq_len,
                 model.max_position_embeddings,
                 match &source {
-                    ModelSource::HfDir(d) => d.join("config.json").display().to_string(),
+                    ModelSource::HfDir(d) => d.join("config.json").to_string(),
                     ModelSource::Preset(p) => format!("preset {p}"),
                 }
             )));
@@ -172,8 +172,8 @@ impl TrainingData {
         let docs = data::read_corpus(&cfg.input.data)?;
         let (tokenizer, tokenizer_path) = match (&cfg.input.tokenizer, &sp.source) {
             (Some(path), _) => (data::load_tokenizer(path)?, path.clone()),
-            (None, ModelSource::HfDir(dir)) if dir.join("tokenizer.json").exists() => {
-                let p = dir.join("tokenizer.json");
+            (None, ModelSource::HfDir(dir)) if dir.join("tokenizer.json").is_file()? => {
+                let p = local_copy(&dir.join("tokenizer.json"), cfg)?;
                 (data::load_tokenizer(&p)?, p)
             }
             _ => {
@@ -237,6 +237,28 @@ impl TrainingData {
 
 fn default_cache_dir() -> PathBuf {
     ferrotron_core::topology::cache_dir()
+}
+
+/// A small file of the model (its tokenizer) as a local file: itself, or (on an object store) a
+/// copy in the cache directory, named by its URL.
+fn local_copy(file: &crate::storage::Location, cfg: &TrainConfig) -> Result<PathBuf> {
+    if let Some(p) = file.local() {
+        return Ok(p.to_path_buf());
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&file.to_string(), &mut h);
+    let cache = cfg
+        .input
+        .cache_dir
+        .clone()
+        .unwrap_or_else(default_cache_dir);
+    std::fs::create_dir_all(&cache).map_err(|e| EngineError::io(&cache, e))?;
+    let copy = cache.join(format!(
+        "remote-{:016x}-tokenizer.json",
+        std::hash::Hasher::finish(&h)
+    ));
+    hf::write_atomic(&copy, &file.read(ferrotron_core::bounded::TOKENIZER)?)?;
+    Ok(copy)
 }
 
 /// The drills' devices (the slow one, the hung one) must be devices of every layout that may run.

@@ -145,6 +145,15 @@ impl Location {
         Ok(self.size()?.is_some())
     }
 
+    /// Whether anything is there (locally also a directory, a device or a FIFO, which a reader
+    /// then refuses by name).
+    pub fn exists(&self) -> Result<bool> {
+        match self {
+            Location::Local(p) => Ok(p.exists()),
+            Location::S3(p) => Ok(s3::size(p)?.is_some()),
+        }
+    }
+
     /// Replaces the file with `bytes`: a reader sees the old content or the new, never a part.
     pub fn write(&self, bytes: &[u8]) -> Result<()> {
         match self {

@@ -6,6 +6,7 @@ use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_core::precision::BaseQuantization;
 use ferrotron_engine::parallel::PipelineRun;
+use ferrotron_engine::storage::Location;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Trained};
 
 /// One step under `layout`, this process being device `rank` of the MPI job: rank 0 gets the loss
@@ -52,7 +53,10 @@ impl StepModel {
         adapter: Option<&std::path::Path>,
         quantize: Option<BaseQuantization>,
     ) -> Result<Self> {
-        let cfg = ferrotron_engine::hf::read_config(model)?;
+        // A local directory or an s3:// prefix.
+        let model = Location::parse(&model.to_string_lossy())?;
+        model.check_reachable()?;
+        let cfg = ferrotron_engine::hf::read_config_at(&model)?;
         let adapters = adapter
             .map(|dir| ferrotron_engine::lora::Adapters::load_peft(dir, &cfg))
             .transpose()?;
@@ -63,7 +67,7 @@ impl StepModel {
             )
         }
         // QLoRA: the projections quantized as they are read.
-        let params = ferrotron_engine::hf::load_params_as(model, &cfg, quantize)?;
+        let params = ferrotron_engine::hf::load_params_as(&model, &cfg, quantize)?;
         Ok(Self {
             cfg,
             params,
