@@ -13,10 +13,16 @@ use ferrotron_engine::hf;
 use ferrotron_engine::kernels::nf4::{dynamic_map, NF4_CODE};
 use ferrotron_engine::lora::Adapters;
 use ferrotron_engine::memory;
+use ferrotron_engine::storage::Location;
 
 fn case(model: &str) -> LoraCase {
     let cfg = hf::read_config(&fixture(model)).unwrap();
-    let base = hf::load_params_as(&fixture(model), &cfg, Some(BaseQuantization::Nf4)).unwrap();
+    let base = hf::load_params_as(
+        &Location::Local(fixture(model)),
+        &cfg,
+        Some(BaseQuantization::Nf4),
+    )
+    .unwrap();
     let dir = fixture("qlora").join(model);
     let adapters = Adapters::load_peft(&dir, &cfg).unwrap();
     let reference = Reference::from_file(dir.join("qlora_reference.safetensors"));
@@ -171,7 +177,12 @@ fn a_quantized_base_loads_without_an_f32_copy_of_the_model() {
     let cfg = hf::read_config(&dir).unwrap();
     memory::set_device(device);
     memory::reset_peaks(device);
-    let base = hf::load_params_as(&dir, &cfg, Some(BaseQuantization::Nf4)).unwrap();
+    let base = hf::load_params_as(
+        &Location::Local(dir.clone()),
+        &cfg,
+        Some(BaseQuantization::Nf4),
+    )
+    .unwrap();
     let peak = memory::device_memory(device).peak_total as f64;
     memory::clear_device();
     let f32_bytes = 4.0 * cfg.num_params() as f64;
