@@ -3,9 +3,11 @@
 //! form transformers loads.
 
 use crate::error::{EngineError, Result};
+use crate::parallel::weights::{Runs, WeightSource};
 use crate::storage::Location;
 use crate::transformer::ParamStore;
 use ferrotron_core::model::ModelConfig;
+use ferrotron_core::model::ParamSpec;
 use ferrotron_core::precision::BaseQuantization;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -416,11 +418,7 @@ impl WeightReader {
     /// The elements `runs` of tensor `name` (each a range of flat indices, followed by that many
     /// zeros of padding), concatenated, as f32; and the bytes read. Adjacent runs are read in one
     /// request.
-    pub fn read_rows(
-        &self,
-        name: &str,
-        runs: &[(std::ops::Range<usize>, usize)],
-    ) -> Result<(Vec<f32>, u64)> {
+    pub fn read_rows(&self, name: &str, runs: &Runs) -> Result<(Vec<f32>, u64)> {
         let (k, info) = self.info(name)?;
         let file = &self.files[*k];
         let width = info.dtype.bitsize() / 8;
@@ -448,6 +446,49 @@ impl WeightReader {
             i = j + 1;
         }
         Ok((out, read))
+    }
+}
+
+/// A model's parameters where they are stored, checked against its configuration: each device
+/// reads the rows and columns of its shard ([`WeightSource`]), nothing more.
+pub struct ModelWeights {
+    reader: WeightReader,
+    specs: Vec<ParamSpec>,
+}
+
+impl ModelWeights {
+    /// The weights of `cfg` at `model`: every header read and checked, no tensor yet.
+    pub fn open(model: &Location, cfg: &ModelConfig) -> Result<Self> {
+        let reader = WeightReader::open_at(model)?;
+        reader.check(cfg)?;
+        Ok(Self {
+            reader,
+            specs: cfg.param_specs(),
+        })
+    }
+
+    /// Every parameter, read whole.
+    pub fn read_all(&self) -> Result<ParamStore> {
+        let tensors = self
+            .specs
+            .iter()
+            .map(|s| self.reader.read(&s.name))
+            .collect::<Result<_>>()?;
+        Ok(ParamStore::from_tensors(self.specs.clone(), tensors))
+    }
+}
+
+impl WeightSource for ModelWeights {
+    fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    fn read_runs(&self, i: usize, runs: &Runs) -> Result<(Vec<f32>, u64)> {
+        self.reader.read_rows(&self.specs[i].name, runs)
+    }
+
+    fn fixed_bytes(&self) -> u64 {
+        self.reader.header_bytes
     }
 }
 

@@ -11,6 +11,7 @@ use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf;
 use ferrotron_engine::parallel::tensor::gather_tensor;
 use ferrotron_engine::parallel::{pipeline_step, PipelineRun, TpShard};
+use ferrotron_engine::storage::Location;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch};
 use std::time::Duration;
 
@@ -106,10 +107,19 @@ fn shards_are_exact_slices_and_gather_back_bit_for_bit() {
         for tp in [2, 4] {
             let shards: Vec<ParamStore> = (0..tp)
                 .map(|r| {
-                    TpShard::new(&cfg, tp, r, false)
-                        .unwrap()
-                        .shard_store(&cfg, &params)
-                        .unwrap()
+                    let shard = TpShard::new(&cfg, tp, r, false).unwrap();
+                    let (store, read) = shard.shard_store(&cfg, &params, &|_| true).unwrap();
+                    assert_eq!(read, 0, "a model in memory reads nothing");
+                    // Read from the files, the shard is the same, and only its bytes are read.
+                    let location = Location::Local(fixture(model));
+                    let stored = hf::ModelWeights::open(&location, &cfg).unwrap();
+                    let (from_files, read) = shard.shard_store(&cfg, &stored, &|_| true).unwrap();
+                    assert_eq!(
+                        from_files.tensors, store.tensors,
+                        "{model} tp={tp} rank {r}"
+                    );
+                    assert_eq!(read, 4 * from_files.parameters() as u64 - padding(&store));
+                    store
                 })
                 .collect();
             for (id, spec) in params.specs.iter().enumerate() {
@@ -175,8 +185,9 @@ fn shards_are_exact_slices_and_gather_back_bit_for_bit() {
     let params = ParamStore::init_random(&cfg, 3);
     let shard = TpShard::new(&cfg, 2, 1, false)
         .unwrap()
-        .shard_store(&cfg, &params)
-        .unwrap();
+        .shard_store(&cfg, &params, &|_| true)
+        .unwrap()
+        .0;
     let name = "model.layers.2.mlp.up_proj.weight";
     let f = cfg.intermediate_size / 2;
     assert_eq!(
@@ -321,4 +332,18 @@ fn tp_of_three_and_six_on_a_six_head_model() {
             );
         }
     }
+}
+
+/// The bytes of a shard that are padding (vocabulary padding rows, never read).
+fn padding(shard: &ParamStore) -> u64 {
+    let zeros_at_end = |t: &[f32]| t.iter().rev().take_while(|x| **x == 0.0).count();
+    shard
+        .specs
+        .iter()
+        .zip(&shard.tensors)
+        .filter(|(s, _)| {
+            s.name.contains("embed") || s.name.contains("wte") || s.name == "lm_head.weight"
+        })
+        .map(|(_, t)| 4 * zeros_at_end(t) as u64)
+        .sum()
 }

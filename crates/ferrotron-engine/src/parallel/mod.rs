@@ -7,6 +7,7 @@ mod mesh;
 mod pipedream;
 mod pipeline;
 pub mod tensor;
+pub mod weights;
 
 pub use context::ContextShard;
 pub use mesh::{
@@ -15,3 +16,4 @@ pub use mesh::{
 };
 pub use pipeline::{action_event, DeviceResult, PipelineRun};
 pub use tensor::{TpGroup, TpShard};
+pub use weights::WeightSource;

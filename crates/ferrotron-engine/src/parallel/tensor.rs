@@ -15,6 +15,7 @@
 //!   with it each device sees its rows only, so their gradients are summed over the group.
 
 use super::context::{self, ContextShard};
+use super::weights::WeightSource;
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::half_storage::Wire;
@@ -44,6 +45,29 @@ pub struct Slice {
     pub dim: usize,
     pub ranges: Vec<Range<usize>>,
     pub pad: usize,
+}
+
+impl Slice {
+    /// The elements of a tensor of `shape` this slice keeps, in the shard's order: ranges of flat
+    /// indices, each followed by the zeros of padding that come after it.
+    pub fn runs(&self, shape: &[usize]) -> Vec<(Range<usize>, usize)> {
+        if shape.is_empty() {
+            return vec![(0..1, 0)];
+        }
+        let (outer, len, inner) = dims(shape, self.dim);
+        let mut runs = Vec::with_capacity(outer * self.ranges.len());
+        for o in 0..outer {
+            for (k, r) in self.ranges.iter().enumerate() {
+                let pad = if k + 1 == self.ranges.len() {
+                    self.pad * inner
+                } else {
+                    0
+                };
+                runs.push(((o * len + r.start) * inner..(o * len + r.end) * inner, pad));
+            }
+        }
+        runs
+    }
 }
 
 /// One contiguous range, as a slice's list of ranges.
@@ -251,46 +275,56 @@ impl TpShard {
 
     /// This device's shard of a full tensor.
     pub fn cut(&self, spec: &ParamSpec, slice: &Slice, full: &[f32]) -> Vec<f32> {
-        let (outer, len, inner) = dims(&spec.shape, slice.dim);
-        let kept: usize = slice.ranges.iter().map(Range::len).sum::<usize>() + slice.pad;
-        let mut out = Vec::with_capacity(outer * kept * inner);
-        for o in 0..outer {
-            for r in &slice.ranges {
-                out.extend_from_slice(
-                    &full[(o * len + r.start) * inner..(o * len + r.end) * inner],
-                );
-            }
-            out.resize(out.len() + slice.pad * inner, 0.0);
-        }
-        out
+        slice
+            .runs(&spec.shape)
+            .iter()
+            .flat_map(|(r, pad)| {
+                full[r.clone()]
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0.0, *pad))
+            })
+            .collect()
     }
 
-    /// This device's shard of every tensor of `full` (parameters of the whole model, or its LoRA
-    /// adapters), by Hugging Face name, in `full`'s order.
-    pub fn shard_store(&self, cfg: &ModelConfig, full: &ParamStore) -> Result<ParamStore> {
-        let mut specs = Vec::with_capacity(full.specs.len());
-        let mut tensors = Vec::with_capacity(full.specs.len());
-        let mut quantized = Vec::with_capacity(full.specs.len());
-        for ((spec, t), q) in full.specs.iter().zip(&full.tensors).zip(&full.nf4) {
+    /// This device's shard of every tensor of `source` (parameters of the whole model, or its LoRA
+    /// adapters) that `keep` names, by Hugging Face name, in the source's order; and the bytes
+    /// reading them took from storage.
+    pub fn shard_store(
+        &self,
+        cfg: &ModelConfig,
+        source: &dyn WeightSource,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<(ParamStore, u64)> {
+        let mut specs = Vec::new();
+        let mut tensors = Vec::new();
+        let mut quantized = Vec::new();
+        let mut read = 0;
+        for (i, spec) in source.specs().iter().enumerate() {
+            if !keep(&spec.name) {
+                continue;
+            }
             let slice = self.slice(cfg, &spec.name)?;
             specs.push(ParamSpec {
                 shape: Self::shard_shape(&spec.shape, &slice),
                 ..spec.clone()
             });
-            match q {
+            match source.nf4(i) {
                 Some(q) => {
                     tensors.push(Vec::new());
                     quantized.push(Some(Arc::new(Self::cut_nf4(spec, &slice, q))));
                 }
                 None => {
-                    tensors.push(self.cut(spec, &slice, t));
+                    let (values, bytes) = source.read_runs(i, &slice.runs(&spec.shape))?;
+                    tensors.push(values);
                     quantized.push(None);
+                    read += bytes;
                 }
             }
         }
         let mut store = ParamStore::from_tensors(specs, tensors);
         store.nf4 = quantized;
-        Ok(store)
+        Ok((store, read))
     }
 
     /// This device's shard of a quantized projection: the same rows or columns as [`TpShard::cut`]

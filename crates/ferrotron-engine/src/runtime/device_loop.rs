@@ -62,6 +62,11 @@ pub(super) fn run_device<C: Comm>(
         .with_account_base(account_base)
         .with_drain_after(&drain);
     let world = step.world();
+    let mut dev = step.build_device(c, run.adam)?;
+    let model_bytes_read = dev.model_bytes_read;
+    // The validation loss before the first step, of the devices' shards gathered (no process
+    // holds the whole model before this, wherever it was read from).
+    let mut initial_val_loss = evaluate(run, &step, c, &mut dev, account)?;
     let training = Training {
         steps: cfg.optimizer.steps,
         batch_of: &|k| run.batch(k).clone(),
@@ -71,20 +76,12 @@ pub(super) fn run_device<C: Comm>(
         stop: &|| super::preemption::received().is_some(),
     };
     let hang = cfg.inject_hang()?.filter(|&(rank, _)| rank == c.rank());
-    let trained = step.train_device(c, &training, &mut |mesh, c, dev, report| {
-        let mine = Figures::of(report);
+    let trained = step.train_built(c, &training, dev, &mut |mesh, c, dev, report| {
+        let mut mine = Figures::of(report);
+        mine.model_bytes_read = model_bytes_read;
         let eval_started = std::time::Instant::now();
         let val_loss = if run.is_eval(report.step) {
-            mesh.gather_params(c, dev)?.and_then(|p| {
-                memory::clear_device();
-                let now = Trained {
-                    params: &p,
-                    ..run.trained
-                };
-                let v = validation_loss(run.model_cfg, now, run.val_batches, run.kernel_threads);
-                memory::set_device(account);
-                v
-            })
+            evaluate(run, mesh, c, dev, account)?
         } else {
             None
         };
@@ -100,6 +97,7 @@ pub(super) fn run_device<C: Comm>(
                 eval_s,
                 loss_scale: report.loss_scale,
                 skipped: report.skipped,
+                initial_val_loss: initial_val_loss.take(),
             })?;
         }
         let done = report.step + 1;
@@ -153,6 +151,31 @@ pub(super) fn run_device<C: Comm>(
     memory::set_capacity(account, None);
     memory::clear_device();
     Ok(full)
+}
+
+/// The validation loss of the model as the devices hold it now (on device 0; `None` elsewhere and
+/// when nothing is held out): their shards gathered, evaluated off the device's memory account.
+fn evaluate<C: Comm>(
+    run: &TrainingRun,
+    mesh: &MeshStep,
+    c: &mut C,
+    dev: &mut crate::parallel::Device,
+    account: usize,
+) -> Result<Option<f64>> {
+    if run.val_batches.is_empty() {
+        return Ok(None);
+    }
+    Ok(mesh.gather_params(c, dev)?.and_then(|p| {
+        memory::clear_device();
+        let v = validation_loss(
+            run.model_cfg,
+            run.trained(&p),
+            run.val_batches,
+            run.kernel_threads,
+        );
+        memory::set_device(account);
+        v
+    }))
 }
 
 /// Every device writes its part of the checkpoint after `done` steps; device 0 the manifest.

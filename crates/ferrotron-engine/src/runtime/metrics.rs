@@ -72,6 +72,8 @@ pub struct DeviceSummary {
     /// Mean step time in device time and in wall time.
     pub step_time_s: f64,
     pub wall_step_time_s: f64,
+    /// Bytes read from where the model is stored to build this device's shard.
+    pub model_bytes_read: u64,
 }
 
 /// One device's figures for one step, as device 0 receives them.
@@ -85,9 +87,11 @@ pub(super) struct Figures {
     bytes_tp: u64,
     bytes_dp: u64,
     bytes_pp: u64,
+    /// Bytes the device read from where the model is stored to build its shard.
+    pub model_bytes_read: u64,
 }
 
-const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7;
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 1;
 /// Tag of the figures message (above any pipeline or gathering tag).
 const FIGURES_TAG: u64 = 1 << 59;
 
@@ -104,6 +108,7 @@ impl Figures {
             bytes_dp: by("dp"),
             // Pipeline traffic: the stage-to-stage transfers and the tied embedding's reduction.
             bytes_pp: by("p2p") + by("pp"),
+            model_bytes_read: 0,
         }
     }
     fn pack(&self) -> [f64; FIGURES] {
@@ -123,6 +128,7 @@ impl Figures {
         for t in 0..7 {
             out[22 + t] = self.memory.at_peak[t] as f64;
         }
+        out[29] = self.model_bytes_read as f64;
         out
     }
     fn unpack(v: &[f64; FIGURES]) -> Self {
@@ -138,6 +144,7 @@ impl Figures {
         (f.busy_s, f.span_s, f.wall_s) = (v[15], v[16], v[17]);
         (f.bytes_sent, f.bytes_tp, f.bytes_dp, f.bytes_pp) =
             (v[18] as u64, v[19] as u64, v[20] as u64, v[21] as u64);
+        f.model_bytes_read = v[29] as u64;
         f
     }
 }
@@ -174,11 +181,14 @@ pub(super) struct StepFigures {
     pub eval_s: f64,
     pub loss_scale: f64,
     pub skipped: bool,
+    /// The validation loss before the first step (with the first step's figures).
+    pub initial_val_loss: Option<f64>,
 }
 
 /// What the run produced, on the device that reports it.
 pub(super) struct RunOutcome {
     pub params: ParamStore,
+    pub initial_val_loss: Option<f64>,
     pub last_loss: f64,
     pub last_val: Option<f64>,
     pub tokens_per_s: f64,
@@ -197,6 +207,8 @@ pub(super) struct MetricsWriter<'a> {
     seconds: f64,
     last_loss: f64,
     last_val: Option<f64>,
+    /// The validation loss before the first step (device 0 sends it with the first figures).
+    initial_val_loss: Option<f64>,
     /// Per device: steps in a row it computed above the straggler threshold.
     slow_steps: Vec<usize>,
 }
@@ -262,6 +274,7 @@ impl<'a> MetricsWriter<'a> {
                 bytes_sent_per_step: 0,
                 step_time_s: 0.0,
                 wall_step_time_s: 0.0,
+                model_bytes_read: 0,
             })
             .collect();
         Self {
@@ -273,7 +286,8 @@ impl<'a> MetricsWriter<'a> {
             tokens: 0,
             seconds: 0.0,
             last_loss: f64::NAN,
-            last_val: run.initial_val_loss,
+            last_val: None,
+            initial_val_loss: None,
             slow_steps: vec![0; coords.len()],
         }
     }
@@ -298,6 +312,10 @@ impl<'a> MetricsWriter<'a> {
         self.tokens += batch_tokens;
         self.seconds += dt;
         self.last_loss = f.loss;
+        if let Some(v) = f.initial_val_loss {
+            self.initial_val_loss = Some(v);
+            self.last_val = self.last_val.or(Some(v));
+        }
         if let Some(v) = f.val_loss {
             self.last_val = Some(v);
         }
@@ -351,7 +369,7 @@ impl<'a> MetricsWriter<'a> {
         }
         // The run's first line says what was run, for a report made from the file alone.
         if f.step == 0 {
-            extra.insert("run".into(), self.run_record());
+            extra.insert("run".into(), self.run_record(&f.devices));
         }
         let line = report.metrics_line(extra, devices);
         writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;
@@ -359,17 +377,18 @@ impl<'a> MetricsWriter<'a> {
         Ok(())
     }
 
-    /// When the run started (Unix seconds), the model's parameters and those trained, and the
-    /// validation loss before the first step.
-    fn run_record(&self) -> serde_json::Value {
+    /// When the run started (Unix seconds), the model's parameters and those trained, the
+    /// validation loss before the first step, and the bytes each device read of the model.
+    fn run_record(&self, devices: &[Figures]) -> serde_json::Value {
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         serde_json::json!({
             "started_unix_s": started,
             "parameters": self.run.model_cfg.num_params(),
-            "trained_parameters": self.run.trained.params.numel(),
-            "initial_val_loss": self.run.initial_val_loss,
+            "trained_parameters": self.run.trained_parameters(),
+            "initial_val_loss": self.initial_val_loss,
+            "model_bytes_read": devices.iter().map(|d| d.model_bytes_read).collect::<Vec<_>>(),
         })
     }
 
@@ -382,6 +401,7 @@ impl<'a> MetricsWriter<'a> {
         }
         RunOutcome {
             params,
+            initial_val_loss: self.initial_val_loss,
             last_loss: self.last_loss,
             last_val: self.last_val,
             tokens_per_s: self.tokens as f64 / self.seconds.max(1e-9),
@@ -403,6 +423,7 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
     sum.bytes_sent_per_step = f.bytes_sent;
     sum.step_time_s += f.span_s;
     sum.wall_step_time_s += wall;
+    sum.model_bytes_read = f.model_bytes_read;
     serde_json::json!({
         "device": sum.device,
         "stage": sum.stage,

@@ -3,7 +3,6 @@
 
 use super::checkpointing::CheckpointPlan;
 use super::config::TrainConfig;
-use super::device_loop::validation_loss;
 use super::effective_batch;
 use super::hang;
 use super::lora_run;
@@ -19,9 +18,10 @@ use crate::error::{EngineError, Result};
 use crate::hf::{self, StorageDtype};
 use crate::lora::Adapters;
 use crate::model_source::{resolve_config, ModelSource};
-use crate::transformer::{ParamStore, TokenBatch, Trained};
+use crate::parallel::WeightSource;
+use crate::transformer::{ParamStore, TokenBatch};
 use ferrotron_core::layout::Layout;
-use ferrotron_core::model::ModelConfig;
+use ferrotron_core::model::{LoraConfig, ModelConfig};
 use ferrotron_core::plan::Plan;
 use ferrotron_core::precision::BaseQuantization;
 use std::path::{Path, PathBuf};
@@ -57,7 +57,7 @@ const AUTO_ATTEMPTS: usize = 4;
 struct StartingPoint {
     model: ModelConfig,
     /// The model's parameters: what trains, or with LoRA the frozen base.
-    params: ParamStore,
+    params: StartWeights,
     source: ModelSource,
     resume: Option<Checkpoint>,
     /// LoRA: the adapters that train, where they start.
@@ -98,9 +98,13 @@ impl StartingPoint {
         let quantized = lora_run::base_quantization(cfg, resume.as_ref(), adapters.is_some())?;
         // A full-training checkpoint holds the weights; otherwise they are the model's (QLoRA:
         // quantized as they are read).
-        let params = match &resume {
-            Some(ck) if ck.manifest.lora.is_none() => ck.params()?,
-            _ => source.load(&model, cfg.input.seed, quantized)?,
+        let params = match (&resume, &source) {
+            (Some(ck), _) if ck.manifest.lora.is_none() => StartWeights::Loaded(ck.params()?),
+            // Full training from a model directory: each device reads its own shard of it.
+            (None, ModelSource::HfDir(dir)) if adapters.is_none() => {
+                StartWeights::Stored(hf::ModelWeights::open(dir, &model)?)
+            }
+            _ => StartWeights::Loaded(source.load(&model, cfg.input.seed, quantized)?),
         };
         if cfg.input.seq_len > model.max_sequence_length() {
             return Err(EngineError::Invalid(format!(
@@ -124,13 +128,29 @@ impl StartingPoint {
         })
     }
 
-    /// What trains: every parameter, or the adapters on the frozen base.
-    fn trained(&self) -> Trained<'_> {
-        match &self.adapters {
-            Some(a) => Trained::lora(&self.params, &a.config, &a.params),
-            None => Trained::full(&self.params),
+    /// What trains, where the devices read it from: every parameter, or the adapters.
+    fn trained(&self) -> &dyn WeightSource {
+        match (&self.adapters, &self.params) {
+            (Some(a), _) => &a.params,
+            (None, StartWeights::Loaded(p)) => p,
+            (None, StartWeights::Stored(w)) => w,
         }
     }
+
+    /// LoRA: the frozen base (in memory) and the adapters' configuration.
+    fn lora(&self) -> Option<(&ParamStore, &LoraConfig)> {
+        match (&self.adapters, &self.params) {
+            (Some(a), StartWeights::Loaded(base)) => Some((base, &a.config)),
+            _ => None,
+        }
+    }
+}
+
+/// A run's starting parameters: in memory (a preset, a checkpoint, a LoRA base), or where the
+/// model is stored, for each device to read its shard.
+enum StartWeights {
+    Loaded(ParamStore),
+    Stored(hf::ModelWeights),
 }
 
 /// How a run names its base model in a LoRA checkpoint: a model directory by its absolute path, a
@@ -319,7 +339,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             a.config.alpha,
             a.config.targets.join(", "),
             a.params.numel(),
-            sp.params.parameters(),
+            sp.model.num_params(),
             match sp.quantized {
                 Some(q) => format!(" (projections in {q})"),
                 None => String::new(),
@@ -344,17 +364,6 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         run_dir::record_settings(cfg)?;
     }
     let (adam, schedule) = (cfg.adamw(), cfg.lr_schedule());
-    // Only the reporting process uses it (under MPI every rank would otherwise compute it).
-    let initial_val_loss = if world.reporter() {
-        validation_loss(
-            &sp.model,
-            sp.trained(),
-            &data.val_batches,
-            cfg.kernel_threads(),
-        )
-    } else {
-        None
-    };
     let metrics_path = cfg.checkpointing.out_dir.join("metrics.jsonl");
     let auto = cfg.parallelism.layout.is_auto();
     let mut tried = Vec::new();
@@ -376,7 +385,8 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         let run = TrainingRun {
             cfg,
             model_cfg: &sp.model,
-            trained: sp.trained(),
+            weights: sp.trained(),
+            lora: sp.lora(),
             layout,
             input: &input,
             plan,
@@ -384,7 +394,6 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             val_batches: &data.val_batches,
             adam,
             schedule,
-            initial_val_loss,
             start: sp.start,
             loader_after: &data.loader_after,
             checkpoints: &checkpoints,
@@ -414,14 +423,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             }
             Ok(o) => o,
         };
-        return finish(
-            cfg,
-            &sp,
-            &data,
-            (layout, initial_val_loss),
-            save_dtype,
-            outcome,
-        );
+        return finish(cfg, &sp, &data, layout, save_dtype, outcome);
     }
     Err(EngineError::RunOutOfMemory(format!(
         "layout auto: the planner's {} best layouts went out of memory when run:\n{}",
@@ -436,13 +438,14 @@ fn finish(
     cfg: &TrainConfig,
     sp: &StartingPoint,
     data: &TrainingData,
-    (layout, initial_val_loss): (Layout, Option<f64>),
+    layout: Layout,
     save_dtype: StorageDtype,
     out: Option<RunOutcome>,
 ) -> Result<TrainSummary> {
     let reporter = out.is_some();
     let out = out.unwrap_or(RunOutcome {
         params: ParamStore::zeros(Vec::new()),
+        initial_val_loss: None,
         last_loss: f64::NAN,
         last_val: None,
         tokens_per_s: 0.0,
@@ -463,7 +466,10 @@ fn finish(
                     &sp.model,
                     Some(&base_model_name(&cfg.input.model)),
                 )?;
-                let merged = trained.merge(&sp.model, &sp.params)?;
+                let Some((base, _)) = sp.lora() else {
+                    unreachable!("a LoRA run's base is in memory")
+                };
+                let merged = trained.merge(&sp.model, base)?;
                 hf::save_model(&dir, &sp.model, &merged, save_dtype)?;
             }
             None => hf::save_model(&dir, &sp.model, &out.params, save_dtype)?,
@@ -471,12 +477,12 @@ fn finish(
         copy_file(&data.tokenizer_path, &dir.join("tokenizer.json"))?;
     }
     Ok(TrainSummary {
-        initial_val_loss,
+        initial_val_loss: out.initial_val_loss,
         final_val_loss: out.last_val,
         final_train_loss: out.last_loss,
         tokens_per_s: out.tokens_per_s,
-        num_params: sp.params.parameters(),
-        trained_params: sp.trained().params.numel(),
+        num_params: sp.model.num_params(),
+        trained_params: sp.trained().specs().iter().map(|s| s.numel()).sum(),
         model_dir: cfg.checkpointing.out_dir.join("model"),
         train_tokens: data.train_tokens,
         val_tokens: data.val_tokens,

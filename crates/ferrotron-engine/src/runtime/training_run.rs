@@ -6,10 +6,11 @@ use super::config::TrainConfig;
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
 use crate::optim::{AdamWConfig, LrSchedule};
+use crate::parallel::WeightSource;
 use crate::parallel::{LossScaling, MeshStep, Resume};
-use crate::transformer::{TokenBatch, Trained};
+use crate::transformer::{ParamStore, TokenBatch, Trained};
 use ferrotron_core::layout::Layout;
-use ferrotron_core::model::ModelConfig;
+use ferrotron_core::model::{LoraConfig, ModelConfig, ParamSpec};
 use ferrotron_core::plan::{Plan, PlanInput};
 use ferrotron_core::schedule::StagePartition;
 
@@ -17,8 +18,11 @@ use ferrotron_core::schedule::StagePartition;
 pub(super) struct TrainingRun<'a> {
     pub cfg: &'a TrainConfig,
     pub model_cfg: &'a ModelConfig,
-    /// What trains: every parameter, or LoRA adapters on the frozen base.
-    pub trained: Trained<'a>,
+    /// What trains, where each device reads its shard from: the model's parameters (in memory, or
+    /// where the model is stored), or LoRA adapters.
+    pub weights: &'a dyn WeightSource,
+    /// LoRA: the frozen base and the adapters' configuration.
+    pub lora: Option<(&'a ParamStore, &'a LoraConfig)>,
     pub layout: Layout,
     pub input: &'a PlanInput,
     /// The planner's evaluation of `layout` (made once, when the layout was resolved): its
@@ -29,7 +33,6 @@ pub(super) struct TrainingRun<'a> {
     pub val_batches: &'a [TokenBatch],
     pub adam: AdamWConfig,
     pub schedule: LrSchedule,
-    pub initial_val_loss: Option<f64>,
     /// The first step to run (0, or where the run resumes); `batches` starts there.
     pub start: usize,
     /// The data loader's position after each step's batch, from `start` on.
@@ -42,6 +45,19 @@ pub(super) struct TrainingRun<'a> {
 }
 
 impl TrainingRun<'_> {
+    /// The parameters that train: the model's, or the adapters'.
+    pub fn trained_parameters(&self) -> usize {
+        self.weights.specs().iter().map(ParamSpec::numel).sum()
+    }
+
+    /// What trains, once the devices' shards are gathered into `params`.
+    pub fn trained<'p>(&'p self, params: &'p ParamStore) -> Trained<'p> {
+        Trained {
+            params,
+            lora: self.lora,
+        }
+    }
+
     /// The batch of (0-based) step `k`.
     pub fn batch(&self, k: usize) -> &TokenBatch {
         &self.batches[k - self.start]
@@ -62,12 +78,12 @@ impl TrainingRun<'_> {
         let cfg = self.cfg;
         let step = MeshStep::new(
             self.model_cfg,
-            self.trained.params,
+            self.weights,
             self.batch(self.start),
             &self.layout,
             partition,
         )?;
-        let step = match self.trained.lora {
+        let step = match self.lora {
             Some((base, lora)) => step.with_lora(base, lora),
             None => step,
         };

@@ -202,7 +202,8 @@ fn print_summary(cfg: &TrainConfig, summary: &TrainSummary) -> Result<()> {
     Ok(())
 }
 
-/// Per device, measured peak memory beside the planner's prediction, idle, bytes and step time.
+/// Per device, measured peak memory beside the planner's prediction, idle, bytes, step time and
+/// the bytes of the model it read.
 fn print_devices(summary: &TrainSummary) {
     if summary.devices.is_empty() {
         return;
@@ -223,6 +224,7 @@ fn print_devices(summary: &TrainSummary) {
                 ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
                 format!("{:.4}", d.step_time_s),
                 format!("{:.4}", d.wall_step_time_s),
+                ferrotron_engine::memory::format_bytes(d.model_bytes_read),
             ],
         })
         .collect();
@@ -239,7 +241,8 @@ fn print_devices(summary: &TrainSummary) {
             &[
                 "sent per step",
                 "step, device time (s)",
-                "step, wall time (s)"
+                "step, wall time (s)",
+                "model read at start"
             ]
         )
         .markdown()

@@ -50,7 +50,7 @@ impl MeshStep<'_> {
             stores.push(s);
         }
         // `stores` is in rank order over replica 0: stage-major, tensor-parallel rank fastest.
-        let mut full = self.params.zeros_like();
+        let mut full = ParamStore::zeros(self.params.specs().to_vec());
         for stage in stores.chunks(self.mesh.tp) {
             for spec in &stage[0].specs {
                 let shards: Vec<&[f32]> = stage
@@ -127,7 +127,7 @@ impl MeshStep<'_> {
 
     /// Combines every device's result (in rank order) into the step's loss and whole gradients.
     pub fn combine(&self, results: Vec<DeviceResult>, wall_time_s: f64) -> Result<PipelineRun> {
-        let mut full = self.params.zeros_like();
+        let mut full = ParamStore::zeros(self.params.specs().to_vec());
         let tp = self.mesh.tp;
         // Replica 0's devices, stage-major, tensor-parallel rank fastest.
         let replica0: Vec<&DeviceResult> = results

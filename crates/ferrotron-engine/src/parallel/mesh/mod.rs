@@ -19,6 +19,7 @@ use super::context::ContextShard;
 use super::data::ZeroState;
 use super::pipeline::{DeviceResult, StageOutcome, StageRun};
 use super::tensor::{finish_grads, TpGroup, TpShard};
+use super::weights::WeightSource;
 use crate::comm::{Comm, DeviceMesh, Dim, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::half_storage::Wire;
@@ -35,7 +36,8 @@ use ferrotron_core::schedule::{build, build_async, PipelineSchedule, StagePartit
 /// into micro-batches (replica d takes the d-th contiguous share).
 pub struct MeshStep<'a> {
     cfg: &'a ModelConfig,
-    params: &'a ParamStore,
+    /// Where each device reads its shard of what trains (the model, or with LoRA the adapters).
+    params: &'a dyn WeightSource,
     layout: &'a Layout,
     partition: &'a StagePartition,
     mesh: DeviceMesh,
@@ -63,7 +65,7 @@ pub struct MeshStep<'a> {
     zero3_prefetch: bool,
     /// LoRA: the frozen base (the whole model's parameters) and the adapters' configuration; then
     /// `params` are the adapters, the only tensors that train.
-    frozen: Option<(&'a ParamStore, &'a LoraConfig)>,
+    frozen: Option<(&'a dyn WeightSource, &'a LoraConfig)>,
     /// Asynchronous schedules: whether the pipeline drains after (0-based) step k (an evaluation
     /// or a checkpoint follows); it always does at the end.
     drain_after: Option<&'a (dyn Fn(usize) -> bool + Sync)>,
@@ -82,6 +84,9 @@ pub struct Resume<'a> {
 pub struct Device {
     pub rank: usize,
     pub shard: TpShard,
+    /// Bytes this device read from where the model is stored to build its shard (its files'
+    /// headers included; 0 for a model in memory).
+    pub model_bytes_read: u64,
     pub(crate) chunks: Vec<Transformer>,
     pub zero: ZeroState,
 }
@@ -90,7 +95,7 @@ impl<'a> MeshStep<'a> {
     /// Checks the batch against the layout and builds the schedule.
     pub fn new(
         cfg: &'a ModelConfig,
-        params: &'a ParamStore,
+        params: &'a dyn WeightSource,
         batch: &TokenBatch,
         layout: &'a Layout,
         partition: &'a StagePartition,
@@ -185,7 +190,7 @@ impl<'a> MeshStep<'a> {
     /// LoRA: `params` (given to [`MeshStep::new`]) are the adapters of `lora` on the frozen `base`.
     /// Each device holds its shard of the base (16-bit under mixed precision) beside its adapters;
     /// only the adapters have gradients, optimizer state and (ZeRO) shards.
-    pub fn with_lora(mut self, base: &'a ParamStore, lora: &'a LoraConfig) -> Self {
+    pub fn with_lora(mut self, base: &'a dyn WeightSource, lora: &'a LoraConfig) -> Self {
         self.frozen = Some((base, lora));
         self
     }
@@ -320,22 +325,18 @@ impl<'a> MeshStep<'a> {
             let _other = memory::scope(Term::Other);
             crate::kernels::CpuBackend::with_threads(self.kernel_threads).reserve_workspace();
         }
-        let store = {
+        let mine = |n: &str| ranges.iter().any(|r| cfg.stage_owns(n, r));
+        let (store, mut model_bytes_read) = {
             let _weights = memory::scope(Term::Weights);
-            shard.shard_store(
-                cfg,
-                &self
-                    .params
-                    .subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r))),
-            )?
+            shard.shard_store(cfg, self.params, &mine)?
         };
+        model_bytes_read += self.params.fixed_bytes();
         let base_shard = match self.frozen {
             Some((base, _)) => {
                 let _weights = memory::scope(Term::Weights);
-                Some(shard.shard_store(
-                    cfg,
-                    &base.subset(|n| ranges.iter().any(|r| cfg.stage_owns(n, r))),
-                )?)
+                let (store, read) = shard.shard_store(cfg, base, &mine)?;
+                model_bytes_read += read + base.fixed_bytes();
+                Some(store)
             }
             None => None,
         };
@@ -384,6 +385,7 @@ impl<'a> MeshStep<'a> {
         Ok(Device {
             rank,
             shard,
+            model_bytes_read,
             chunks,
             zero,
         })

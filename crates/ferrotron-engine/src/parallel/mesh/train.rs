@@ -92,17 +92,35 @@ impl MeshStep<'_> {
         t: &Training,
         on_step: &mut dyn FnMut(&MeshStep, &mut C, &mut Device, &StepReport) -> Result<()>,
     ) -> Result<Device> {
+        let dev = self.build_device(c, t.adam)?;
+        self.train_built(c, t, dev, on_step)
+    }
+
+    /// Builds device `c.rank()` (its shard read, its state restored when the run resumes), on its
+    /// memory account.
+    pub fn build_device<C: Comm>(&mut self, c: &mut C, adam: AdamWConfig) -> Result<Device> {
         let account = self.account(c.rank());
         memory::set_device(account);
-        let mut dev = self.device(c.rank(), t.adam)?;
-        let mut first = 0;
+        let mut dev = self.device(c.rank(), adam)?;
         if let Some(r) = self.resume {
             (r.restore)(&mut dev)?;
-            first = r.step;
             if let (Some(_), Some((scale, clean))) = (self.loss_scaling(), r.loss_scaler) {
                 (self.loss_scale, self.clean_steps) = (scale, clean);
             }
         }
+        Ok(dev)
+    }
+
+    /// [`MeshStep::train_device`] on a device [`MeshStep::build_device`] built.
+    pub fn train_built<C: Comm>(
+        &mut self,
+        c: &mut C,
+        t: &Training,
+        mut dev: Device,
+        on_step: &mut dyn FnMut(&MeshStep, &mut C, &mut Device, &StepReport) -> Result<()>,
+    ) -> Result<Device> {
+        memory::set_device(self.account(c.rank()));
+        let first = self.resume.map_or(0, |r| r.step);
         if self.layout.schedule.is_async() {
             self.train_segments(c, t, first, &mut dev, on_step)?;
             return Ok(dev);
