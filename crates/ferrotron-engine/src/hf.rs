@@ -422,32 +422,50 @@ impl WeightReader {
         let (k, info) = self.info(name)?;
         let file = &self.files[*k];
         let width = info.dtype.bitsize() / 8;
-        let mut out = Vec::with_capacity(runs.iter().map(|(r, pad)| r.len() + pad).sum());
-        let mut read = 0u64;
+        // Requests: the longest stretches of runs that follow each other in the file with no
+        // padding between them, each with the padding after it.
+        let mut requests = Vec::new();
         let mut i = 0;
         while i < runs.len() {
-            // The longest stretch of runs that follow each other in the file with no padding
-            // between them: one request.
             let mut j = i;
             while j + 1 < runs.len() && runs[j].1 == 0 && runs[j + 1].0.start == runs[j].0.end {
                 j += 1;
             }
             let (first, last) = (runs[i].0.start, runs[j].0.end);
             let at = (info.bytes.start + first * width) as u64;
-            let bytes = file.read_at(at..at + ((last - first) * width) as u64)?;
-            read += bytes.len() as u64;
-            out.extend(decode_weight(
-                info.dtype,
-                &bytes,
-                &file.location.as_error_path(),
-                name,
-            )?);
-            out.resize(out.len() + runs[j].1, 0.0);
+            requests.push((at..at + ((last - first) * width) as u64, runs[j].1));
             i = j + 1;
         }
-        Ok((out, read))
+        let fetch = |(range, pad): &(std::ops::Range<u64>, usize)| -> Result<Vec<f32>> {
+            let bytes = file.read_at(range.clone())?;
+            let mut v = decode_weight(info.dtype, &bytes, &file.location.as_error_path(), name)?;
+            v.resize(v.len() + pad, 0.0);
+            Ok(v)
+        };
+        // A column cut is one request per row: on an object store, where each request waits a
+        // round trip, they go several at a time (the HTTP agent keeps a connection per worker).
+        let parts: Vec<Vec<f32>> = if file.local.is_none() && requests.len() > 1 {
+            let per = requests.len().div_ceil(REQUESTS_IN_FLIGHT);
+            std::thread::scope(|scope| {
+                let workers: Vec<_> = requests
+                    .chunks(per)
+                    .map(|chunk| scope.spawn(move || chunk.iter().map(fetch).collect::<Vec<_>>()))
+                    .collect();
+                workers
+                    .into_iter()
+                    .flat_map(|w| w.join().expect("a reading thread panicked"))
+                    .collect::<Result<_>>()
+            })?
+        } else {
+            requests.iter().map(fetch).collect::<Result<_>>()?
+        };
+        let read = requests.iter().map(|(r, _)| r.end - r.start).sum();
+        Ok((parts.concat(), read))
     }
 }
+
+/// Requests to an object store a reader keeps in flight at once.
+const REQUESTS_IN_FLIGHT: usize = 16;
 
 /// A model's parameters where they are stored, checked against its configuration: each device
 /// reads the rows and columns of its shard ([`WeightSource`]), nothing more.

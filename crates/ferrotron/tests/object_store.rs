@@ -147,3 +147,85 @@ fn a_missing_bucket_or_model_is_said_before_any_work() {
         assert!(!o.status.success() && e.contains(says), "{model}: {e}");
     }
 }
+
+/// The bytes of `model.safetensors` a tp=`tp` device needs: the tensors tensor parallelism cuts,
+/// ÷ tp; the replicated ones (norms) whole; K and V ÷ the KV heads when there are fewer than tp
+/// (a KV head is then replicated over the devices whose query heads share it); the header.
+fn bytes_a_device_needs(file: &Path, tp: u64, kv_heads: u64) -> u64 {
+    let bytes = std::fs::read(file).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: u64 = st
+        .tensors()
+        .iter()
+        .map(|(name, view)| {
+            let n = view.data().len() as u64;
+            if name.contains("norm") {
+                n
+            } else if name.contains("k_proj") || name.contains("v_proj") {
+                n.div_ceil(tp.min(kv_heads))
+            } else {
+                n.div_ceil(tp)
+            }
+        })
+        .sum();
+    header + tensors
+}
+
+#[test]
+fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from_disk() {
+    server();
+    upload(&fixture("llama_tiny"), "s3://models/llama_tiny_train");
+    let dir = temp_dir("s3-train");
+    let train = |model: &str, out: &Path| {
+        let o = ferrotron(&[
+            "train",
+            "--model",
+            model,
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "16",
+            "--eval-batches",
+            "1",
+            "--layout",
+            "tp=4",
+            "--out-dir",
+            path(out),
+        ]);
+        assert!(o.status.success(), "{model}: {}", stderr(&o));
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        (String::from_utf8_lossy(&o.stdout).into_owned(), lines)
+    };
+    let (printed, remote) = train("s3://models/llama_tiny_train", &dir.join("s3"));
+    let (_, local) = train(path(&fixture("llama_tiny")), &dir.join("local"));
+    // llama_tiny: 4 query heads, 2 KV heads.
+    let need = bytes_a_device_needs(&fixture("llama_tiny").join("model.safetensors"), 4, 2);
+    let read = remote[0]["run"]["model_bytes_read"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(read.len(), 4, "one figure per device");
+    for (d, r) in read.iter().enumerate() {
+        let r = r.as_u64().unwrap();
+        assert!(
+            r > 0 && r <= need,
+            "device {d} read {r} bytes; it needs at most {need}"
+        );
+    }
+    assert!(printed.contains("model read at start"), "{printed}");
+    // The same training, whichever way the model was read.
+    for (a, b) in remote.iter().zip(&local) {
+        assert_eq!(a["loss"], b["loss"]);
+    }
+    assert_eq!(
+        remote[0]["run"]["initial_val_loss"],
+        local[0]["run"]["initial_val_loss"]
+    );
+}
