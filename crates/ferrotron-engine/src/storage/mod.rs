@@ -199,10 +199,7 @@ impl Location {
     /// Deletes the file (nothing when there is none).
     pub fn remove(&self) -> Result<()> {
         match self {
-            Location::Local(p) => match std::fs::remove_file(p) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EngineError::io(p, e)),
-                _ => Ok(()),
-            },
+            Location::Local(p) => unless_missing(p, std::fs::remove_file(p)),
             Location::S3(p) => s3::delete(p),
         }
     }
@@ -210,10 +207,7 @@ impl Location {
     /// Deletes the directory or prefix and all it holds.
     pub fn remove_all(&self) -> Result<()> {
         match self {
-            Location::Local(p) => match std::fs::remove_dir_all(p) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EngineError::io(p, e)),
-                _ => Ok(()),
-            },
+            Location::Local(p) => unless_missing(p, std::fs::remove_dir_all(p)),
             Location::S3(p) => s3::delete_all(p),
         }
     }
@@ -225,6 +219,14 @@ impl Location {
             Location::Local(_) => Ok(()),
             Location::S3(p) => s3::check_bucket(p),
         }
+    }
+}
+
+/// A deletion's outcome: done, or nothing was there.
+fn unless_missing(p: &Path, r: std::io::Result<()>) -> Result<()> {
+    match r {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EngineError::io(p, e)),
+        _ => Ok(()),
     }
 }
 

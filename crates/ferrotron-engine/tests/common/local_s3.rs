@@ -16,22 +16,28 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/local-s3.sh")
 }
 
+/// `scripts/local-s3.sh start DIR BUCKETS…` (on `port`, when given), which must succeed.
+fn start_script(dir: &Path, buckets: &[&str], port: Option<&str>) -> std::process::Output {
+    let mut cmd = Command::new(script());
+    cmd.arg("start").arg(dir).args(buckets);
+    if let Some(port) = port {
+        cmd.env("PORT", port);
+    }
+    let out = cmd.output().expect("scripts/local-s3.sh runs");
+    assert!(
+        out.status.success(),
+        "scripts/local-s3.sh start failed (is s3s-fs installed? cargo install s3s-fs@0.14.1 --features binary --locked): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 impl LocalS3 {
     /// Starts a server with its data in `dir` (emptied first) and the `buckets` created.
     pub fn start(dir: &Path, buckets: &[&str]) -> Self {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir).unwrap();
-        let out = Command::new(script())
-            .arg("start")
-            .arg(dir)
-            .args(buckets)
-            .output()
-            .expect("scripts/local-s3.sh runs");
-        assert!(
-            out.status.success(),
-            "scripts/local-s3.sh start failed (is s3s-fs installed? cargo install s3s-fs@0.14.1 --features binary --locked): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = start_script(dir, buckets, None);
         let env: Vec<(String, String)> = String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter_map(|l| l.strip_prefix("export "))
@@ -82,17 +88,7 @@ impl LocalS3 {
 
     /// Starts the server again on the same port over the same data.
     pub fn restart(&self) {
-        let out = Command::new(script())
-            .arg("start")
-            .arg(&self.dir)
-            .env("PORT", &self.port)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        start_script(&self.dir, &[], Some(&self.port));
     }
 
     /// The file holding object `key` of `bucket` (s3s-fs keeps objects as files).
