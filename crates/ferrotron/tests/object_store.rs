@@ -218,3 +218,24 @@ fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from
         local[0]["run"]["initial_val_loss"]
     );
 }
+
+#[test]
+fn plan_and_verify_take_an_s3_model() {
+    server();
+    upload(&fixture("llama_tiny"), "s3://models/llama_tiny_commands");
+    let model = "s3://models/llama_tiny_commands";
+    let o = ferrotron(&[
+        "plan",
+        "--model",
+        model,
+        "--cluster",
+        "this-machine,devices_per_node=2",
+        "--seq",
+        "16",
+        "--global-batch",
+        "2",
+    ]);
+    assert!(o.status.success(), "plan: {}", stderr(&o));
+    let o = ferrotron(&["verify", "--model", model, "--layout", "tp=2"]);
+    assert!(o.status.success(), "verify: {}", stderr(&o));
+}

@@ -248,12 +248,23 @@ pub fn input_from(
         optimizer: OptimizerKind::parse(optimizer)?,
         activation_model: ActivationModel::parse(activation_model)?,
         ..PlanInput::new(
-            PlanModel::parse(model)?,
+            plan_model(model)?,
             Cluster::parse(cluster)?,
             seq,
             global_batch,
         )
     })
+}
+
+/// What `--model` names: a preset, a shape, a model directory, or an `s3://` prefix holding one
+/// (whose `config.json` is read from the store: the planner itself touches no network).
+fn plan_model(model: &str) -> Result<PlanModel> {
+    if ferrotron_engine::storage::is_remote(model) {
+        let at = ferrotron_engine::storage::Location::parse(model)?;
+        at.check_reachable()?;
+        return Ok(PlanModel::Shape(ferrotron_engine::hf::read_config_at(&at)?));
+    }
+    Ok(PlanModel::parse(model)?)
 }
 
 /// The LoRA configuration `--lora-rank` and `--lora-targets` describe (the alpha does not change
