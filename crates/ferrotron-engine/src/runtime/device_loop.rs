@@ -165,17 +165,22 @@ fn evaluate<C: Comm>(
     if run.val_batches.is_empty() {
         return Ok(None);
     }
-    Ok(mesh.gather_params(c, dev)?.and_then(|p| {
-        memory::clear_device();
-        let v = validation_loss(
-            run.model_cfg,
-            run.trained(&p),
-            run.val_batches,
-            run.kernel_threads,
-        );
-        memory::set_device(account);
-        v
-    }))
+    // The gathered model is the host's, not the device's: it is not counted against the device's
+    // capacity (device 0 would otherwise hold the whole model beside its shard).
+    memory::clear_device();
+    let gathered = mesh.gather_params(c, dev);
+    let v = gathered.map(|p| {
+        p.and_then(|p| {
+            validation_loss(
+                run.model_cfg,
+                run.trained(&p),
+                run.val_batches,
+                run.kernel_threads,
+            )
+        })
+    });
+    memory::set_device(account);
+    v
 }
 
 /// Every device writes its part of the checkpoint after `done` steps; device 0 the manifest.
