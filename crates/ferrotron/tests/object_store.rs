@@ -40,9 +40,10 @@ fn upload(dir: &Path, url: &str) {
     }
 }
 
-fn grads(model: &str, layout: &str, out: &Path) -> Vec<u8> {
+/// `grads` of `model` on llama_tiny's reference tokens, split as `layout`.
+fn run_grads(model: &str, layout: &str, out: &Path) -> Output {
     let refs = fixture("llama_tiny").join("reference_grads.safetensors");
-    let o = ferrotron(&[
+    ferrotron(&[
         "grads",
         "--model",
         model,
@@ -52,7 +53,12 @@ fn grads(model: &str, layout: &str, out: &Path) -> Vec<u8> {
         layout,
         "--out",
         path(out),
-    ]);
+    ])
+}
+
+/// [`run_grads`], which must succeed: the gradients file's bytes.
+fn grads(model: &str, layout: &str, out: &Path) -> Vec<u8> {
+    let o = run_grads(model, layout, out);
     assert!(o.status.success(), "{model} {layout}: {}", stderr(&o));
     std::fs::read(out).unwrap()
 }
@@ -116,22 +122,13 @@ fn grads_of_an_s3_model_equal_the_local_directory_bit_for_bit() {
 #[test]
 fn a_missing_bucket_or_model_is_said_before_any_work() {
     let dir = temp_dir("s3-missing");
-    let refs = fixture("llama_tiny").join("reference_grads.safetensors");
     let out = dir.join("g.safetensors");
     for (model, says) in [
         ("s3://no-such-bucket/m", "does not exist"),
         ("s3://models/no-such-model", "config.json"),
         ("s3://Bad_Bucket/m", "not a bucket name"),
     ] {
-        let o = ferrotron(&[
-            "grads",
-            "--model",
-            model,
-            "--tokens",
-            path(&refs),
-            "--out",
-            path(&out),
-        ]);
+        let o = run_grads(model, "tp=1", &out);
         let e = stderr(&o);
         assert!(!o.status.success() && e.contains(says), "{model}: {e}");
     }
