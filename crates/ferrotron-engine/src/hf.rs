@@ -110,45 +110,64 @@ fn to_f32(view: &TensorView, file: &Path, name: &str) -> Result<Vec<f32>> {
 /// would make every step's loss NaN, and the run would save a NaN model).
 fn decode_weight(dtype: Dtype, d: &[u8], file: &Path, name: &str) -> Result<Vec<f32>> {
     let values = decode_f32(dtype, d, file, name)?;
-    if let Some(i) = values.iter().position(|x| !x.is_finite()) {
-        return Err(EngineError::format(
+    check_finite(&values, 0, file, name)?;
+    Ok(values)
+}
+
+/// Refuses a non-finite weight (`values` start at flat index `at` of tensor `name`).
+fn check_finite(values: &[f32], at: usize, file: &Path, name: &str) -> Result<()> {
+    match values.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(EngineError::format(
             file,
             format!(
-                "tensor `{name}` holds a non-finite value ({} at flat index {i}): the weights are damaged; use an intact copy",
-                values[i]
+                "tensor `{name}` holds a non-finite value ({} at flat index {}): the weights are damaged; use an intact copy",
+                values[i],
+                at + i
             ),
-        ));
+        )),
+        None => Ok(()),
     }
-    Ok(values)
 }
 
 /// Little-endian values of `dtype` as f32 (exact for bf16 and f16).
 pub fn decode_f32(dtype: Dtype, d: &[u8], file: &Path, name: &str) -> Result<Vec<f32>> {
-    let out = match dtype {
-        Dtype::F32 => d
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => d
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => d
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F64 => d
-            .chunks_exact(8)
-            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
-            .collect(),
+    let width = (dtype.bitsize() / 8).max(1);
+    let mut out = vec![0f32; d.len() / width];
+    decode_into(dtype, d, &mut out, file, name)?;
+    Ok(out)
+}
+
+/// Little-endian values of `dtype` into `out`, as f32 (exact for bf16 and f16).
+fn decode_into(dtype: Dtype, d: &[u8], out: &mut [f32], file: &Path, name: &str) -> Result<()> {
+    match dtype {
+        Dtype::F32 => {
+            for (x, b) in out.iter_mut().zip(d.chunks_exact(4)) {
+                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Dtype::BF16 => {
+            for (x, b) in out.iter_mut().zip(d.chunks_exact(2)) {
+                *x = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        Dtype::F16 => {
+            for (x, b) in out.iter_mut().zip(d.chunks_exact(2)) {
+                *x = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        Dtype::F64 => {
+            for (x, b) in out.iter_mut().zip(d.chunks_exact(8)) {
+                *x = f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32;
+            }
+        }
         other => {
             return Err(EngineError::format(
                 file,
                 format!("tensor `{name}` has unsupported dtype {other:?}"),
             ))
         }
-    };
-    Ok(out)
+    }
+    Ok(())
 }
 
 /// One array of a safetensors file: its dtype, shape and where its bytes are in the file.
@@ -423,7 +442,7 @@ impl WeightReader {
         let file = &self.files[*k];
         let width = info.dtype.bitsize() / 8;
         // Requests: the longest stretches of runs that follow each other in the file with no
-        // padding between them, each with the padding after it.
+        // padding between them (bytes, the first element, elements, padding after).
         let mut requests = Vec::new();
         let mut i = 0;
         while i < runs.len() {
@@ -433,34 +452,62 @@ impl WeightReader {
             }
             let (first, last) = (runs[i].0.start, runs[j].0.end);
             let at = (info.bytes.start + first * width) as u64;
-            requests.push((at..at + ((last - first) * width) as u64, runs[j].1));
+            let bytes = at..at + ((last - first) * width) as u64;
+            requests.push((bytes, first, last - first, runs[j].1));
             i = j + 1;
         }
-        let fetch = |(range, pad): &(std::ops::Range<u64>, usize)| -> Result<Vec<f32>> {
-            let bytes = file.read_at(range.clone())?;
-            let mut v = decode_weight(info.dtype, &bytes, &file.location.as_error_path(), name)?;
-            v.resize(v.len() + pad, 0.0);
-            Ok(v)
+        // Each request's values go straight to their place in the shard (the padding stays zero):
+        // a reader holds the shard and one request's bytes, never a second copy.
+        let total = requests.iter().map(|r| r.2 + r.3).sum();
+        let mut out = vec![0f32; total];
+        let mut places = Vec::with_capacity(requests.len());
+        let mut rest = out.as_mut_slice();
+        for r in &requests {
+            let (mine, after) = rest.split_at_mut(r.2 + r.3);
+            places.push((r, &mut mine[..r.2]));
+            rest = after;
+        }
+        let path = file.location.as_error_path();
+        let fetch = |(r, dst): &mut (&(std::ops::Range<u64>, usize, usize, usize), &mut [f32])| {
+            match (&file.local, info.dtype) {
+                // f32 on disk: read into place, no byte buffer beside it.
+                (Some(f), Dtype::F32) => {
+                    use std::os::unix::fs::FileExt;
+                    // SAFETY: any 4 bytes are a valid f32; the view covers exactly `dst`.
+                    let raw = unsafe {
+                        std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), dst.len() * 4)
+                    };
+                    f.read_exact_at(raw, r.0.start)
+                        .map_err(|e| EngineError::io(&path, e))?;
+                    for x in dst.iter_mut() {
+                        *x = f32::from_bits(u32::from_le(x.to_bits()));
+                    }
+                }
+                _ => {
+                    let bytes = file.read_at(r.0.clone())?;
+                    decode_into(info.dtype, &bytes, dst, &path, name)?;
+                }
+            }
+            check_finite(dst, r.1, &path, name)
         };
         // A column cut is one request per row: on an object store, where each request waits a
         // round trip, they go several at a time (the HTTP agent keeps a connection per worker).
-        let parts: Vec<Vec<f32>> = if file.local.is_none() && requests.len() > 1 {
-            let per = requests.len().div_ceil(REQUESTS_IN_FLIGHT);
+        if file.local.is_none() && places.len() > 1 {
+            let per = places.len().div_ceil(REQUESTS_IN_FLIGHT);
             std::thread::scope(|scope| {
-                let workers: Vec<_> = requests
-                    .chunks(per)
-                    .map(|chunk| scope.spawn(move || chunk.iter().map(fetch).collect::<Vec<_>>()))
+                let workers: Vec<_> = places
+                    .chunks_mut(per)
+                    .map(|chunk| scope.spawn(|| chunk.iter_mut().try_for_each(fetch)))
                     .collect();
                 workers
                     .into_iter()
-                    .flat_map(|w| w.join().expect("a reading thread panicked"))
-                    .collect::<Result<_>>()
-            })?
+                    .try_for_each(|w| w.join().expect("a reading thread panicked"))
+            })?;
         } else {
-            requests.iter().map(fetch).collect::<Result<_>>()?
-        };
-        let read = requests.iter().map(|(r, _)| r.end - r.start).sum();
-        Ok((parts.concat(), read))
+            places.iter_mut().try_for_each(fetch)?;
+        }
+        let read = requests.iter().map(|r| r.0.end - r.0.start).sum();
+        Ok((out, read))
     }
 }
 
