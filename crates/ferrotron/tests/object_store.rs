@@ -236,3 +236,104 @@ fn plan_and_verify_take_an_s3_model() {
     let o = ferrotron(&["verify", "--model", model, "--layout", "tp=2"]);
     assert!(o.status.success(), "verify: {}", stderr(&o));
 }
+
+/// The training loss of every step of a run's `metrics.jsonl`.
+fn losses(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// `train` of llama-tiny (common::train_args) with this server's variables.
+fn train(out: &Path, steps: &str, extra: &[&str]) -> Output {
+    let args = common::train_args(out, steps, extra);
+    ferrotron(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+#[test]
+fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do() {
+    server();
+    let dir = temp_dir("s3-checkpoints");
+    let remote = "s3://models/run-checkpoints";
+    let local_ck = dir.join("local-checkpoints");
+    for (ck, out) in [
+        (remote, dir.join("s3")),
+        (path(&local_ck), dir.join("local")),
+    ] {
+        let o = train(
+            &out,
+            "4",
+            &[
+                "--layout",
+                "dp=2",
+                "--checkpoint-every",
+                "2",
+                "--checkpoint-dir",
+                ck,
+            ],
+        );
+        assert!(o.status.success(), "{ck}: {}", stderr(&o));
+    }
+    // Two complete checkpoints and `latest` on the store.
+    let root = Location::parse(remote).unwrap();
+    assert_eq!(
+        String::from_utf8(root.join("latest").read(100).unwrap())
+            .unwrap()
+            .trim(),
+        "step-000004"
+    );
+    for step in ["step-000002", "step-000004"] {
+        assert!(
+            root.join(step).join("manifest.json").exists().unwrap(),
+            "{step}"
+        );
+    }
+    let o = ferrotron(&["checkpoint", "inspect", remote]);
+    assert!(o.status.success(), "inspect: {}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("checksums OK"));
+
+    // Resumed on another layout, from the store and from disk: the same continuation.
+    for (ck, out) in [
+        (remote, dir.join("s3")),
+        (path(&local_ck), dir.join("local")),
+    ] {
+        let o = train(
+            &out,
+            "6",
+            &[
+                "--layout",
+                "tp=2",
+                "--resume",
+                ck,
+                "--checkpoint-every",
+                "2",
+                "--checkpoint-dir",
+                ck,
+            ],
+        );
+        assert!(o.status.success(), "resume {ck}: {}", stderr(&o));
+    }
+    assert_eq!(losses(&dir.join("s3")), losses(&dir.join("local")));
+    assert_eq!(losses(&dir.join("s3")).len(), 6);
+}
+
+#[test]
+fn a_checkpoint_directory_on_a_missing_bucket_is_refused_before_training() {
+    let dir = temp_dir("s3-no-bucket");
+    let o = train(&dir, "2", &["--checkpoint-dir", "s3://no-such-bucket/ck"]);
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains("s3://no-such-bucket") && e.contains("does not exist"),
+        "{e}"
+    );
+    assert!(
+        !dir.join("metrics.jsonl").exists(),
+        "refused before training"
+    );
+}

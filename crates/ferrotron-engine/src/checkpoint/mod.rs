@@ -13,6 +13,7 @@
 
 mod layout;
 mod read;
+pub mod remote;
 mod slice;
 mod tools;
 mod write;

@@ -170,9 +170,26 @@ impl Checkpoint {
         ))
     }
 
+    /// [`Checkpoint::resolve`] for a local directory or an `s3://` prefix: where the checkpoint
+    /// `path` names is, without reading it.
+    pub fn locate(path: &Path) -> Result<crate::storage::Location> {
+        use crate::storage::Location;
+        match Location::parse(&path.to_string_lossy())? {
+            Location::Local(p) => Ok(Location::Local(Self::resolve(&p)?)),
+            remote => Ok(super::remote::resolve(&remote)?.0),
+        }
+    }
+
     /// Opens and verifies the checkpoint at `path` (a checkpoint directory, or a directory of them
     /// with a `latest` file). Every file is hashed; nothing is trusted that does not check out.
     pub fn open(path: &Path) -> Result<Self> {
+        // On an object store: downloaded into the cache, then checked like any local one.
+        let spec = path.to_string_lossy();
+        if crate::storage::is_remote(&spec) {
+            let cache = ferrotron_core::topology::cache_dir().join("checkpoints");
+            let local = super::remote::fetch(&crate::storage::Location::parse(&spec)?, &cache)?;
+            return Self::open(&local);
+        }
         let dir = Self::resolve(path)?;
         let mpath = dir.join(MANIFEST);
         let manifest = read_manifest(&mpath)?;

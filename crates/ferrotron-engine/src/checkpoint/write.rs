@@ -12,6 +12,7 @@ use super::{
 use crate::comm::{Comm, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::hf::write_atomic;
+use crate::storage::Location;
 use ferrotron_core::layout::LayoutSpec;
 use safetensors::tensor::{Dtype, View};
 use sha2::{Digest, Sha256};
@@ -29,7 +30,7 @@ fn crash_point(point: &str, step: usize) -> bool {
     std::env::var(CRASH_ENV).is_ok_and(|v| v == format!("{point}@{step}"))
 }
 
-fn crash_at(point: &str, step: usize) {
+pub(super) fn crash_at(point: &str, step: usize) {
     if crash_point(point, step) {
         eprintln!("{CRASH_ENV}: aborting at `{point}` of the save of step {step}");
         std::process::abort();
@@ -230,33 +231,15 @@ pub fn commit(
             ));
         }
     }
-    let kinds: &[Kind] = if manifest.optimizer.step > 0 {
-        &Kind::ALL
-    } else {
-        &[Kind::Param]
+    let tokenizer = match manifest.tokenizer_source.take() {
+        Some(src) => {
+            let copy = staging.join(TOKENIZER);
+            std::fs::copy(&src, &copy).map_err(|e| EngineError::io(&src, e))?;
+            Some(aux_file(&copy)?)
+        }
+        None => None,
     };
-    manifest.tensors = manifest_tensors(&manifest.model, manifest.lora.as_ref(), &layout, kinds)?;
-    manifest.files = files
-        .into_iter()
-        .map(|f| FileEntry {
-            rank: f.rank,
-            file: f.file,
-            bytes: f.bytes,
-            sha256: f.sha256,
-        })
-        .collect();
-    if let Some(src) = manifest.tokenizer_source.take() {
-        let copy = staging.join(TOKENIZER);
-        std::fs::copy(&src, &copy).map_err(|e| EngineError::io(&src, e))?;
-        let (bytes, sha256) = sha256_file(&copy)?;
-        manifest.tokenizer = Some(AuxFile {
-            file: TOKENIZER.into(),
-            bytes,
-            sha256,
-        });
-    }
-    manifest.checksum = Some(manifest.digest());
-    let text = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
+    let text = seal(&mut manifest, &layout, files, tokenizer)?;
     write_atomic(&staging.join(MANIFEST), text.as_bytes())?;
     sync_dir(staging)?;
     crash_at("rename", step);
@@ -276,6 +259,44 @@ pub fn commit(
     sync_dir(root)?;
     prune(root, keep)?;
     Ok(dir)
+}
+
+/// The tokenizer's entry in a manifest, from the file as it is stored (or uploaded).
+fn aux_file(file: &Path) -> Result<AuxFile> {
+    let (bytes, sha256) = sha256_file(file)?;
+    Ok(AuxFile {
+        file: TOKENIZER.into(),
+        bytes,
+        sha256,
+    })
+}
+
+/// Completes `manifest` for the rank `files` written under `layout` (every tensor's pieces, each
+/// file's size and SHA-256, the tokenizer, the manifest's own checksum); returns its JSON.
+fn seal(
+    manifest: &mut Manifest,
+    layout: &ferrotron_core::layout::Layout,
+    files: Vec<RankFile>,
+    tokenizer: Option<AuxFile>,
+) -> Result<String> {
+    let kinds: &[Kind] = if manifest.optimizer.step > 0 {
+        &Kind::ALL
+    } else {
+        &[Kind::Param]
+    };
+    manifest.tensors = manifest_tensors(&manifest.model, manifest.lora.as_ref(), layout, kinds)?;
+    manifest.files = files
+        .into_iter()
+        .map(|f| FileEntry {
+            rank: f.rank,
+            file: f.file,
+            bytes: f.bytes,
+            sha256: f.sha256,
+        })
+        .collect();
+    manifest.tokenizer = tokenizer;
+    manifest.checksum = Some(manifest.digest());
+    Ok(serde_json::to_string_pretty(&*manifest).expect("the manifest serialises"))
 }
 
 /// Swaps two directories atomically (Linux `renameat2(RENAME_EXCHANGE)`).
@@ -350,11 +371,13 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
 }
 
 /// Saves a checkpoint from every rank of `c`'s world at once (every rank calls it with its own
-/// arrays; rank 0 with the manifest). Rank 0 prepares the staging directory, every rank writes its
-/// file and reports its size and hash to rank 0, which commits; every rank returns rank 0's verdict.
+/// arrays; rank 0 with the manifest), under a local directory or an `s3://` prefix. Rank 0 prepares
+/// (a staging directory; on an object store, the step's prefix), every rank writes its file (on an
+/// object store: into a local spool, then uploaded from its own host) and reports its size and hash
+/// to rank 0, which commits; every rank returns rank 0's verdict.
 pub fn save_distributed<C: Comm>(
     c: &mut C,
-    root: &Path,
+    root: &Location,
     step: usize,
     arrays: &[RankArrays],
     manifest: Option<Manifest>,
@@ -363,22 +386,38 @@ pub fn save_distributed<C: Comm>(
     const TAG: u64 = 1 << 58;
     let (rank, world) = (c.rank(), c.world_size());
     let all = Group::new("world", (0..world).collect());
-    let staging = staging_dir(root, step);
-    let prepared = if rank == 0 {
-        prepare_staging(root, step).map(|_| ())
-    } else {
-        Ok(())
+    // Where rank files are written first: the staging directory, or a spool of this host's.
+    let written_in = match root {
+        Location::Local(root) => staging_dir(root, step),
+        Location::S3(_) => ferrotron_core::topology::cache_dir()
+            .join("spool")
+            .join(format!("{}-{}", std::process::id(), step_dir_name(step))),
+    };
+    let prepared = match (rank, root) {
+        (0, Location::Local(root)) => prepare_staging(root, step).map(|_| ()),
+        (0, Location::S3(_)) => super::remote::prepare(root, step),
+        _ => Ok(()),
     };
     let mut failed = [f64::from(prepared.is_err())];
     c.all_reduce(&all, &mut failed, ReduceOp::Sum)?;
     prepared?;
     if failed[0] > 0.0 {
         return Err(EngineError::Invalid(format!(
-            "checkpoint of step {step}: rank 0 could not create {}",
-            staging.display()
+            "checkpoint of step {step}: rank 0 could not prepare it under {root}"
         )));
     }
-    let written = write_rank_file(&staging, rank, step, arrays);
+    let written = match root {
+        Location::Local(_) => write_rank_file(&written_in, rank, step, arrays),
+        Location::S3(_) => std::fs::create_dir_all(&written_in)
+            .map_err(|e| EngineError::io(&written_in, e))
+            .and_then(|_| write_rank_file(&written_in, rank, step, arrays))
+            .and_then(|f| {
+                let local = written_in.join(&f.file);
+                let uploaded = super::remote::upload_rank_file(root, step, &local, &f.file);
+                let _ = std::fs::remove_file(&local);
+                uploaded.map(|_| f)
+            }),
+    };
     // Size and SHA-256 (as four 64-bit words); a negative size reports a failure.
     let report = |f: &Result<RankFile>| -> [f64; 5] {
         let mut out = [-1f64; 5];
@@ -427,15 +466,38 @@ pub fn save_distributed<C: Comm>(
                     .collect(),
             });
         }
-        commit(
-            root,
-            &staging,
-            manifest.expect("rank 0 brings the manifest"),
-            files,
-            keep,
-        )
+        let manifest = manifest.expect("rank 0 brings the manifest");
+        match root {
+            Location::Local(root) => commit(root, &written_in, manifest, files, keep).map(|_| ()),
+            Location::S3(_) => commit_remote(root, manifest, files, keep),
+        }
     });
     verdict[0] = f64::from(result.is_err());
     c.all_reduce(&all, &mut verdict, ReduceOp::Sum)?;
-    result.map(|_| ())
+    result
+}
+
+/// [`commit`] on an object store: every rank's file is uploaded; the manifest, then `latest`.
+fn commit_remote(
+    root: &Location,
+    mut manifest: Manifest,
+    files: Vec<RankFile>,
+    keep: usize,
+) -> Result<()> {
+    let step = manifest.step;
+    let layout = LayoutSpec::parse(&manifest.layout)?.layout;
+    if files.len() != manifest.world_size {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint of step {step}: {} rank files for {} ranks",
+            files.len(),
+            manifest.world_size
+        )));
+    }
+    let tokenizer_source = manifest.tokenizer_source.take();
+    let tokenizer = match &tokenizer_source {
+        Some(src) => Some(aux_file(src)?),
+        None => None,
+    };
+    let text = seal(&mut manifest, &layout, files, tokenizer)?;
+    super::remote::commit(root, step, &text, tokenizer_source.as_deref(), keep).map(|_| ())
 }

@@ -9,14 +9,15 @@ use crate::checkpoint::{
 use crate::error::{EngineError, Result};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::Device;
+use crate::storage::Location;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{LoraConfig, ModelConfig};
 use ferrotron_core::precision::BaseQuantization;
-use std::path::PathBuf;
 
 /// When and where a run saves, and the manifest fields every save shares.
 pub struct CheckpointPlan {
-    pub root: PathBuf,
+    /// A local directory or an `s3://` prefix.
+    pub root: Location,
     pub every: usize,
     pub keep: usize,
     pub total_steps: usize,
@@ -31,9 +32,9 @@ impl CheckpointPlan {
         adam: AdamWConfig,
         schedule: LrSchedule,
         tokenizer: &std::path::Path,
-    ) -> Self {
-        Self {
-            root: cfg.checkpoint_root(),
+    ) -> Result<Self> {
+        Ok(Self {
+            root: cfg.checkpoint_location()?,
             every: cfg.checkpointing.checkpoint_every,
             keep: cfg.checkpointing.keep_checkpoints,
             total_steps: cfg.optimizer.steps,
@@ -63,7 +64,7 @@ impl CheckpointPlan {
                 quantize_base: None,
                 checksum: None,
             },
-        }
+        })
     }
 
     /// LoRA: the checkpoints hold the adapters of `lora`, trained on `base_model` (quantized as

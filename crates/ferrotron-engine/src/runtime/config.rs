@@ -350,6 +350,11 @@ impl TrainConfig {
             .unwrap_or_else(|| self.checkpointing.out_dir.join("checkpoints"))
     }
 
+    /// [`TrainConfig::checkpoint_root`] as a location: a local directory or an `s3://` prefix.
+    pub fn checkpoint_location(&self) -> Result<crate::storage::Location> {
+        crate::storage::Location::parse(&self.checkpoint_root().to_string_lossy())
+    }
+
     /// The hang drill's device and step (`inject_hang`), checked.
     pub fn inject_hang(&self) -> Result<Option<(usize, usize)>> {
         let Some(text) = &self.logging.inject_hang else {

@@ -122,14 +122,13 @@ pub(super) fn run_device<C: Comm>(
             let dir = run
                 .checkpoints
                 .root
-                .join(crate::checkpoint::step_dir_name(done));
+                .join(&crate::checkpoint::step_dir_name(done));
             return Err(EngineError::Preempted {
                 signal: super::preemption::received().unwrap_or(libc::SIGTERM),
                 step: done,
                 saved: format!(
-                    "its checkpoint is {}; continue the run with --resume {}",
-                    dir.display(),
-                    run.checkpoints.root.display()
+                    "its checkpoint is {dir}; continue the run with --resume {}",
+                    run.checkpoints.root
                 ),
             });
         }

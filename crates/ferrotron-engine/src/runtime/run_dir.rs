@@ -6,6 +6,7 @@ use super::config::TrainConfig;
 use crate::checkpoint::Checkpoint;
 use crate::dir_lock::{self, DirLock, Stale};
 use crate::error::{EngineError, Result};
+use crate::storage::Location;
 use std::path::{Path, PathBuf};
 
 /// What marks a directory as holding a run.
@@ -25,7 +26,7 @@ const RUN_OUTPUTS: [&str; 5] = [
 /// until the run ends.
 pub(super) fn claim(cfg: &TrainConfig) -> Result<Vec<DirLock>> {
     let out = &cfg.checkpointing.out_dir;
-    let checkpoints = cfg.checkpoint_root();
+    let checkpoints = cfg.checkpoint_location()?;
     // A run that died holding the lock is continued by --resume or replaced by --overwrite.
     let stale = if cfg.checkpointing.overwrite || cfg.checkpointing.resume.is_some() {
         Stale::TakeOver
@@ -35,8 +36,11 @@ pub(super) fn claim(cfg: &TrainConfig) -> Result<Vec<DirLock>> {
         )
     };
     let mut locks = vec![dir_lock::acquire(out, "train", stale)?];
-    if !within(&checkpoints, out) {
-        locks.push(dir_lock::acquire(&checkpoints, "train", stale)?);
+    // An object store has no locks: its prefix is the run directory's (locked) to write.
+    if let Location::Local(dir) = &checkpoints {
+        if !within(dir, out) {
+            locks.push(dir_lock::acquire(dir, "train", stale)?);
+        }
     }
     check_and_clear(cfg, out, &checkpoints)?;
     // Found now rather than at the first save, after the training it was meant to keep.
@@ -46,9 +50,9 @@ pub(super) fn claim(cfg: &TrainConfig) -> Result<Vec<DirLock>> {
     Ok(locks)
 }
 
-fn check_and_clear(cfg: &TrainConfig, out: &Path, checkpoints: &Path) -> Result<()> {
+fn check_and_clear(cfg: &TrainConfig, out: &Path, checkpoints: &Location) -> Result<()> {
     let holds_run = RUN_FILES.iter().any(|f| out.join(f).exists());
-    let holds_checkpoints = checkpoints.join(crate::checkpoint::LATEST).exists();
+    let holds_checkpoints = checkpoints.join(crate::checkpoint::LATEST).exists()?;
     if !holds_run && !holds_checkpoints {
         // Files a run would write, not written by a run (a user's model in `model/`): replacing
         // them needs --overwrite.
@@ -67,11 +71,10 @@ fn check_and_clear(cfg: &TrainConfig, out: &Path, checkpoints: &Path) -> Result<
     }
     if cfg.checkpointing.overwrite {
         if let Some(from) = &cfg.checkpointing.resume {
-            let ck = Checkpoint::resolve(from)?;
-            if within(&ck, checkpoints) {
+            let ck = Checkpoint::locate(from)?;
+            if ck_within(&ck, checkpoints) {
                 return Err(EngineError::Invalid(format!(
-                    "--overwrite would delete {}, the checkpoint --resume continues from; resume without --overwrite, or resume into a new --out-dir",
-                    ck.display()
+                    "--overwrite would delete {ck}, the checkpoint --resume continues from; resume without --overwrite, or resume into a new --out-dir"
                 )));
             }
         }
@@ -79,22 +82,20 @@ fn check_and_clear(cfg: &TrainConfig, out: &Path, checkpoints: &Path) -> Result<
     }
     match &cfg.checkpointing.resume {
         Some(from) => {
-            let ck = Checkpoint::resolve(from)?;
-            if within(&ck, checkpoints) {
+            let ck = Checkpoint::locate(from)?;
+            if ck_within(&ck, checkpoints) {
                 Ok(()) // continuing this directory's own run
             } else {
                 Err(EngineError::Invalid(format!(
-                    "{} holds another run: resuming {} into it would mix the two; give a new --out-dir (or --overwrite to replace it)",
+                    "{} holds another run: resuming {ck} into it would mix the two; give a new --out-dir (or --overwrite to replace it)",
                     describe(out, checkpoints, holds_run),
-                    ck.display()
                 )))
             }
         }
         None => Err(EngineError::Invalid(match last_step(checkpoints) {
             Some(step) => format!(
-                "{} already holds a run (last checkpoint: {step}); continue it with --resume {}, replace it with --overwrite, or give a new --out-dir",
+                "{} already holds a run (last checkpoint: {step}); continue it with --resume {checkpoints}, replace it with --overwrite, or give a new --out-dir",
                 describe(out, checkpoints, holds_run),
-                checkpoints.display()
             ),
             // Stopped before its first checkpoint: there is nothing to continue from.
             None => format!(
@@ -106,40 +107,54 @@ fn check_and_clear(cfg: &TrainConfig, out: &Path, checkpoints: &Path) -> Result<
 }
 
 /// Creates `dir` and a file in it, then removes the file: a read-only or full checkpoint directory
-/// is an error before the run starts.
-fn probe_writable(dir: &Path) -> Result<()> {
-    let refuse = |e: std::io::Error| {
+/// (on an object store: a missing bucket, credentials that may not write) is an error before the
+/// run starts.
+fn probe_writable(dir: &Location) -> Result<()> {
+    let refuse = |e: String| {
         EngineError::Invalid(format!(
-            "checkpoint directory `{}` cannot be written ({e}): the run could not save what it trains; give a writable --checkpoint-dir or --out-dir",
-            dir.display()
+            "checkpoint directory `{dir}` cannot be written ({e}): the run could not save what it trains; give a writable --checkpoint-dir or --out-dir"
         ))
     };
-    std::fs::create_dir_all(dir).map_err(refuse)?;
-    let probe = dir.join(format!(".write-probe.{}", std::process::id()));
-    std::fs::write(&probe, b"probe").map_err(refuse)?;
-    std::fs::remove_file(&probe).map_err(refuse)
+    if let Location::Local(p) = dir {
+        std::fs::create_dir_all(p).map_err(|e| refuse(e.to_string()))?;
+    }
+    dir.check_reachable()?;
+    let probe = dir.join(&format!(".write-probe.{}", std::process::id()));
+    probe.write(b"probe").map_err(|e| refuse(e.to_string()))?;
+    probe.remove().map_err(|e| refuse(e.to_string()))
+}
+
+/// Whether the checkpoint `ck` lies under the checkpoint directory `dir`.
+fn ck_within(ck: &Location, dir: &Location) -> bool {
+    match (ck, dir) {
+        (Location::Local(c), Location::Local(d)) => within(c, d),
+        (Location::S3(c), Location::S3(d)) => {
+            c.bucket == d.bucket
+                && (d.key.is_empty() || c.key == d.key || c.key.starts_with(&format!("{}/", d.key)))
+        }
+        _ => false,
+    }
 }
 
 fn is_empty_dir(p: &Path) -> bool {
     std::fs::read_dir(p).is_ok_and(|mut d| d.next().is_none())
 }
 
-fn describe(out: &Path, checkpoints: &Path, holds_run: bool) -> String {
+fn describe(out: &Path, checkpoints: &Location, holds_run: bool) -> String {
     if holds_run {
         format!("`{}`", out.display())
     } else {
-        format!("checkpoint directory `{}`", checkpoints.display())
+        format!("checkpoint directory `{checkpoints}`")
     }
 }
 
 /// The step directory `latest` names, if any.
-fn last_step(checkpoints: &Path) -> Option<String> {
-    let name = ferrotron_core::bounded::read_to_string(
-        &checkpoints.join(crate::checkpoint::LATEST),
-        ferrotron_core::bounded::SMALL,
-    )
-    .ok()?;
-    Some(name.trim().to_string())
+fn last_step(checkpoints: &Location) -> Option<String> {
+    let name = checkpoints
+        .join(crate::checkpoint::LATEST)
+        .try_read(ferrotron_core::bounded::SMALL)
+        .ok()??;
+    Some(String::from_utf8_lossy(&name).trim().to_string())
 }
 
 /// Whether `path` lies inside `dir` (both made absolute; neither need exist beyond `path`).
@@ -157,7 +172,7 @@ fn absolute(p: &Path) -> Option<PathBuf> {
 }
 
 /// Deletes what the earlier run wrote: its outputs in `out` and its checkpoints.
-fn clear(out: &Path, checkpoints: &Path) -> Result<()> {
+fn clear(out: &Path, checkpoints: &Location) -> Result<()> {
     for name in RUN_OUTPUTS {
         let p = out.join(name);
         let gone = if p.is_dir() {
@@ -173,7 +188,10 @@ fn clear(out: &Path, checkpoints: &Path) -> Result<()> {
         }
     }
     // Only what a run writes there: the directory may be the user's, holding other things.
-    crate::checkpoint::remove_checkpoints(checkpoints)
+    match checkpoints {
+        Location::Local(dir) => crate::checkpoint::remove_checkpoints(dir),
+        remote => crate::checkpoint::remote::remove_checkpoints(remote),
+    }
 }
 
 /// Writes the run's resolved settings, `train_config.json`, into its (claimed) directory.

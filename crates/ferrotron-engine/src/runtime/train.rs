@@ -376,7 +376,7 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
             adam,
             schedule,
             &data.tokenizer_path,
-        )
+        )?
         .with_lora(
             sp.adapters.as_ref().map(|a| &a.config),
             base_model_name(&cfg.input.model),

@@ -92,10 +92,9 @@ fn announce(cfg: &TrainConfig) -> Result<()> {
         cfg.checkpointing.out_dir.display()
     );
     if let Some(from) = &cfg.checkpointing.resume {
-        let dir = ferrotron_engine::checkpoint::Checkpoint::resolve(from)?;
+        let dir = ferrotron_engine::checkpoint::Checkpoint::locate(from)?;
         eprintln!(
-            "resuming from {} on layout `{}`",
-            dir.display(),
+            "resuming from {dir} on layout `{}`",
             if cfg.parallelism.layout.text.is_empty() {
                 "dp=1,tp=1,pp=1"
             } else {
