@@ -97,30 +97,98 @@ fn a_crash_at_any_point_of_a_save_leaves_the_previous_checkpoint() {
         .unwrap()
         .status
         .success());
-    for point in ["rank-file", "manifest", "rename", "latest"] {
-        let out = temp_dir(&format!("crash-{point}"));
-        let o = train_cmd(&out, &corpus, 3, false)
-            .env(CRASH_ENV, format!("{point}@2"))
-            .output()
-            .unwrap();
-        assert!(!o.status.success(), "{point}: the hook aborts the save");
-        let root = out.join("checkpoints");
-        assert_eq!(
-            check_invariants(&root),
-            Some(1),
-            "{point}: `latest` still names step 1"
+    // Synchronous saves, and asynchronous ones (the crash then comes in the writing thread, or
+    // when the save is committed at a later step).
+    for asynchronous in [false, true] {
+        let with_mode = |mut c: Command| {
+            if asynchronous {
+                c.arg("--checkpoint-async");
+            }
+            c
+        };
+        for point in ["rank-file", "manifest", "rename", "latest"] {
+            let out = temp_dir(&format!("crash-{point}-{asynchronous}"));
+            let o = with_mode(train_cmd(&out, &corpus, 3, false))
+                .env(CRASH_ENV, format!("{point}@2"))
+                .output()
+                .unwrap();
+            assert!(!o.status.success(), "{point}: the hook aborts the save");
+            let root = out.join("checkpoints");
+            assert_eq!(
+                check_invariants(&root),
+                Some(1),
+                "{point} (async: {asynchronous}): `latest` still names step 1"
+            );
+            let o = with_mode(train_cmd(&out, &corpus, 3, true))
+                .output()
+                .unwrap();
+            assert!(
+                o.status.success(),
+                "{point}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            assert_eq!(check_invariants(&root), Some(3));
+            assert!(
+                final_params(&out) == final_params(&reference),
+                "{point} (async: {asynchronous}): resumed run differs from the uninterrupted one"
+            );
+        }
+    }
+}
+
+/// Every array of every rank file of checkpoint `dir`, by file and key, as bits.
+fn arrays(dir: &Path) -> std::collections::BTreeMap<(String, String), Vec<u32>> {
+    let mut out = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        if name.starts_with("rank-") {
+            for (key, (_, values)) in read_f32(&p) {
+                out.insert(
+                    (name.clone(), key),
+                    values.iter().map(|x| x.to_bits()).collect(),
+                );
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn asynchronous_saves_write_the_synchronous_state_and_record_their_stall() {
+    let corpus = corpus();
+    let (sync, asy) = (temp_dir("save-sync"), temp_dir("save-async"));
+    assert!(train_cmd(&sync, &corpus, 4, false)
+        .output()
+        .unwrap()
+        .status
+        .success());
+    let o = train_cmd(&asy, &corpus, 4, false)
+        .arg("--checkpoint-async")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Kept: the newest two, each bit for bit the synchronous save's state.
+    for step in ["step-000003", "step-000004"] {
+        let (a, b) = (
+            sync.join("checkpoints").join(step),
+            asy.join("checkpoints").join(step),
         );
-        let o = train_cmd(&out, &corpus, 3, true).output().unwrap();
+        assert!(!arrays(&a).is_empty());
         assert!(
-            o.status.success(),
-            "{point}: {}",
-            String::from_utf8_lossy(&o.stderr)
+            arrays(&a) == arrays(&b),
+            "{step}: the asynchronous save's arrays differ"
         );
-        assert_eq!(check_invariants(&root), Some(3));
-        assert!(
-            final_params(&out) == final_params(&reference),
-            "{point}: resumed run differs from the uninterrupted one"
-        );
+    }
+    assert_eq!(check_invariants(&asy.join("checkpoints")), Some(4));
+    // Every step saved (--checkpoint-every 1): each records how long its save held the devices.
+    for out in [&sync, &asy] {
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let stall = v["checkpoint_stall_s"].as_f64();
+            assert!(stall.is_some_and(|s| s > 0.0), "{line}");
+        }
     }
 }
 

@@ -337,3 +337,32 @@ fn a_checkpoint_directory_on_a_missing_bucket_is_refused_before_training() {
         "refused before training"
     );
 }
+
+#[test]
+fn asynchronous_saves_to_s3_commit_every_checkpoint() {
+    server();
+    let dir = temp_dir("s3-async");
+    let url = "s3://models/run-async";
+    let o = train(
+        &dir,
+        "4",
+        &[
+            "--layout",
+            "dp=2",
+            "--checkpoint-every",
+            "1",
+            "--checkpoint-async",
+            "--checkpoint-dir",
+            url,
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let root = Location::parse(url).unwrap();
+    let latest = root.join("latest").read(100).unwrap();
+    assert_eq!(String::from_utf8(latest).unwrap().trim(), "step-000004");
+    for step in 1..=4 {
+        let at = format!("{url}/step-{step:06}");
+        let o = ferrotron(&["checkpoint", "inspect", &at]);
+        assert!(o.status.success(), "{at}: {}", stderr(&o));
+    }
+}

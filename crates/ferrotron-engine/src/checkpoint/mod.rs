@@ -11,6 +11,7 @@
 //! Saving is atomic: rank files and the manifest go to a hidden staging directory, which is renamed
 //! to `step-NNNNNN` only when all are written, synced and checked; `latest` is replaced last.
 
+mod files;
 mod layout;
 mod read;
 pub mod remote;
@@ -25,8 +26,8 @@ pub use tools::{
     export_adapter, export_hf, export_merged, import_hf, inspect, load_params, reshard,
 };
 pub use write::{
-    commit, prepare_staging, prune, save_distributed, write_rank_file, RankArrays, RankFile,
-    CRASH_ENV,
+    begin_save, commit, finish_save, prepare_staging, prune, save_distributed, write_own,
+    write_rank_file, RankArrays, RankFile, CRASH_ENV,
 };
 
 use crate::optim::{AdamWConfig, LrSchedule};

@@ -203,7 +203,7 @@ impl Checkpoint {
                     format!("rank {}'s file is missing (the manifest lists it)", f.rank),
                 ));
             }
-            let (bytes, sha) = super::write::sha256_file(&path)?;
+            let (bytes, sha) = super::files::sha256_file(&path)?;
             if bytes != f.bytes || sha != f.sha256 {
                 return Err(EngineError::format(
                     &path,
@@ -220,7 +220,7 @@ impl Checkpoint {
         }
         if let Some(t) = &manifest.tokenizer {
             let path = crate::paths::contained(&dir, &t.file, &mpath)?;
-            let (bytes, sha) = super::write::sha256_file(&path)?;
+            let (bytes, sha) = super::files::sha256_file(&path)?;
             if bytes != t.bytes || sha != t.sha256 {
                 return Err(EngineError::format(
                     &path,

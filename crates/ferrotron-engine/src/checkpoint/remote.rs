@@ -115,9 +115,9 @@ pub fn commit(
     if let Some(t) = tokenizer {
         dir.join(TOKENIZER).upload_file(t)?;
     }
-    super::write::crash_at("manifest", step);
+    super::files::crash_at("manifest", step);
     dir.join(MANIFEST).write(manifest_text.as_bytes())?;
-    super::write::crash_at("latest", step);
+    super::files::crash_at("latest", step);
     root.join(LATEST).write(format!("{name}\n").as_bytes())?;
     prune(root, keep)?;
     Ok(dir)
@@ -193,7 +193,7 @@ pub fn fetch(root: &Location, cache: &Path) -> Result<PathBuf> {
         // A copy already in the cache is reused only when it is the file the manifest records
         // (an interrupted download is resumed file by file, never trusted by its size).
         let cached = std::fs::metadata(&to).is_ok_and(|m| m.len() == bytes)
-            && super::write::sha256_file(&to).is_ok_and(|(_, sha)| sha == sha256);
+            && super::files::sha256_file(&to).is_ok_and(|(_, sha)| sha == sha256);
         if !cached {
             download(&dir.join(file), &to)?;
         }

@@ -5,6 +5,8 @@
 //! were; a staging directory is never taken for a checkpoint (it has another name), and the next
 //! save clears it.
 
+pub use super::files::CRASH_ENV;
+use super::files::{crash_at, crash_point, sha256_file};
 use super::layout::{manifest_tensors, Holding};
 use super::{
     rank_file_name, step_dir_name, AuxFile, FileEntry, Kind, Manifest, LATEST, MANIFEST, TOKENIZER,
@@ -15,27 +17,9 @@ use crate::hf::write_atomic;
 use crate::storage::Location;
 use ferrotron_core::layout::LayoutSpec;
 use safetensors::tensor::{Dtype, View};
-use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-
-/// Testing: `point@step` (e.g. `manifest@2`) aborts the process at that point of the save of that
-/// step: `rank-file` (a rank file half written), `manifest` (rank files complete, no manifest),
-/// `rename` (manifest written, not renamed), `latest` (renamed, `latest` not yet replaced).
-pub const CRASH_ENV: &str = "FERROTRON_CHECKPOINT_CRASH";
-
-fn crash_point(point: &str, step: usize) -> bool {
-    std::env::var(CRASH_ENV).is_ok_and(|v| v == format!("{point}@{step}"))
-}
-
-pub(super) fn crash_at(point: &str, step: usize) {
-    if crash_point(point, step) {
-        eprintln!("{CRASH_ENV}: aborting at `{point}` of the save of step {step}");
-        std::process::abort();
-    }
-}
 
 /// What one rank saves: each holding with its master values and (after the first optimizer step)
 /// its two Adam moments, all over the holding's `flat` range.
@@ -79,24 +63,6 @@ fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(|e| EngineError::io(dir, e))
-}
-
-/// The SHA-256 of a file, read in blocks.
-pub(super) fn sha256_file(file: &Path) -> Result<(u64, String)> {
-    let mut f = std::fs::File::open(file).map_err(|e| EngineError::io(file, e))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 22];
-    let mut total = 0u64;
-    loop {
-        let n = f.read(&mut buf).map_err(|e| EngineError::io(file, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        total += n as u64;
-    }
-    let hex = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    Ok((total, hex))
 }
 
 /// The staging directory of step `step`'s checkpoint under `root`.
@@ -371,10 +337,8 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
 }
 
 /// Saves a checkpoint from every rank of `c`'s world at once (every rank calls it with its own
-/// arrays; rank 0 with the manifest), under a local directory or an `s3://` prefix. Rank 0 prepares
-/// (a staging directory; on an object store, the step's prefix), every rank writes its file (on an
-/// object store: into a local spool, then uploaded from its own host) and reports its size and hash
-/// to rank 0, which commits; every rank returns rank 0's verdict.
+/// arrays; rank 0 with the manifest), under a local directory or an `s3://` prefix:
+/// [`begin_save`], [`write_own`], [`finish_save`] in a row.
 pub fn save_distributed<C: Comm>(
     c: &mut C,
     root: &Location,
@@ -383,17 +347,23 @@ pub fn save_distributed<C: Comm>(
     manifest: Option<Manifest>,
     keep: usize,
 ) -> Result<()> {
-    const TAG: u64 = 1 << 58;
-    let (rank, world) = (c.rank(), c.world_size());
-    let all = Group::new("world", (0..world).collect());
-    // Where rank files are written first: the staging directory, or a spool of this host's.
+    let written_in = begin_save(c, root, step)?;
+    let written = write_own(root, &written_in, c.rank(), step, arrays);
+    finish_save(c, root, step, &written_in, written, manifest, keep)
+}
+
+/// The first part of a save, on every rank at once: rank 0 prepares (a staging directory; on an
+/// object store, the step's prefix) and every rank learns whether it could. Returns where this
+/// rank writes its file (the staging directory, or on an object store a spool of this host's).
+pub fn begin_save<C: Comm>(c: &mut C, root: &Location, step: usize) -> Result<PathBuf> {
+    let all = Group::new("world", (0..c.world_size()).collect());
     let written_in = match root {
         Location::Local(root) => staging_dir(root, step),
         Location::S3(_) => ferrotron_core::topology::cache_dir()
             .join("spool")
             .join(format!("{}-{}", std::process::id(), step_dir_name(step))),
     };
-    let prepared = match (rank, root) {
+    let prepared = match (c.rank(), root) {
         (0, Location::Local(root)) => prepare_staging(root, step).map(|_| ()),
         (0, Location::S3(_)) => super::remote::prepare(root, step),
         _ => Ok(()),
@@ -406,18 +376,45 @@ pub fn save_distributed<C: Comm>(
             "checkpoint of step {step}: rank 0 could not prepare it under {root}"
         )));
     }
-    let written = match root {
-        Location::Local(_) => write_rank_file(&written_in, rank, step, arrays),
-        Location::S3(_) => std::fs::create_dir_all(&written_in)
-            .map_err(|e| EngineError::io(&written_in, e))
-            .and_then(|_| write_rank_file(&written_in, rank, step, arrays))
-            .and_then(|f| {
-                let local = written_in.join(&f.file);
-                let uploaded = super::remote::upload_rank_file(root, step, &local, &f.file);
-                let _ = std::fs::remove_file(&local);
-                uploaded.map(|_| f)
-            }),
-    };
+    Ok(written_in)
+}
+
+/// This rank's file of step `step`, written into `written_in` (synced and hashed) and, on an object
+/// store, uploaded from there. Needs no other rank: an asynchronous save runs it on a thread.
+pub fn write_own(
+    root: &Location,
+    written_in: &Path,
+    rank: usize,
+    step: usize,
+    arrays: &[RankArrays],
+) -> Result<RankFile> {
+    match root {
+        Location::Local(_) => write_rank_file(written_in, rank, step, arrays),
+        Location::S3(_) => {
+            std::fs::create_dir_all(written_in).map_err(|e| EngineError::io(written_in, e))?;
+            let f = write_rank_file(written_in, rank, step, arrays)?;
+            let local = written_in.join(&f.file);
+            let uploaded = super::remote::upload_rank_file(root, step, &local, &f.file);
+            let _ = std::fs::remove_file(&local);
+            uploaded.map(|_| f)
+        }
+    }
+}
+
+/// The last part of a save, on every rank at once: every rank reports its file's size and hash
+/// (or its failure) to rank 0, which commits; every rank returns rank 0's verdict.
+pub fn finish_save<C: Comm>(
+    c: &mut C,
+    root: &Location,
+    step: usize,
+    written_in: &Path,
+    written: Result<RankFile>,
+    manifest: Option<Manifest>,
+    keep: usize,
+) -> Result<()> {
+    const TAG: u64 = 1 << 58;
+    let (rank, world) = (c.rank(), c.world_size());
+    let all = Group::new("world", (0..world).collect());
     // Size and SHA-256 (as four 64-bit words); a negative size reports a failure.
     let report = |f: &Result<RankFile>| -> [f64; 5] {
         let mut out = [-1f64; 5];
@@ -468,7 +465,7 @@ pub fn save_distributed<C: Comm>(
         }
         let manifest = manifest.expect("rank 0 brings the manifest");
         match root {
-            Location::Local(root) => commit(root, &written_in, manifest, files, keep).map(|_| ()),
+            Location::Local(root) => commit(root, written_in, manifest, files, keep).map(|_| ()),
             Location::S3(_) => commit_remote(root, manifest, files, keep),
         }
     });

@@ -3,9 +3,10 @@
 
 use super::config::TrainConfig;
 use crate::checkpoint::{
-    rank_holdings, Checkpoint, Kind, LossScalerState, Manifest, OptimizerState, RankArrays, FORMAT,
-    VERSION,
+    begin_save, finish_save, rank_holdings, save_distributed, write_own, Checkpoint, Kind,
+    LossScalerState, Manifest, OptimizerState, RankArrays, RankFile, FORMAT, VERSION,
 };
+use crate::comm::{Comm, Group, ReduceOp};
 use crate::error::{EngineError, Result};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::Device;
@@ -159,4 +160,94 @@ pub fn restore_device(ck: &Checkpoint, cfg: &ModelConfig, dev: &mut Device) -> R
     dev.zero
         .restore_optimizer(ck.manifest.optimizer.step, moments);
     Ok(())
+}
+
+/// A device's saves: each in the step that is due (synchronous), or (`checkpoint_async`) started
+/// there — the state already copied — and written by a thread while training goes on. At most
+/// one save is in flight; it is committed (`latest` moved) once every rank's file is written.
+pub(super) struct Saver {
+    asynchronous: bool,
+    pending: Option<PendingSave>,
+}
+
+/// A save in flight: this device's file being written by `writer`.
+struct PendingSave {
+    step: usize,
+    written_in: std::path::PathBuf,
+    writer: std::thread::JoinHandle<Result<RankFile>>,
+    /// Rank 0's manifest, committed when every file is written.
+    manifest: Option<Manifest>,
+}
+
+impl Saver {
+    pub(super) fn new(asynchronous: bool) -> Self {
+        Self {
+            asynchronous,
+            pending: None,
+        }
+    }
+
+    /// Saves the checkpoint after `done` steps: `arrays` are this device's state (copies),
+    /// `manifest` rank 0's. `now` makes it synchronous (a run that stops after this step).
+    pub(super) fn save<C: Comm>(
+        &mut self,
+        c: &mut C,
+        plan: &CheckpointPlan,
+        done: usize,
+        arrays: Vec<RankArrays>,
+        manifest: Option<Manifest>,
+        now: bool,
+    ) -> Result<()> {
+        self.finish(c, plan)?;
+        if !self.asynchronous || now {
+            return save_distributed(c, &plan.root, done, &arrays, manifest, plan.keep);
+        }
+        let written_in = begin_save(c, &plan.root, done)?;
+        let (root, dir, rank) = (plan.root.clone(), written_in.clone(), c.rank());
+        let writer = std::thread::spawn(move || write_own(&root, &dir, rank, done, &arrays));
+        self.pending = Some(PendingSave {
+            step: done,
+            written_in,
+            writer,
+            manifest,
+        });
+        Ok(())
+    }
+
+    /// After a step with a save in flight: every rank says whether its file is written (one
+    /// all-reduce); when all are, the save is committed.
+    pub(super) fn poll<C: Comm>(&mut self, c: &mut C, plan: &CheckpointPlan) -> Result<()> {
+        let Some(p) = &self.pending else {
+            return Ok(());
+        };
+        let mut writing = [f64::from(!p.writer.is_finished())];
+        let world = Group::new("world", (0..c.world_size()).collect());
+        c.all_reduce(&world, &mut writing, ReduceOp::Sum)?;
+        if writing[0] == 0.0 {
+            self.finish(c, plan)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the save in flight (if any) and commits it.
+    pub(super) fn finish<C: Comm>(&mut self, c: &mut C, plan: &CheckpointPlan) -> Result<()> {
+        let Some(p) = self.pending.take() else {
+            return Ok(());
+        };
+        let written = p.writer.join().unwrap_or_else(|_| {
+            Err(EngineError::Invalid(format!(
+                "checkpoint of step {}: the thread writing it panicked",
+                p.step
+            )))
+        });
+        finish_save(
+            c,
+            &plan.root,
+            p.step,
+            &p.written_in,
+            written,
+            p.manifest,
+            plan.keep,
+        )
+    }
 }

@@ -214,6 +214,10 @@ settings! {
             option [] checkpoint_dir: Option<PathBuf>;
             /// Keep only the newest this many checkpoints (0: keep all).
             value [] keep_checkpoints: usize = 0;
+            /// Save checkpoints in the background: the step's state is copied in memory and written
+            /// (uploaded) by a thread while training continues; at most one save is in flight, and
+            /// `latest` moves only once every rank's file is written.
+            value [] checkpoint_async: bool = false;
             /// Continue from this checkpoint (a `step-NNNNNN` directory, or a checkpoint directory whose
             /// `latest` names one), on this run's layout: the parameters and Adam moments are resharded
             /// to it, the data loader, LR schedule and loss scaler continue where they were.

@@ -3,11 +3,10 @@
 //! and finally gather the trained model onto device 0. The unsplit model is the 1×1×1 mesh and runs
 //! here too.
 
-use super::checkpointing::{device_arrays, restore_device};
+use super::checkpointing::{device_arrays, restore_device, Saver};
 use super::config::TrainConfig;
 use super::metrics::{collect_figures, Figures, StepFigures};
 use super::training_run::TrainingRun;
-use crate::checkpoint::save_distributed;
 use crate::comm::Comm;
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
@@ -76,6 +75,7 @@ pub(super) fn run_device<C: Comm>(
         stop: &|| super::preemption::received().is_some(),
     };
     let hang = cfg.inject_hang()?.filter(|&(rank, _)| rank == c.rank());
+    let mut saver = Saver::new(cfg.checkpointing.checkpoint_async);
     let trained = step.train_built(c, &training, dev, &mut |mesh, c, dev, report| {
         let mut mine = Figures::of(report);
         mine.model_bytes_read = model_bytes_read;
@@ -86,6 +86,20 @@ pub(super) fn run_device<C: Comm>(
             None
         };
         let eval_s = eval_started.elapsed().as_secs_f64();
+        let done = report.step + 1;
+        // Asked to stop: this step's checkpoint is saved (if it was not due anyway, and at once),
+        // then every device ends the run here. The time the save holds this device is its stall.
+        let save_started = std::time::Instant::now();
+        if run.checkpoints.due(done) || report.stop {
+            // The copies a save makes are the host's, not the device's.
+            memory::clear_device();
+            let saved = save_checkpoint(run, mesh, c, dev, done, &mut saver, report.stop);
+            memory::set_device(account);
+            saved?;
+            mine.checkpoint_stall_s = save_started.elapsed().as_secs_f64();
+        } else {
+            saver.poll(c, run.checkpoints)?;
+        }
         if let Some(devices) = collect_figures(c, world, mine)? {
             sink(StepFigures {
                 devices,
@@ -99,16 +113,6 @@ pub(super) fn run_device<C: Comm>(
                 skipped: report.skipped,
                 initial_val_loss: initial_val_loss.take(),
             })?;
-        }
-        let done = report.step + 1;
-        // Asked to stop: this step's checkpoint is saved (if it was not due anyway), then every
-        // device ends the run here.
-        if run.checkpoints.due(done) || report.stop {
-            // The copies a save makes are the host's, not the device's.
-            memory::clear_device();
-            let saved = save_checkpoint(run, mesh, c, dev, done);
-            memory::set_device(account);
-            saved?;
         }
         if let Some((rank, at)) = hang.filter(|&(_, at)| at == done) {
             // The drill: stop answering for twice the time the others wait, then give up too.
@@ -134,6 +138,8 @@ pub(super) fn run_device<C: Comm>(
         }
         Ok(())
     });
+    // The last save, when it is still being written.
+    let trained = trained.and_then(|dev| saver.finish(c, run.checkpoints).map(|_| dev));
     let mut dev = match trained {
         Ok(dev) => dev,
         Err(e) => {
@@ -182,13 +188,16 @@ fn evaluate<C: Comm>(
     v
 }
 
-/// Every device writes its part of the checkpoint after `done` steps; device 0 the manifest.
+/// Every device writes its part of the checkpoint after `done` steps; device 0 the manifest
+/// (`now`: at once, whether or not saves are asynchronous).
 fn save_checkpoint<C: Comm>(
     run: &TrainingRun,
     mesh: &MeshStep,
     c: &mut C,
     dev: &crate::parallel::Device,
     done: usize,
+    saver: &mut Saver,
+    now: bool,
 ) -> Result<()> {
     let arrays = device_arrays(run.model_cfg, mesh.lora(), &run.layout, dev)?;
     let manifest = (c.rank() == 0).then(|| {
@@ -199,8 +208,7 @@ fn save_checkpoint<C: Comm>(
             run.loader_after[done - 1 - run.start].clone(),
         )
     });
-    let ck = run.checkpoints;
-    save_distributed(c, &ck.root, done, &arrays, manifest, ck.keep)
+    saver.save(c, run.checkpoints, done, arrays, manifest, now)
 }
 
 /// Each device's coordinates.

@@ -89,9 +89,11 @@ pub(super) struct Figures {
     bytes_pp: u64,
     /// Bytes the device read from where the model is stored to build its shard.
     pub model_bytes_read: u64,
+    /// Seconds a checkpoint save held the device at the end of this step (0: none started).
+    pub checkpoint_stall_s: f64,
 }
 
-const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 1;
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 2;
 /// Tag of the figures message (above any pipeline or gathering tag).
 const FIGURES_TAG: u64 = 1 << 59;
 
@@ -109,6 +111,7 @@ impl Figures {
             // Pipeline traffic: the stage-to-stage transfers and the tied embedding's reduction.
             bytes_pp: by("p2p") + by("pp"),
             model_bytes_read: 0,
+            checkpoint_stall_s: 0.0,
         }
     }
     fn pack(&self) -> [f64; FIGURES] {
@@ -129,6 +132,7 @@ impl Figures {
             out[22 + t] = self.memory.at_peak[t] as f64;
         }
         out[29] = self.model_bytes_read as f64;
+        out[30] = self.checkpoint_stall_s;
         out
     }
     fn unpack(v: &[f64; FIGURES]) -> Self {
@@ -145,6 +149,7 @@ impl Figures {
         (f.bytes_sent, f.bytes_tp, f.bytes_dp, f.bytes_pp) =
             (v[18] as u64, v[19] as u64, v[20] as u64, v[21] as u64);
         f.model_bytes_read = v[29] as u64;
+        f.checkpoint_stall_s = v[30];
         f
     }
 }
@@ -297,7 +302,13 @@ impl<'a> MetricsWriter<'a> {
         f: StepFigures,
         on_step: &mut dyn FnMut(&StepReport),
     ) -> Result<()> {
-        let elapsed = (self.last_wall.elapsed().as_secs_f64() - f.eval_s).max(1e-9);
+        // Evaluations and checkpoint saves are not training: kept out of the step's time.
+        let stall = f
+            .devices
+            .iter()
+            .map(|d| d.checkpoint_stall_s)
+            .fold(0.0, f64::max);
+        let elapsed = (self.last_wall.elapsed().as_secs_f64() - f.eval_s - stall).max(1e-9);
         self.last_wall = Instant::now();
         // An asynchronous schedule's steps are reported together when their segment ends: each
         // takes its share of the segment's wall time (what device 0 measured), not the moments
@@ -366,6 +377,10 @@ impl<'a> MetricsWriter<'a> {
             );
             extra.insert("loss_scale".into(), f.loss_scale.into());
             extra.insert("skipped".into(), f.skipped.into());
+        }
+        if stall > 0.0 {
+            // A save started after this step: how long it held the devices (the longest).
+            extra.insert("checkpoint_stall_s".into(), stall.into());
         }
         // The run's first line says what was run, for a report made from the file alone.
         if f.step == 0 {
