@@ -188,6 +188,15 @@ fn asynchronous_saves_write_the_synchronous_state_and_record_their_stall() {
             let v: serde_json::Value = serde_json::from_str(line).unwrap();
             let stall = v["checkpoint_stall_s"].as_f64();
             assert!(stall.is_some_and(|s| s > 0.0), "{line}");
+            // The copy an asynchronous save holds is the planner's figure, byte for byte.
+            for d in v["devices"].as_array().unwrap() {
+                let measured = &d["checkpoint_snapshot_bytes"];
+                assert_eq!(out == &asy, measured.is_u64(), "{line}");
+                assert_eq!(
+                    measured, &d["predicted_checkpoint_snapshot_bytes"],
+                    "{line}"
+                );
+            }
         }
     }
 }

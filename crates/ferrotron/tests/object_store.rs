@@ -193,13 +193,10 @@ fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from
     let (_, local) = train(path(&fixture("llama_tiny")), &dir.join("local"));
     // llama_tiny: 4 query heads, 2 KV heads.
     let need = bytes_a_device_needs(&fixture("llama_tiny").join("model.safetensors"), 4, 2);
-    let read = remote[0]["run"]["model_bytes_read"]
-        .as_array()
-        .unwrap()
-        .clone();
-    assert_eq!(read.len(), 4, "one figure per device");
-    for (d, r) in read.iter().enumerate() {
-        let r = r.as_u64().unwrap();
+    let devices = remote[0]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 4);
+    for (d, device) in devices.iter().enumerate() {
+        let r = device["model_bytes_read"].as_u64().unwrap();
         assert!(
             r > 0 && r <= need,
             "device {d} read {r} bytes; it needs at most {need}"

@@ -465,6 +465,25 @@ pub fn split_backward_activations(
     Some(worst)
 }
 
+/// The host memory an asynchronous checkpoint holds for one device of `stage` while it is written:
+/// the copy of what the device saves — the f32 master values and both f32 Adam moments of the
+/// elements it owns (after ZeRO-1, its piece).
+pub fn checkpoint_snapshot_bytes(input: &PlanInput, l: &Layout, stage: usize) -> u64 {
+    let trainable = match &input.model {
+        PlanModel::ParamsOnly(p) => p / (l.tp * l.pp) as f64,
+        PlanModel::Shape(cfg) => match &input.lora {
+            Some(lora) => lora_params_on_device(cfg, lora, l, stage),
+            None => params_on_device(cfg, l, stage),
+        },
+    };
+    let owned = if l.zero >= 1 {
+        trainable / l.replicas() as f64
+    } else {
+        trainable
+    };
+    (12.0 * owned) as u64
+}
+
 /// Memory of one device of `stage`, holding `in_flight` chunk stashes at its peak.
 pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usize) -> MemoryTerms {
     let pr = &input.precision;

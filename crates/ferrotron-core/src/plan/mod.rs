@@ -185,6 +185,9 @@ pub struct Plan {
     /// The device with the largest total.
     pub memory_bytes: MemoryTerms,
     pub memory_bytes_per_stage: Vec<MemoryTerms>,
+    /// Per stage: the host memory an asynchronous checkpoint's copy holds while it is written
+    /// (`checkpoint_async`; not device memory).
+    pub checkpoint_snapshot_bytes: Vec<u64>,
     /// Transformer layers on one device of each stage (its chunks together); uneven when pp·vpp does
     /// not divide the layers or the layout names the split.
     pub layers_per_stage: Vec<usize>,
@@ -596,6 +599,9 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         num_micro_batches: m,
         memory_bytes: worst,
         memory_bytes_per_stage: stages,
+        checkpoint_snapshot_bytes: (0..l.pp)
+            .map(|s| memory::checkpoint_snapshot_bytes(input, l, s))
+            .collect(),
         layers_per_stage: match &input.model {
             PlanModel::Shape(cfg) => (0..l.pp).map(|s| stage_layers(cfg, l, s)).collect(),
             PlanModel::ParamsOnly(_) => Vec::new(),

@@ -95,7 +95,7 @@ pub(super) fn run_device<C: Comm>(
             memory::clear_device();
             let saved = save_checkpoint(run, mesh, c, dev, done, &mut saver, report.stop);
             memory::set_device(account);
-            saved?;
+            mine.checkpoint_snapshot_bytes = saved?;
             mine.checkpoint_stall_s = save_started.elapsed().as_secs_f64();
         } else {
             saver.poll(c, run.checkpoints)?;
@@ -189,7 +189,8 @@ fn evaluate<C: Comm>(
 }
 
 /// Every device writes its part of the checkpoint after `done` steps; device 0 the manifest
-/// (`now`: at once, whether or not saves are asynchronous).
+/// (`now`: at once, whether or not saves are asynchronous). Returns the bytes of the copy of this
+/// device's state the save took.
 fn save_checkpoint<C: Comm>(
     run: &TrainingRun,
     mesh: &MeshStep,
@@ -198,8 +199,13 @@ fn save_checkpoint<C: Comm>(
     done: usize,
     saver: &mut Saver,
     now: bool,
-) -> Result<()> {
+) -> Result<u64> {
     let arrays = device_arrays(run.model_cfg, mesh.lora(), &run.layout, dev)?;
+    let copied = arrays
+        .iter()
+        .map(|a| a.param.len() + a.moments.as_ref().map_or(0, |(m, v)| m.len() + v.len()))
+        .sum::<usize>() as u64
+        * 4;
     let manifest = (c.rank() == 0).then(|| {
         run.checkpoints.manifest(
             done,
@@ -208,7 +214,8 @@ fn save_checkpoint<C: Comm>(
             run.loader_after[done - 1 - run.start].clone(),
         )
     });
-    saver.save(c, run.checkpoints, done, arrays, manifest, now)
+    saver.save(c, run.checkpoints, done, arrays, manifest, now)?;
+    Ok(copied)
 }
 
 /// Each device's coordinates.

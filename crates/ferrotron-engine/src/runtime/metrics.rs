@@ -91,9 +91,11 @@ pub(super) struct Figures {
     pub model_bytes_read: u64,
     /// Seconds a checkpoint save held the device at the end of this step (0: none started).
     pub checkpoint_stall_s: f64,
+    /// Bytes of the copy of the device's state that save took.
+    pub checkpoint_snapshot_bytes: u64,
 }
 
-const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 2;
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 3;
 /// Tag of the figures message (above any pipeline or gathering tag).
 const FIGURES_TAG: u64 = 1 << 59;
 
@@ -112,6 +114,7 @@ impl Figures {
             bytes_pp: by("p2p") + by("pp"),
             model_bytes_read: 0,
             checkpoint_stall_s: 0.0,
+            checkpoint_snapshot_bytes: 0,
         }
     }
     fn pack(&self) -> [f64; FIGURES] {
@@ -133,6 +136,7 @@ impl Figures {
         }
         out[29] = self.model_bytes_read as f64;
         out[30] = self.checkpoint_stall_s;
+        out[31] = self.checkpoint_snapshot_bytes as f64;
         out
     }
     fn unpack(v: &[f64; FIGURES]) -> Self {
@@ -150,6 +154,7 @@ impl Figures {
             (v[18] as u64, v[19] as u64, v[20] as u64, v[21] as u64);
         f.model_bytes_read = v[29] as u64;
         f.checkpoint_stall_s = v[30];
+        f.checkpoint_snapshot_bytes = v[31] as u64;
         f
     }
 }
@@ -214,6 +219,8 @@ pub(super) struct MetricsWriter<'a> {
     last_val: Option<f64>,
     /// The validation loss before the first step (device 0 sends it with the first figures).
     initial_val_loss: Option<f64>,
+    /// Whether the run's first record (of this process) is written.
+    wrote_first: bool,
     /// Per device: steps in a row it computed above the straggler threshold.
     slow_steps: Vec<usize>,
 }
@@ -293,6 +300,7 @@ impl<'a> MetricsWriter<'a> {
             last_loss: f64::NAN,
             last_val: None,
             initial_val_loss: None,
+            wrote_first: false,
             slow_steps: vec![0; coords.len()],
         }
     }
@@ -330,12 +338,28 @@ impl<'a> MetricsWriter<'a> {
         if let Some(v) = f.val_loss {
             self.last_val = Some(v);
         }
-        let devices: Vec<serde_json::Value> = f
+        let mut devices: Vec<serde_json::Value> = f
             .devices
             .iter()
             .zip(self.summaries.iter_mut())
             .map(|(fig, sum)| device_json(fig, sum, dt))
             .collect();
+        if !self.wrote_first {
+            // What each device read of the stored model to build its shard (this process's first
+            // record: a resumed run reads its model again).
+            for (v, fig) in devices.iter_mut().zip(&f.devices) {
+                v["model_bytes_read"] = fig.model_bytes_read.into();
+            }
+            self.wrote_first = true;
+        }
+        if stall > 0.0 && self.run.cfg.checkpointing.checkpoint_async {
+            // The host memory the save's copy holds while it is written, beside the planner's.
+            for ((v, fig), sum) in devices.iter_mut().zip(&f.devices).zip(&self.summaries) {
+                v["checkpoint_snapshot_bytes"] = fig.checkpoint_snapshot_bytes.into();
+                v["predicted_checkpoint_snapshot_bytes"] =
+                    self.run.plan.checkpoint_snapshot_bytes[sum.stage].into();
+            }
+        }
         let memory = f
             .devices
             .iter()
@@ -384,7 +408,7 @@ impl<'a> MetricsWriter<'a> {
         }
         // The run's first line says what was run, for a report made from the file alone.
         if f.step == 0 {
-            extra.insert("run".into(), self.run_record(&f.devices));
+            extra.insert("run".into(), self.run_record());
         }
         let line = report.metrics_line(extra, devices);
         writeln!(self.file, "{line}").map_err(|e| EngineError::io(self.path, e))?;
@@ -392,9 +416,9 @@ impl<'a> MetricsWriter<'a> {
         Ok(())
     }
 
-    /// When the run started (Unix seconds), the model's parameters and those trained, the
-    /// validation loss before the first step, and the bytes each device read of the model.
-    fn run_record(&self, devices: &[Figures]) -> serde_json::Value {
+    /// When the run started (Unix seconds), the model's parameters and those trained, and the
+    /// validation loss before the first step.
+    fn run_record(&self) -> serde_json::Value {
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -403,7 +427,6 @@ impl<'a> MetricsWriter<'a> {
             "parameters": self.run.model_cfg.num_params(),
             "trained_parameters": self.run.trained_parameters(),
             "initial_val_loss": self.initial_val_loss,
-            "model_bytes_read": devices.iter().map(|d| d.model_bytes_read).collect::<Vec<_>>(),
         })
     }
 

@@ -88,6 +88,7 @@ fn plan_json(p: &Plan) -> serde_json::Value {
         },
         "memory_bytes": p.memory_bytes,
         "memory_bytes_per_stage": p.memory_bytes_per_stage,
+        "checkpoint_snapshot_bytes_per_stage": p.checkpoint_snapshot_bytes,
         "capacity_bytes": p.capacity_bytes,
         "usable_bytes": p.usable_bytes,
         "comm_bytes_per_step": p.comm_bytes_per_step,
