@@ -36,6 +36,32 @@ pub enum BenchCommand {
     /// LoRA on an NF4 base against LoRA on the bf16 (and f32) base: tokens/s, the weights term
     /// measured and predicted, bytes per quantized parameter.
     Qlora(LoraBench),
+    /// How long a checkpoint save holds training: synchronous against asynchronous
+    /// (`checkpoint_async`), alternated rounds of the same run.
+    Checkpoint(CheckpointBench),
+}
+
+#[derive(Args)]
+pub struct CheckpointBench {
+    /// A preset or a Hugging Face model directory.
+    #[arg(long, default_value = "llama-small")]
+    model: String,
+    /// The layout the runs train on.
+    #[arg(long, default_value = "")]
+    layout: String,
+    /// Steps of each run.
+    #[arg(long, value_parser = positive(), default_value_t = 12)]
+    steps: usize,
+    /// A save every this many steps.
+    #[arg(long, value_parser = positive(), default_value_t = 3)]
+    every: usize,
+    /// Rounds, each one synchronous and one asynchronous run.
+    #[arg(long, value_parser = positive(), default_value_t = 3)]
+    rounds: usize,
+    /// Where the checkpoints go: a directory or an `s3://` prefix (each run under its own name;
+    /// default: each run's directory).
+    #[arg(long)]
+    to: Option<String>,
 }
 
 #[derive(Args)]
@@ -248,6 +274,14 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         }
         BenchCommand::Lora(b) => super::bench_lora::run(b.args()),
         BenchCommand::Qlora(b) => super::bench_qlora::run(b.args()),
+        BenchCommand::Checkpoint(b) => super::bench_checkpoint::run(
+            &b.model,
+            &b.layout,
+            b.steps,
+            b.every,
+            b.rounds,
+            b.to.as_deref(),
+        ),
         BenchCommand::Predict(b) => {
             let layouts = if b.layouts.is_empty() {
                 super::bench_predict::LAYOUTS.map(String::from).to_vec()

@@ -1,6 +1,7 @@
 pub mod backend;
 pub mod bench;
 mod bench_async;
+mod bench_checkpoint;
 mod bench_context;
 mod bench_lora;
 mod bench_predict;
