@@ -363,3 +363,76 @@ fn asynchronous_saves_to_s3_commit_every_checkpoint() {
         assert!(o.status.success(), "{at}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn checkpoint_import_reshard_export_and_inspect_take_s3_at_both_ends() {
+    server();
+    upload(&fixture("gpt2_tiny"), "s3://models/gpt2_tiny");
+    let dir = temp_dir("s3-tools");
+    let run = |args: &[&str]| {
+        let o = ferrotron(args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    run(&[
+        "checkpoint",
+        "import",
+        "s3://models/gpt2_tiny",
+        "--out",
+        "s3://models/tools/imported",
+        "--layout",
+        "tp=2,pp=2",
+    ]);
+    run(&[
+        "checkpoint",
+        "reshard",
+        "s3://models/tools/imported",
+        "--layout",
+        "dp=2,zero=3",
+        "--out",
+        "s3://models/tools/resharded",
+    ]);
+    let text = run(&["checkpoint", "inspect", "s3://models/tools/resharded"]);
+    assert!(
+        text.contains("zero=3") && text.contains("checksums OK"),
+        "{text}"
+    );
+    run(&[
+        "checkpoint",
+        "export",
+        "s3://models/tools/resharded",
+        "--hf",
+        "s3://models/tools/exported",
+    ]);
+    // The exported model, fetched: every tensor as it went in, and the tokenizer with it.
+    let exported = Location::parse("s3://models/tools/exported").unwrap();
+    let local = dir.join("exported");
+    std::fs::create_dir_all(&local).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::write(local.join(f), exported.join(f).read(1 << 30).unwrap()).unwrap();
+    }
+    let want = read_f32(&fixture("gpt2_tiny").join("model.safetensors"));
+    let got = read_f32(&local.join("model.safetensors"));
+    assert_eq!(want.len(), got.len());
+    for (name, (shape, values)) in &got {
+        assert_eq!(&want[name].0, shape, "{name}");
+        assert!(&want[name].1 == values, "{name} changed on the way");
+    }
+    assert_eq!(
+        std::fs::read(local.join("tokenizer.json")).unwrap(),
+        std::fs::read(fixture("gpt2_tiny").join("tokenizer.json")).unwrap()
+    );
+    // Nothing is written over what the tool did not write.
+    let o = ferrotron(&[
+        "checkpoint",
+        "import",
+        "s3://models/gpt2_tiny",
+        "--out",
+        "s3://models/tools/imported",
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--overwrite"),
+        "{}",
+        stderr(&o)
+    );
+}

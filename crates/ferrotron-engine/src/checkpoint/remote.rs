@@ -240,3 +240,29 @@ fn cache_name(at: &Location) -> String {
         })
         .collect()
 }
+
+/// Publishes the checkpoint an offline tool wrote under the local directory `local_root` (its
+/// `latest` and the step it names) to `root`, in a save's order: the step's files, its manifest,
+/// then `latest`. Returns the step's prefix.
+pub fn publish(local_root: &Path, root: &Location) -> Result<Location> {
+    let latest_file = local_root.join(LATEST);
+    let name =
+        std::fs::read_to_string(&latest_file).map_err(|e| EngineError::io(&latest_file, e))?;
+    let name = name.trim();
+    let step_dir = local_root.join(name);
+    let dir = root.join(name);
+    let entries = std::fs::read_dir(&step_dir).map_err(|e| EngineError::io(&step_dir, e))?;
+    for entry in entries {
+        let path = entry.map_err(|e| EngineError::io(&step_dir, e))?.path();
+        let file = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if file != MANIFEST && !file.starts_with('.') {
+            dir.join(file).upload_file(&path)?;
+        }
+    }
+    dir.join(MANIFEST).upload_file(&step_dir.join(MANIFEST))?;
+    root.join(LATEST).write(format!("{name}\n").as_bytes())?;
+    Ok(dir)
+}

@@ -11,6 +11,7 @@ use crate::hf::{self, StorageDtype};
 use crate::memory::format_bytes;
 use crate::optim::AdamWConfig;
 use crate::parallel::TpShard;
+use crate::storage::Location;
 use crate::transformer::ParamStore;
 use ferrotron_core::layout::Layout;
 use ferrotron_core::model::ModelConfig;
@@ -40,36 +41,124 @@ const MODEL_FILES: [&str; 6] = [
     TOKENIZER,
 ];
 
-/// Locks the destination `dir` of `what` and checks that it holds nothing the tool would replace:
-/// another run's checkpoints (their `latest` would then name a different run's step) or another
-/// model's files. With `overwrite` they are replaced: a checkpoint directory is emptied of its
-/// steps and `latest` first, so that no step of the other run is left beside the new one.
-fn claim_destination(dir: &Path, what: &str, writes: Writes, overwrite: bool) -> Result<DirLock> {
-    let stale = if overwrite {
-        Stale::TakeOver
-    } else {
-        Stale::Refuse("pass --overwrite to take it over")
-    };
-    let lock = dir_lock::acquire(dir, what, stale)?;
-    let held = match writes {
-        Writes::Checkpoint => super::holds_checkpoints(dir).then(|| "checkpoints".to_string()),
-        Writes::Model => MODEL_FILES
-            .iter()
-            .find(|f| dir.join(f).exists())
-            .map(|f| format!("a model (`{f}`)")),
-    };
-    match (held, overwrite) {
-        (None, _) => Ok(lock),
-        (Some(held), false) => Err(EngineError::Invalid(format!(
-            "`{}` already holds {held} that `{what}` would replace; write to an empty directory, or pass --overwrite to replace them",
-            dir.display()
-        ))),
-        (Some(_), true) => {
-            if let Writes::Checkpoint = writes {
-                super::remove_checkpoints(dir)?;
+/// Where an offline tool writes: a local directory, locked for the tool; or an `s3://` prefix,
+/// written through a local stage that [`Destination::publish`] uploads when the tool is done (a
+/// checkpoint in a save's order, manifest and `latest` last; a model with `config.json` last).
+struct Destination {
+    /// Where the tool writes its files.
+    local: PathBuf,
+    remote: Option<Location>,
+    writes: Writes,
+    _lock: Option<DirLock>,
+}
+
+impl Destination {
+    /// Claims `dest` for `what`: it must hold nothing the tool would replace — another run's
+    /// checkpoints (their `latest` would then name a different run's step) or another model's
+    /// files. With `overwrite` they are replaced: a checkpoint directory is emptied of its steps
+    /// and `latest` first, so that no step of the other run is left beside the new one.
+    fn claim(dest: &Path, what: &str, writes: Writes, overwrite: bool) -> Result<Self> {
+        let at = Location::parse(&dest.to_string_lossy())?;
+        let (lock, local) = match &at {
+            Location::Local(dir) => {
+                let stale = if overwrite {
+                    Stale::TakeOver
+                } else {
+                    Stale::Refuse("pass --overwrite to take it over")
+                };
+                (Some(dir_lock::acquire(dir, what, stale)?), dir.clone())
             }
-            Ok(lock)
+            Location::S3(_) => {
+                at.check_reachable()?;
+                static STAGES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = STAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let stage = ferrotron_core::topology::cache_dir()
+                    .join("publish")
+                    .join(format!("{}-{n}", std::process::id()));
+                let _ = std::fs::remove_dir_all(&stage);
+                std::fs::create_dir_all(&stage).map_err(|e| EngineError::io(&stage, e))?;
+                (None, stage)
+            }
+        };
+        let held = match writes {
+            Writes::Checkpoint => match &at {
+                Location::Local(dir) => super::holds_checkpoints(dir),
+                remote => super::remote::holds_checkpoints(remote)?,
+            }
+            .then(|| "checkpoints".to_string()),
+            Writes::Model => {
+                let mut found = None;
+                for f in MODEL_FILES {
+                    if at.join(f).exists()? {
+                        found = Some(format!("a model (`{f}`)"));
+                        break;
+                    }
+                }
+                found
+            }
+        };
+        match (held, overwrite) {
+            (Some(held), false) => {
+                return Err(EngineError::Invalid(format!(
+                    "`{at}` already holds {held} that `{what}` would replace; write to an empty directory, or pass --overwrite to replace them"
+                )))
+            }
+            (Some(_), true) => match (&at, writes) {
+                (Location::Local(dir), Writes::Checkpoint) => super::remove_checkpoints(dir)?,
+                (remote @ Location::S3(_), Writes::Checkpoint) => {
+                    super::remote::remove_checkpoints(remote)?
+                }
+                (Location::S3(_), Writes::Model) => {
+                    for f in MODEL_FILES {
+                        at.join(f).remove()?;
+                    }
+                }
+                (Location::Local(_), Writes::Model) => {}
+            },
+            (None, _) => {}
         }
+        let remote = matches!(at, Location::S3(_)).then_some(at);
+        Ok(Self {
+            local,
+            remote,
+            writes,
+            _lock: lock,
+        })
+    }
+
+    /// Where the tool writes its files.
+    fn dir(&self) -> &Path {
+        &self.local
+    }
+
+    /// Uploads what the tool wrote (on an object store); `written` is what it returned for the
+    /// local stage (a checkpoint's directory), given back for the destination.
+    fn publish(self, written: PathBuf) -> Result<PathBuf> {
+        let Some(remote) = &self.remote else {
+            return Ok(written);
+        };
+        let published = match self.writes {
+            Writes::Checkpoint => super::remote::publish(&self.local, remote)?.to_string(),
+            Writes::Model => {
+                let mut files: Vec<PathBuf> = std::fs::read_dir(&self.local)
+                    .map_err(|e| EngineError::io(&self.local, e))?
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.is_file())
+                    .collect();
+                // `config.json` last: a reader that finds it finds the weights complete.
+                files.sort_by_key(|p| p.file_name().is_some_and(|n| n == "config.json"));
+                for f in files {
+                    let name = f.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+                    if !name.starts_with('.') {
+                        remote.join(name).upload_file(&f)?;
+                    }
+                }
+                remote.to_string()
+            }
+        };
+        let _ = std::fs::remove_dir_all(&self.local);
+        Ok(PathBuf::from(published))
     }
 }
 
@@ -108,13 +197,24 @@ fn write_layout(
 /// resharded; everything else carried over). Returns the new checkpoint's directory.
 pub fn reshard(src: &Path, layout: &Layout, out_root: &Path, overwrite: bool) -> Result<PathBuf> {
     let ck = Checkpoint::open(src)?;
-    if out_root.canonicalize().ok() == ck.dir.parent().and_then(|p| p.canonicalize().ok()) {
+    let same = |a: &Path, b: &Path| {
+        a.canonicalize()
+            .ok()
+            .is_some_and(|x| b.canonicalize().ok() == Some(x))
+            || a.to_string_lossy().trim_end_matches('/')
+                == b.to_string_lossy().trim_end_matches('/')
+    };
+    let src_root = Checkpoint::locate(src)?.to_string();
+    let src_parent = Path::new(&src_root)
+        .parent()
+        .unwrap_or(Path::new(&src_root));
+    if same(out_root, src_parent) {
         return Err(EngineError::Invalid(format!(
             "checkpoint reshard: write to another directory than {} (it would replace the source)",
-            ck.dir.parent().unwrap_or(&ck.dir).display()
+            src_parent.display()
         )));
     }
-    let _lock = claim_destination(
+    let dest = Destination::claim(
         out_root,
         "checkpoint reshard",
         Writes::Checkpoint,
@@ -123,7 +223,7 @@ pub fn reshard(src: &Path, layout: &Layout, out_root: &Path, overwrite: bool) ->
     let moments = ck.manifest.optimizer.step > 0;
     let mut manifest = ck.manifest.clone();
     manifest.tokenizer_source = ck.tokenizer();
-    write_layout(out_root, manifest, layout, &|h| {
+    let written = write_layout(dest.dir(), manifest, layout, &|h| {
         let read = |k| ck.read(&h.name, k, &h.tp_slice, h.flat.clone());
         Ok(RankArrays {
             holding: h.clone(),
@@ -134,7 +234,8 @@ pub fn reshard(src: &Path, layout: &Layout, out_root: &Path, overwrite: bool) ->
                 None
             },
         })
-    })
+    })?;
+    dest.publish(written)
 }
 
 /// Imports the Hugging Face model directory `hf_dir` as a step-0 checkpoint in `layout` under
@@ -145,10 +246,28 @@ pub fn import_hf(
     out_root: &Path,
     overwrite: bool,
 ) -> Result<PathBuf> {
-    let cfg = hf::read_config(hf_dir)?;
-    let weights = hf::WeightReader::open(hf_dir)?;
+    let model = Location::parse(&hf_dir.to_string_lossy())?;
+    model.check_reachable()?;
+    let cfg = hf::read_config_at(&model)?;
+    let weights = hf::WeightReader::open_at(&model)?;
     weights.check(&cfg)?;
-    let _lock = claim_destination(out_root, "checkpoint import", Writes::Checkpoint, overwrite)?;
+    let dest = Destination::claim(out_root, "checkpoint import", Writes::Checkpoint, overwrite)?;
+    // The tokenizer is copied into the checkpoint from a local file (an object store's, fetched
+    // into the stage first).
+    let tokenizer = match (&model, model.join(TOKENIZER).is_file()?) {
+        (_, false) => None,
+        (Location::Local(dir), true) => Some(dir.join(TOKENIZER)),
+        (remote, true) => {
+            let copy = dest.dir().join(".tokenizer.json");
+            hf::write_atomic(
+                &copy,
+                &remote
+                    .join(TOKENIZER)
+                    .read(ferrotron_core::bounded::TOKENIZER)?,
+            )?;
+            Some(copy)
+        }
+    };
     let manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
@@ -165,11 +284,11 @@ pub fn import_hf(
         loss_scaler: None,
         data_loader: None,
         run: None,
-        source: Some(hf_dir.display().to_string()),
+        source: Some(model.to_string()),
         files: Vec::new(),
         tensors: Vec::new(),
         tokenizer: None,
-        tokenizer_source: Some(hf_dir.join(TOKENIZER)).filter(|p| p.exists()),
+        tokenizer_source: tokenizer.clone(),
         lora: None,
         base_model: None,
         quantize_base: None,
@@ -178,7 +297,7 @@ pub fn import_hf(
     let specs = cfg.param_specs();
     // The cut is the slice's alone: any shard object makes it.
     let cutter = TpShard::new(&cfg, 1, 0, false)?;
-    write_layout(out_root, manifest, layout, &|h| {
+    let written = write_layout(dest.dir(), manifest, layout, &|h| {
         let spec = specs
             .iter()
             .find(|s| s.name == h.name)
@@ -189,7 +308,11 @@ pub fn import_hf(
             param: shard[h.flat.clone()].to_vec(),
             moments: None,
         })
-    })
+    })?;
+    if let Some(t) = tokenizer.filter(|t| t.starts_with(dest.dir())) {
+        let _ = std::fs::remove_file(t);
+    }
+    dest.publish(written)
 }
 
 /// One tensor of an export, read from the checkpoint only when the file writer reaches it.
@@ -247,7 +370,9 @@ pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype, overwrite: bool) -
         )));
     }
     let cfg = &ck.manifest.model;
-    let _lock = claim_destination(out, "checkpoint export", Writes::Model, overwrite)?;
+    let dest = Destination::claim(out, "checkpoint export", Writes::Model, overwrite)?;
+    let out_dir = dest.dir().to_path_buf();
+    let out = out_dir.as_path();
     let error = std::cell::RefCell::new(None);
     let views: Vec<(String, ExportView)> = cfg
         .param_specs()
@@ -282,7 +407,8 @@ pub fn export_hf(src: &Path, out: &Path, dtype: StorageDtype, overwrite: bool) -
         let dst = out.join(TOKENIZER);
         std::fs::copy(&src, &dst).map_err(|e| EngineError::io(&dst, e))?;
     }
-    hf::write_config(out, cfg, dtype)
+    hf::write_config(out, cfg, dtype)?;
+    dest.publish(out_dir.clone()).map(|_| ())
 }
 
 /// The LoRA checkpoint at `src` and its adapters, whole.
@@ -302,8 +428,14 @@ fn open_adapters(src: &Path) -> Result<(Checkpoint, crate::lora::Adapters)> {
 /// `peft.PeftModel.from_pretrained` loads onto the base model).
 pub fn export_adapter(src: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let (ck, adapters) = open_adapters(src)?;
-    let _lock = claim_destination(out, "checkpoint export", Writes::Model, overwrite)?;
-    adapters.save_peft(out, &ck.manifest.model, ck.manifest.base_model.as_deref())
+    let dest = Destination::claim(out, "checkpoint export", Writes::Model, overwrite)?;
+    adapters.save_peft(
+        dest.dir(),
+        &ck.manifest.model,
+        ck.manifest.base_model.as_deref(),
+    )?;
+    let written = dest.dir().to_path_buf();
+    dest.publish(written).map(|_| ())
 }
 
 /// Writes the LoRA checkpoint at `src` merged into its base (`base`, or the base model the
@@ -317,7 +449,9 @@ pub fn export_merged(
     overwrite: bool,
 ) -> Result<()> {
     let (ck, adapters) = open_adapters(src)?;
-    let _lock = claim_destination(out, "checkpoint export", Writes::Model, overwrite)?;
+    let dest = Destination::claim(out, "checkpoint export", Writes::Model, overwrite)?;
+    let out_dir = dest.dir().to_path_buf();
+    let out = out_dir.as_path();
     let m = &ck.manifest;
     let base_spec = match (base, &m.base_model) {
         (Some(b), _) => b.display().to_string(),
@@ -348,7 +482,7 @@ pub fn export_merged(
         let dst = out.join(TOKENIZER);
         std::fs::copy(&src, &dst).map_err(|e| EngineError::io(&dst, e))?;
     }
-    Ok(())
+    dest.publish(out_dir.clone()).map(|_| ())
 }
 
 /// A person's summary of the checkpoint at `path`, after verifying every file's checksum.
