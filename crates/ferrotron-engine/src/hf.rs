@@ -212,7 +212,17 @@ pub fn map_file(file: &Path) -> Result<memmap2::Mmap> {
 /// Reads every tensor of one safetensors file as f32, by name, with its shape.
 pub fn read_tensors_f32(file: &Path) -> Result<NamedTensors> {
     let bytes = std::fs::read(file).map_err(|e| EngineError::io(file, e))?;
-    let st = SafeTensors::deserialize(&bytes)
+    tensors_f32(&bytes, file)
+}
+
+/// [`read_tensors_f32`] of a file on disk or on an object store.
+pub fn read_tensors_f32_at(file: &Location) -> Result<NamedTensors> {
+    tensors_f32(&file.read(u64::MAX)?, &file.as_error_path())
+}
+
+/// Every tensor of the safetensors file `file`, whose content is `bytes`, as f32.
+fn tensors_f32(bytes: &[u8], file: &Path) -> Result<NamedTensors> {
+    let st = SafeTensors::deserialize(bytes)
         .map_err(|e| EngineError::format(file, format!("not a valid safetensors file: {e}")))?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {

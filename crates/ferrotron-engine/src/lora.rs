@@ -46,16 +46,17 @@ impl Adapters {
     /// implement (another PEFT method, dropout, DoRA, rsLoRA, biases, per-module ranks, extra
     /// trained modules) and any tensor that is missing, misshapen or not an adapter, naming it.
     pub fn load_peft(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
-        let config_path = dir.join(ADAPTER_CONFIG);
-        let text = ferrotron_core::bounded::read_to_string(
-            &config_path,
-            ferrotron_core::bounded::SETTINGS,
-        )
-        .map_err(|e| EngineError::io(&config_path, e))?;
+        // A local directory or an `s3://` prefix.
+        let dir = crate::storage::Location::parse(&dir.to_string_lossy())?;
+        let config_at = dir.join(ADAPTER_CONFIG);
+        let config_path = config_at.as_error_path();
+        let text = String::from_utf8(config_at.read(ferrotron_core::bounded::SETTINGS)?)
+            .map_err(|_| EngineError::format(&config_path, "not UTF-8 text"))?;
         let config =
             parse_peft_config(&text, cfg).map_err(|msg| EngineError::format(&config_path, msg))?;
-        let weights = dir.join(ADAPTER_WEIGHTS);
-        let mut tensors = hf::read_tensors_f32(&weights)?;
+        let weights_at = dir.join(ADAPTER_WEIGHTS);
+        let weights = weights_at.as_error_path();
+        let mut tensors = hf::read_tensors_f32_at(&weights_at)?;
         let specs = config.adapter_specs(cfg);
         let mut params = ParamStore::zeros(specs);
         for (spec, t) in params.specs.iter().zip(params.tensors.iter_mut()) {

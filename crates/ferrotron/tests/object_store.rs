@@ -436,3 +436,48 @@ fn checkpoint_import_reshard_export_and_inspect_take_s3_at_both_ends() {
         stderr(&o)
     );
 }
+
+#[test]
+fn adapters_on_s3_give_the_local_adapters_gradients_bit_for_bit() {
+    server();
+    upload(&fixture("llama_tiny"), "s3://models/llama_tiny_base");
+    upload(
+        &fixture("lora").join("llama_tiny"),
+        "s3://models/llama_tiny_adapter",
+    );
+    let dir = temp_dir("s3-adapter");
+    let refs = fixture("lora")
+        .join("llama_tiny")
+        .join("lora_reference.safetensors");
+    let grads = |model: &str, adapter: &str, out: &Path| {
+        let o = ferrotron(&[
+            "grads",
+            "--model",
+            model,
+            "--adapter",
+            adapter,
+            "--tokens",
+            path(&refs),
+            "--layout",
+            "tp=2",
+            "--out",
+            path(out),
+        ]);
+        assert!(o.status.success(), "{adapter}: {}", stderr(&o));
+        std::fs::read(out).unwrap()
+    };
+    let local = grads(
+        path(&fixture("llama_tiny")),
+        path(&fixture("lora").join("llama_tiny")),
+        &dir.join("local.safetensors"),
+    );
+    let remote = grads(
+        "s3://models/llama_tiny_base",
+        "s3://models/llama_tiny_adapter",
+        &dir.join("s3.safetensors"),
+    );
+    assert!(
+        local == remote,
+        "the adapters' gradients differ when read from s3://"
+    );
+}
