@@ -318,6 +318,18 @@ fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do(
     }
     assert_eq!(losses(&dir.join("s3")), losses(&dir.join("local")));
     assert_eq!(losses(&dir.join("s3")).len(), 6);
+    // Each tp=2 device read its own half of the parameters from the checkpoint (the norms whole).
+    let text = std::fs::read_to_string(dir.join("s3").join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let params = 4 * first["run"]["parameters"].as_u64().unwrap();
+    let resumed: serde_json::Value = serde_json::from_str(text.lines().nth(4).unwrap()).unwrap();
+    for d in resumed["devices"].as_array().unwrap() {
+        let read = d["model_bytes_read"].as_u64().unwrap();
+        assert!(
+            read > params / 3 && read < params * 6 / 10,
+            "{read} of {params}"
+        );
+    }
 }
 
 #[test]

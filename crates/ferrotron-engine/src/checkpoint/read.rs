@@ -24,6 +24,8 @@ pub struct Checkpoint {
     files: HashMap<String, Mmap>,
     /// Each rank file's arrays: byte range and element count, by key.
     index: HashMap<String, ArrayIndex>,
+    /// What it holds (the model's parameters, or with LoRA its adapters), in store order.
+    specs: Vec<ferrotron_core::model::ParamSpec>,
 }
 
 type ArrayIndex = std::collections::BTreeMap<String, ArrayInfo>;
@@ -269,11 +271,13 @@ impl Checkpoint {
                 }
             }
         }
+        let specs = manifest.trained_specs();
         Ok(Self {
             dir,
             manifest,
             files,
             index,
+            specs,
         })
     }
 
@@ -317,11 +321,23 @@ impl Checkpoint {
         slice: &Slice,
         flat: Range<usize>,
     ) -> Result<Vec<f32>> {
+        Ok(self.read_counted(name, kind, slice, flat)?.0)
+    }
+
+    /// [`Checkpoint::read`], and the bytes of the files it read.
+    fn read_counted(
+        &self,
+        name: &str,
+        kind: Kind,
+        slice: &Slice,
+        flat: Range<usize>,
+    ) -> Result<(Vec<f32>, u64)> {
         let t = self.tensor(name)?;
         let mut out = vec![0f32; flat.len()];
         if kind != Kind::Param && self.manifest.optimizer.step == 0 {
-            return Ok(out);
+            return Ok((out, 0));
         }
+        let mut read = 0u64;
         let mut covered = vec![false; flat.len()];
         for p in t.pieces.iter().filter(|p| p.kind == kind) {
             let src = Slice::from(&p.tp_slice);
@@ -331,6 +347,7 @@ impl Checkpoint {
             }
             let bytes = self.array_bytes(&p.file, &p.key)?;
             for (so, to, n) in spans {
+                read += 4 * n as u64;
                 for (x, b) in out[to..to + n]
                     .iter_mut()
                     .zip(bytes[4 * so..4 * (so + n)].chunks_exact(4))
@@ -360,7 +377,7 @@ impl Checkpoint {
                 ));
             }
         }
-        Ok(out)
+        Ok((out, read))
     }
 
     /// The whole tensor `name`'s `kind`.
@@ -397,5 +414,38 @@ impl Checkpoint {
                 format!("holds no array `{key}`"),
             )),
         }
+    }
+}
+
+/// A checkpoint as the source of a resumed run's parameters: each device reads its own shard of
+/// them from the files (the slices intersected as [`Checkpoint::read`] does), no process the
+/// whole model.
+impl crate::parallel::WeightSource for Checkpoint {
+    fn specs(&self) -> &[ferrotron_core::model::ParamSpec] {
+        &self.specs
+    }
+
+    fn read_runs(
+        &self,
+        i: usize,
+        runs: &crate::parallel::weights::Runs,
+    ) -> Result<(Vec<f32>, u64)> {
+        let name = &self.specs[i].name;
+        let whole = self.read_whole(name, Kind::Param)?;
+        let bytes = 4 * whole.len() as u64;
+        let mut out = Vec::new();
+        for (r, pad) in runs {
+            out.extend_from_slice(&whole[r.clone()]);
+            out.resize(out.len() + pad, 0.0);
+        }
+        Ok((out, bytes))
+    }
+
+    fn read_shard(&self, i: usize, slice: &Slice) -> Result<(Vec<f32>, u64)> {
+        let spec = &self.specs[i];
+        let numel = crate::parallel::TpShard::shard_shape(&spec.shape, slice)
+            .iter()
+            .product();
+        self.read_counted(&spec.name, Kind::Param, slice, 0..numel)
     }
 }

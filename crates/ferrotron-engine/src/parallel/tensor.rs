@@ -315,7 +315,7 @@ impl TpShard {
                     quantized.push(Some(Arc::new(Self::cut_nf4(spec, &slice, q))));
                 }
                 None => {
-                    let (values, bytes) = source.read_runs(i, &slice.runs(&spec.shape))?;
+                    let (values, bytes) = source.read_shard(i, &slice)?;
                     tensors.push(values);
                     quantized.push(None);
                     read += bytes;

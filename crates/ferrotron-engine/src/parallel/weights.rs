@@ -2,6 +2,7 @@
 //! tensor; a model on disk or on an object store reads only the rows and columns the shard keeps
 //! (see `hf::ModelWeights`), so each device reads its own bytes and no process holds the model.
 
+use super::tensor::Slice;
 use crate::error::Result;
 use crate::kernels::nf4::Nf4Matrix;
 use crate::transformer::ParamStore;
@@ -19,6 +20,11 @@ pub trait WeightSource: Sync {
     /// The elements `runs` of tensor `i`, concatenated, and the bytes this read took from storage
     /// (0 for a model in memory).
     fn read_runs(&self, i: usize, runs: &Runs) -> Result<(Vec<f32>, u64)>;
+    /// The tensor-parallel shard `slice` of tensor `i`, and the bytes read: its elements in the
+    /// shard's order (a source that stores shards itself reads them its own way).
+    fn read_shard(&self, i: usize, slice: &Slice) -> Result<(Vec<f32>, u64)> {
+        self.read_runs(i, &slice.runs(&self.specs()[i].shape))
+    }
     /// Tensor `i` as 4-bit codes (a QLoRA base), when it is held so.
     fn nf4(&self, _i: usize) -> Option<&Arc<Nf4Matrix>> {
         None

@@ -7,7 +7,7 @@ use super::checkpointing::{device_arrays, restore_device, Saver};
 use super::config::TrainConfig;
 use super::metrics::{collect_figures, Figures, StepFigures};
 use super::training_run::TrainingRun;
-use crate::comm::Comm;
+use crate::comm::{Comm, Group};
 use crate::error::{EngineError, Result};
 use crate::kernels::CpuBackend;
 use crate::memory::{self, format_terms, MemoryTerms};
@@ -89,8 +89,10 @@ pub(super) fn run_device<C: Comm>(
         let done = report.step + 1;
         // Asked to stop: this step's checkpoint is saved (if it was not due anyway, and at once),
         // then every device ends the run here. The time the save holds this device is its stall.
-        let save_started = std::time::Instant::now();
         if run.checkpoints.due(done) || report.stop {
+            // Every device at the save together: the stall is the save's, not a peer's step.
+            c.barrier(&Group::new("world", (0..world).collect()))?;
+            let save_started = std::time::Instant::now();
             // The copies a save makes are the host's, not the device's.
             memory::clear_device();
             let saved = save_checkpoint(run, mesh, c, dev, done, &mut saver, report.stop);

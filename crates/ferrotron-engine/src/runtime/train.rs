@@ -99,7 +99,8 @@ impl StartingPoint {
         // A full-training checkpoint holds the weights; otherwise they are the model's (QLoRA:
         // quantized as they are read).
         let params = match (&resume, &source) {
-            (Some(ck), _) if ck.manifest.lora.is_none() => StartWeights::Loaded(ck.params()?),
+            // Resuming full training: each device reads its shard from the checkpoint.
+            (Some(ck), _) if ck.manifest.lora.is_none() => StartWeights::Resumed,
             // Full training from a model directory: each device reads its own shard of it.
             (None, ModelSource::HfDir(dir)) if adapters.is_none() => {
                 StartWeights::Stored(hf::ModelWeights::open(dir, &model)?)
@@ -134,6 +135,10 @@ impl StartingPoint {
             (Some(a), _) => &a.params,
             (None, StartWeights::Loaded(p)) => p,
             (None, StartWeights::Stored(w)) => w,
+            (None, StartWeights::Resumed) => self
+                .resume
+                .as_ref()
+                .expect("a resumed run has its checkpoint"),
         }
     }
 
@@ -146,11 +151,12 @@ impl StartingPoint {
     }
 }
 
-/// A run's starting parameters: in memory (a preset, a checkpoint, a LoRA base), or where the
-/// model is stored, for each device to read its shard.
+/// A run's starting parameters: in memory (a preset, a LoRA base), where the model is stored, or
+/// the checkpoint the run resumes from — in the last two each device reads its own shard.
 enum StartWeights {
     Loaded(ParamStore),
     Stored(hf::ModelWeights),
+    Resumed,
 }
 
 /// How a run names its base model in a LoRA checkpoint: a model directory by its absolute path, a
