@@ -113,48 +113,63 @@ fn a_server_killed_while_a_run_saves_leaves_the_last_checkpoint_whole_and_a_rest
         assert!(o.status.success(), "resumed from {latest}: {}", stderr(&o));
     }
 
-    // Down when a run resumes: a clear error; up again, the same resume succeeds.
+    // Killed in the middle of a resume's reads (after its first file, while the drill holds the
+    // reader): a clear error; up again, the same resume succeeds.
     let out2 = dir.join("second");
+    let second = "s3://ckpt/second";
     let o = train(
         &server,
         &out2,
         "4",
         &[
+            "--layout",
+            "dp=2",
             "--checkpoint-every",
             "2",
             "--checkpoint-dir",
-            "s3://ckpt/second",
+            second,
         ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    server.stop();
-    let o = train(
-        &server,
-        &out2,
-        "6",
-        &[
-            "--resume",
-            "s3://ckpt/second",
-            "--checkpoint-dir",
-            "s3://ckpt/second",
-        ],
-    );
-    let e = stderr(&o);
+    let resume = [
+        "--layout",
+        "dp=2",
+        "--resume",
+        second,
+        "--checkpoint-dir",
+        second,
+    ];
+    let args = common::train_args(&out2, "6", &resume);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotron"));
+    let mut child = server
+        .apply(&mut cmd)
+        .args(&args)
+        .env(ferrotron_engine::checkpoint::remote::FETCH_PAUSE_ENV, "3")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut said = String::new();
+    loop {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut err, &mut line).unwrap() == 0 {
+            break;
+        }
+        said.push_str(&line);
+        if line.contains("fetched; waiting") {
+            server.stop();
+        }
+    }
+    let status = child.wait().unwrap();
     assert!(
-        !o.status.success() && e.contains("s3://ckpt/second") && e.contains("AWS_ENDPOINT_URL"),
-        "{e}"
+        said.contains("fetched; waiting"),
+        "the drill held the reader: {said}"
+    );
+    assert!(
+        !status.success() && said.contains(second) && said.contains("AWS_ENDPOINT_URL"),
+        "{said}"
     );
     server.restart();
-    let o = train(
-        &server,
-        &out2,
-        "6",
-        &[
-            "--resume",
-            "s3://ckpt/second",
-            "--checkpoint-dir",
-            "s3://ckpt/second",
-        ],
-    );
+    let o = train(&server, &out2, "6", &resume);
     assert!(o.status.success(), "{}", stderr(&o));
 }

@@ -196,10 +196,25 @@ pub fn fetch(root: &Location, cache: &Path) -> Result<PathBuf> {
             && super::files::sha256_file(&to).is_ok_and(|(_, sha)| sha == sha256);
         if !cached {
             download(&dir.join(file), &to)?;
+            pause_drill(file);
         }
     }
     crate::hf::write_atomic(&local.join(MANIFEST), &manifest_bytes)?;
     Ok(local)
+}
+
+/// Testing: seconds to wait after each file a fetch downloads (the fault tests stop the server in
+/// the middle of a resume's reads).
+pub const FETCH_PAUSE_ENV: &str = "FERROTRON_CHECKPOINT_FETCH_PAUSE";
+
+fn pause_drill(file: &str) {
+    if let Some(s) = std::env::var(FETCH_PAUSE_ENV)
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+    {
+        eprintln!("{FETCH_PAUSE_ENV}: {file} fetched; waiting {s} s");
+        std::thread::sleep(std::time::Duration::from_secs_f64(s));
+    }
 }
 
 /// Copies `from` to the local file `to` in parts (never the whole file in memory), atomically.
