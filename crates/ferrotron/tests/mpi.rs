@@ -116,19 +116,6 @@ fn a_job_of_the_wrong_size_is_refused_clearly() {
     );
 }
 
-/// Per-step training losses from a run directory's `metrics.jsonl`.
-fn losses(dir: &std::path::Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
-}
-
 /// `ferrotron train` on the llama_tiny fixture and the bundled text, sequences of 32 tokens, no
 /// evaluation, into `out`; `extra` adds or overrides flags.
 fn train_args(out: &std::path::Path, extra: &[&str]) -> Vec<String> {

@@ -4,7 +4,7 @@ mod common;
 #[path = "../../ferrotron-engine/tests/common/local_s3.rs"]
 mod local_s3;
 
-use common::{fixture, path, read_f32, stderr, temp_dir};
+use common::{fixture, losses, path, read_f32, stderr, temp_dir};
 use ferrotron_engine::storage::Location;
 use local_s3::LocalS3;
 use std::path::Path;
@@ -232,19 +232,6 @@ fn plan_and_verify_take_an_s3_model() {
     assert!(o.status.success(), "plan: {}", stderr(&o));
     let o = ferrotron(&["verify", "--model", model, "--layout", "tp=2"]);
     assert!(o.status.success(), "verify: {}", stderr(&o));
-}
-
-/// The training loss of every step of a run's `metrics.jsonl`.
-fn losses(out: &Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
 }
 
 /// `train` of llama-tiny (common::train_args) with this server's variables.

@@ -176,14 +176,6 @@ pub fn commit(
     keep: usize,
 ) -> Result<PathBuf> {
     let step = manifest.step;
-    let layout = LayoutSpec::parse(&manifest.layout)?.layout;
-    if files.len() != manifest.world_size {
-        return Err(EngineError::Invalid(format!(
-            "checkpoint of step {step}: {} rank files for {} ranks",
-            files.len(),
-            manifest.world_size
-        )));
-    }
     crash_at("manifest", step);
     for f in &files {
         let path = staging.join(&f.file);
@@ -205,7 +197,7 @@ pub fn commit(
         }
         None => None,
     };
-    let text = seal(&mut manifest, &layout, files, tokenizer)?;
+    let text = seal(&mut manifest, files, tokenizer)?;
     write_atomic(&staging.join(MANIFEST), text.as_bytes())?;
     sync_dir(staging)?;
     crash_at("rename", step);
@@ -241,10 +233,18 @@ fn aux_file(file: &Path) -> Result<AuxFile> {
 /// file's size and SHA-256, the tokenizer, the manifest's own checksum); returns its JSON.
 fn seal(
     manifest: &mut Manifest,
-    layout: &ferrotron_core::layout::Layout,
     files: Vec<RankFile>,
     tokenizer: Option<AuxFile>,
 ) -> Result<String> {
+    let layout = &LayoutSpec::parse(&manifest.layout)?.layout;
+    if files.len() != manifest.world_size {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint of step {}: {} rank files for {} ranks",
+            manifest.step,
+            files.len(),
+            manifest.world_size
+        )));
+    }
     let kinds: &[Kind] = if manifest.optimizer.step > 0 {
         &Kind::ALL
     } else {
@@ -482,19 +482,11 @@ fn commit_remote(
     keep: usize,
 ) -> Result<()> {
     let step = manifest.step;
-    let layout = LayoutSpec::parse(&manifest.layout)?.layout;
-    if files.len() != manifest.world_size {
-        return Err(EngineError::Invalid(format!(
-            "checkpoint of step {step}: {} rank files for {} ranks",
-            files.len(),
-            manifest.world_size
-        )));
-    }
     let tokenizer_source = manifest.tokenizer_source.take();
     let tokenizer = match &tokenizer_source {
         Some(src) => Some(aux_file(src)?),
         None => None,
     };
-    let text = seal(&mut manifest, &layout, files, tokenizer)?;
+    let text = seal(&mut manifest, files, tokenizer)?;
     super::remote::commit(root, step, &text, tokenizer_source.as_deref(), keep).map(|_| ())
 }

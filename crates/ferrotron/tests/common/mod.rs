@@ -120,3 +120,16 @@ pub fn train(out: &Path, steps: &str, extra: &[&str]) -> std::process::Output {
     let args = train_args(out, steps, extra);
     ferrotron(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
+
+/// Per-step training losses from a run directory's `metrics.jsonl`.
+pub fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
