@@ -242,6 +242,7 @@ fn train(out: &Path, steps: &str, extra: &[&str]) -> Output {
 
 #[test]
 fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do() {
+    // Saved on tp=2, resumed on dp=2,tp=2.
     server();
     let dir = temp_dir("s3-checkpoints");
     let remote = "s3://models/run-checkpoints";
@@ -255,7 +256,7 @@ fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do(
             "4",
             &[
                 "--layout",
-                "dp=2",
+                "tp=2",
                 "--checkpoint-every",
                 "2",
                 "--checkpoint-dir",
@@ -281,6 +282,21 @@ fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do(
     let o = ferrotron(&["checkpoint", "inspect", remote]);
     assert!(o.status.success(), "inspect: {}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("checksums OK"));
+    // A damaged byte of an array on the store is found (its hash), and named.
+    let stored = server().object_file(
+        "models",
+        "run-checkpoints/step-000002/rank-00001.safetensors",
+    );
+    let mut bytes = std::fs::read(&stored).unwrap();
+    let last = bytes.len() - 5;
+    bytes[last] ^= 0x40;
+    std::fs::write(&stored, &bytes).unwrap();
+    let o = ferrotron(&["checkpoint", "inspect", &format!("{remote}/step-000002")]);
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains("rank-00001") && e.contains("corrupt"),
+        "{e}"
+    );
 
     // Resumed on another layout, from the store and from disk: the same continuation.
     for (ck, out) in [
@@ -292,7 +308,7 @@ fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do(
             "6",
             &[
                 "--layout",
-                "tp=2",
+                "dp=2,tp=2",
                 "--resume",
                 ck,
                 "--checkpoint-every",
@@ -305,7 +321,8 @@ fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do(
     }
     assert_eq!(losses(&dir.join("s3")), losses(&dir.join("local")));
     assert_eq!(losses(&dir.join("s3")).len(), 6);
-    // Each tp=2 device read its own half of the parameters from the checkpoint (the norms whole).
+    // Each device of the new layout read from the store only the arrays of its tensor-parallel
+    // half (each fetched whole, to check its hash), the norms whole.
     let text = std::fs::read_to_string(dir.join("s3").join("metrics.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let params = 4 * first["run"]["parameters"].as_u64().unwrap();

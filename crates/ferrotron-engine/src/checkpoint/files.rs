@@ -38,3 +38,37 @@ pub(super) fn sha256_file(file: &Path) -> Result<(u64, String)> {
     let hex = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
     Ok((total, hex))
 }
+
+/// The hex SHA-256 of `bytes`.
+pub(super) fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The metadata key of a rank file that holds array `key`'s SHA-256.
+pub(super) fn array_sha_key(key: &str) -> String {
+    format!("sha256:{key}")
+}
+
+/// The SHA-256 of a safetensors file's header: its 8-byte length and its JSON.
+pub(super) fn header_sha256(file: &Path) -> Result<String> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(file).map_err(|e| EngineError::io(file, e))?;
+    let mut len = [0u8; 8];
+    f.read_exact_at(&mut len, 0)
+        .map_err(|e| EngineError::io(file, e))?;
+    let n = u64::from_le_bytes(len);
+    let size = f.metadata().map_err(|e| EngineError::io(file, e))?.len();
+    if n > size.saturating_sub(8) {
+        return Err(EngineError::format(
+            file,
+            format!("a header of {n} bytes in a file of {size}"),
+        ));
+    }
+    let mut head = vec![0u8; 8 + n as usize];
+    f.read_exact_at(&mut head, 0)
+        .map_err(|e| EngineError::io(file, e))?;
+    Ok(sha256_hex(&head))
+}

@@ -147,6 +147,11 @@ pub struct FileEntry {
     pub file: String,
     pub bytes: u64,
     pub sha256: String,
+    /// SHA-256 of the file's header, which holds each array's SHA-256 (`sha256:<key>`): a reader
+    /// of some arrays (a resume from an object store) verifies just those. Absent in checkpoints
+    /// written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header_sha256: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]

@@ -20,15 +20,29 @@ use std::path::{Path, PathBuf};
 pub struct Checkpoint {
     pub dir: PathBuf,
     pub manifest: Manifest,
-    /// Each rank file, mapped.
-    files: HashMap<String, Mmap>,
+    /// Each rank file: mapped, or on an object store (its arrays read by range, each verified).
+    files: HashMap<String, RankData>,
     /// Each rank file's arrays: byte range and element count, by key.
     index: HashMap<String, ArrayIndex>,
     /// What it holds (the model's parameters, or with LoRA its adapters), in store order.
     specs: Vec<ferrotron_core::model::ParamSpec>,
+    /// The tokenizer's copy, checked (on an object store: fetched into the cache).
+    tokenizer: Option<PathBuf>,
 }
 
 type ArrayIndex = std::collections::BTreeMap<String, ArrayInfo>;
+
+/// Where a rank file's bytes are.
+enum RankData {
+    /// A local file, mapped (verified whole when opened).
+    Mapped(Mmap),
+    /// An object on a store, its header verified; each array is read by range and checked against
+    /// the SHA-256 its header records.
+    Remote {
+        at: crate::storage::Location,
+        sha256: HashMap<String, String>,
+    },
+}
 
 /// A rank file's arrays, which must all be f32.
 fn f32_arrays(file: &Path, bytes: &[u8]) -> Result<ArrayIndex> {
@@ -81,7 +95,12 @@ fn check_piece(shape: &[usize], p: &super::Piece) -> std::result::Result<(), Str
 fn read_manifest(mpath: &Path) -> Result<Manifest> {
     let text = ferrotron_core::bounded::read_to_string(mpath, ferrotron_core::bounded::SETTINGS)
         .map_err(|e| EngineError::io(mpath, e))?;
-    let manifest: Manifest = serde_json::from_str(&text)
+    parse_manifest(&text, mpath)
+}
+
+/// [`read_manifest`] of the manifest's text (`mpath` names it in errors).
+fn parse_manifest(text: &str, mpath: &Path) -> Result<Manifest> {
+    let manifest: Manifest = serde_json::from_str(text)
         .map_err(|e| EngineError::format(mpath, format!("not a valid manifest: {e}")))?;
     match &manifest.checksum {
         Some(sum) if *sum != manifest.digest() => {
@@ -188,9 +207,7 @@ impl Checkpoint {
         // On an object store: downloaded into the cache, then checked like any local one.
         let spec = path.to_string_lossy();
         if crate::storage::is_remote(&spec) {
-            let cache = ferrotron_core::topology::cache_dir().join("checkpoints");
-            let local = super::remote::fetch(&crate::storage::Location::parse(&spec)?, &cache)?;
-            return Self::open(&local);
+            return Self::open_remote(&crate::storage::Location::parse(&spec)?);
         }
         let dir = Self::resolve(path)?;
         let mpath = dir.join(MANIFEST);
@@ -218,7 +235,7 @@ impl Checkpoint {
             }
             let map = map_file(&path)?;
             index.insert(f.file.clone(), f32_arrays(&path, &map)?);
-            files.insert(f.file.clone(), map);
+            files.insert(f.file.clone(), RankData::Mapped(map));
         }
         if let Some(t) = &manifest.tokenizer {
             let path = crate::paths::contained(&dir, &t.file, &mpath)?;
@@ -230,55 +247,88 @@ impl Checkpoint {
                 ));
             }
         }
-        for t in &manifest.tensors {
-            for p in &t.pieces {
-                if let Err(why) = check_piece(&t.shape, p) {
-                    return Err(EngineError::format(
-                        &mpath,
-                        format!(
-                            "tensor `{}`, piece `{}` in `{}`: {why}",
-                            t.name, p.key, p.file
-                        ),
-                    ));
-                }
-                let Some(arrays) = index.get(&p.file) else {
-                    return Err(EngineError::format(
-                        &mpath,
-                        format!(
-                            "tensor `{}` is said to be in `{}`, which is not one of the rank files",
-                            t.name, p.file
-                        ),
-                    ));
-                };
-                let want = p.flat[1].saturating_sub(p.flat[0]);
-                match arrays.get(&p.key).map(|a| a.bytes.len() / 4) {
-                    Some(n) if n == want => {}
-                    Some(n) => {
-                        return Err(EngineError::format(
-                            dir.join(&p.file),
-                            format!("array `{}` has {n} values; the manifest says {want}", p.key),
-                        ))
-                    }
-                    None => {
-                        return Err(EngineError::format(
-                            dir.join(&p.file),
-                            format!(
-                                "holds no array `{}`, which the manifest names for tensor `{}`",
-                                p.key, t.name
-                            ),
-                        ))
-                    }
-                }
-            }
-        }
+        check_pieces(&manifest, &index, &mpath, &dir)?;
         let specs = manifest.trained_specs();
+        let tokenizer = manifest.tokenizer.as_ref().map(|t| dir.join(&t.file));
         Ok(Self {
             dir,
             manifest,
             files,
             index,
             specs,
+            tokenizer,
         })
+    }
+
+    /// Opens the checkpoint an `s3://` prefix names. With each file's header hash in the manifest,
+    /// nothing but the headers is read now, each checked; every array read later is checked against
+    /// its own hash — a device reads only its arrays. Older checkpoints are downloaded whole into
+    /// the cache and checked like local ones. Either way the tokenizer is fetched and checked.
+    fn open_remote(root: &crate::storage::Location) -> Result<Self> {
+        let cache = ferrotron_core::topology::cache_dir().join("checkpoints");
+        let (dir, name) = super::remote::resolve(root)?;
+        let mpath = dir.join(MANIFEST).as_error_path();
+        let text = String::from_utf8(dir.join(MANIFEST).read(ferrotron_core::bounded::SETTINGS)?)
+            .map_err(|_| EngineError::format(&mpath, "not UTF-8 text"))?;
+        let manifest = parse_manifest(&text, &mpath)?;
+        if manifest.files.iter().any(|f| f.header_sha256.is_none()) {
+            return Self::open(&super::remote::fetch(root, &cache)?);
+        }
+        let mut files = HashMap::new();
+        let mut index = HashMap::new();
+        for f in &manifest.files {
+            crate::paths::plain_name(&f.file, &mpath)?;
+            let at = dir.join(&f.file);
+            let (arrays, sha256) = remote_header(&at, f)?;
+            index.insert(f.file.clone(), arrays);
+            files.insert(f.file.clone(), RankData::Remote { at, sha256 });
+        }
+        let err_dir = PathBuf::from(dir.to_string());
+        check_pieces(&manifest, &index, &mpath, &err_dir)?;
+        let tokenizer = match &manifest.tokenizer {
+            Some(t) => {
+                crate::paths::plain_name(&t.file, &mpath)?;
+                let local = cache.join(super::remote::cache_name(&dir)).join(&name);
+                std::fs::create_dir_all(&local).map_err(|e| EngineError::io(&local, e))?;
+                let copy = local.join(&t.file);
+                crate::hf::write_atomic(
+                    &copy,
+                    &dir.join(&t.file).read(ferrotron_core::bounded::TOKENIZER)?,
+                )?;
+                let (bytes, sha) = super::files::sha256_file(&copy)?;
+                if bytes != t.bytes || sha != t.sha256 {
+                    return Err(EngineError::format(
+                        dir.join(&t.file).as_error_path(),
+                        "checksum mismatch with the manifest: the tokenizer copy is corrupt",
+                    ));
+                }
+                Some(copy)
+            }
+            None => None,
+        };
+        let specs = manifest.trained_specs();
+        Ok(Self {
+            dir: err_dir,
+            manifest,
+            files,
+            index,
+            specs,
+            tokenizer,
+        })
+    }
+
+    /// Reads every array of every rank file once: on an object store each is checked against its
+    /// SHA-256 (with the headers checked at open, every byte of every file is then verified); a
+    /// local checkpoint was verified whole when opened.
+    pub fn verify_all(&self) -> Result<()> {
+        for (file, arrays) in &self.index {
+            if let Some(RankData::Remote { .. }) = self.files.get(file) {
+                for key in arrays.keys() {
+                    self.array_bytes(file, key)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The layout the checkpoint was written under.
@@ -346,8 +396,15 @@ impl Checkpoint {
                 continue;
             }
             let bytes = self.array_bytes(&p.file, &p.key)?;
+            // A mapped file is touched only where the spans are; an array on a store is fetched
+            // whole (to check its hash).
+            if let std::borrow::Cow::Owned(fetched) = &bytes {
+                read += fetched.len() as u64;
+            }
             for (so, to, n) in spans {
-                read += 4 * n as u64;
+                if let std::borrow::Cow::Borrowed(_) = &bytes {
+                    read += 4 * n as u64;
+                }
                 for (x, b) in out[to..to + n]
                     .iter_mut()
                     .zip(bytes[4 * so..4 * (so + n)].chunks_exact(4))
@@ -398,23 +455,156 @@ impl Checkpoint {
 
     /// The tokenizer saved with the checkpoint (verified by [`Checkpoint::open`]), if it has one.
     pub fn tokenizer(&self) -> Option<PathBuf> {
-        let t = self.manifest.tokenizer.as_ref()?;
-        Some(self.dir.join(&t.file))
+        self.tokenizer.clone()
     }
 
     /// The raw bytes of array `key` of `file` (both checked by [`Checkpoint::open`]).
-    fn array_bytes(&self, file: &str, key: &str) -> Result<&[u8]> {
-        match (
-            self.files.get(file),
-            self.index.get(file).and_then(|i| i.get(key)),
-        ) {
-            (Some(map), Some(a)) => Ok(&map[a.bytes.clone()]),
-            _ => Err(EngineError::format(
-                self.dir.join(file),
-                format!("holds no array `{key}`"),
-            )),
+    fn array_bytes(&self, file: &str, key: &str) -> Result<std::borrow::Cow<'_, [u8]>> {
+        let missing =
+            || EngineError::format(self.dir.join(file), format!("holds no array `{key}`"));
+        let a = self
+            .index
+            .get(file)
+            .and_then(|i| i.get(key))
+            .ok_or_else(missing)?;
+        match self.files.get(file).ok_or_else(missing)? {
+            RankData::Mapped(map) => Ok(std::borrow::Cow::Borrowed(&map[a.bytes.clone()])),
+            RankData::Remote { at, sha256 } => {
+                let bytes = at.read_range(a.bytes.start as u64..a.bytes.end as u64)?;
+                let want = sha256.get(key).ok_or_else(missing)?;
+                if super::files::sha256_hex(&bytes) != *want {
+                    return Err(EngineError::format(
+                        at.as_error_path(),
+                        format!("array `{key}`: its bytes do not match the SHA-256 its header records — the file is corrupt"),
+                    ));
+                }
+                super::remote::pause_drill(key);
+                Ok(std::borrow::Cow::Owned(bytes))
+            }
         }
     }
+}
+
+/// A rank file on an object store: its header, read by range and checked against the manifest's
+/// hash; its arrays (f32, of the size the manifest records for the file) and each one's SHA-256.
+fn remote_header(
+    at: &crate::storage::Location,
+    f: &super::FileEntry,
+) -> Result<(ArrayIndex, HashMap<String, String>)> {
+    let path = at.as_error_path();
+    let size = at.size()?.ok_or_else(|| {
+        EngineError::format(
+            &path,
+            format!("rank {}'s file is missing (the manifest lists it)", f.rank),
+        )
+    })?;
+    let corrupt = |why: String| EngineError::format(&path, format!("{why} — the file is corrupt"));
+    if size != f.bytes || size < 8 {
+        return Err(corrupt(format!(
+            "{size} bytes, the manifest records {}",
+            f.bytes
+        )));
+    }
+    let n = u64::from_le_bytes(at.read_range(0..8)?.try_into().expect("8 bytes"));
+    if n > size - 8 {
+        return Err(corrupt(format!(
+            "a header of {n} bytes in a file of {size}"
+        )));
+    }
+    let mut head = at.read_range(0..8 + n)?;
+    if Some(super::files::sha256_hex(&head)) != f.header_sha256 {
+        return Err(corrupt(
+            "its header does not match the manifest's SHA-256".into(),
+        ));
+    }
+    let json = head.split_off(8);
+    let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&json)
+        .map_err(|e| corrupt(format!("not a valid safetensors header ({e})")))?;
+    let start = 8 + n as usize;
+    let mut arrays = ArrayIndex::new();
+    for (name, info) in metadata.tensors() {
+        if info.dtype != Dtype::F32 {
+            return Err(EngineError::format(
+                &path,
+                format!("array `{name}` is {:?}; checkpoints hold f32", info.dtype),
+            ));
+        }
+        let (a, b) = info.data_offsets;
+        arrays.insert(
+            name,
+            ArrayInfo {
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                bytes: start + a..start + b,
+            },
+        );
+    }
+    if arrays.values().any(|a| a.bytes.end as u64 > size) {
+        return Err(corrupt("its header places arrays beyond its end".into()));
+    }
+    let recorded = metadata.metadata().clone().unwrap_or_default();
+    let mut sha256 = HashMap::new();
+    for key in arrays.keys() {
+        let Some(h) = recorded.get(&super::files::array_sha_key(key)) else {
+            return Err(corrupt(format!(
+                "its header records no SHA-256 of array `{key}`"
+            )));
+        };
+        sha256.insert(key.clone(), h.clone());
+    }
+    Ok((arrays, sha256))
+}
+
+/// Every piece the manifest names is a real part of its tensor and lies in the rank file it names,
+/// with the number of values it says.
+fn check_pieces(
+    manifest: &Manifest,
+    index: &HashMap<String, ArrayIndex>,
+    mpath: &Path,
+    dir: &Path,
+) -> Result<()> {
+    for t in &manifest.tensors {
+        for p in &t.pieces {
+            if let Err(why) = check_piece(&t.shape, p) {
+                return Err(EngineError::format(
+                    mpath,
+                    format!(
+                        "tensor `{}`, piece `{}` in `{}`: {why}",
+                        t.name, p.key, p.file
+                    ),
+                ));
+            }
+            let Some(arrays) = index.get(&p.file) else {
+                return Err(EngineError::format(
+                    mpath,
+                    format!(
+                        "tensor `{}` is said to be in `{}`, which is not one of the rank files",
+                        t.name, p.file
+                    ),
+                ));
+            };
+            let want = p.flat[1].saturating_sub(p.flat[0]);
+            match arrays.get(&p.key).map(|a| a.bytes.len() / 4) {
+                Some(n) if n == want => {}
+                Some(n) => {
+                    return Err(EngineError::format(
+                        dir.join(&p.file),
+                        format!("array `{}` has {n} values; the manifest says {want}", p.key),
+                    ))
+                }
+                None => {
+                    return Err(EngineError::format(
+                        dir.join(&p.file),
+                        format!(
+                            "holds no array `{}`, which the manifest names for tensor `{}`",
+                            p.key, t.name
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A checkpoint as the source of a resumed run's parameters: each device reads its own shard of

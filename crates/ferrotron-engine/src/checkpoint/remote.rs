@@ -203,16 +203,21 @@ pub fn fetch(root: &Location, cache: &Path) -> Result<PathBuf> {
     Ok(local)
 }
 
-/// Testing: seconds to wait after each file a fetch downloads (the fault tests stop the server in
-/// the middle of a resume's reads).
+/// Testing: seconds to wait, once per process, after the first part of a checkpoint read from a
+/// store (a file a fetch downloads, or an array a device reads): the fault tests stop the server
+/// in the middle of a resume's reads.
 pub const FETCH_PAUSE_ENV: &str = "FERROTRON_CHECKPOINT_FETCH_PAUSE";
 
-fn pause_drill(file: &str) {
-    if let Some(s) = std::env::var(FETCH_PAUSE_ENV)
+pub(super) fn pause_drill(what: &str) {
+    static DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Some(s) = std::env::var(FETCH_PAUSE_ENV)
         .ok()
         .and_then(|v| v.parse::<f64>().ok())
-    {
-        eprintln!("{FETCH_PAUSE_ENV}: {file} fetched; waiting {s} s");
+    else {
+        return;
+    };
+    if !DONE.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        eprintln!("{FETCH_PAUSE_ENV}: {what} fetched; waiting {s} s");
         std::thread::sleep(std::time::Duration::from_secs_f64(s));
     }
 }
@@ -243,7 +248,7 @@ fn download(from: &Location, to: &Path) -> Result<()> {
 }
 
 /// A directory name for a location in the cache (its URL, made a plain name).
-fn cache_name(at: &Location) -> String {
+pub(super) fn cache_name(at: &Location) -> String {
     at.to_string()
         .chars()
         .map(|c| {

@@ -488,6 +488,7 @@ pub fn export_merged(
 /// A person's summary of the checkpoint at `path`, after verifying every file's checksum.
 pub fn inspect(path: &Path) -> Result<String> {
     let ck = Checkpoint::open(path)?;
+    ck.verify_all()?;
     let m = &ck.manifest;
     let mut out = String::new();
     let _ = writeln!(out, "checkpoint {}", ck.dir.display());

@@ -36,6 +36,9 @@ pub struct RankFile {
     pub file: String,
     pub bytes: u64,
     pub sha256: String,
+    /// SHA-256 of the file's header (its length and JSON), which holds each array's SHA-256: a
+    /// reader of some arrays verifies them without the whole file.
+    pub header_sha256: String,
 }
 
 /// An f32 array encoded only when the file writer asks for it.
@@ -137,11 +140,17 @@ pub fn write_rank_file(
             )));
         }
     }
-    let meta = HashMap::from([
+    let mut meta = HashMap::from([
         ("format".to_string(), super::FORMAT.to_string()),
         ("rank".to_string(), rank.to_string()),
         ("step".to_string(), step.to_string()),
     ]);
+    for (key, v) in &views {
+        meta.insert(
+            super::files::array_sha_key(key),
+            super::files::sha256_hex(&crate::hf::encode(v.data, crate::hf::StorageDtype::F32).1),
+        );
+    }
     safetensors::serialize_to_file(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta), &path)
         .map_err(|e| EngineError::format(&path, e.to_string()))?;
     if crash_point("rank-file", step) {
@@ -156,11 +165,13 @@ pub fn write_rank_file(
         .and_then(|f| f.sync_all())
         .map_err(|e| EngineError::io(&path, e))?;
     let (bytes, sha256) = sha256_file(&path)?;
+    let header_sha256 = super::files::header_sha256(&path)?;
     Ok(RankFile {
         rank,
         file: name,
         bytes,
         sha256,
+        header_sha256,
     })
 }
 
@@ -258,6 +269,7 @@ fn seal(
             file: f.file,
             bytes: f.bytes,
             sha256: f.sha256,
+            header_sha256: Some(f.header_sha256),
         })
         .collect();
     manifest.tokenizer = tokenizer;
@@ -415,14 +427,18 @@ pub fn finish_save<C: Comm>(
     const TAG: u64 = 1 << 58;
     let (rank, world) = (c.rank(), c.world_size());
     let all = Group::new("world", (0..world).collect());
-    // Size and SHA-256 (as four 64-bit words); a negative size reports a failure.
-    let report = |f: &Result<RankFile>| -> [f64; 5] {
-        let mut out = [-1f64; 5];
+    // Size, SHA-256 and the header's SHA-256 (each as four 64-bit words); a negative size reports
+    // a failure.
+    let report = |f: &Result<RankFile>| -> [f64; 9] {
+        let mut out = [-1f64; 9];
         if let Ok(f) = f {
             out[0] = f.bytes as f64;
             for (k, w) in out[1..].iter_mut().enumerate() {
-                let hex = &f.sha256[16 * k..16 * (k + 1)];
-                *w = f64::from_bits(u64::from_str_radix(hex, 16).expect("hex"));
+                let hex = if k < 4 { &f.sha256 } else { &f.header_sha256 };
+                let k = k % 4;
+                *w = f64::from_bits(
+                    u64::from_str_radix(&hex[16 * k..16 * (k + 1)], 16).expect("hex"),
+                );
             }
         }
         out
@@ -441,7 +457,7 @@ pub fn finish_save<C: Comm>(
     }
     let mut reports = vec![report(&written)];
     for r in 1..world {
-        let mut v = [0f64; 5];
+        let mut v = [0f64; 9];
         c.recv(r, &mut v, TAG)?;
         reports.push(v);
     }
@@ -453,14 +469,13 @@ pub fn finish_save<C: Comm>(
                     "checkpoint of step {step}: rank {r} could not write its file"
                 )));
             }
+            let hex = |w: &[f64]| w.iter().map(|w| format!("{:016x}", w.to_bits())).collect();
             files.push(RankFile {
                 rank: r,
                 file: rank_file_name(r),
                 bytes: v[0] as u64,
-                sha256: v[1..]
-                    .iter()
-                    .map(|w| format!("{:016x}", w.to_bits()))
-                    .collect(),
+                sha256: hex(&v[1..5]),
+                header_sha256: hex(&v[5..9]),
             });
         }
         let manifest = manifest.expect("rank 0 brings the manifest");

@@ -6,6 +6,7 @@ pub mod data;
 mod mesh;
 mod pipedream;
 mod pipeline;
+pub mod slice;
 pub mod tensor;
 pub mod weights;
 

@@ -15,6 +15,8 @@
 //!   with it each device sees its rows only, so their gradients are summed over the group.
 
 use super::context::{self, ContextShard};
+pub use super::slice::Slice;
+pub(crate) use super::slice::{dims, one};
 use super::weights::WeightSource;
 use crate::comm::{Comm, CommError, Group, ReduceOp};
 use crate::error::{EngineError, Result};
@@ -36,43 +38,6 @@ pub struct TpShard {
     pub size: usize,
     pub rank: usize,
     pub sequence_parallel: bool,
-}
-
-/// How a tensor is cut: along `dim`, this device keeps the concatenation of `ranges`, then `pad`
-/// zero rows (the vocabulary's padding). A tensor kept whole has one range covering `dim` 0.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Slice {
-    pub dim: usize,
-    pub ranges: Vec<Range<usize>>,
-    pub pad: usize,
-}
-
-impl Slice {
-    /// The elements of a tensor of `shape` this slice keeps, in the shard's order: ranges of flat
-    /// indices, each followed by the zeros of padding that come after it.
-    pub fn runs(&self, shape: &[usize]) -> Vec<(Range<usize>, usize)> {
-        if shape.is_empty() {
-            return vec![(0..1, 0)];
-        }
-        let (outer, len, inner) = dims(shape, self.dim);
-        let mut runs = Vec::with_capacity(outer * self.ranges.len());
-        for o in 0..outer {
-            for (k, r) in self.ranges.iter().enumerate() {
-                let pad = if k + 1 == self.ranges.len() {
-                    self.pad * inner
-                } else {
-                    0
-                };
-                runs.push(((o * len + r.start) * inner..(o * len + r.end) * inner, pad));
-            }
-        }
-        runs
-    }
-}
-
-/// One contiguous range, as a slice's list of ranges.
-pub(crate) fn one(r: Range<usize>) -> Vec<Range<usize>> {
-    std::iter::once(r).collect()
 }
 
 /// `len` split into `parts` nearly equal pieces (the first `len % parts` one longer); piece `i`.
@@ -472,13 +437,6 @@ fn adapter_base(cfg: &ModelConfig, module: &str) -> Result<(TargetSplit, ParamSp
         .find(|s| s.name == name)
         .ok_or_else(no)?;
     Ok((split, spec))
-}
-
-/// A shape seen as `[outer, len, inner]` around `dim`.
-fn dims(shape: &[usize], dim: usize) -> (usize, usize, usize) {
-    let outer = shape[..dim].iter().product();
-    let inner = shape[dim + 1..].iter().product();
-    (outer, shape[dim], inner)
 }
 
 /// Reassembles a full tensor from every device's shard (in group order). Replicated copies are

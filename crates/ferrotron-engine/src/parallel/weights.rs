@@ -2,7 +2,7 @@
 //! tensor; a model on disk or on an object store reads only the rows and columns the shard keeps
 //! (see `hf::ModelWeights`), so each device reads its own bytes and no process holds the model.
 
-use super::tensor::Slice;
+use super::slice::Slice;
 use crate::error::Result;
 use crate::kernels::nf4::Nf4Matrix;
 use crate::transformer::ParamStore;
