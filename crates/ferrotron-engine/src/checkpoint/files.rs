@@ -47,7 +47,19 @@ pub(super) fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-/// The metadata key of a rank file that holds array `key`'s SHA-256.
+/// Arrays are hashed in blocks of this many bytes (the last one shorter): a reader of part of an
+/// array fetches and checks only the blocks it touches.
+pub(super) const HASH_BLOCK_BYTES: usize = 256 << 10;
+
+/// The SHA-256 of each block of `bytes`, concatenated (hex).
+pub(super) fn block_hashes(bytes: &[u8]) -> String {
+    if bytes.is_empty() {
+        return sha256_hex(bytes);
+    }
+    bytes.chunks(HASH_BLOCK_BYTES).map(sha256_hex).collect()
+}
+
+/// The metadata key of a rank file that holds array `key`'s block hashes.
 pub(super) fn array_sha_key(key: &str) -> String {
     format!("sha256:{key}")
 }

@@ -324,7 +324,8 @@ impl Checkpoint {
         for (file, arrays) in &self.index {
             if let Some(RankData::Remote { .. }) = self.files.get(file) {
                 for key in arrays.keys() {
-                    self.array_bytes(file, key)?;
+                    let len = arrays[key].bytes.len();
+                    self.array_bytes(file, key, std::slice::from_ref(&(0..len)))?;
                 }
             }
         }
@@ -395,16 +396,15 @@ impl Checkpoint {
             if spans.is_empty() {
                 continue;
             }
-            let bytes = self.array_bytes(&p.file, &p.key)?;
             // A mapped file is touched only where the spans are; an array on a store is fetched
-            // whole (to check its hash).
-            if let std::borrow::Cow::Owned(fetched) = &bytes {
-                read += fetched.len() as u64;
-            }
+            // by the hash blocks the spans touch (each checked).
+            let wanted: Vec<Range<usize>> = spans
+                .iter()
+                .map(|&(so, _, n)| 4 * so..4 * (so + n))
+                .collect();
+            let (bytes, fetched) = self.array_bytes(&p.file, &p.key, &wanted)?;
+            read += fetched;
             for (so, to, n) in spans {
-                if let std::borrow::Cow::Borrowed(_) = &bytes {
-                    read += 4 * n as u64;
-                }
                 for (x, b) in out[to..to + n]
                     .iter_mut()
                     .zip(bytes[4 * so..4 * (so + n)].chunks_exact(4))
@@ -458,8 +458,16 @@ impl Checkpoint {
         self.tokenizer.clone()
     }
 
-    /// The raw bytes of array `key` of `file` (both checked by [`Checkpoint::open`]).
-    fn array_bytes(&self, file: &str, key: &str) -> Result<std::borrow::Cow<'_, [u8]>> {
+    /// The raw bytes of array `key` of `file` (both checked by [`Checkpoint::open`]), of which
+    /// the byte ranges `wanted` are read (the rest of an array on a store is left zero); and the
+    /// bytes read from storage for them. On a store the hash blocks `wanted` touch are fetched, each
+    /// checked against the hash the file's header records.
+    fn array_bytes(
+        &self,
+        file: &str,
+        key: &str,
+        wanted: &[Range<usize>],
+    ) -> Result<(std::borrow::Cow<'_, [u8]>, u64)> {
         let missing =
             || EngineError::format(self.dir.join(file), format!("holds no array `{key}`"));
         let a = self
@@ -468,18 +476,56 @@ impl Checkpoint {
             .and_then(|i| i.get(key))
             .ok_or_else(missing)?;
         match self.files.get(file).ok_or_else(missing)? {
-            RankData::Mapped(map) => Ok(std::borrow::Cow::Borrowed(&map[a.bytes.clone()])),
+            RankData::Mapped(map) => {
+                let touched = wanted.iter().map(|r| r.len() as u64).sum();
+                Ok((std::borrow::Cow::Borrowed(&map[a.bytes.clone()]), touched))
+            }
             RankData::Remote { at, sha256 } => {
-                let bytes = at.read_range(a.bytes.start as u64..a.bytes.end as u64)?;
-                let want = sha256.get(key).ok_or_else(missing)?;
-                if super::files::sha256_hex(&bytes) != *want {
+                let block = super::files::HASH_BLOCK_BYTES;
+                let len = a.bytes.len();
+                let hashes = sha256.get(key).ok_or_else(missing)?;
+                let blocks = len.div_ceil(block).max(1);
+                if hashes.len() != 64 * blocks {
                     return Err(EngineError::format(
                         at.as_error_path(),
-                        format!("array `{key}`: its bytes do not match the SHA-256 its header records — the file is corrupt"),
+                        format!("array `{key}`: its header records {} block hashes for {blocks} blocks — the file is corrupt", hashes.len() / 64),
                     ));
                 }
+                let mut need = vec![false; blocks];
+                for r in wanted.iter().filter(|r| !r.is_empty()) {
+                    need[r.start / block..=(r.end - 1) / block].fill(true);
+                }
+                let mut out = vec![0u8; len];
+                let mut fetched = 0u64;
+                let mut b = 0;
+                while b < blocks {
+                    if !need[b] {
+                        b += 1;
+                        continue;
+                    }
+                    // A run of needed blocks: one request.
+                    let mut e = b;
+                    while e + 1 < blocks && need[e + 1] {
+                        e += 1;
+                    }
+                    let (lo, hi) = (b * block, ((e + 1) * block).min(len));
+                    let bytes =
+                        at.read_range((a.bytes.start + lo) as u64..(a.bytes.start + hi) as u64)?;
+                    for (k, chunk) in bytes.chunks(block).enumerate() {
+                        let i = b + k;
+                        if super::files::sha256_hex(chunk) != hashes[64 * i..64 * (i + 1)] {
+                            return Err(EngineError::format(
+                                at.as_error_path(),
+                                format!("array `{key}`: block {i} does not match the SHA-256 its header records — the file is corrupt"),
+                            ));
+                        }
+                    }
+                    out[lo..hi].copy_from_slice(&bytes);
+                    fetched += bytes.len() as u64;
+                    b = e + 1;
+                }
                 super::remote::pause_drill(key);
-                Ok(std::borrow::Cow::Owned(bytes))
+                Ok((std::borrow::Cow::Owned(out), fetched))
             }
         }
     }

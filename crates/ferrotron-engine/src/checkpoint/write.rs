@@ -148,7 +148,7 @@ pub fn write_rank_file(
     for (key, v) in &views {
         meta.insert(
             super::files::array_sha_key(key),
-            super::files::sha256_hex(&crate::hf::encode(v.data, crate::hf::StorageDtype::F32).1),
+            super::files::block_hashes(&crate::hf::encode(v.data, crate::hf::StorageDtype::F32).1),
         );
     }
     safetensors::serialize_to_file(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta), &path)
