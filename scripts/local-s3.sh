@@ -52,7 +52,8 @@ start)
   echo $! >"$dir/server.pid"
   echo "$port" >"$dir/server.port"
   for _ in $(seq 100); do
-    if ! free "$port"; then
+    # Open, and by this server: one that lost the port to another process has exited.
+    if ! free "$port" && sleep 0.2 && kill -0 "$(cat "$dir/server.pid")" 2>/dev/null; then
       cat <<EOF
 export AWS_ENDPOINT_URL=http://127.0.0.1:$port
 export AWS_ACCESS_KEY_ID=$key
