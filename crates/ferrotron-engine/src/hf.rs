@@ -309,10 +309,6 @@ fn read_header(file: &WeightFile) -> Result<(BTreeMap<String, ArrayInfo>, u64)> 
 }
 
 impl WeightReader {
-    pub fn open(dir: &Path) -> Result<Self> {
-        Self::open_at(&Location::Local(dir.to_path_buf()))
-    }
-
     /// Reads the headers of the model at `model` (its weights stay where they are).
     pub fn open_at(model: &Location) -> Result<Self> {
         let mut files = Vec::new();
@@ -541,16 +537,6 @@ impl ModelWeights {
             specs: cfg.param_specs(),
         })
     }
-
-    /// Every parameter, read whole.
-    pub fn read_all(&self) -> Result<ParamStore> {
-        let tensors = self
-            .specs
-            .iter()
-            .map(|s| self.reader.read(&s.name))
-            .collect::<Result<_>>()?;
-        Ok(ParamStore::from_tensors(self.specs.clone(), tensors))
-    }
 }
 
 impl WeightSource for ModelWeights {
@@ -579,12 +565,11 @@ pub fn load_params_as(
     cfg: &ModelConfig,
     quantize: Option<BaseQuantization>,
 ) -> Result<ParamStore> {
-    let reader = WeightReader::open_at(model)?;
-    reader.check(cfg)?;
-    let specs = cfg.param_specs();
+    let weights = ModelWeights::open(model, cfg)?;
+    let specs = weights.specs.clone();
     let mut store = ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]);
     for (i, s) in specs.iter().enumerate() {
-        store.tensors[i] = reader.read(&s.name)?;
+        store.tensors[i] = weights.reader.read(&s.name)?;
         if let Some(BaseQuantization::Nf4) = quantize {
             store.quantize_tensor_nf4(cfg, i);
         }

@@ -162,6 +162,8 @@ fn agent() -> &'static ureq::Agent {
             .http_status_as_error(false)
             .timeout_connect(Some(Duration::from_secs(10)))
             .timeout_recv_response(Some(Duration::from_secs(120)))
+            // A body that stops arriving is an error (retried), never a hang.
+            .timeout_recv_body(Some(Duration::from_secs(600)))
             .max_idle_connections_per_host(16)
             .build()
             .into()
