@@ -40,31 +40,37 @@ start)
     exit 1
   fi
   free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-  port=${PORT:-9000}
-  if [ -z "${PORT:-}" ]; then
-    while ! free "$port"; do port=$((port + 1)); done
-  fi
   key=ferrotron
   secret=ferrotron-local-secret
   for bucket in "$@"; do mkdir -p "$dir/data/$bucket"; done
-  nohup "$server" --host 127.0.0.1 --port "$port" --access-key "$key" --secret-key "$secret" \
-    "$dir/data" >"$dir/server.log" 2>&1 &
-  echo $! >"$dir/server.pid"
-  echo "$port" >"$dir/server.port"
-  for _ in $(seq 100); do
-    # Open, and by this server: one that lost the port to another process has exited.
-    if ! free "$port" && sleep 0.2 && kill -0 "$(cat "$dir/server.pid")" 2>/dev/null; then
-      cat <<EOF
+  port=${PORT:-9000}
+  # Another server may take a free port between the check and the bind (two starts at once): this
+  # one then exits, and the next free port is tried (unless $PORT was asked for).
+  for _ in $(seq 20); do
+    if [ -z "${PORT:-}" ]; then
+      while ! free "$port"; do port=$((port + 1)); done
+    fi
+    nohup "$server" --host 127.0.0.1 --port "$port" --access-key "$key" --secret-key "$secret" \
+      "$dir/data" >"$dir/server.log" 2>&1 &
+    echo $! >"$dir/server.pid"
+    echo "$port" >"$dir/server.port"
+    for _ in $(seq 100); do
+      # Open, and by this server: one that lost the port to another process has exited.
+      if ! free "$port" && sleep 0.2 && kill -0 "$(cat "$dir/server.pid")" 2>/dev/null; then
+        cat <<EOF
 export AWS_ENDPOINT_URL=http://127.0.0.1:$port
 export AWS_ACCESS_KEY_ID=$key
 export AWS_SECRET_ACCESS_KEY=$secret
 export AWS_REGION=us-east-1
 export AWS_ALLOW_HTTP=true
 EOF
-      exit 0
-    fi
-    if ! kill -0 "$(cat "$dir/server.pid")" 2>/dev/null; then break; fi
-    sleep 0.1
+        exit 0
+      fi
+      if ! kill -0 "$(cat "$dir/server.pid")" 2>/dev/null; then break; fi
+      sleep 0.1
+    done
+    [ -z "${PORT:-}" ] && grep -q "Address already in use" "$dir/server.log" || break
+    port=$((port + 1))
   done
   echo "the server did not start; its log ($dir/server.log):" >&2
   cat "$dir/server.log" >&2

@@ -537,6 +537,24 @@ impl ModelWeights {
             specs: cfg.param_specs(),
         })
     }
+
+    /// Every tensor, whole, with (QLoRA) the projections quantized as they are read: one tensor
+    /// is in f32 at a time, never the whole model.
+    pub fn load(
+        &self,
+        cfg: &ModelConfig,
+        quantize: Option<BaseQuantization>,
+    ) -> Result<ParamStore> {
+        let specs = self.specs.clone();
+        let mut store = ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]);
+        for (i, s) in specs.iter().enumerate() {
+            store.tensors[i] = self.reader.read(&s.name)?;
+            if let Some(BaseQuantization::Nf4) = quantize {
+                store.quantize_tensor_nf4(cfg, i);
+            }
+        }
+        Ok(store)
+    }
 }
 
 impl WeightSource for ModelWeights {
@@ -558,23 +576,14 @@ pub fn load_params(dir: &Path, cfg: &ModelConfig) -> Result<ParamStore> {
     load_params_as(&Location::Local(dir.to_path_buf()), cfg, None)
 }
 
-/// [`load_params`], with (QLoRA) the projections quantized as they are read: one tensor is in f32
-/// at a time, never the whole model.
+/// [`load_params`], with (QLoRA) the projections quantized as they are read
+/// ([`ModelWeights::load`]).
 pub fn load_params_as(
     model: &Location,
     cfg: &ModelConfig,
     quantize: Option<BaseQuantization>,
 ) -> Result<ParamStore> {
-    let weights = ModelWeights::open(model, cfg)?;
-    let specs = weights.specs.clone();
-    let mut store = ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]);
-    for (i, s) in specs.iter().enumerate() {
-        store.tensors[i] = weights.reader.read(&s.name)?;
-        if let Some(BaseQuantization::Nf4) = quantize {
-            store.quantize_tensor_nf4(cfg, i);
-        }
-    }
-    Ok(store)
+    ModelWeights::open(model, cfg)?.load(cfg, quantize)
 }
 
 /// `data` in `dtype`, as little-endian bytes.

@@ -8,8 +8,12 @@ mod local_s3;
 use ferrotron_engine::storage::{s3, Location};
 use local_s3::LocalS3;
 
+/// The tests' servers are named by process-wide variables (`AWS_ENDPOINT_URL`…): one at a time.
+static ONE_SERVER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn reads_writes_lists_and_deletes_objects_and_explains_failures() {
+    let _one = ONE_SERVER.lock().unwrap_or_else(|e| e.into_inner());
     let server = LocalS3::start(&common::temp_dir("s3"), &["bucket"]);
     server.export();
     let root = Location::parse("s3://bucket/run").unwrap();
@@ -84,4 +88,47 @@ fn reads_writes_lists_and_deletes_objects_and_explains_failures() {
     server.restart();
     root.join("c").write(b"x").unwrap();
     assert_eq!(root.join("c").read(10).unwrap(), b"x");
+}
+
+/// A checkpoint saved whole (and one saved as ZeRO-3 halves), read by the four devices of tp=4:
+/// each device gets its shard's values and reads its quarter of every cut tensor — a row-parallel
+/// weight's input columns included, which the files hold cut-major — and the replicated ones whole,
+/// no more: on disk exactly; on the store too, since these shapes align each device's ranges with
+/// the 256 KiB hash blocks it fetches.
+#[test]
+fn a_finer_split_reads_only_its_slices_of_a_checkpoint() {
+    use ferrotron_core::layout::LayoutSpec;
+    use ferrotron_core::model::ModelConfig;
+    use ferrotron_engine::checkpoint::{self, Checkpoint};
+    use ferrotron_engine::hf::{self, StorageDtype};
+    use ferrotron_engine::parallel::TpShard;
+    use ferrotron_engine::transformer::ParamStore;
+
+    let _one = ONE_SERVER.lock().unwrap_or_else(|e| e.into_inner());
+    let server = LocalS3::start(&common::temp_dir("s3-slices"), &["checkpoints"]);
+    let dir = common::temp_dir("finer-split");
+    let cfg = ModelConfig::llama(1024, 512, 1024, 2, 8, 8, 64, 10000.0);
+    let params = ParamStore::init_random(&cfg, 3);
+    let model = dir.join("model");
+    hf::save_model(&model, &cfg, &params, StorageDtype::F32).unwrap();
+    let remote = std::path::Path::new("s3://checkpoints/whole");
+    let saved = [
+        ("tp=1", dir.join("whole")),
+        ("dp=2,zero=3", dir.join("zero3")),
+        ("tp=1", remote.to_path_buf()),
+    ];
+    server.export();
+    for (layout, root) in &saved {
+        let layout = LayoutSpec::parse(layout).unwrap().layout;
+        checkpoint::import_hf(&model, &layout, root, false).unwrap();
+        let ck = Checkpoint::open(root).unwrap();
+        for t in 0..4 {
+            let shard = TpShard::new(&cfg, 4, t, false).unwrap();
+            let (got, read) = shard.shard_store(&cfg, &ck, &|_| true).unwrap();
+            let (want, _) = shard.shard_store(&cfg, &params, &|_| true).unwrap();
+            assert_eq!(got.tensors, want.tensors, "{root:?}, device {t}");
+            let need: usize = want.tensors.iter().map(|v| 4 * v.len()).sum();
+            assert_eq!(read, need as u64, "{root:?}, device {t}");
+        }
+    }
 }

@@ -163,8 +163,8 @@ fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from
     server();
     upload(&fixture("llama_tiny"), "s3://models/llama_tiny_train");
     let dir = temp_dir("s3-train");
-    let train = |model: &str, out: &Path| {
-        let o = ferrotron(&[
+    let train_with = |model: &str, out: &Path, extra: &[&str]| {
+        let mut args = vec![
             "train",
             "--model",
             model,
@@ -180,7 +180,9 @@ fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from
             "tp=4",
             "--out-dir",
             path(out),
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        let o = ferrotron(&args);
         assert!(o.status.success(), "{model}: {}", stderr(&o));
         let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
         let lines: Vec<serde_json::Value> = text
@@ -189,6 +191,7 @@ fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from
             .collect();
         (String::from_utf8_lossy(&o.stdout).into_owned(), lines)
     };
+    let train = |model: &str, out: &Path| train_with(model, out, &[]);
     let (printed, remote) = train("s3://models/llama_tiny_train", &dir.join("s3"));
     let (_, local) = train(path(&fixture("llama_tiny")), &dir.join("local"));
     // llama_tiny: 4 query heads, 2 KV heads.
@@ -204,6 +207,31 @@ fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from
     }
     assert!(printed.contains("model read at start"), "{printed}");
     // The same training, whichever way the model was read.
+    for (a, b) in remote.iter().zip(&local) {
+        assert_eq!(a["loss"], b["loss"]);
+    }
+    assert_eq!(
+        remote[0]["run"]["initial_val_loss"],
+        local[0]["run"]["initial_val_loss"]
+    );
+
+    // LoRA: each device reads its own shard of the frozen base as well (the whole base is read
+    // only for rank 0's evaluations), and trains as from disk.
+    let lora = [
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "q_proj,o_proj,down_proj",
+    ];
+    let (_, remote) = train_with("s3://models/llama_tiny_train", &dir.join("lora-s3"), &lora);
+    let (_, local) = train_with(path(&fixture("llama_tiny")), &dir.join("lora-local"), &lora);
+    for (d, device) in remote[0]["devices"].as_array().unwrap().iter().enumerate() {
+        let r = device["model_bytes_read"].as_u64().unwrap();
+        assert!(
+            r > 0 && r <= need,
+            "LoRA: device {d} read {r} bytes of the base; it needs at most {need}"
+        );
+    }
     for (a, b) in remote.iter().zip(&local) {
         assert_eq!(a["loss"], b["loss"]);
     }
@@ -322,7 +350,7 @@ fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do(
     assert_eq!(losses(&dir.join("s3")), losses(&dir.join("local")));
     assert_eq!(losses(&dir.join("s3")).len(), 6);
     // Each device of the new layout read from the store only the arrays of its tensor-parallel
-    // half (each fetched whole, to check its hash), the norms whole.
+    // half (by the 256 KiB hash blocks they touch, each checked), the norms whole.
     let text = std::fs::read_to_string(dir.join("s3").join("metrics.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let params = 4 * first["run"]["parameters"].as_u64().unwrap();

@@ -24,6 +24,22 @@ pub struct Holding {
 }
 
 impl Holding {
+    /// How its arrays are stored: cut-major when the shard is cut along a later dimension.
+    pub fn order(&self) -> super::StoredOrder {
+        super::StoredOrder::for_cut(self.tp_slice.dim)
+    }
+
+    /// Its elements in the order they are stored (`order`), from the runtime's row-major ones.
+    pub fn stored(&self, row_major: &[f32]) -> Vec<f32> {
+        match self.order() {
+            super::StoredOrder::RowMajor => row_major.to_vec(),
+            super::StoredOrder::CutMajor => {
+                super::order::CutMajor::new(&self.shard_shape, self.tp_slice.dim, self.flat.clone())
+                    .store(row_major)
+            }
+        }
+    }
+
     pub fn piece(&self, kind: Kind, file: &str) -> Piece {
         Piece {
             kind,
@@ -32,6 +48,7 @@ impl Holding {
             tp_slice: SliceEntry::from(&self.tp_slice),
             shard_shape: self.shard_shape.clone(),
             flat: [self.flat.start, self.flat.end],
+            order: self.order(),
         }
     }
 }

@@ -13,6 +13,7 @@
 
 mod files;
 mod layout;
+mod order;
 mod read;
 pub mod remote;
 mod slice;
@@ -20,6 +21,7 @@ mod tools;
 mod write;
 
 pub use layout::{manifest_tensors, rank_holdings, Holding};
+pub use order::StoredOrder;
 pub use read::Checkpoint;
 pub use slice::overlap_spans;
 pub use tools::{
@@ -191,7 +193,7 @@ impl Kind {
 }
 
 /// One array of a rank file: part `flat` of the tensor-parallel shard `tp_slice` (shape
-/// `shard_shape`) of a tensor, flattened.
+/// `shard_shape`) of a tensor, flattened, its elements in the order `order`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Piece {
     pub kind: Kind,
@@ -200,6 +202,9 @@ pub struct Piece {
     pub tp_slice: SliceEntry,
     pub shard_shape: Vec<usize>,
     pub flat: [usize; 2],
+    /// Absent: row-major (every piece of checkpoints written before cut-major order existed).
+    #[serde(default, skip_serializing_if = "StoredOrder::is_row_major")]
+    pub order: StoredOrder,
 }
 
 /// A tensor-parallel shard as the manifest writes it.

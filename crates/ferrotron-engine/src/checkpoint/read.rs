@@ -2,6 +2,7 @@
 //! size and SHA-256 the manifest records, holding every array the manifest names), then slices read
 //! from the memory-mapped files — only the bytes a reader asks for are touched.
 
+use super::order::{CutMajor, StoredOrder};
 use super::slice::{overlap_spans, whole};
 use super::{Kind, Manifest, TensorEntry, FORMAT, LATEST, MANIFEST, VERSION};
 use crate::error::{EngineError, Result};
@@ -12,6 +13,7 @@ use ferrotron_core::layout::{Layout, LayoutSpec};
 use ferrotron_core::model::ModelConfig;
 use memmap2::Mmap;
 use safetensors::tensor::Dtype;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -397,12 +399,29 @@ impl Checkpoint {
                 continue;
             }
             // A mapped file is touched only where the spans are; an array on a store is fetched
-            // by the hash blocks the spans touch (each checked).
-            let wanted: Vec<Range<usize>> = spans
-                .iter()
-                .map(|&(so, _, n)| 4 * so..4 * (so + n))
-                .collect();
-            let (bytes, fetched) = self.array_bytes(&p.file, &p.key, &wanted)?;
+            // by the hash blocks the spans touch (each checked). A cut-major array holds each
+            // wanted index of the cut in one stored range: those are read, then put back in the
+            // shard's row-major order.
+            let (bytes, fetched) = match p.order {
+                StoredOrder::RowMajor => {
+                    let wanted: Vec<Range<usize>> = spans
+                        .iter()
+                        .map(|&(so, _, n)| 4 * so..4 * (so + n))
+                        .collect();
+                    self.array_bytes(&p.file, &p.key, &wanted)?
+                }
+                StoredOrder::CutMajor => {
+                    let order = CutMajor::new(&p.shard_shape, src.dim, p.flat[0]..p.flat[1]);
+                    let need = order.touched(spans.iter().map(|&(so, _, n)| (so, n)));
+                    let wanted: Vec<Range<usize>> = order
+                        .stored_ranges(&need)
+                        .into_iter()
+                        .map(|r| 4 * r.start..4 * r.end)
+                        .collect();
+                    let (stored, fetched) = self.array_bytes(&p.file, &p.key, &wanted)?;
+                    (Cow::Owned(order.load_bytes(&stored, 4, &need)), fetched)
+                }
+            };
             read += fetched;
             for (so, to, n) in spans {
                 for (x, b) in out[to..to + n]
@@ -467,7 +486,7 @@ impl Checkpoint {
         file: &str,
         key: &str,
         wanted: &[Range<usize>],
-    ) -> Result<(std::borrow::Cow<'_, [u8]>, u64)> {
+    ) -> Result<(Cow<'_, [u8]>, u64)> {
         let missing =
             || EngineError::format(self.dir.join(file), format!("holds no array `{key}`"));
         let a = self
@@ -478,7 +497,7 @@ impl Checkpoint {
         match self.files.get(file).ok_or_else(missing)? {
             RankData::Mapped(map) => {
                 let touched = wanted.iter().map(|r| r.len() as u64).sum();
-                Ok((std::borrow::Cow::Borrowed(&map[a.bytes.clone()]), touched))
+                Ok((Cow::Borrowed(&map[a.bytes.clone()]), touched))
             }
             RankData::Remote { at, sha256 } => {
                 let block = super::files::HASH_BLOCK_BYTES;
@@ -525,7 +544,7 @@ impl Checkpoint {
                     b = e + 1;
                 }
                 super::remote::pause_drill(key);
-                Ok((std::borrow::Cow::Owned(out), fetched))
+                Ok((Cow::Owned(out), fetched))
             }
         }
     }

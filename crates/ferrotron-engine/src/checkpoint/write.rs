@@ -41,10 +41,22 @@ pub struct RankFile {
     pub header_sha256: String,
 }
 
-/// An f32 array encoded only when the file writer asks for it.
+/// An f32 array of a holding, put in its stored order and encoded only when the file writer asks
+/// for it (one array at a time).
 struct F32View<'a> {
     shape: Vec<usize>,
+    holding: &'a Holding,
     data: &'a [f32],
+}
+
+impl F32View<'_> {
+    fn bytes(&self) -> Vec<u8> {
+        crate::hf::encode(
+            &self.holding.stored(self.data),
+            crate::hf::StorageDtype::F32,
+        )
+        .1
+    }
 }
 
 impl View for &F32View<'_> {
@@ -55,7 +67,7 @@ impl View for &F32View<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Owned(crate::hf::encode(self.data, crate::hf::StorageDtype::F32).1)
+        Cow::Owned(self.bytes())
     }
     fn data_len(&self) -> usize {
         4 * self.data.len()
@@ -104,16 +116,23 @@ pub fn write_rank_file(
         .iter()
         .flat_map(|a| {
             let h = &a.holding;
-            // A whole shard keeps its shape; a ZeRO piece is flat.
-            let shape = if h.flat.len() == h.shard_shape.iter().product::<usize>() {
-                h.shard_shape.clone()
-            } else {
+            // A whole shard keeps its shape (cut-major: the cut dimension first); a ZeRO piece
+            // is flat.
+            let shape = if h.flat.len() != h.shard_shape.iter().product::<usize>() {
                 vec![h.flat.len()]
+            } else if h.order() == super::StoredOrder::CutMajor {
+                let mut s = h.shard_shape.clone();
+                let len = s.remove(h.tp_slice.dim);
+                s.insert(0, len);
+                s
+            } else {
+                h.shard_shape.clone()
             };
             let mut out = vec![(
                 Kind::Param.key(&h.name),
                 F32View {
                     shape: shape.clone(),
+                    holding: h,
                     data: &a.param,
                 },
             )];
@@ -123,6 +142,7 @@ pub fn write_rank_file(
                         kind.key(&h.name),
                         F32View {
                             shape: shape.clone(),
+                            holding: h,
                             data,
                         },
                     ));
@@ -148,7 +168,7 @@ pub fn write_rank_file(
     for (key, v) in &views {
         meta.insert(
             super::files::array_sha_key(key),
-            super::files::block_hashes(&crate::hf::encode(v.data, crate::hf::StorageDtype::F32).1),
+            super::files::block_hashes(&v.bytes()),
         );
     }
     safetensors::serialize_to_file(views.iter().map(|(k, v)| (k.clone(), v)), Some(meta), &path)

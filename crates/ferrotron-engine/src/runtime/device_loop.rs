@@ -175,17 +175,12 @@ fn evaluate<C: Comm>(
     // The gathered model is the host's, not the device's: it is not counted against the device's
     // capacity (device 0 would otherwise hold the whole model beside its shard).
     memory::clear_device();
-    let gathered = mesh.gather_params(c, dev);
-    let v = gathered.map(|p| {
-        p.and_then(|p| {
-            validation_loss(
-                run.model_cfg,
-                run.trained(&p),
-                run.val_batches,
-                run.kernel_threads,
-            )
-        })
-    });
+    let v = match mesh.gather_params(c, dev) {
+        Ok(Some(p)) => run.trained(&p).map(|trained| {
+            validation_loss(run.model_cfg, trained, run.val_batches, run.kernel_threads)
+        }),
+        other => other.map(|_| None),
+    };
     memory::set_device(account);
     v
 }

@@ -5,9 +5,61 @@
 use super::config::TrainConfig;
 use crate::checkpoint::Checkpoint;
 use crate::error::{EngineError, Result};
+use crate::hf::ModelWeights;
 use crate::lora::Adapters;
+use crate::parallel::WeightSource;
+use crate::transformer::ParamStore;
 use ferrotron_core::model::{LoraConfig, ModelConfig};
 use ferrotron_core::precision::BaseQuantization;
+use std::sync::OnceLock;
+
+/// A LoRA run's frozen base.
+pub(super) enum BaseWeights {
+    /// In memory: a preset's, or (QLoRA) quantized as it was read — the quantization constants
+    /// are the whole tensor's, so a device's shard is cut from the quantized whole.
+    Loaded(ParamStore),
+    /// Where the model is stored: each device reads its own shard.
+    Stored(Box<StoredBase>),
+}
+
+/// A base where the model is stored; the whole of it is read only where it is needed (rank 0's
+/// evaluations and merged export), once, when first asked for.
+pub(super) struct StoredBase {
+    weights: ModelWeights,
+    model: ModelConfig,
+    whole: OnceLock<ParamStore>,
+}
+
+impl BaseWeights {
+    pub fn stored(weights: ModelWeights, model: &ModelConfig) -> Self {
+        BaseWeights::Stored(Box::new(StoredBase {
+            weights,
+            model: model.clone(),
+            whole: OnceLock::new(),
+        }))
+    }
+
+    /// Where each device reads its shard of the base.
+    pub fn shards(&self) -> &dyn WeightSource {
+        match self {
+            BaseWeights::Loaded(p) => p,
+            BaseWeights::Stored(s) => &s.weights,
+        }
+    }
+
+    /// The whole base (read at the first call where it is stored).
+    pub fn whole(&self) -> Result<&ParamStore> {
+        match self {
+            BaseWeights::Loaded(p) => Ok(p),
+            BaseWeights::Stored(s) => {
+                if s.whole.get().is_none() {
+                    let _ = s.whole.set(s.weights.load(&s.model, None)?);
+                }
+                Ok(s.whole.get().expect("set above"))
+            }
+        }
+    }
+}
 
 /// The LoRA configuration the flags describe on their own (`None` without `--lora-rank`).
 fn from_flags(cfg: &TrainConfig, model: &ModelConfig) -> Result<Option<LoraConfig>> {

@@ -5,7 +5,7 @@ use super::checkpointing::CheckpointPlan;
 use super::config::TrainConfig;
 use super::effective_batch;
 use super::hang;
-use super::lora_run;
+use super::lora_run::{self, BaseWeights};
 use super::metrics::RunOutcome;
 use super::metrics::{DeviceSummary, StepReport};
 use super::resolve::{plan_input, resolve_layout};
@@ -105,6 +105,18 @@ impl StartingPoint {
             (None, ModelSource::HfDir(dir)) if adapters.is_none() => {
                 StartWeights::Stored(hf::ModelWeights::open(dir, &model)?)
             }
+            // LoRA on a stored, unquantized base: each device reads its own shard of the base.
+            (_, ModelSource::HfDir(dir)) if adapters.is_some() && quantized.is_none() => {
+                StartWeights::Base(BaseWeights::stored(
+                    hf::ModelWeights::open(dir, &model)?,
+                    &model,
+                ))
+            }
+            _ if adapters.is_some() => StartWeights::Base(BaseWeights::Loaded(source.load(
+                &model,
+                cfg.input.seed,
+                quantized,
+            )?)),
             _ => StartWeights::Loaded(source.load(&model, cfg.input.seed, quantized)?),
         };
         if cfg.input.seq_len > model.max_sequence_length() {
@@ -135,28 +147,29 @@ impl StartingPoint {
             (Some(a), _) => &a.params,
             (None, StartWeights::Loaded(p)) => p,
             (None, StartWeights::Stored(w)) => w,
-            (None, StartWeights::Resumed) => self
+            (None, StartWeights::Resumed | StartWeights::Base(_)) => self
                 .resume
                 .as_ref()
                 .expect("a resumed run has its checkpoint"),
         }
     }
 
-    /// LoRA: the frozen base (in memory) and the adapters' configuration.
-    fn lora(&self) -> Option<(&ParamStore, &LoraConfig)> {
+    /// LoRA: the frozen base and the adapters' configuration.
+    fn lora(&self) -> Option<(&BaseWeights, &LoraConfig)> {
         match (&self.adapters, &self.params) {
-            (Some(a), StartWeights::Loaded(base)) => Some((base, &a.config)),
+            (Some(a), StartWeights::Base(base)) => Some((base, &a.config)),
             _ => None,
         }
     }
 }
 
-/// A run's starting parameters: in memory (a preset, a LoRA base), where the model is stored, or
-/// the checkpoint the run resumes from — in the last two each device reads its own shard.
+/// A run's starting parameters: in memory (a preset), where the model is stored, the checkpoint
+/// the run resumes from — in the last two each device reads its own shard — or LoRA's frozen base.
 enum StartWeights {
     Loaded(ParamStore),
     Stored(hf::ModelWeights),
     Resumed,
+    Base(BaseWeights),
 }
 
 /// How a run names its base model in a LoRA checkpoint: a model directory by its absolute path, a
@@ -473,9 +486,9 @@ fn finish(
                     Some(&base_model_name(&cfg.input.model)),
                 )?;
                 let Some((base, _)) = sp.lora() else {
-                    unreachable!("a LoRA run's base is in memory")
+                    unreachable!("a LoRA run has its base")
                 };
-                let merged = trained.merge(&sp.model, base)?;
+                let merged = trained.merge(&sp.model, base.whole()?)?;
                 hf::save_model(&dir, &sp.model, &merged, save_dtype)?;
             }
             None => hf::save_model(&dir, &sp.model, &out.params, save_dtype)?,

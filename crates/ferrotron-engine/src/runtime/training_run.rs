@@ -3,6 +3,7 @@
 
 use super::checkpointing::CheckpointPlan;
 use super::config::TrainConfig;
+use super::lora_run::BaseWeights;
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
 use crate::optim::{AdamWConfig, LrSchedule};
@@ -22,7 +23,7 @@ pub(super) struct TrainingRun<'a> {
     /// where the model is stored), or LoRA adapters.
     pub weights: &'a dyn WeightSource,
     /// LoRA: the frozen base and the adapters' configuration.
-    pub lora: Option<(&'a ParamStore, &'a LoraConfig)>,
+    pub lora: Option<(&'a BaseWeights, &'a LoraConfig)>,
     pub layout: Layout,
     pub input: &'a PlanInput,
     /// The planner's evaluation of `layout` (made once, when the layout was resolved): its
@@ -50,12 +51,14 @@ impl TrainingRun<'_> {
         self.weights.specs().iter().map(ParamSpec::numel).sum()
     }
 
-    /// What trains, once the devices' shards are gathered into `params`.
-    pub fn trained<'p>(&'p self, params: &'p ParamStore) -> Trained<'p> {
-        Trained {
-            params,
-            lora: self.lora,
-        }
+    /// What trains, once the devices' shards are gathered into `params` (with LoRA, on the whole
+    /// base).
+    pub fn trained<'p>(&'p self, params: &'p ParamStore) -> Result<Trained<'p>> {
+        let lora = match self.lora {
+            Some((base, lora)) => Some((base.whole()?, lora)),
+            None => None,
+        };
+        Ok(Trained { params, lora })
     }
 
     /// The batch of (0-based) step `k`.
@@ -84,7 +87,7 @@ impl TrainingRun<'_> {
             partition,
         )?;
         let step = match self.lora {
-            Some((base, lora)) => step.with_lora(base, lora),
+            Some((base, lora)) => step.with_lora(base.shards(), lora),
             None => step,
         };
         Ok(step
