@@ -45,6 +45,7 @@ pub enum Family {
     Mistral,
     Qwen2,
     Qwen3,
+    Mixtral,
     Gpt2,
 }
 
@@ -55,6 +56,7 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Mixtral => "mixtral",
             Family::Gpt2 => "gpt2",
         }
     }
@@ -64,6 +66,7 @@ impl Family {
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
             Family::Gpt2 => "GPT2LMHeadModel",
         }
     }
@@ -84,6 +87,19 @@ pub struct ProjectionBias {
 pub struct SlidingWindow {
     pub size: usize,
     pub first_layer: usize,
+}
+
+/// A mixture of experts in place of every block's MLP (Mixtral): a router (a linear map to one
+/// logit per expert, softmax in f32, the `top_k` most probable experts, their probabilities
+/// renormalised to sum to 1 when `norm_topk_prob`), and `num_experts` SwiGLU MLPs of
+/// `intermediate_size` each; a token's output is its experts' outputs weighted by those
+/// probabilities. Training adds `aux_loss_coef` × the load-balancing loss to the cross-entropy.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub aux_loss_coef: f64,
 }
 
 /// Everything about a model's shape that the engine and the planner need.
@@ -116,6 +132,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
+    /// A mixture of experts in place of each block's MLP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -149,6 +168,7 @@ impl ModelConfig {
             bias: ProjectionBias::default(),
             qk_norm: false,
             sliding_window: None,
+            moe: None,
         }
     }
 
@@ -179,6 +199,17 @@ impl ModelConfig {
             bias: ProjectionBias::default(),
             qk_norm: false,
             sliding_window: None,
+            moe: None,
+        }
+    }
+
+    /// This Llama-shaped model with a mixture of experts in place of each block's MLP (a Mixtral,
+    /// each expert `intermediate_size` wide; rope_theta as given).
+    pub fn with_experts(self, moe: MoeConfig) -> Self {
+        Self {
+            family: Some(Family::Mixtral),
+            moe: Some(moe),
+            ..self
         }
     }
 
@@ -264,6 +295,26 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Whether a mixture of experts can run split `tp`, `pp` and `cp` ways, and if not, why: so far
+    /// only data-parallel replicas run one (its router statistics are per micro-batch, which a split
+    /// of the layers, weights or sequence would divide). The one statement of the rule: the planner
+    /// and the engine both ask it.
+    pub fn experts_split(
+        &self,
+        tp: usize,
+        pp: usize,
+        cp: usize,
+    ) -> std::result::Result<(), String> {
+        if self.moe.is_none() || (tp <= 1 && pp <= 1 && cp <= 1) {
+            return Ok(());
+        }
+        Err(format!(
+            "a mixture of experts runs on data-parallel replicas only so far (tp={tp}, pp={pp}, \
+             cp={cp} split it): expert parallelism (ep=N) and the other splits of its experts are \
+             not implemented yet"
+        ))
+    }
+
     /// Shape rules every model must satisfy; returns (field, message) on failure.
     pub fn validate(&self) -> std::result::Result<(), (String, String)> {
         let positive = [
@@ -316,6 +367,29 @@ impl ModelConfig {
                 ),
             ));
         }
+        if let Some(m) = self.moe {
+            if m.num_experts == 0 || m.num_experts > MAX_DIMENSION {
+                return Err((
+                    "num_local_experts".into(),
+                    format!("{} must be between 1 and {MAX_DIMENSION}", m.num_experts),
+                ));
+            }
+            if m.top_k == 0 || m.top_k > m.num_experts {
+                return Err((
+                    "num_experts_per_tok".into(),
+                    format!(
+                        "{} must be between 1 and the {} experts",
+                        m.top_k, m.num_experts
+                    ),
+                ));
+            }
+            if !(m.aux_loss_coef.is_finite() && m.aux_loss_coef >= 0.0) {
+                return Err((
+                    "router_aux_loss_coef".into(),
+                    format!("{} must be a finite number ≥ 0", m.aux_loss_coef),
+                ));
+            }
+        }
         if let Some(w) = self.sliding_window {
             if w.size == 0 {
                 return Err(("sliding_window".into(), "must be positive".into()));
@@ -354,7 +428,11 @@ impl ModelConfig {
             + f(usize::from(b.o)) * h
             + f(usize::from(b.mlp)) * (2.0 * ffn + h);
         let head_norms = f(2 * usize::from(self.qk_norm)) * f(self.head_dim);
-        let layer = 2.0 * h * q + 2.0 * h * kv + mlp * h * ffn + biases + head_norms;
+        let ffn_params = match self.moe {
+            Some(m) => f(m.num_experts) * (mlp * h * ffn + h),
+            None => mlp * h * ffn,
+        };
+        let layer = 2.0 * h * q + 2.0 * h * kv + ffn_params + biases + head_norms;
         let tables = if self.tie_word_embeddings { 1.0 } else { 2.0 };
         f(self.num_layers) * layer
             + tables * f(self.vocab_size) * h

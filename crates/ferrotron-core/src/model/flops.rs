@@ -3,11 +3,16 @@
 
 use super::{Arch, ModelConfig};
 
-/// Matmul parameters of one layer (full, unsharded).
+/// Matmul parameters one token meets in one layer (full, unsharded): with a mixture of experts, the
+/// router and its `top_k` experts (the active parameters).
 pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
     let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
+    let mlp = match cfg.moe {
+        Some(m) => m.top_k as f64 * 3.0 * h * f + m.num_experts as f64 * h,
+        None => 3.0 * h * f,
+    };
     match cfg.arch {
-        Arch::Llama => 2.0 * h * cfg.q_dim() as f64 + 2.0 * h * cfg.kv_dim() as f64 + 3.0 * h * f,
+        Arch::Llama => 2.0 * h * cfg.q_dim() as f64 + 2.0 * h * cfg.kv_dim() as f64 + mlp,
         Arch::Gpt2 => 4.0 * h * h + 2.0 * h * f,
     }
 }

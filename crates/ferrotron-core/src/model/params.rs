@@ -33,11 +33,34 @@ pub struct LayerParamNames {
     /// Llama: separate q/k/v projections; GPT-2: one fused `c_attn`.
     pub qkv: Vec<(String, Option<String>)>,
     pub attn_out: (String, Option<String>),
-    /// Llama: gate and up; GPT-2: c_fc.
-    pub mlp_in: Vec<(String, Option<String>)>,
-    pub mlp_out: (String, Option<String>),
+    /// The feed-forward block.
+    pub ffn: FfnNames,
     /// Qwen3: the RMSNorms over each head of q and of k.
     pub qk_norm: Option<(String, String)>,
+}
+
+/// A block's feed-forward parameters: one MLP, or a router and its experts.
+#[derive(Debug, Clone)]
+pub enum FfnNames {
+    Dense {
+        /// Llama: gate and up; GPT-2: c_fc.
+        mlp_in: Vec<(String, Option<String>)>,
+        mlp_out: (String, Option<String>),
+    },
+    /// Mixtral's `block_sparse_moe`: `gate` (the router, `[experts, hidden]`) and each expert's
+    /// `w1` (gate), `w3` (up) and `w2` (down) projections.
+    Experts {
+        router: String,
+        experts: Vec<ExpertNames>,
+    },
+}
+
+/// One expert's SwiGLU MLP.
+#[derive(Debug, Clone)]
+pub struct ExpertNames {
+    pub gate: String,
+    pub up: String,
+    pub down: String,
 }
 
 impl ModelConfig {
@@ -88,8 +111,27 @@ impl ModelConfig {
                         w("self_attn.v_proj", b.qkv),
                     ],
                     attn_out: w("self_attn.o_proj", b.o),
-                    mlp_in: vec![w("mlp.gate_proj", b.mlp), w("mlp.up_proj", b.mlp)],
-                    mlp_out: w("mlp.down_proj", b.mlp),
+                    ffn: match self.moe {
+                        Some(m) => FfnNames::Experts {
+                            router: format!("{p}.block_sparse_moe.gate.weight"),
+                            experts: (0..m.num_experts)
+                                .map(|e| {
+                                    let x = |w: &str| {
+                                        format!("{p}.block_sparse_moe.experts.{e}.{w}.weight")
+                                    };
+                                    ExpertNames {
+                                        gate: x("w1"),
+                                        up: x("w3"),
+                                        down: x("w2"),
+                                    }
+                                })
+                                .collect(),
+                        },
+                        None => FfnNames::Dense {
+                            mlp_in: vec![w("mlp.gate_proj", b.mlp), w("mlp.up_proj", b.mlp)],
+                            mlp_out: w("mlp.down_proj", b.mlp),
+                        },
+                    },
                     qk_norm: self.qk_norm.then(|| {
                         (
                             format!("{p}.self_attn.q_norm.weight"),
@@ -108,8 +150,10 @@ impl ModelConfig {
                     norm2_bias: Some(format!("{p}.ln_2.bias")),
                     qkv: vec![wb("attn.c_attn")],
                     attn_out: wb("attn.c_proj"),
-                    mlp_in: vec![wb("mlp.c_fc")],
-                    mlp_out: wb("mlp.c_proj"),
+                    ffn: FfnNames::Dense {
+                        mlp_in: vec![wb("mlp.c_fc")],
+                        mlp_out: wb("mlp.c_proj"),
+                    },
                     qk_norm: None,
                 }
             }
@@ -168,9 +212,21 @@ impl ModelConfig {
                         push(kn.clone(), vec![self.head_dim], WeightLayout::Other);
                     }
                     push(n.norm2_weight.clone(), vec![h], WeightLayout::Other);
-                    linear(&mut push, &n.mlp_in[0], f, h);
-                    linear(&mut push, &n.mlp_in[1], f, h);
-                    linear(&mut push, &n.mlp_out, h, f);
+                    match &n.ffn {
+                        FfnNames::Dense { mlp_in, mlp_out } => {
+                            linear(&mut push, &mlp_in[0], f, h);
+                            linear(&mut push, &mlp_in[1], f, h);
+                            linear(&mut push, mlp_out, h, f);
+                        }
+                        FfnNames::Experts { router, experts } => {
+                            push(router.clone(), vec![experts.len(), h], WeightLayout::OutIn);
+                            for e in experts {
+                                push(e.gate.clone(), vec![f, h], WeightLayout::OutIn);
+                                push(e.down.clone(), vec![h, f], WeightLayout::OutIn);
+                                push(e.up.clone(), vec![f, h], WeightLayout::OutIn);
+                            }
+                        }
+                    }
                 }
                 Arch::Gpt2 => {
                     let bias = |p: &(String, Option<String>)| p.1.clone().expect("gpt2 has biases");
@@ -186,10 +242,13 @@ impl ModelConfig {
                         vec![h],
                         WeightLayout::Other,
                     );
-                    push(n.mlp_in[0].0.clone(), vec![h, f], WeightLayout::InOut);
-                    push(bias(&n.mlp_in[0]), vec![f], WeightLayout::Other);
-                    push(n.mlp_out.0.clone(), vec![f, h], WeightLayout::InOut);
-                    push(bias(&n.mlp_out), vec![h], WeightLayout::Other);
+                    let FfnNames::Dense { mlp_in, mlp_out } = &n.ffn else {
+                        unreachable!("GPT-2 blocks are dense")
+                    };
+                    push(mlp_in[0].0.clone(), vec![h, f], WeightLayout::InOut);
+                    push(bias(&mlp_in[0]), vec![f], WeightLayout::Other);
+                    push(mlp_out.0.clone(), vec![f, h], WeightLayout::InOut);
+                    push(bias(mlp_out), vec![h], WeightLayout::Other);
                 }
             }
         }
@@ -236,10 +295,19 @@ impl ModelConfig {
         self.param_specs().iter().map(ParamSpec::numel).sum()
     }
 
-    /// Parameters that take part in a matmul (everything but the input embedding tables; the output
-    /// head counts even when tied). This is the N of the 6·N·tokens rule.
+    /// The parameters one token meets: with a mixture of experts, all but the experts it does not
+    /// choose (`num_experts − top_k` of them in each block); every parameter otherwise.
+    pub fn num_active_params(&self) -> usize {
+        let idle_experts = self.moe.map_or(0, |m| m.num_experts - m.top_k);
+        let expert = 3 * self.hidden_size * self.intermediate_size;
+        self.num_params() - self.num_layers * idle_experts * expert
+    }
+
+    /// Parameters that take part in a matmul for one token (everything active but the input
+    /// embedding tables; the output head counts even when tied). This is the N of the
+    /// 6·N·tokens rule.
     pub fn matmul_params(&self) -> usize {
-        let mut n = self.num_params() - self.vocab_size * self.hidden_size;
+        let mut n = self.num_active_params() - self.vocab_size * self.hidden_size;
         if let Some(_wpe) = self.position_embedding_name() {
             n -= self.max_position_embeddings * self.hidden_size;
         }

@@ -15,6 +15,8 @@ pub const PRESET_NAMES: &[&str] = &[
     "qwen3-8b",
     "qwen3-32b",
     "mistral-7b",
+    "mixtral-tiny",
+    "mixtral-8x7b",
 ];
 
 /// The published `config.json` of each real checkpoint preset, as its model card gives it: a
@@ -28,6 +30,7 @@ const PUBLISHED: &[(&str, &str)] = &[
     ("qwen3-8b", include_str!("configs/qwen3-8b.json")),
     ("qwen3-32b", include_str!("configs/qwen3-32b.json")),
     ("mistral-7b", include_str!("configs/mistral-7b.json")),
+    ("mixtral-8x7b", include_str!("configs/mixtral-8x7b.json")),
 ];
 
 /// Named model shapes. `llama-small` is the embedded default run's model; `llama-bench` is the
@@ -41,6 +44,15 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         "gpt2-tiny" => ModelConfig::gpt2(512, 64, 256, 4, 4, 256),
         "llama-small" => ModelConfig::llama(2048, 256, 704, 4, 4, 4, 256, 10000.0),
         "llama-bench" => ModelConfig::llama(8192, 512, 1408, 8, 8, 8, 256, 10000.0),
+        // llama-tiny's attention with four experts of 96 columns, two per token.
+        "mixtral-tiny" => {
+            ModelConfig::llama(512, 64, 96, 4, 4, 2, 256, 10000.0).with_experts(super::MoeConfig {
+                num_experts: 4,
+                top_k: 2,
+                norm_topk_prob: true,
+                aux_loss_coef: 0.02,
+            })
+        }
         other => {
             return Err(ConfigError::Invalid(format!(
                 "unknown model preset `{other}` (known: {})",
@@ -67,11 +79,21 @@ mod tests {
             ("qwen3-8b", 8_190_735_360),
             ("qwen3-32b", 32_762_123_264),
             ("mistral-7b", 7_241_732_096),
+            ("mixtral-8x7b", 46_702_792_704),
         ];
         for (name, params) in published {
             let cfg = preset(name).unwrap();
             assert_eq!(cfg.num_params(), params, "{name}");
         }
+        // Mixtral's "12.9B active": two of the eight experts, and everything else.
+        assert_eq!(
+            preset("mixtral-8x7b").unwrap().num_active_params(),
+            12_879_925_248
+        );
+        assert_eq!(
+            preset("llama3.1-8b").unwrap().num_active_params(),
+            8_030_261_248
+        );
     }
 
     #[test]

@@ -60,13 +60,15 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
         l.tp as f64,
     );
     let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
+    // A mixture of experts (never tensor-parallel so far): every expert's MLP and the router.
+    let mlp = match cfg.moe {
+        Some(m) => m.num_experts as f64 * (3.0 * h * f + h),
+        None => 3.0 * h * f / t,
+    };
     match cfg.arch {
         Arch::Llama => {
             let qd = cfg.q_dim() as f64;
-            2.0 * h * qd / t
-                + 2.0 * h * cfg.head_dim as f64 * kv_per_dev
-                + 3.0 * h * f / t
-                + 2.0 * h
+            2.0 * h * qd / t + 2.0 * h * cfg.head_dim as f64 * kv_per_dev + mlp + 2.0 * h
         }
         Arch::Gpt2 => {
             (3.0 * h * h + 3.0 * h) / t + h * h / t + h + (h * f + f) / t + f * h / t + h + 4.0 * h
@@ -140,20 +142,26 @@ pub fn layer_activation_bytes(
                 (true, _) => (b * (heads / t) * s * span, 0.0),
                 (false, _) => (0.0, b * (heads / t) * s * 4.0),
             };
-            let mlp_pre = if cfg.arch == Arch::Llama {
-                2.0 * tok * f
-            } else {
-                tok * f
+            // The MLP's pre-activations and activation; a mixture of experts keeps them for each
+            // of a token's top_k places, and each expert's output (the routing weight's
+            // gradient), beside the router's f32 probabilities and each place's expert, weight
+            // and row (32 bytes).
+            let (mlp, router_bytes) = match (cfg.arch, cfg.moe) {
+                (Arch::Llama, Some(m)) => {
+                    let k = m.top_k as f64;
+                    (
+                        k * tok * (3.0 * f + h),
+                        tok * (4.0 * m.num_experts as f64 + 32.0 * k),
+                    )
+                }
+                (Arch::Llama, None) => (3.0 * tok * f, 0.0),
+                (Arch::Gpt2, _) => (2.0 * tok * f, 0.0),
             };
             // x_in, norm1 out + stats, q, k, v, probs or log-sum-exp, attention out, x_mid, norm2
             // out + stats, MLP.
-            let elems = 4.0 * hidden_sized
-                + 2.0 * stats
-                + tok * (2.0 * qd + 2.0 * kvd)
-                + probs
-                + mlp_pre
-                + tok * f;
-            elems * act_bytes + lse_bytes
+            let elems =
+                4.0 * hidden_sized + 2.0 * stats + tok * (2.0 * qd + 2.0 * kvd) + probs + mlp;
+            elems * act_bytes + lse_bytes + router_bytes
         }
     }
 }

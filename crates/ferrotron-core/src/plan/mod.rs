@@ -392,6 +392,13 @@ fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result
     if let Err(why) = cfg.tensor_parallel_split(l.tp) {
         return Err(rule("tp", format!("tp={}: {why}", l.tp)));
     }
+    if let Err(why) = cfg.experts_split(l.tp, l.pp, l.cp) {
+        let key = [("tp", l.tp), ("pp", l.pp), ("cp", l.cp)]
+            .into_iter()
+            .find(|&(_, n)| n > 1)
+            .map_or("tp", |(k, _)| k);
+        return Err(rule(key, why));
+    }
     if l.cp > 1 && l.cp_comm == crate::layout::CpComm::A2a {
         let heads = cfg.num_heads / l.tp;
         let kv = (cfg.num_kv_heads / l.tp).max(1);

@@ -186,6 +186,10 @@ impl TpShard {
                 Some(cut(0, vec![ffn]))
             }
             Arch::Llama if is("mlp.down_proj.weight") => Some(cut(1, vec![ffn])),
+            // A mixture of experts has no tensor-parallel split yet: whole on the one device.
+            Arch::Llama if name.contains(".block_sparse_moe.") && self.size == 1 => {
+                Some(whole.clone())
+            }
             Arch::Gpt2 if is("attn.c_attn.weight") || is("attn.c_attn.bias") => {
                 // Fused [q | k | v] columns: this device's heads of each.
                 let h = cfg.hidden_size;

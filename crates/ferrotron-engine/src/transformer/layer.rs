@@ -3,11 +3,22 @@
 use super::collectives::ShardCollectives;
 use super::kept::Kept;
 use super::linear::{Lin, Weights};
+use super::moe::{self, ExpertIds, MoeActs, MoeIds, RouterTally};
 use super::norm::{NormIds, NormStash};
 use super::weights::WeightSink;
 use super::{ParamStore, Transformer};
 use crate::kernels::{AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads};
-use ferrotron_core::model::{Arch, ModelConfig, NormKind, WeightLayout};
+use ferrotron_core::model::{Arch, FfnNames, ModelConfig, NormKind, WeightLayout};
+
+/// A block's feed-forward part.
+enum Ffn {
+    Dense {
+        /// Llama: gate, up; GPT-2: c_fc.
+        mlp_in: Vec<Lin>,
+        mlp_out: Lin,
+    },
+    Experts(MoeIds),
+}
 
 /// Parameter indices of one block.
 pub(crate) struct LayerIds {
@@ -16,9 +27,7 @@ pub(crate) struct LayerIds {
     qkv: Vec<Lin>,
     attn_out: Lin,
     norm2: NormIds,
-    /// Llama: gate, up; GPT-2: c_fc.
-    mlp_in: Vec<Lin>,
-    mlp_out: Lin,
+    ffn: Ffn,
     /// Qwen3: RMSNorms over each head of q and of k, before the rotation.
     qk_norm: Option<(NormIds, NormIds)>,
     /// Sliding-window attention: how many keys (itself included) a query sees.
@@ -26,13 +35,18 @@ pub(crate) struct LayerIds {
 }
 
 impl LayerIds {
-    /// The block's projections (what LoRA may target).
+    /// The block's projections (what LoRA may target; experts not yet).
     pub fn lins_mut(&mut self) -> impl Iterator<Item = &mut Lin> {
+        let mlp: Vec<&mut Lin> = match &mut self.ffn {
+            Ffn::Dense { mlp_in, mlp_out } => {
+                mlp_in.iter_mut().chain(std::iter::once(mlp_out)).collect()
+            }
+            Ffn::Experts(_) => Vec::new(),
+        };
         self.qkv
             .iter_mut()
             .chain(std::iter::once(&mut self.attn_out))
-            .chain(self.mlp_in.iter_mut())
-            .chain(std::iter::once(&mut self.mlp_out))
+            .chain(mlp)
     }
 
     pub fn resolve(cfg: &ModelConfig, i: usize, id: &dyn Fn(&str) -> usize) -> Self {
@@ -68,8 +82,29 @@ impl LayerIds {
             qkv,
             attn_out: lin(&n.attn_out, cfg.q_dim(), h),
             norm2: norm(&n.norm2_weight, &n.norm2_bias),
-            mlp_in: n.mlp_in.iter().map(|m| lin(m, h, f)).collect(),
-            mlp_out: lin(&n.mlp_out, f, h),
+            ffn: match &n.ffn {
+                FfnNames::Dense { mlp_in, mlp_out } => Ffn::Dense {
+                    mlp_in: mlp_in.iter().map(|m| lin(m, h, f)).collect(),
+                    mlp_out: lin(mlp_out, f, h),
+                },
+                FfnNames::Experts { router, experts } => {
+                    let plain = |name: &String, i, o| lin(&(name.clone(), None), i, o);
+                    Ffn::Experts(MoeIds {
+                        router: plain(router, h, experts.len()),
+                        experts: experts
+                            .iter()
+                            .map(|e| ExpertIds {
+                                gate: plain(&e.gate, h, f),
+                                up: plain(&e.up, h, f),
+                                down: plain(&e.down, f, h),
+                            })
+                            .collect(),
+                        config: cfg
+                            .moe
+                            .expect("a block with experts has their configuration"),
+                    })
+                }
+            },
             qk_norm: n.qk_norm.as_ref().map(|(qn, kn)| {
                 let rms = |w: &String| NormIds {
                     kind: NormKind::RmsNorm,
@@ -105,9 +140,17 @@ pub(crate) struct LayerActs {
     x_mid: Kept,
     n2: NormStash,
     n2_out: Kept,
-    /// Llama: gate and up pre-activations; GPT-2: the c_fc output.
-    mlp_pre: Vec<Kept>,
-    mlp_act: Kept,
+    ffn: FfnActs,
+}
+
+/// What the feed-forward part keeps.
+enum FfnActs {
+    Dense {
+        /// Llama: gate and up pre-activations; GPT-2: the c_fc output.
+        mlp_pre: Vec<Kept>,
+        mlp_act: Kept,
+    },
+    Experts(MoeActs),
 }
 
 impl LayerActs {
@@ -123,14 +166,26 @@ impl LayerActs {
             &self.attn,
             &self.x_mid,
             &self.n2_out,
-            &self.mlp_act,
         ];
-        let pre: usize = self.mlp_pre.iter().map(Kept::bytes).sum();
+        let ffn = match &self.ffn {
+            FfnActs::Dense { mlp_pre, mlp_act } => {
+                mlp_pre.iter().map(Kept::bytes).sum::<usize>() + mlp_act.bytes()
+            }
+            FfnActs::Experts(m) => m.bytes(),
+        };
         let norms = [&self.n1, &self.n2, &self.q_norm, &self.k_norm];
         kept.iter().map(|k| k.bytes()).sum::<usize>()
-            + pre
+            + ffn
             + norms.iter().map(|n| n.bytes()).sum::<usize>()
             + self.lse.len() * std::mem::size_of::<f32>()
+    }
+
+    /// The router's statistics for the load-balancing loss (empty for a dense block).
+    pub fn router_tally(&self) -> Option<&RouterTally> {
+        match &self.ffn {
+            FfnActs::Experts(m) => Some(&m.tally),
+            FfnActs::Dense { .. } => None,
+        }
     }
 }
 
@@ -254,22 +309,34 @@ pub(crate) fn forward(
     let n2 = ids.norm2.forward(be, p.base, &x_mid, eps);
     let n2_all = tp.gather_rows(&n2.out);
     let n2_in = n2_all.as_deref().unwrap_or(&n2.out);
-    let mlp_pre: Vec<Vec<f32>> = ids
-        .mlp_in
-        .iter()
-        .map(|l| l.forward(be, p, n2_in, rows))
-        .collect();
-    drop(n2_all);
-    // SAFETY: both activations write every element of their output.
-    let mlp_act = unsafe {
-        be.overwritten(rows * cfg.intermediate_size, &mut |act| match cfg.arch {
-            Arch::Llama => be.swiglu_forward(&mlp_pre[0], &mlp_pre[1], act),
-            Arch::Gpt2 => be.gelu_forward(&mlp_pre[0], act),
-        })
-    };
-    let mut out = row_parallel_forward(&ids.mlp_out, be, tp, p, &mlp_act, rows);
-    be.add_assign(&mut out, &x_mid);
     let keep = |v: Vec<f32>| Kept::keep(be, v, m.activation_storage);
+    let (mut out, ffn) = match &ids.ffn {
+        Ffn::Dense { mlp_in, mlp_out } => {
+            let mlp_pre: Vec<Vec<f32>> = mlp_in
+                .iter()
+                .map(|l| l.forward(be, p, n2_in, rows))
+                .collect();
+            drop(n2_all);
+            // SAFETY: both activations write every element of their output.
+            let mlp_act = unsafe {
+                be.overwritten(rows * cfg.intermediate_size, &mut |act| match cfg.arch {
+                    Arch::Llama => be.swiglu_forward(&mlp_pre[0], &mlp_pre[1], act),
+                    Arch::Gpt2 => be.gelu_forward(&mlp_pre[0], act),
+                })
+            };
+            let out = row_parallel_forward(mlp_out, be, tp, p, &mlp_act, rows);
+            let acts = FfnActs::Dense {
+                mlp_pre: mlp_pre.into_iter().map(keep).collect(),
+                mlp_act: keep(mlp_act),
+            };
+            (out, acts)
+        }
+        Ffn::Experts(moe) => {
+            let (out, acts) = moe::forward(be, p, moe, n2_in, rows, m.activation_storage);
+            (out, FfnActs::Experts(acts))
+        }
+    };
+    be.add_assign(&mut out, &x_mid);
     let (mut n1, mut n2) = (n1, n2);
     let (n1_out, n2_out) = (std::mem::take(&mut n1.out), std::mem::take(&mut n2.out));
     let acts = LayerActs {
@@ -288,15 +355,15 @@ pub(crate) fn forward(
         x_mid: keep(x_mid),
         n2,
         n2_out: keep(n2_out),
-        mlp_pre: mlp_pre.into_iter().map(keep).collect(),
-        mlp_act: keep(mlp_act),
+        ffn,
     };
     (out, acts)
 }
 
 /// The MLP branch's backward: `out = x_mid + down(act(in(norm2(x_mid))))`, its input gradient added
 /// into `dx`. The split region sees every row: the gradient at its output is gathered, its input
-/// gradient (a partial sum) reduced back.
+/// gradient (a partial sum) reduced back. A block of experts takes `prob_grad`, the load-balancing
+/// loss's gradient with respect to its router probabilities.
 #[allow(clippy::too_many_arguments)]
 fn mlp_backward(
     cfg: &ModelConfig,
@@ -308,42 +375,50 @@ fn mlp_backward(
     a: &mut LayerActs,
     dx: &mut [f32],
     rows: usize,
+    prob_grad: &[f32],
 ) {
     let f = cfg.intermediate_size;
-    let dact = {
-        let dout_all = tp.gather_rows(dx);
-        let dout = dout_all.as_deref().unwrap_or(dx);
-        ids.mlp_out.backward_new(be, p, g, dout, &a.mlp_act.get(be))
-    };
-    drop(std::mem::take(&mut a.mlp_act));
-    let dn2 = {
-        let n2_out = a.n2_out.get(be);
-        let n2_all = tp.gather_rows(&n2_out);
-        let n2_in = n2_all.as_deref().unwrap_or(&n2_out);
-        let pre: Vec<_> = a.mlp_pre.iter().map(|k| k.get(be)).collect();
-        match cfg.arch {
-            Arch::Llama => {
-                let mut dup = Vec::new();
-                // SAFETY: SwiGLU's backward writes every element of both gradients.
-                let dgate = unsafe {
-                    be.overwritten(rows * f, &mut |dgate| {
-                        dup = be.overwritten(rows * f, &mut |dup| {
-                            be.swiglu_backward(&dact, &pre[0], &pre[1], dgate, dup)
+    let dn2 = match (&ids.ffn, &mut a.ffn) {
+        (Ffn::Dense { mlp_in, mlp_out }, FfnActs::Dense { mlp_pre, mlp_act }) => {
+            let dact = {
+                let dout_all = tp.gather_rows(dx);
+                let dout = dout_all.as_deref().unwrap_or(dx);
+                mlp_out.backward_new(be, p, g, dout, &mlp_act.get(be))
+            };
+            drop(std::mem::take(mlp_act));
+            let n2_out = a.n2_out.get(be);
+            let n2_all = tp.gather_rows(&n2_out);
+            let n2_in = n2_all.as_deref().unwrap_or(&n2_out);
+            let pre: Vec<_> = mlp_pre.iter().map(|k| k.get(be)).collect();
+            match cfg.arch {
+                Arch::Llama => {
+                    let mut dup = Vec::new();
+                    // SAFETY: SwiGLU's backward writes every element of both gradients.
+                    let dgate = unsafe {
+                        be.overwritten(rows * f, &mut |dgate| {
+                            dup = be.overwritten(rows * f, &mut |dup| {
+                                be.swiglu_backward(&dact, &pre[0], &pre[1], dgate, dup)
+                            })
                         })
-                    })
-                };
-                let mut dn2 = ids.mlp_in[0].backward_new(be, p, g, &dgate, n2_in);
-                ids.mlp_in[1].backward(be, p, g, &dup, n2_in, &mut dn2, true);
-                dn2
-            }
-            Arch::Gpt2 => {
-                // SAFETY: GELU's backward writes every element of its gradient.
-                let dpre = unsafe {
-                    be.overwritten(rows * f, &mut |dpre| be.gelu_backward(&dact, &pre[0], dpre))
-                };
-                ids.mlp_in[0].backward_new(be, p, g, &dpre, n2_in)
+                    };
+                    let mut dn2 = mlp_in[0].backward_new(be, p, g, &dgate, n2_in);
+                    mlp_in[1].backward(be, p, g, &dup, n2_in, &mut dn2, true);
+                    dn2
+                }
+                Arch::Gpt2 => {
+                    // SAFETY: GELU's backward writes every element of its gradient.
+                    let dpre = unsafe {
+                        be.overwritten(rows * f, &mut |dpre| be.gelu_backward(&dact, &pre[0], dpre))
+                    };
+                    mlp_in[0].backward_new(be, p, g, &dpre, n2_in)
+                }
             }
         }
+        (Ffn::Experts(moe), FfnActs::Experts(acts)) => {
+            let n2_out = a.n2_out.get(be);
+            moe::backward(be, p, g, moe, acts, dx, &n2_out, rows, prob_grad)
+        }
+        _ => unreachable!("a block's activations are of its own kind"),
     };
     let dn2 = tp.reduce(dn2);
     ids.norm2
@@ -352,7 +427,7 @@ fn mlp_backward(
 }
 
 /// Turns `dx` (the gradient at the block's output, on this device's rows) into the gradient at its
-/// input, in place.
+/// input, in place. `prob_grad`: see [`moe::backward`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     m: &Transformer,
@@ -365,10 +440,11 @@ pub(crate) fn backward(
     dx: &mut [f32],
     positions: &[u32],
     (batch, seq): (usize, usize),
+    prob_grad: &[f32],
 ) {
     let cfg = &m.cfg;
     let rows = batch * seq;
-    mlp_backward(cfg, be, tp, p, g, ids, &mut a, dx, rows);
+    mlp_backward(cfg, be, tp, p, g, ids, &mut a, dx, rows, prob_grad);
 
     // Attention branch: x_mid = x + o(attention(qkv(norm1(x))))
     let attn = a.attn.get(be);

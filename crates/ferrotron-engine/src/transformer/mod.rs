@@ -8,6 +8,7 @@ mod frozen;
 mod kept;
 mod layer;
 mod linear;
+mod moe;
 mod norm;
 mod params;
 mod passes;
@@ -65,6 +66,8 @@ pub struct ForwardState {
     /// The hidden states this stage hands to the next one (empty on the last stage); under sequence
     /// parallelism this device's rows only.
     pub output: Vec<f32>,
+    /// A mixture of experts: the load-balancing loss's statistics over this stage's layers.
+    router_tally: moe::RouterTally,
 }
 
 impl ForwardState {

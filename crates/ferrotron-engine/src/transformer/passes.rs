@@ -55,6 +55,7 @@ impl Transformer {
         };
         assert_eq!(x.len(), rows / blocks * h, "stage input has the wrong size");
         let (mut layers, mut layer_inputs) = (Vec::with_capacity(self.layers.len()), Vec::new());
+        let mut router_tally = moe::RouterTally::default();
         for (i, ids) in self.layers.iter().enumerate() {
             let input = (self.recompute == Recompute::Full).then(|| x.clone());
             let mut layer_in = Some(x);
@@ -74,6 +75,9 @@ impl Transformer {
                 ));
             });
             let (out, acts) = result.expect("the layer ran");
+            if let Some(t) = acts.router_tally() {
+                router_tally.add(t);
+            }
             match input {
                 Some(input) => layer_inputs.push(Kept::keep(be, input, self.activation_storage)),
                 None => layers.push(acts),
@@ -93,6 +97,7 @@ impl Transformer {
             final_out: Kept::Empty,
             logits: Vec::new(),
             output: Vec::new(),
+            router_tally,
         };
         match (&self.final_norm, &self.head) {
             (Some(norm), Some(head)) => {
@@ -143,9 +148,18 @@ impl Transformer {
             }
         };
         let mut loss_sum = 0.0;
+        let mut prob_grad = Vec::new();
         let mut dx = match (&self.final_norm, &self.head, state.final_norm.take()) {
             (Some(norm), Some(head), Some(stash)) => {
                 loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
+                if let Some(moe) = self.cfg.moe.filter(|_| !state.router_tally.is_empty()) {
+                    // The load-balancing loss of this micro-batch, weighted like its tokens' cross-
+                    // entropy (the pass returns sums over predicted tokens).
+                    let predicted = targets.iter().filter(|t| t.is_some()).count() as f64;
+                    let weight = moe.aux_loss_coef * predicted;
+                    loss_sum += weight * state.router_tally.aux_loss();
+                    prob_grad = state.router_tally.prob_grad(weight * loss_scale as f64);
+                }
                 let dlogits = std::mem::take(&mut state.logits);
                 let mut dx = be.zeros(rows / blocks * h);
                 let final_in = std::mem::take(&mut state.final_in).into_f32(be);
@@ -181,7 +195,9 @@ impl Transformer {
                 let mut acts = Some(acts);
                 in_unit(Unit::Layer(first + i), &mut |p, sink| {
                     let acts = acts.take().expect("a layer's backward runs once");
-                    layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
+                    layer::backward(
+                        self, be, tp, p, sink, ids, acts, &mut dx, positions, dims, &prob_grad,
+                    );
                 });
             }
         } else {
@@ -200,7 +216,9 @@ impl Transformer {
                         .expect("a layer's backward runs once")
                         .into_f32(be);
                     let (_, acts) = layer::forward(self, be, tp, p, ids, x, dims, positions);
-                    layer::backward(self, be, tp, p, sink, ids, acts, &mut dx, positions, dims);
+                    layer::backward(
+                        self, be, tp, p, sink, ids, acts, &mut dx, positions, dims, &prob_grad,
+                    );
                 });
             }
         }

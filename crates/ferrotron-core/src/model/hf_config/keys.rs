@@ -118,6 +118,18 @@ pub(super) fn family_keys(f: Family) -> (&'static [&'static str], &'static [&'st
             ],
             &[],
         ),
+        // output_router_logits decides whether transformers adds the load-balancing loss: ferrotron
+        // always trains with it (and writes `true`, so an export computes the same loss there).
+        Family::Mixtral => (
+            &[
+                "sliding_window",
+                "num_local_experts",
+                "num_experts_per_tok",
+                "router_aux_loss_coef",
+                "router_jitter_noise",
+            ],
+            &["output_router_logits"],
+        ),
         Family::Gpt2 => (
             &[
                 "vocab_size",
@@ -157,6 +169,7 @@ pub(super) const FAMILIES: &[Family] = &[
     Family::Mistral,
     Family::Qwen2,
     Family::Qwen3,
+    Family::Mixtral,
     Family::Gpt2,
 ];
 

@@ -5,7 +5,9 @@
 mod keys;
 mod rope;
 
-use super::config::{Arch, Family, ModelConfig, ProjectionBias, SlidingWindow, MAX_DIMENSION};
+use super::config::{
+    Arch, Family, ModelConfig, MoeConfig, ProjectionBias, SlidingWindow, MAX_DIMENSION,
+};
 use crate::error::{ConfigError, Result};
 use keys::{family_keys, FAMILIES, INERT_EVERYWHERE, LLAMA_SHAPE};
 use serde_json::{Map, Value};
@@ -119,6 +121,17 @@ impl ModelConfig {
                     e["attention_bias"] = self.bias.qkv.into();
                 }
                 e
+            }
+            Family::Mixtral => {
+                let m = self.moe.expect("a Mixtral has experts");
+                serde_json::json!({
+                    "sliding_window": window.map(|w| w.size),
+                    "num_local_experts": m.num_experts,
+                    "num_experts_per_tok": m.top_k,
+                    "router_aux_loss_coef": m.aux_loss_coef,
+                    "router_jitter_noise": 0.0,
+                    "output_router_logits": true,
+                })
             }
             Family::Gpt2 => serde_json::json!({}),
         };
@@ -254,7 +267,12 @@ impl Reader<'_> {
             }
         }
         let max_positions = self.opt_usize("max_position_embeddings")?.unwrap_or(2048);
-        let (rope_theta, rope_scaling) = self.rope(max_positions)?;
+        // transformers' defaults when the key is absent.
+        let (default_theta, default_eps) = match family {
+            Family::Mixtral => (1e6, 1e-5),
+            _ => (10000.0, 1e-6),
+        };
+        let (rope_theta, rope_scaling) = self.rope(max_positions, default_theta)?;
         let num_layers = self.usize("num_hidden_layers")?;
         let attention_bias = self.opt_bool("attention_bias")?.unwrap_or(false);
         let bias = match family {
@@ -274,7 +292,7 @@ impl Reader<'_> {
                 o: attention_bias,
                 mlp: false,
             },
-            Family::Mistral | Family::Gpt2 => ProjectionBias::default(),
+            Family::Mistral | Family::Mixtral | Family::Gpt2 => ProjectionBias::default(),
         };
         Ok(ModelConfig {
             arch: Arch::Llama,
@@ -286,7 +304,7 @@ impl Reader<'_> {
             num_kv_heads: kv_heads,
             head_dim,
             max_position_embeddings: max_positions,
-            norm_eps: self.non_negative("rms_norm_eps", 1e-6)?,
+            norm_eps: self.non_negative("rms_norm_eps", default_eps)?,
             rope_theta,
             tie_word_embeddings: self.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             family: Some(family),
@@ -294,7 +312,32 @@ impl Reader<'_> {
             bias,
             qk_norm: family == Family::Qwen3,
             sliding_window: self.sliding_window(family, num_layers)?,
+            moe: self.experts(family)?,
         })
+    }
+
+    /// Mixtral's experts, as transformers reads them (8 experts, 2 per token, coefficient 0.001
+    /// when absent; the top-k probabilities always renormalised).
+    fn experts(&self, family: Family) -> Result<Option<MoeConfig>> {
+        if family != Family::Mixtral {
+            return Ok(None);
+        }
+        if let Some(noise) = self.opt_f64("router_jitter_noise")? {
+            if noise != 0.0 {
+                return Err(self.field(
+                    "router_jitter_noise",
+                    format!(
+                        "{noise} is not implemented (only 0: random noise on the router's input                          in training)"
+                    ),
+                ));
+            }
+        }
+        Ok(Some(MoeConfig {
+            num_experts: self.opt_usize("num_local_experts")?.unwrap_or(8),
+            top_k: self.opt_usize("num_experts_per_tok")?.unwrap_or(2),
+            norm_topk_prob: true,
+            aux_loss_coef: self.opt_f64("router_aux_loss_coef")?.unwrap_or(0.001),
+        }))
     }
 
     /// The window as transformers derives it: Mistral's `sliding_window` (4096 when absent) on every
@@ -310,6 +353,11 @@ impl Reader<'_> {
         };
         match family {
             Family::Mistral => Ok(size(Some(4096))?.map(|size| SlidingWindow {
+                size,
+                first_layer: 0,
+            })),
+            // Mixtral's window is off unless given.
+            Family::Mixtral => Ok(size(None)?.map(|size| SlidingWindow {
                 size,
                 first_layer: 0,
             })),
@@ -438,6 +486,36 @@ mod tests {
 
     fn parse(text: &str) -> Result<ModelConfig> {
         ModelConfig::from_hf_json(text, Path::new("config.json"))
+    }
+
+    #[test]
+    fn a_mixtral_reads_its_experts_with_transformers_defaults_and_refuses_router_noise() {
+        let base = r#""model_type":"mixtral","vocab_size":32,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":2,"num_attention_heads":2"#;
+        let m = parse(&format!("{{{base}}}")).unwrap();
+        let moe = m.moe.unwrap();
+        assert_eq!((moe.num_experts, moe.top_k), (8, 2));
+        assert_eq!(moe.aux_loss_coef, 0.001);
+        assert!(moe.norm_topk_prob);
+        // transformers' Mixtral defaults: rope_theta 1e6, rms_norm_eps 1e-5, no window.
+        assert_eq!((m.rope_theta, m.norm_eps), (1e6, 1e-5));
+        assert_eq!(m.sliding_window, None);
+        let e = parse(&format!("{{{base},\"router_jitter_noise\":0.01}}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("router_jitter_noise"), "{e}");
+        let e = parse(&format!("{{{base},\"num_experts_per_tok\":9}}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("num_experts_per_tok"), "{e}");
+        // Written back, read again: the same model.
+        let again = parse(&m.to_hf_json().to_string()).unwrap();
+        assert_eq!(again, m);
+        // Only data-parallel replicas run one so far.
+        assert!(m.experts_split(1, 1, 1).is_ok());
+        for (tp, pp, cp) in [(2, 1, 1), (1, 2, 1), (1, 1, 2)] {
+            assert!(m.experts_split(tp, pp, cp).is_err());
+        }
     }
 
     #[test]

@@ -19,7 +19,11 @@ struct RopeObject<'a> {
 
 impl Reader<'_> {
     /// RoPE's theta and scaling.
-    pub(super) fn rope(&self, max_positions: usize) -> Result<(f64, RopeScaling)> {
+    pub(super) fn rope(
+        &self,
+        max_positions: usize,
+        default_theta: f64,
+    ) -> Result<(f64, RopeScaling)> {
         let (key, found) = self.rope_source()?;
         let empty = Map::new();
         let obj = match found {
@@ -53,7 +57,7 @@ impl Reader<'_> {
             max_positions,
         };
         let theta = match r.num("rope_theta")?.or(self.opt_f64("rope_theta")?) {
-            None => 10000.0,
+            None => default_theta,
             Some(t) if t > 0.0 && t.is_finite() => t,
             Some(t) => return Err(self.field("rope_theta", format!("{t} must be positive"))),
         };

@@ -314,8 +314,35 @@ impl<'a> MeshStep<'a> {
             .collect())
     }
 
+    /// A mixture-of-experts model runs on data-parallel replicas only so far
+    /// ([`ModelConfig::experts_split`]), in f32, without LoRA.
+    fn check_experts(&self) -> Result<()> {
+        if self.cfg.moe.is_none() {
+            return Ok(());
+        }
+        let l = self.layout;
+        let refuse = |why: String| Err(EngineError::Invalid(format!("layout `{l}`: {why}")));
+        if let Err(why) = self
+            .cfg
+            .experts_split(l.tp.max(1), l.pp.max(1), l.cp.max(1))
+        {
+            return refuse(why);
+        }
+        if self.precision != MixedPrecision::F32 {
+            return refuse(format!(
+                "precision {}: a mixture of experts trains in f32 only so far",
+                self.precision
+            ));
+        }
+        if self.frozen.is_some() {
+            return refuse("LoRA on a mixture of experts is not implemented yet".into());
+        }
+        Ok(())
+    }
+
     /// Builds device `rank`: its shard of `self.params`, its chunks, its ZeRO state.
     pub fn device(&self, rank: usize, adam: AdamWConfig) -> Result<Device> {
+        self.check_experts()?;
         let (cfg, layout) = (self.cfg, self.layout);
         let t = self.mesh.coords(rank).tp;
         let shard = TpShard::new(cfg, self.mesh.tp, t, layout.sequence_parallel)?;

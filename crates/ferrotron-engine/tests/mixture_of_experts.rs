@@ -1,0 +1,173 @@
+//! Mixtral, a mixture of experts, against transformers: a tiny random model
+//! (`tests/fixtures/variants/mixtral`, made by `make_moe_references.py`, whose router weights are
+//! drawn sharp enough that no token's top-k choice is within 1e-3 of flipping) gives
+//! transformers' loss — cross-entropy plus the load-balancing loss, router logits on — and every
+//! gradient, named as the checkpoint names them, on one device; data-parallel replicas give what
+//! one device gives with the same micro-batches; splits not implemented are refused by name.
+
+mod common;
+
+use common::*;
+use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::model::{ModelConfig, MoeConfig};
+use ferrotron_core::schedule::StagePartition;
+use ferrotron_engine::hf;
+use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::parallel::pipeline_step;
+use ferrotron_engine::transformer::{ParamStore, Transformer};
+use std::time::Duration;
+
+/// f32 against transformers' f32, summed in other orders: relative error per tensor.
+const TOL: f64 = 1e-5;
+
+fn load() -> (ModelConfig, ParamStore, Reference) {
+    let dir = fixture("variants").join("mixtral");
+    let (cfg, params) = hf::load_model(&dir).unwrap();
+    (
+        cfg,
+        params,
+        Reference::from_file(dir.join("reference_grads.safetensors")),
+    )
+}
+
+#[test]
+fn a_mixtral_matches_transformers_loss_with_its_load_balancing_term_and_every_gradient() {
+    let (cfg, params, reference) = load();
+    assert_eq!(
+        cfg.moe,
+        Some(MoeConfig {
+            num_experts: 4,
+            top_k: 2,
+            norm_topk_prob: true,
+            aux_loss_coef: 0.02,
+        })
+    );
+    // Every tensor of the checkpoint is a parameter: the router and each expert's w1, w2, w3.
+    assert_eq!(params.specs.len(), cfg.param_specs().len());
+    assert!(params
+        .get("model.layers.1.block_sparse_moe.experts.3.w2.weight")
+        .is_some());
+
+    let (loss, grads) = unsplit(&cfg, &params, &reference.batch);
+    let want = reference.get("loss_f32")[0] as f64;
+    let e = (loss - want).abs() / want;
+    assert!(e <= TOL, "loss {loss} vs transformers {want} ({e:e})");
+    // The load-balancing term is in it: without it the loss is transformers' cross-entropy.
+    let ce = reference.get("ce_loss_f32")[0] as f64;
+    let aux = 0.02 * reference.get("aux_loss_f32")[0] as f64;
+    assert!(
+        (loss - ce - aux).abs() <= TOL * want && aux > 100.0 * TOL * want,
+        "loss {loss}: cross-entropy {ce} + 0.02 × load-balancing {aux}"
+    );
+    let (name, worst) = worst_grad_err(&grads, &reference);
+    assert!(worst <= TOL, "{name} vs transformers: {worst:e}");
+    // Every router and expert gradient is there and non-zero (each expert serves some token).
+    for (s, g) in grads.specs.iter().zip(&grads.tensors) {
+        assert!(g.iter().any(|v| *v != 0.0), "{} has no gradient", s.name);
+    }
+
+    let logits = Transformer::new(&cfg, &params)
+        .forward(&CpuBackend::default(), &params, &reference.batch)
+        .logits;
+    let e = rel_err(&logits, reference.get("logits_f32"));
+    assert!(e <= TOL, "logits vs transformers {e:e}");
+
+    // Without the load-balancing loss the router's gradient changes past the tolerance: the
+    // reference checks that term's gradient too.
+    let mut plain = cfg.clone();
+    plain.moe = Some(MoeConfig {
+        aux_loss_coef: 0.0,
+        ..cfg.moe.unwrap()
+    });
+    let (_, without) = unsplit(&plain, &params, &reference.batch);
+    let router = "model.layers.0.block_sparse_moe.gate.weight";
+    let moved = rel_err(
+        without.get(router).unwrap(),
+        reference.get(&format!("grad_f32.{router}")),
+    );
+    assert!(
+        moved > 1e-3,
+        "the load-balancing gradient moves the router's by only {moved:e}"
+    );
+}
+
+#[test]
+fn data_parallel_replicas_give_one_devices_micro_batches() {
+    let (cfg, params, reference) = load();
+    // The load-balancing loss is per micro-batch: one device with micro-batches of one sequence
+    // is what two replicas of one sequence each compute, ZeRO-3 included.
+    let one = Layout::default();
+    let part = StagePartition::for_model(&cfg, 1).unwrap();
+    let base = pipeline_step(
+        &cfg,
+        &params,
+        &reference.batch,
+        &one,
+        &part,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    for spec in ["dp=2", "dp=2,zero=3"] {
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        let r = pipeline_step(
+            &cfg,
+            &params,
+            &reference.batch,
+            &layout,
+            &part,
+            Duration::from_secs(60),
+        )
+        .unwrap_or_else(|e| panic!("{spec}: {e}"));
+        let e = (r.loss - base.loss).abs() / base.loss;
+        assert!(
+            e <= TOL,
+            "{spec}: loss {} vs one device {} ({e:e})",
+            r.loss,
+            base.loss
+        );
+        for (s, g) in r.grads.specs.iter().zip(&r.grads.tensors) {
+            let e = rel_err(g, base.grads.get(&s.name).unwrap());
+            assert!(e <= TOL, "{spec}: {} {e:e}", s.name);
+        }
+    }
+}
+
+#[test]
+fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
+    let (cfg, params, reference) = load();
+    for spec in ["tp=2", "pp=2", "cp=2"] {
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        let part = StagePartition::for_model(&cfg, layout.pp.max(1)).unwrap();
+        let e = pipeline_step(
+            &cfg,
+            &params,
+            &reference.batch,
+            &layout,
+            &part,
+            Duration::from_secs(60),
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{spec} ran"))
+        .to_string();
+        assert!(
+            e.contains("mixture of experts") && e.contains(spec) && e.contains("not implemented"),
+            "{spec}: {e}"
+        );
+    }
+}
+
+#[test]
+fn the_written_checkpoint_reads_back_as_the_same_mixtral() {
+    let (cfg, params, _) = load();
+    let dir = temp_dir("mixtral-export");
+    hf::save_model(&dir, &cfg, &params, hf::StorageDtype::F32).unwrap();
+    let (back, read) = hf::load_model(&dir).unwrap();
+    assert_eq!(back, cfg);
+    assert_eq!(read.tensors, params.tensors);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(json["model_type"], "mixtral");
+    assert_eq!(json["architectures"][0], "MixtralForCausalLM");
+    // transformers adds the load-balancing loss only with router logits on: the export says so.
+    assert_eq!(json["output_router_logits"], true);
+}
