@@ -171,3 +171,48 @@ fn the_written_checkpoint_reads_back_as_the_same_mixtral() {
     // transformers adds the load-balancing loss only with router logits on: the export says so.
     assert_eq!(json["output_router_logits"], true);
 }
+
+/// `metrics.jsonl` holds, per step and layer, the tokens each expert took over the whole batch (a
+/// token once for each of its top-k experts), and the busiest expert's load over the mean: the same
+/// counts whether the batch ran on one device or on two replicas.
+#[test]
+fn each_step_records_the_tokens_each_expert_took() {
+    use ferrotron_engine::runtime::{train, TrainConfig};
+    let records = |layout: &str| {
+        let mut c = TrainConfig::default();
+        c.input.model = "mixtral-tiny".into();
+        c.optimizer.steps = 2;
+        c.optimizer.batch_size = 4;
+        c.input.seq_len = 32;
+        c.logging.eval_every = 0;
+        c.logging.eval_batches = 1;
+        c.parallelism.layout = layout.parse().unwrap();
+        c.checkpointing.out_dir = temp_dir(&format!("moe-metrics-{layout}"));
+        train(&c, &mut |_| {}).unwrap();
+        let text = std::fs::read_to_string(c.checkpointing.out_dir.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let one = records("dp=1");
+    let two = records("dp=2");
+    let cfg = ferrotron_core::model::preset("mixtral-tiny").unwrap();
+    let moe = cfg.moe.unwrap();
+    for r in &one {
+        let layers = r["expert_tokens"].as_array().unwrap();
+        assert_eq!(layers.len(), cfg.num_layers);
+        for row in layers {
+            let row: Vec<u64> = row
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            assert_eq!(row.len(), moe.num_experts);
+            assert_eq!(row.iter().sum::<u64>(), (4 * 32 * moe.top_k) as u64);
+        }
+        assert!(r["expert_load_max_over_mean"].as_f64().unwrap() >= 1.0);
+    }
+    // The first step routes the same tokens through the same weights on either layout.
+    assert_eq!(one[0]["expert_tokens"], two[0]["expert_tokens"]);
+}

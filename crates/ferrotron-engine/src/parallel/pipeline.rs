@@ -193,6 +193,23 @@ pub(crate) struct StageOutcome {
     /// The device went over its memory capacity: where it was first seen. The step still runs to
     /// its end so that its peers are not left waiting; the caller ends the run.
     pub over_capacity: Option<EngineError>,
+    /// A mixture of experts: per layer of the model, the top-k places each expert took in this
+    /// device's micro-batches (empty rows for the layers elsewhere; empty for a dense model).
+    pub expert_tokens: Vec<Vec<f64>>,
+}
+
+impl StageOutcome {
+    fn add_expert_tokens(&mut self, layers: usize, tokens: &[(usize, Vec<f64>)]) {
+        if tokens.is_empty() {
+            return;
+        }
+        self.expert_tokens.resize(layers, Vec::new());
+        for (layer, counts) in tokens {
+            let row = &mut self.expert_tokens[*layer];
+            row.resize(counts.len(), 0.0);
+            row.iter_mut().zip(counts).for_each(|(a, b)| *a += b);
+        }
+    }
 }
 
 /// What a pass over the action list holds between actions: the forward states waiting for their
@@ -300,6 +317,8 @@ impl StageRun<'_> {
         let started = clocks(tpg);
         let mut state = model.forward_stage_in(be, tpg, res, input);
         self.computed(tpg, Action::Forward { mb, chunk }, started, pass)?;
+        pass.out
+            .add_expert_tokens(model.cfg.num_layers, state.expert_tokens());
         if vs + 1 < p * self.chunks_per_device {
             let out = std::mem::take(&mut state.output);
             let to = (self.device_of)((vs + 1) % p);

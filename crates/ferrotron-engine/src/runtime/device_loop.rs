@@ -114,6 +114,7 @@ pub(super) fn run_device<C: Comm>(
                 loss_scale: report.loss_scale,
                 skipped: report.skipped,
                 initial_val_loss: initial_val_loss.take(),
+                expert_tokens: report.expert_tokens.clone(),
             })?;
         }
         if let Some((rank, at)) = hang.filter(|&(_, at)| at == done) {

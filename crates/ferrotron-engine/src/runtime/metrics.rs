@@ -193,6 +193,8 @@ pub(super) struct StepFigures {
     pub skipped: bool,
     /// The validation loss before the first step (with the first step's figures).
     pub initial_val_loss: Option<f64>,
+    /// A mixture of experts: per layer, the top-k places each expert took over the step.
+    pub expert_tokens: Vec<Vec<f64>>,
 }
 
 /// What the run produced, on the device that reports it.
@@ -401,6 +403,26 @@ impl<'a> MetricsWriter<'a> {
             );
             extra.insert("loss_scale".into(), f.loss_scale.into());
             extra.insert("skipped".into(), f.skipped.into());
+        }
+        if !f.expert_tokens.is_empty() {
+            // Per layer, the tokens each expert took (a token counts once for each of its top-k
+            // experts); the load is the busiest expert's over the mean, in the worst layer.
+            let load = f
+                .expert_tokens
+                .iter()
+                .filter(|row| !row.is_empty())
+                .map(|row| {
+                    let mean = row.iter().sum::<f64>() / row.len() as f64;
+                    row.iter().copied().fold(0.0, f64::max) / mean.max(f64::MIN_POSITIVE)
+                })
+                .fold(0.0, f64::max);
+            let tokens: Vec<Vec<u64>> = f
+                .expert_tokens
+                .iter()
+                .map(|row| row.iter().map(|&v| v.round() as u64).collect())
+                .collect();
+            extra.insert("expert_tokens".into(), serde_json::json!(tokens));
+            extra.insert("expert_load_max_over_mean".into(), load.into());
         }
         if stall > 0.0 {
             // A save started after this step: how long it held the devices (the longest).

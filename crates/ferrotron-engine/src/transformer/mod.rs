@@ -68,9 +68,18 @@ pub struct ForwardState {
     pub output: Vec<f32>,
     /// A mixture of experts: the load-balancing loss's statistics over this stage's layers.
     router_tally: moe::RouterTally,
+    /// A mixture of experts: each of this stage's layers (by its index in the model) with the top-k
+    /// places each expert took.
+    expert_tokens: Vec<(usize, Vec<f64>)>,
 }
 
 impl ForwardState {
+    /// A mixture of experts: each of this stage's layers (by its index in the model) with the top-k
+    /// places each of its experts took in this micro-batch.
+    pub fn expert_tokens(&self) -> &[(usize, Vec<f64>)] {
+        &self.expert_tokens
+    }
+
     /// Bytes held for backward right now: every stashed activation and the logits.
     pub fn stashed_bytes(&self) -> usize {
         let layers: usize = self.layers.iter().map(LayerActs::bytes).sum();

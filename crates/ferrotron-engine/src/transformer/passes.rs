@@ -56,6 +56,7 @@ impl Transformer {
         assert_eq!(x.len(), rows / blocks * h, "stage input has the wrong size");
         let (mut layers, mut layer_inputs) = (Vec::with_capacity(self.layers.len()), Vec::new());
         let mut router_tally = moe::RouterTally::default();
+        let mut expert_tokens = Vec::new();
         for (i, ids) in self.layers.iter().enumerate() {
             let input = (self.recompute == Recompute::Full).then(|| x.clone());
             let mut layer_in = Some(x);
@@ -77,6 +78,7 @@ impl Transformer {
             let (out, acts) = result.expect("the layer ran");
             if let Some(t) = acts.router_tally() {
                 router_tally.add(t);
+                expert_tokens.push((self.layer_range.start + i, t.assigned.clone()));
             }
             match input {
                 Some(input) => layer_inputs.push(Kept::keep(be, input, self.activation_storage)),
@@ -98,6 +100,7 @@ impl Transformer {
             logits: Vec::new(),
             output: Vec::new(),
             router_tally,
+            expert_tokens,
         };
         match (&self.final_norm, &self.head) {
             (Some(norm), Some(head)) => {

@@ -202,6 +202,8 @@ impl MeshStep<'_> {
                     memory_over_step: if last { o.memory.clone() } else { Vec::new() },
                     loss_scale: 1.0,
                     skipped: false,
+                    // An asynchronous pipeline has stages, which a mixture of experts refuses.
+                    expert_tokens: Vec::new(),
                 }
             })
             .collect())

@@ -65,6 +65,9 @@ pub struct StepReport {
     /// fp16: the loss scale this step used, and whether it was skipped (inf/NaN in the gradients).
     pub loss_scale: f64,
     pub skipped: bool,
+    /// A mixture of experts: per layer, the top-k places each expert took over the step's whole
+    /// batch (every device's); empty for a dense model.
+    pub expert_tokens: Vec<Vec<f64>>,
 }
 
 /// How a device trains: steps to reach, each step's batch, the optimizer and clipping.
@@ -155,6 +158,7 @@ impl MeshStep<'_> {
             transfers,
             over_capacity,
             memory: samples,
+            expert_tokens,
             ..
         } = self.step_device(c, dev)?;
         memory_over_step.extend(samples);
@@ -185,12 +189,21 @@ impl MeshStep<'_> {
         // Every device learns the step's loss (summed from the devices that count it), whether
         // any device went over its capacity (then every device ends the run here, together), and
         // whether any was asked to stop.
-        let mut l = [
+        // A mixture of experts: every device adds its layers' expert counts (the same length on
+        // every device: layers × experts).
+        let experts = self.cfg.moe.map_or(0, |m| m.num_experts);
+        let mut l = vec![
             loss,
             over_capacity.is_some() as u8 as f64,
             (t.stop)() as u8 as f64,
         ];
+        for layer in 0..self.cfg.num_layers * usize::from(experts > 0) {
+            let row = expert_tokens.get(layer).filter(|r| r.len() == experts);
+            l.extend((0..experts).map(|e| row.map_or(0.0, |r| r[e])));
+        }
         c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
+        let expert_tokens: Vec<Vec<f64>> =
+            l[3..].chunks(experts.max(1)).map(<[f64]>::to_vec).collect();
         if let Some(e) = over_capacity {
             return Err(e);
         }
@@ -234,6 +247,7 @@ impl MeshStep<'_> {
             memory_over_step,
             loss_scale: scale_used,
             skipped,
+            expert_tokens,
         })
     }
 
