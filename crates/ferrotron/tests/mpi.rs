@@ -94,6 +94,42 @@ fn grads_under_mpi_match_pytorch() {
     }
 }
 
+/// A Mixtral on two ranks, one sequence each: the replicas sum their router statistics over MPI
+/// before backward, so the loss (with its load-balancing term) and every gradient are
+/// transformers' for the whole batch.
+#[test]
+fn mixtral_grads_on_two_mpi_replicas_match_transformers() {
+    let dir = std::env::temp_dir().join(format!("ferrotron-mpi-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("grads.safetensors");
+    let model = fixture("variants").join("mixtral");
+    let refs = model.join("reference_grads.safetensors");
+    let (ok, text) = mpirun(
+        2,
+        &[
+            "grads",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            refs.to_str().unwrap(),
+            "--layout",
+            "dp=2,zero=3",
+            "--backend",
+            "mpi",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    let (got, want) = (read_f32(&out), read_f32(&refs));
+    let loss_err = (got["loss"].1[0] - want["loss_f32"].1[0]).abs() / want["loss_f32"].1[0];
+    assert!(loss_err <= 1e-5, "loss {loss_err:e}");
+    for (name, w) in want.iter().filter(|(n, _)| n.starts_with("grad_f32.")) {
+        let g = &got[&name.replace("grad_f32.", "grad.")];
+        assert!(rel_err(&g.1, &w.1) <= 1e-5, "{name}");
+    }
+}
+
 #[test]
 fn a_job_of_the_wrong_size_is_refused_clearly() {
     let m = fixture("llama_tiny");

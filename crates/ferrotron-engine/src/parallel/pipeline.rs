@@ -174,6 +174,10 @@ pub(crate) struct StageRun<'a> {
     pub precision: ferrotron_core::precision::MixedPrecision,
     /// Kernel threads this device computes on (1 when devices share the process's cores).
     pub threads: usize,
+    /// A mixture of experts on several replicas: the group over which each micro-batch's router
+    /// statistics are summed before its backward (the load-balancing loss of the replicas'
+    /// micro-batches together, as one device with all their tokens computes it).
+    pub router_group: Option<&'a crate::comm::Group>,
 }
 
 /// What a device's pass over its action list measured.
@@ -362,8 +366,17 @@ impl StageRun<'_> {
         } else {
             None
         };
-        let started = clocks(tpg);
         let targets = &self.targets[mb];
+        let mut state = state;
+        if let (Some(group), Some(tally)) = (self.router_group, state.router_tally_mut()) {
+            let predicted = targets.iter().filter(|t| t.is_some()).count() as f64;
+            let mut v = tally.to_vec(predicted);
+            tpg.comm()
+                .all_reduce(group, &mut v, crate::comm::ReduceOp::Sum)
+                .map_err(EngineError::Comm)?;
+            *tally = crate::transformer::RouterTally::from_vec(&v);
+        }
+        let started = clocks(tpg);
         let (loss, dx, w) =
             model.backward_stage_in(be, tpg, res, state, dout, targets, self.scale, split);
         let action = if split {

@@ -20,6 +20,7 @@ pub use collectives::{ShardCollectives, Unsplit};
 use ferrotron_core::precision::Half;
 pub use frozen::FrozenBase;
 use kept::Kept;
+pub use moe::RouterTally;
 pub use params::ParamStore;
 pub use residency::{units_of, Residency, Resident, Unit};
 pub use weights::WeightGrads;
@@ -78,6 +79,12 @@ impl ForwardState {
     /// places each of its experts took in this micro-batch.
     pub fn expert_tokens(&self) -> &[(usize, Vec<f64>)] {
         &self.expert_tokens
+    }
+
+    /// A mixture of experts: the load-balancing loss's statistics of this micro-batch over this
+    /// stage's layers (`None` for a dense model), for the runtime to sum over replicas.
+    pub fn router_tally_mut(&mut self) -> Option<&mut RouterTally> {
+        (!self.router_tally.is_empty()).then_some(&mut self.router_tally)
     }
 
     /// Bytes held for backward right now: every stashed activation and the logits.

@@ -39,9 +39,31 @@ pub struct RouterTally {
     pub assigned: Vec<f64>,
     pub probs: Vec<f64>,
     pub rows: usize,
+    /// When the tally is summed over data-parallel replicas: the predicted tokens of their
+    /// micro-batches together (the load-balancing loss's weight, see `passes.rs`).
+    pub predicted: Option<f64>,
 }
 
 impl RouterTally {
+    /// The tally and `predicted` as one vector, to be summed over replicas.
+    pub fn to_vec(&self, predicted: f64) -> Vec<f64> {
+        let mut v = self.assigned.clone();
+        v.extend(&self.probs);
+        v.extend([self.rows as f64, predicted]);
+        v
+    }
+
+    /// The tally of a vector [`RouterTally::to_vec`] made, summed over replicas.
+    pub fn from_vec(v: &[f64]) -> Self {
+        let e = (v.len() - 2) / 2;
+        Self {
+            assigned: v[..e].to_vec(),
+            probs: v[e..2 * e].to_vec(),
+            rows: v[2 * e].round() as usize,
+            predicted: Some(v[2 * e + 1]),
+        }
+    }
+
     pub fn add(&mut self, other: &RouterTally) {
         if self.assigned.is_empty() {
             self.assigned = vec![0.0; other.assigned.len()];
@@ -177,6 +199,7 @@ pub(crate) fn forward(
         assigned: vec![0.0; n_experts],
         probs: vec![0.0; n_experts],
         rows,
+        predicted: None,
     };
     let mut chosen = Vec::with_capacity(rows * k);
     let mut runs: Vec<ExpertRun> = (0..n_experts).map(|_| ExpertRun::default()).collect();
@@ -340,7 +363,11 @@ mod tests {
             assigned: vec![3.0, 1.0],
             probs: vec![2.4, 1.6],
             rows: 4,
+            predicted: None,
         };
+        let mut back = RouterTally::from_vec(&t.to_vec(3.0));
+        assert_eq!(back.predicted.take(), Some(3.0));
+        assert_eq!(back, t);
         let want = 2.0 * (0.75 * 0.6 + 0.25 * 0.4);
         assert!((t.aux_loss() - want).abs() < 1e-12);
         // ∂/∂p₀ of one row: E · f₀ / rows.

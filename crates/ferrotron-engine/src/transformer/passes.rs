@@ -157,11 +157,14 @@ impl Transformer {
                 loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
                 if let Some(moe) = self.cfg.moe.filter(|_| !state.router_tally.is_empty()) {
                     // The load-balancing loss of this micro-batch, weighted like its tokens' cross-
-                    // entropy (the pass returns sums over predicted tokens).
+                    // entropy (the pass returns sums over predicted tokens). Summed over replicas,
+                    // the tally is of their micro-batches together: each replica adds its tokens'
+                    // share of the loss, and the gradient is the whole term's.
+                    let tally = &state.router_tally;
                     let predicted = targets.iter().filter(|t| t.is_some()).count() as f64;
-                    let weight = moe.aux_loss_coef * predicted;
-                    loss_sum += weight * state.router_tally.aux_loss();
-                    prob_grad = state.router_tally.prob_grad(weight * loss_scale as f64);
+                    let together = tally.predicted.unwrap_or(predicted);
+                    loss_sum += moe.aux_loss_coef * predicted * tally.aux_loss();
+                    prob_grad = tally.prob_grad(moe.aux_loss_coef * together * loss_scale as f64);
                 }
                 let dlogits = std::mem::take(&mut state.logits);
                 let mut dx = be.zeros(rows / blocks * h);

@@ -439,6 +439,8 @@ impl<'a> MeshStep<'a> {
             self.device_batches(dev.rank, &self.micro[at.dp * self.m..(at.dp + 1) * self.m]);
         let boundary = micro[0].batch * micro[0].seq * self.cfg.hidden_size
             / if dev.shard.sequence_parallel { tp } else { 1 };
+        let replicas = self.mesh.replica_group(dev.rank);
+        let router_group = (self.cfg.moe.is_some() && replicas.size() > 1).then_some(&replicas);
         let run = StageRun {
             schedule: &self.schedule,
             stage: s,
@@ -454,6 +456,7 @@ impl<'a> MeshStep<'a> {
             extra_compute_s: self.extra_compute_s(dev.rank),
             precision: self.precision,
             threads: self.kernel_threads,
+            router_group,
         };
         dev.zero.begin_step();
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);

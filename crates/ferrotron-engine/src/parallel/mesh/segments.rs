@@ -121,6 +121,8 @@ impl MeshStep<'_> {
                 extra_compute_s: self.extra_compute_s(dev.rank),
                 precision: self.precision,
                 threads: self.kernel_threads,
+                // An asynchronous pipeline has stages, which a mixture of experts refuses.
+                router_group: None,
             },
             mesh: self,
             cfg: self.cfg,
