@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use ferrotron_core::layout::{Layout, LayoutSpec};
-use ferrotron_core::model::{ModelConfig, MoeConfig};
+use ferrotron_core::model::{FfnNames, ModelConfig, MoeConfig};
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
@@ -20,8 +20,12 @@ use std::time::Duration;
 /// f32 against transformers' f32, summed in other orders: relative error per tensor.
 const TOL: f64 = 1e-5;
 
-fn load() -> (ModelConfig, ParamStore, Reference) {
-    let dir = fixture("variants").join("mixtral");
+/// The tiny models: a Mixtral, and a Qwen3-MoE (block 1 dense, experts of 24 columns beside a
+/// dense MLP of 48, top-k probabilities not renormalised, head norms).
+const MODELS: [&str; 2] = ["mixtral", "qwen3_moe"];
+
+fn load_model(name: &str) -> (ModelConfig, ParamStore, Reference) {
+    let dir = fixture("variants").join(name);
     let (cfg, params) = hf::load_model(&dir).unwrap();
     (
         cfg,
@@ -30,65 +34,103 @@ fn load() -> (ModelConfig, ParamStore, Reference) {
     )
 }
 
+fn load() -> (ModelConfig, ParamStore, Reference) {
+    load_model("mixtral")
+}
+
+/// The router of the first block with experts.
+fn first_router(cfg: &ModelConfig) -> String {
+    (0..cfg.num_layers)
+        .find_map(|l| match cfg.layer_names(l).ffn {
+            FfnNames::Experts { router, .. } => Some(router),
+            FfnNames::Dense { .. } => None,
+        })
+        .expect("a block with experts")
+}
+
 #[test]
-fn a_mixtral_matches_transformers_loss_with_its_load_balancing_term_and_every_gradient() {
-    let (cfg, params, reference) = load();
+fn each_model_matches_transformers_loss_with_its_load_balancing_term_and_every_gradient() {
+    let (mixtral, params, _) = load();
     assert_eq!(
-        cfg.moe,
-        Some(MoeConfig {
+        mixtral.moe,
+        Some(Box::new(MoeConfig {
             num_experts: 4,
             top_k: 2,
             norm_topk_prob: true,
             aux_loss_coef: 0.02,
-        })
+            expert_size: 48,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+        }))
     );
     // Every tensor of the checkpoint is a parameter: the router and each expert's w1, w2, w3.
-    assert_eq!(params.specs.len(), cfg.param_specs().len());
+    assert_eq!(params.specs.len(), mixtral.param_specs().len());
     assert!(params
         .get("model.layers.1.block_sparse_moe.experts.3.w2.weight")
         .is_some());
+    let (qwen, params, _) = load_model("qwen3_moe");
+    let moe = qwen.moe.clone().unwrap();
+    assert!(!moe.norm_topk_prob && moe.expert_size == 24 && moe.dense_layers == [1]);
+    assert!(qwen.qk_norm);
+    assert!(params.get("model.layers.1.mlp.down_proj.weight").is_some());
+    assert!(params
+        .get("model.layers.2.mlp.experts.3.up_proj.weight")
+        .is_some());
 
-    let (loss, grads) = unsplit(&cfg, &params, &reference.batch);
-    let want = reference.get("loss_f32")[0] as f64;
-    let e = (loss - want).abs() / want;
-    assert!(e <= TOL, "loss {loss} vs transformers {want} ({e:e})");
-    // The load-balancing term is in it: without it the loss is transformers' cross-entropy.
-    let ce = reference.get("ce_loss_f32")[0] as f64;
-    let aux = 0.02 * reference.get("aux_loss_f32")[0] as f64;
-    assert!(
-        (loss - ce - aux).abs() <= TOL * want && aux > 100.0 * TOL * want,
-        "loss {loss}: cross-entropy {ce} + 0.02 × load-balancing {aux}"
-    );
-    let (name, worst) = worst_grad_err(&grads, &reference);
-    assert!(worst <= TOL, "{name} vs transformers: {worst:e}");
-    // Every router and expert gradient is there and non-zero (each expert serves some token).
-    for (s, g) in grads.specs.iter().zip(&grads.tensors) {
-        assert!(g.iter().any(|v| *v != 0.0), "{} has no gradient", s.name);
+    for name in MODELS {
+        let (cfg, params, reference) = load_model(name);
+        let (loss, grads) = unsplit(&cfg, &params, &reference.batch);
+        let want = reference.get("loss_f32")[0] as f64;
+        let e = (loss - want).abs() / want;
+        assert!(
+            e <= TOL,
+            "{name}: loss {loss} vs transformers {want} ({e:e})"
+        );
+        // The load-balancing term is in it: the loss is transformers' cross-entropy plus it.
+        let ce = reference.get("ce_loss_f32")[0] as f64;
+        let aux = 0.02 * reference.get("aux_loss_f32")[0] as f64;
+        assert!(
+            (loss - ce - aux).abs() <= TOL * want && aux > 100.0 * TOL * want,
+            "{name}: loss {loss}: cross-entropy {ce} + 0.02 × load-balancing {aux}"
+        );
+        let (worst_name, worst) = worst_grad_err(&grads, &reference);
+        assert!(
+            worst <= TOL,
+            "{name}: {worst_name} vs transformers: {worst:e}"
+        );
+        // Every router and expert gradient is there and non-zero (each expert serves some token).
+        for (s, g) in grads.specs.iter().zip(&grads.tensors) {
+            assert!(
+                g.iter().any(|v| *v != 0.0),
+                "{name}: {} has no gradient",
+                s.name
+            );
+        }
+
+        let logits = Transformer::new(&cfg, &params)
+            .forward(&CpuBackend::default(), &params, &reference.batch)
+            .logits;
+        let e = rel_err(&logits, reference.get("logits_f32"));
+        assert!(e <= TOL, "{name}: logits vs transformers {e:e}");
+
+        // Without the load-balancing loss the router's gradient changes past the tolerance: the
+        // reference checks that term's gradient too.
+        let mut plain = cfg.clone();
+        plain.moe = Some(Box::new(MoeConfig {
+            aux_loss_coef: 0.0,
+            ..*cfg.moe.clone().unwrap()
+        }));
+        let (_, without) = unsplit(&plain, &params, &reference.batch);
+        let router = first_router(&cfg);
+        let moved = rel_err(
+            without.get(&router).unwrap(),
+            reference.get(&format!("grad_f32.{router}")),
+        );
+        assert!(
+            moved > 1e-3,
+            "{name}: the load-balancing gradient moves the router's by only {moved:e}"
+        );
     }
-
-    let logits = Transformer::new(&cfg, &params)
-        .forward(&CpuBackend::default(), &params, &reference.batch)
-        .logits;
-    let e = rel_err(&logits, reference.get("logits_f32"));
-    assert!(e <= TOL, "logits vs transformers {e:e}");
-
-    // Without the load-balancing loss the router's gradient changes past the tolerance: the
-    // reference checks that term's gradient too.
-    let mut plain = cfg.clone();
-    plain.moe = Some(MoeConfig {
-        aux_loss_coef: 0.0,
-        ..cfg.moe.unwrap()
-    });
-    let (_, without) = unsplit(&plain, &params, &reference.batch);
-    let router = "model.layers.0.block_sparse_moe.gate.weight";
-    let moved = rel_err(
-        without.get(router).unwrap(),
-        reference.get(&format!("grad_f32.{router}")),
-    );
-    assert!(
-        moved > 1e-3,
-        "the load-balancing gradient moves the router's by only {moved:e}"
-    );
 }
 
 /// Two replicas of one sequence each sum their router statistics before backward: the
@@ -96,9 +138,13 @@ fn a_mixtral_matches_transformers_loss_with_its_load_balancing_term_and_every_gr
 /// batch — loss and every gradient, with ZeRO-3 too.
 #[test]
 fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
-    let (cfg, params, reference) = load();
-    let part = StagePartition::for_model(&cfg, 1).unwrap();
-    for spec in ["dp=2", "dp=2,zero=3"] {
+    for (name, spec) in [
+        ("mixtral", "dp=2"),
+        ("mixtral", "dp=2,zero=3"),
+        ("qwen3_moe", "dp=2,zero=1"),
+    ] {
+        let (cfg, params, reference) = load_model(name);
+        let part = StagePartition::for_model(&cfg, 1).unwrap();
         let layout = LayoutSpec::parse(spec).unwrap().layout;
         let r = pipeline_step(
             &cfg,
@@ -108,17 +154,22 @@ fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
             &part,
             Duration::from_secs(60),
         )
-        .unwrap_or_else(|e| panic!("{spec}: {e}"));
+        .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
         let want = reference.get("loss_f32")[0] as f64;
         let e = (r.loss - want).abs() / want;
         assert!(
             e <= TOL,
-            "{spec}: loss {} vs transformers {want} ({e:e})",
+            "{name} {spec}: loss {} vs transformers {want} ({e:e})",
             r.loss
         );
-        let (name, worst) = worst_grad_err(&r.grads, &reference);
-        assert!(worst <= TOL, "{spec}: {name} vs transformers: {worst:e}");
+        let (tensor, worst) = worst_grad_err(&r.grads, &reference);
+        assert!(
+            worst <= TOL,
+            "{name} {spec}: {tensor} vs transformers: {worst:e}"
+        );
     }
+    let (cfg, params, reference) = load();
+    let part = StagePartition::for_model(&cfg, 1).unwrap();
     // One device running the batch as two micro-batches takes the loss per micro-batch: another
     // function (gradient accumulation's), which the replicas do not compute.
     let one = Layout::default();
@@ -160,19 +211,25 @@ fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
 }
 
 #[test]
-fn the_written_checkpoint_reads_back_as_the_same_mixtral() {
-    let (cfg, params, _) = load();
-    let dir = temp_dir("mixtral-export");
-    hf::save_model(&dir, &cfg, &params, hf::StorageDtype::F32).unwrap();
-    let (back, read) = hf::load_model(&dir).unwrap();
-    assert_eq!(back, cfg);
-    assert_eq!(read.tensors, params.tensors);
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    assert_eq!(json["model_type"], "mixtral");
-    assert_eq!(json["architectures"][0], "MixtralForCausalLM");
-    // transformers adds the load-balancing loss only with router logits on: the export says so.
-    assert_eq!(json["output_router_logits"], true);
+fn the_written_checkpoints_read_back_as_the_same_models() {
+    for (name, architecture) in [
+        ("mixtral", "MixtralForCausalLM"),
+        ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    ] {
+        let (cfg, params, _) = load_model(name);
+        let dir = temp_dir(&format!("{name}-export"));
+        hf::save_model(&dir, &cfg, &params, hf::StorageDtype::F32).unwrap();
+        let (back, read) = hf::load_model(&dir).unwrap();
+        assert_eq!(back, cfg);
+        assert_eq!(read.tensors, params.tensors);
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(json["model_type"], name);
+        assert_eq!(json["architectures"][0], architecture);
+        // transformers adds the load-balancing loss only with router logits on: the export says so.
+        assert_eq!(json["output_router_logits"], true);
+    }
 }
 
 /// `metrics.jsonl` holds, per step and layer, the tokens each expert took over the whole batch (a

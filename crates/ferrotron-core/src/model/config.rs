@@ -46,6 +46,7 @@ pub enum Family {
     Qwen2,
     Qwen3,
     Mixtral,
+    Qwen3Moe,
     Gpt2,
 }
 
@@ -57,6 +58,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
             Family::Gpt2 => "gpt2",
         }
     }
@@ -67,6 +69,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
             Family::Gpt2 => "GPT2LMHeadModel",
         }
     }
@@ -89,17 +92,37 @@ pub struct SlidingWindow {
     pub first_layer: usize,
 }
 
-/// A mixture of experts in place of every block's MLP (Mixtral): a router (a linear map to one
-/// logit per expert, softmax in f32, the `top_k` most probable experts, their probabilities
-/// renormalised to sum to 1 when `norm_topk_prob`), and `num_experts` SwiGLU MLPs of
-/// `intermediate_size` each; a token's output is its experts' outputs weighted by those
-/// probabilities. Training adds `aux_loss_coef` × the load-balancing loss to the cross-entropy.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+/// A mixture of experts in place of a block's MLP (Mixtral, Qwen3-MoE): a router (a linear map to
+/// one logit per expert, softmax in f32, the `top_k` most probable experts, their probabilities
+/// renormalised to sum to 1 when `norm_topk_prob`), and `num_experts` SwiGLU MLPs of `expert_size`
+/// columns each; a token's output is its experts' outputs weighted by those probabilities. Every
+/// `sparse_step`-th block has experts, except the `dense_layers` (which keep a dense MLP of
+/// `intermediate_size`). Training adds `aux_loss_coef` × the load-balancing loss to the
+/// cross-entropy.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MoeConfig {
     pub num_experts: usize,
     pub top_k: usize,
     pub norm_topk_prob: bool,
     pub aux_loss_coef: f64,
+    pub expert_size: usize,
+    pub sparse_step: usize,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether block `layer` has experts (transformers' rule for Qwen-MoE; every block for Mixtral).
+    pub fn has_experts(&self, layer: usize) -> bool {
+        !self.dense_layers.contains(&layer)
+            && self.num_experts > 0
+            && (layer + 1).is_multiple_of(self.sparse_step.max(1))
+    }
+
+    /// How many of `layers` blocks have experts.
+    pub fn expert_layers(&self, layers: usize) -> usize {
+        (0..layers).filter(|&l| self.has_experts(l)).count()
+    }
 }
 
 /// Everything about a model's shape that the engine and the planner need.
@@ -132,9 +155,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
-    /// A mixture of experts in place of each block's MLP.
+    /// A mixture of experts in place of a block's MLP (boxed: most models have none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub moe: Option<MoeConfig>,
+    pub moe: Option<Box<MoeConfig>>,
 }
 
 impl ModelConfig {
@@ -208,7 +231,7 @@ impl ModelConfig {
     pub fn with_experts(self, moe: MoeConfig) -> Self {
         Self {
             family: Some(Family::Mixtral),
-            moe: Some(moe),
+            moe: Some(Box::new(moe)),
             ..self
         }
     }
@@ -367,7 +390,22 @@ impl ModelConfig {
                 ),
             ));
         }
-        if let Some(m) = self.moe {
+        if let Some(m) = &self.moe {
+            if m.expert_size == 0 || m.expert_size > MAX_DIMENSION {
+                return Err((
+                    "moe_intermediate_size".into(),
+                    format!("{} must be between 1 and {MAX_DIMENSION}", m.expert_size),
+                ));
+            }
+            if let Some(l) = m.dense_layers.iter().find(|&&l| l >= self.num_layers) {
+                return Err((
+                    "mlp_only_layers".into(),
+                    format!("layer {l} is beyond the model's {} layers", self.num_layers),
+                ));
+            }
+            if m.sparse_step == 0 {
+                return Err(("decoder_sparse_step".into(), "must be positive".into()));
+            }
             if m.num_experts == 0 || m.num_experts > MAX_DIMENSION {
                 return Err((
                     "num_local_experts".into(),
@@ -428,8 +466,14 @@ impl ModelConfig {
             + f(usize::from(b.o)) * h
             + f(usize::from(b.mlp)) * (2.0 * ffn + h);
         let head_norms = f(2 * usize::from(self.qk_norm)) * f(self.head_dim);
-        let ffn_params = match self.moe {
-            Some(m) => f(m.num_experts) * (mlp * h * ffn + h),
+        // A mixture of experts: its blocks' experts and routers, its dense blocks' MLPs.
+        let ffn_params = match &self.moe {
+            Some(m) => {
+                let sparse = f(m.expert_layers(self.num_layers));
+                let experts = f(m.num_experts) * (mlp * h * f(m.expert_size) + h);
+                (sparse * experts + (f(self.num_layers) - sparse) * mlp * h * ffn)
+                    / f(self.num_layers.max(1))
+            }
             None => mlp * h * ffn,
         };
         let layer = 2.0 * h * q + 2.0 * h * kv + ffn_params + biases + head_norms;

@@ -7,8 +7,14 @@ use super::{Arch, ModelConfig};
 /// router and its `top_k` experts (the active parameters).
 pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
     let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
-    let mlp = match cfg.moe {
-        Some(m) => m.top_k as f64 * 3.0 * h * f + m.num_experts as f64 * h,
+    // A mixture of experts: a token's `top_k` experts and the router, averaged with the dense blocks.
+    let mlp = match &cfg.moe {
+        Some(m) => {
+            let layers = cfg.num_layers.max(1) as f64;
+            let sparse = m.expert_layers(cfg.num_layers) as f64;
+            let expert = m.top_k as f64 * 3.0 * h * m.expert_size as f64 + m.num_experts as f64 * h;
+            (sparse * expert + (layers - sparse) * 3.0 * h * f) / layers
+        }
         None => 3.0 * h * f,
     };
     match cfg.arch {

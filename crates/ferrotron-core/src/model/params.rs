@@ -1,4 +1,4 @@
-use super::config::{Arch, ModelConfig};
+use super::config::{Arch, Family, ModelConfig};
 
 /// How a 2-D weight is stored: Hugging Face `nn.Linear` keeps `[out, in]`, GPT-2's `Conv1D` keeps `[in, out]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,22 +111,29 @@ impl ModelConfig {
                         w("self_attn.v_proj", b.qkv),
                     ],
                     attn_out: w("self_attn.o_proj", b.o),
-                    ffn: match self.moe {
-                        Some(m) => FfnNames::Experts {
-                            router: format!("{p}.block_sparse_moe.gate.weight"),
-                            experts: (0..m.num_experts)
-                                .map(|e| {
-                                    let x = |w: &str| {
-                                        format!("{p}.block_sparse_moe.experts.{e}.{w}.weight")
-                                    };
-                                    ExpertNames {
-                                        gate: x("w1"),
-                                        up: x("w3"),
-                                        down: x("w2"),
-                                    }
-                                })
-                                .collect(),
-                        },
+                    ffn: match self.moe.as_ref().filter(|m| m.has_experts(i)) {
+                        Some(m) => {
+                            // Mixtral's `block_sparse_moe` (w1 gate, w3 up, w2 down); Qwen-MoE's
+                            // `mlp` with gate_proj, up_proj, down_proj.
+                            let (block, [gate, up, down]) = match self.family() {
+                                Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                                _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                            };
+                            FfnNames::Experts {
+                                router: format!("{p}.{block}.gate.weight"),
+                                experts: (0..m.num_experts)
+                                    .map(|e| {
+                                        let x =
+                                            |w: &str| format!("{p}.{block}.experts.{e}.{w}.weight");
+                                        ExpertNames {
+                                            gate: x(gate),
+                                            up: x(up),
+                                            down: x(down),
+                                        }
+                                    })
+                                    .collect(),
+                            }
+                        }
                         None => FfnNames::Dense {
                             mlp_in: vec![w("mlp.gate_proj", b.mlp), w("mlp.up_proj", b.mlp)],
                             mlp_out: w("mlp.down_proj", b.mlp),
@@ -219,11 +226,19 @@ impl ModelConfig {
                             linear(&mut push, mlp_out, h, f);
                         }
                         FfnNames::Experts { router, experts } => {
+                            let f = self.moe.as_ref().map_or(f, |m| m.expert_size);
                             push(router.clone(), vec![experts.len(), h], WeightLayout::OutIn);
+                            // The checkpoint's order: Mixtral's w1, w2, w3; Qwen's gate, up, down.
+                            let mixtral = self.family() == Family::Mixtral;
                             for e in experts {
                                 push(e.gate.clone(), vec![f, h], WeightLayout::OutIn);
-                                push(e.down.clone(), vec![h, f], WeightLayout::OutIn);
-                                push(e.up.clone(), vec![f, h], WeightLayout::OutIn);
+                                if mixtral {
+                                    push(e.down.clone(), vec![h, f], WeightLayout::OutIn);
+                                    push(e.up.clone(), vec![f, h], WeightLayout::OutIn);
+                                } else {
+                                    push(e.up.clone(), vec![f, h], WeightLayout::OutIn);
+                                    push(e.down.clone(), vec![h, f], WeightLayout::OutIn);
+                                }
                             }
                         }
                     }
@@ -298,9 +313,34 @@ impl ModelConfig {
     /// The parameters one token meets: with a mixture of experts, all but the experts it does not
     /// choose (`num_experts − top_k` of them in each block); every parameter otherwise.
     pub fn num_active_params(&self) -> usize {
-        let idle_experts = self.moe.map_or(0, |m| m.num_experts - m.top_k);
-        let expert = 3 * self.hidden_size * self.intermediate_size;
-        self.num_params() - self.num_layers * idle_experts * expert
+        let idle = self.moe.as_ref().map_or(0, |m| {
+            let expert = 3 * self.hidden_size * m.expert_size;
+            m.expert_layers(self.num_layers) * (m.num_experts - m.top_k) * expert
+        });
+        self.num_params() - idle
+    }
+
+    /// Whether parameter `name` belongs to a mixture of experts (a router or an expert).
+    pub fn is_expert_param(&self, name: &str) -> bool {
+        let Some(m) = &self.moe else { return false };
+        let Some(layer) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next()?.parse::<usize>().ok())
+        else {
+            return false;
+        };
+        if !m.has_experts(layer) {
+            return false;
+        }
+        match self.layer_names(layer).ffn {
+            FfnNames::Experts { router, experts } => {
+                router == name
+                    || experts
+                        .iter()
+                        .any(|e| e.gate == name || e.up == name || e.down == name)
+            }
+            FfnNames::Dense { .. } => false,
+        }
     }
 
     /// Parameters that take part in a matmul for one token (everything active but the input

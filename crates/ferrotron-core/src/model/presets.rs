@@ -17,6 +17,7 @@ pub const PRESET_NAMES: &[&str] = &[
     "mistral-7b",
     "mixtral-tiny",
     "mixtral-8x7b",
+    "qwen3-30b-a3b",
 ];
 
 /// The published `config.json` of each real checkpoint preset, as its model card gives it: a
@@ -31,6 +32,7 @@ const PUBLISHED: &[(&str, &str)] = &[
     ("qwen3-32b", include_str!("configs/qwen3-32b.json")),
     ("mistral-7b", include_str!("configs/mistral-7b.json")),
     ("mixtral-8x7b", include_str!("configs/mixtral-8x7b.json")),
+    ("qwen3-30b-a3b", include_str!("configs/qwen3-30b-a3b.json")),
 ];
 
 /// Named model shapes. `llama-small` is the embedded default run's model; `llama-bench` is the
@@ -51,6 +53,9 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
                 top_k: 2,
                 norm_topk_prob: true,
                 aux_loss_coef: 0.02,
+                expert_size: 96,
+                sparse_step: 1,
+                dense_layers: Vec::new(),
             })
         }
         other => {
@@ -80,6 +85,7 @@ mod tests {
             ("qwen3-32b", 32_762_123_264),
             ("mistral-7b", 7_241_732_096),
             ("mixtral-8x7b", 46_702_792_704),
+            ("qwen3-30b-a3b", 30_532_122_624),
         ];
         for (name, params) in published {
             let cfg = preset(name).unwrap();
@@ -89,6 +95,11 @@ mod tests {
         assert_eq!(
             preset("mixtral-8x7b").unwrap().num_active_params(),
             12_879_925_248
+        );
+        // Qwen3-30B-A3B's "3.3B activated": eight of its 128 experts.
+        assert_eq!(
+            preset("qwen3-30b-a3b").unwrap().num_active_params(),
+            3_353_032_704
         );
         assert_eq!(
             preset("llama3.1-8b").unwrap().num_active_params(),

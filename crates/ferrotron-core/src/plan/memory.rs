@@ -60,9 +60,15 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
         l.tp as f64,
     );
     let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
-    // A mixture of experts (never tensor-parallel so far): every expert's MLP and the router.
-    let mlp = match cfg.moe {
-        Some(m) => m.num_experts as f64 * (3.0 * h * f + h),
+    // A mixture of experts (never tensor-parallel so far): every expert's MLP and the router in
+    // its blocks, the dense MLP in the others (a block on average).
+    let mlp = match &cfg.moe {
+        Some(m) => {
+            let layers = cfg.num_layers.max(1) as f64;
+            let sparse = m.expert_layers(cfg.num_layers) as f64;
+            let experts = m.num_experts as f64 * (3.0 * h * m.expert_size as f64 + h);
+            (sparse * experts + (layers - sparse) * 3.0 * h * f) / layers
+        }
         None => 3.0 * h * f / t,
     };
     match cfg.arch {
@@ -146,12 +152,17 @@ pub fn layer_activation_bytes(
             // of a token's top_k places, and each expert's output (the routing weight's
             // gradient), beside the router's f32 probabilities and each place's expert, weight
             // and row (32 bytes).
-            let (mlp, router_bytes) = match (cfg.arch, cfg.moe) {
+            let (mlp, router_bytes) = match (cfg.arch, &cfg.moe) {
                 (Arch::Llama, Some(m)) => {
-                    let k = m.top_k as f64;
+                    // A block on average: the blocks with experts, the dense ones.
+                    let (k, fe) = (m.top_k as f64, m.expert_size as f64);
+                    let share =
+                        m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
+                    let sparse = k * tok * (3.0 * fe + h);
+                    let router = tok * (4.0 * m.num_experts as f64 + 32.0 * k);
                     (
-                        k * tok * (3.0 * f + h),
-                        tok * (4.0 * m.num_experts as f64 + 32.0 * k),
+                        share * sparse + (1.0 - share) * 3.0 * tok * f,
+                        share * router,
                     )
                 }
                 (Arch::Llama, None) => (3.0 * tok * f, 0.0),

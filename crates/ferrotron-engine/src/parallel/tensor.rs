@@ -169,6 +169,16 @@ impl TpShard {
         if self.is_replicated(cfg, name) {
             return Ok(whole);
         }
+        // A mixture of experts has no tensor-parallel split yet: whole on the one device.
+        if cfg.is_expert_param(name) {
+            return match self.size {
+                1 => Ok(whole),
+                _ => Err(EngineError::Invalid(format!(
+                    "parameter `{name}` (a mixture of experts) has no tensor-parallel \
+                     implementation yet (refusing to replicate it)"
+                ))),
+            };
+        }
         let rule = match cfg.arch {
             // Column-parallel weights and their biases are cut along their outputs (dim 0).
             Arch::Llama if is("self_attn.q_proj.weight") || is("self_attn.q_proj.bias") => {

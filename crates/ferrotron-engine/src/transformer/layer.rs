@@ -88,20 +88,22 @@ impl LayerIds {
                     mlp_out: lin(mlp_out, f, h),
                 },
                 FfnNames::Experts { router, experts } => {
+                    let moe = cfg
+                        .moe
+                        .as_ref()
+                        .expect("a block with experts has their configuration");
                     let plain = |name: &String, i, o| lin(&(name.clone(), None), i, o);
                     Ffn::Experts(MoeIds {
                         router: plain(router, h, experts.len()),
                         experts: experts
                             .iter()
                             .map(|e| ExpertIds {
-                                gate: plain(&e.gate, h, f),
-                                up: plain(&e.up, h, f),
-                                down: plain(&e.down, f, h),
+                                gate: plain(&e.gate, h, moe.expert_size),
+                                up: plain(&e.up, h, moe.expert_size),
+                                down: plain(&e.down, moe.expert_size, h),
                             })
                             .collect(),
-                        config: cfg
-                            .moe
-                            .expect("a block with experts has their configuration"),
+                        config: (**moe).clone(),
                     })
                 }
             },

@@ -155,7 +155,12 @@ impl Transformer {
         let mut dx = match (&self.final_norm, &self.head, state.final_norm.take()) {
             (Some(norm), Some(head), Some(stash)) => {
                 loss_sum = self.loss_and_logit_grad(be, tp, &mut state.logits, targets, loss_scale);
-                if let Some(moe) = self.cfg.moe.filter(|_| !state.router_tally.is_empty()) {
+                if let Some(moe) = self
+                    .cfg
+                    .moe
+                    .as_ref()
+                    .filter(|_| !state.router_tally.is_empty())
+                {
                     // The load-balancing loss of this micro-batch, weighted like its tokens' cross-
                     // entropy (the pass returns sums over predicted tokens). Summed over replicas,
                     // the tally is of their micro-batches together: each replica adds its tokens'

@@ -130,6 +130,24 @@ pub(super) fn family_keys(f: Family) -> (&'static [&'static str], &'static [&'st
             ],
             &["output_router_logits"],
         ),
+        // As Qwen3, with experts. transformers' Qwen3-MoE windows every layer under
+        // use_sliding_window and never reads max_window_layers (published configs carry it).
+        Family::Qwen3Moe => (
+            &[
+                "attention_bias",
+                "use_sliding_window",
+                "sliding_window",
+                "num_experts",
+                "num_local_experts",
+                "num_experts_per_tok",
+                "norm_topk_prob",
+                "moe_intermediate_size",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+                "router_aux_loss_coef",
+            ],
+            &["output_router_logits", "max_window_layers"],
+        ),
         Family::Gpt2 => (
             &[
                 "vocab_size",
@@ -170,6 +188,7 @@ pub(super) const FAMILIES: &[Family] = &[
     Family::Qwen2,
     Family::Qwen3,
     Family::Mixtral,
+    Family::Qwen3Moe,
     Family::Gpt2,
 ];
 

@@ -123,13 +123,29 @@ impl ModelConfig {
                 e
             }
             Family::Mixtral => {
-                let m = self.moe.expect("a Mixtral has experts");
+                let m = self.moe.as_ref().expect("a Mixtral has experts");
                 serde_json::json!({
                     "sliding_window": window.map(|w| w.size),
                     "num_local_experts": m.num_experts,
                     "num_experts_per_tok": m.top_k,
                     "router_aux_loss_coef": m.aux_loss_coef,
                     "router_jitter_noise": 0.0,
+                    "output_router_logits": true,
+                })
+            }
+            Family::Qwen3Moe => {
+                let m = self.moe.as_ref().expect("a Qwen3-MoE has experts");
+                serde_json::json!({
+                    "attention_bias": self.bias.qkv,
+                    "use_sliding_window": window.is_some(),
+                    "sliding_window": window.map(|w| w.size),
+                    "num_experts": m.num_experts,
+                    "num_experts_per_tok": m.top_k,
+                    "norm_topk_prob": m.norm_topk_prob,
+                    "moe_intermediate_size": m.expert_size,
+                    "decoder_sparse_step": m.sparse_step,
+                    "mlp_only_layers": m.dense_layers,
+                    "router_aux_loss_coef": m.aux_loss_coef,
                     "output_router_logits": true,
                 })
             }
@@ -287,7 +303,7 @@ impl Reader<'_> {
                 o: false,
                 mlp: false,
             },
-            Family::Qwen3 => ProjectionBias {
+            Family::Qwen3 | Family::Qwen3Moe => ProjectionBias {
                 qkv: attention_bias,
                 o: attention_bias,
                 mlp: false,
@@ -310,34 +326,88 @@ impl Reader<'_> {
             family: Some(family),
             rope_scaling,
             bias,
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
             sliding_window: self.sliding_window(family, num_layers)?,
-            moe: self.experts(family)?,
+            moe: self.experts(family, num_layers)?,
         })
     }
 
-    /// Mixtral's experts, as transformers reads them (8 experts, 2 per token, coefficient 0.001
-    /// when absent; the top-k probabilities always renormalised).
-    fn experts(&self, family: Family) -> Result<Option<MoeConfig>> {
-        if family != Family::Mixtral {
-            return Ok(None);
-        }
-        if let Some(noise) = self.opt_f64("router_jitter_noise")? {
-            if noise != 0.0 {
-                return Err(self.field(
-                    "router_jitter_noise",
-                    format!(
-                        "{noise} is not implemented (only 0: random noise on the router's input                          in training)"
-                    ),
-                ));
+    /// The experts of a mixture-of-experts family, with transformers' defaults: Mixtral's (8
+    /// experts, 2 per token, coefficient 0.001, the top-k probabilities always renormalised, every
+    /// block, experts as wide as `intermediate_size`) and Qwen3-MoE's (128 experts, 8 per token,
+    /// `norm_topk_prob` false, `moe_intermediate_size` 768, every `decoder_sparse_step`-th block but
+    /// `mlp_only_layers`).
+    fn experts(&self, family: Family, layers: usize) -> Result<Option<Box<MoeConfig>>> {
+        let coef = self.opt_f64("router_aux_loss_coef")?.unwrap_or(0.001);
+        match family {
+            Family::Mixtral => {
+                if let Some(noise) = self.opt_f64("router_jitter_noise")? {
+                    if noise != 0.0 {
+                        return Err(self.field(
+                            "router_jitter_noise",
+                            format!(
+                                "{noise} is not implemented (only 0: random noise on the router's \
+                                 input in training)"
+                            ),
+                        ));
+                    }
+                }
+                Ok(Some(Box::new(MoeConfig {
+                    num_experts: self.opt_usize("num_local_experts")?.unwrap_or(8),
+                    top_k: self.opt_usize("num_experts_per_tok")?.unwrap_or(2),
+                    norm_topk_prob: true,
+                    aux_loss_coef: coef,
+                    expert_size: self.usize("intermediate_size")?,
+                    sparse_step: 1,
+                    dense_layers: Vec::new(),
+                })))
             }
+            Family::Qwen3Moe => {
+                let dense_layers = match self.get("mlp_only_layers") {
+                    None => Vec::new(),
+                    Some(v) => v
+                        .as_array()
+                        .and_then(|a| {
+                            a.iter()
+                                .map(|x| x.as_u64().map(|n| n as usize))
+                                .collect::<Option<Vec<usize>>>()
+                        })
+                        .filter(|l| l.iter().all(|&n| n < layers))
+                        .ok_or_else(|| {
+                            self.field(
+                                "mlp_only_layers",
+                                format!(
+                                    "expected a list of layer indices below {layers}, found {v}"
+                                ),
+                            )
+                        })?,
+                };
+                // transformers 5 writes the count as `num_local_experts`; published configs as
+                // `num_experts`.
+                let num_experts = match (
+                    self.opt_usize("num_experts")?,
+                    self.opt_usize("num_local_experts")?,
+                ) {
+                    (Some(a), Some(b)) if a != b => {
+                        return Err(self.field(
+                            "num_local_experts",
+                            format!("{b}, and num_experts says {a}: give one of them"),
+                        ))
+                    }
+                    (a, b) => a.or(b).unwrap_or(128),
+                };
+                Ok(Some(Box::new(MoeConfig {
+                    num_experts,
+                    top_k: self.opt_usize("num_experts_per_tok")?.unwrap_or(8),
+                    norm_topk_prob: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
+                    aux_loss_coef: coef,
+                    expert_size: self.opt_usize("moe_intermediate_size")?.unwrap_or(768),
+                    sparse_step: self.opt_usize("decoder_sparse_step")?.unwrap_or(1),
+                    dense_layers,
+                })))
+            }
+            _ => Ok(None),
         }
-        Ok(Some(MoeConfig {
-            num_experts: self.opt_usize("num_local_experts")?.unwrap_or(8),
-            top_k: self.opt_usize("num_experts_per_tok")?.unwrap_or(2),
-            norm_topk_prob: true,
-            aux_loss_coef: self.opt_f64("router_aux_loss_coef")?.unwrap_or(0.001),
-        }))
     }
 
     /// The window as transformers derives it: Mistral's `sliding_window` (4096 when absent) on every
@@ -361,6 +431,16 @@ impl Reader<'_> {
                 size,
                 first_layer: 0,
             })),
+            // Qwen3-MoE's: on every layer, under use_sliding_window.
+            Family::Qwen3Moe => {
+                let enabled = self.opt_bool("use_sliding_window")?.unwrap_or(false);
+                Ok(size(Some(4096))?
+                    .filter(|_| enabled)
+                    .map(|size| SlidingWindow {
+                        size,
+                        first_layer: 0,
+                    }))
+            }
             Family::Qwen2 | Family::Qwen3 => {
                 let enabled = self.opt_bool("use_sliding_window")?.unwrap_or(false);
                 let size = size(Some(4096))?.filter(|_| enabled);
@@ -493,7 +573,7 @@ mod tests {
         let base = r#""model_type":"mixtral","vocab_size":32,"hidden_size":8,"intermediate_size":16,
             "num_hidden_layers":2,"num_attention_heads":2"#;
         let m = parse(&format!("{{{base}}}")).unwrap();
-        let moe = m.moe.unwrap();
+        let moe = m.moe.clone().unwrap();
         assert_eq!((moe.num_experts, moe.top_k), (8, 2));
         assert_eq!(moe.aux_loss_coef, 0.001);
         assert!(moe.norm_topk_prob);

@@ -191,7 +191,7 @@ impl MeshStep<'_> {
         // whether any was asked to stop.
         // A mixture of experts: every device adds its layers' expert counts (the same length on
         // every device: layers × experts).
-        let experts = self.cfg.moe.map_or(0, |m| m.num_experts);
+        let experts = self.cfg.moe.as_ref().map_or(0, |m| m.num_experts);
         let mut l = vec![
             loss,
             over_capacity.is_some() as u8 as f64,
