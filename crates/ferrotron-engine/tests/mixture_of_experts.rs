@@ -20,9 +20,10 @@ use std::time::Duration;
 /// f32 against transformers' f32, summed in other orders: relative error per tensor.
 const TOL: f64 = 1e-5;
 
-/// The tiny models: a Mixtral, and a Qwen3-MoE (block 1 dense, experts of 24 columns beside a
-/// dense MLP of 48, top-k probabilities not renormalised, head norms).
-const MODELS: [&str; 2] = ["mixtral", "qwen3_moe"];
+/// The tiny models: a Mixtral; a Qwen3-MoE (block 1 dense, experts of 24 columns beside a dense
+/// MLP of 48, top-k probabilities not renormalised, head norms); a Qwen2-MoE (experts in blocks 1
+/// and 3, a gated shared expert, q/k/v biases).
+const MODELS: [&str; 3] = ["mixtral", "qwen3_moe", "qwen2_moe"];
 
 fn load_model(name: &str) -> (ModelConfig, ParamStore, Reference) {
     let dir = fixture("variants").join(name);
@@ -61,6 +62,7 @@ fn each_model_matches_transformers_loss_with_its_load_balancing_term_and_every_g
             expert_size: 48,
             sparse_step: 1,
             dense_layers: Vec::new(),
+            shared_expert_size: 0,
         }))
     );
     // Every tensor of the checkpoint is a parameter: the router and each expert's w1, w2, w3.
@@ -142,6 +144,7 @@ fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
         ("mixtral", "dp=2"),
         ("mixtral", "dp=2,zero=3"),
         ("qwen3_moe", "dp=2,zero=1"),
+        ("qwen2_moe", "dp=2,zero=2"),
     ] {
         let (cfg, params, reference) = load_model(name);
         let part = StagePartition::for_model(&cfg, 1).unwrap();
@@ -215,6 +218,7 @@ fn the_written_checkpoints_read_back_as_the_same_models() {
     for (name, architecture) in [
         ("mixtral", "MixtralForCausalLM"),
         ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        ("qwen2_moe", "Qwen2MoeForCausalLM"),
     ] {
         let (cfg, params, _) = load_model(name);
         let dir = temp_dir(&format!("{name}-export"));

@@ -46,6 +46,7 @@ pub enum Family {
     Qwen2,
     Qwen3,
     Mixtral,
+    Qwen2Moe,
     Qwen3Moe,
     Gpt2,
 }
@@ -58,6 +59,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mixtral => "mixtral",
+            Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Gpt2 => "gpt2",
         }
@@ -69,6 +71,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen2Moe => "Qwen2MoeForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
             Family::Gpt2 => "GPT2LMHeadModel",
         }
@@ -109,6 +112,14 @@ pub struct MoeConfig {
     pub sparse_step: usize,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dense_layers: Vec<usize>,
+    /// Qwen2-MoE's shared expert: a SwiGLU MLP of this many columns that every token takes, its
+    /// output scaled by a sigmoid gate of the token (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared_expert_size: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl MoeConfig {
@@ -470,7 +481,9 @@ impl ModelConfig {
         let ffn_params = match &self.moe {
             Some(m) => {
                 let sparse = f(m.expert_layers(self.num_layers));
-                let experts = f(m.num_experts) * (mlp * h * f(m.expert_size) + h);
+                let experts = f(m.num_experts) * (mlp * h * f(m.expert_size) + h)
+                    + f(usize::from(m.shared_expert_size > 0))
+                        * (mlp * h * f(m.shared_expert_size) + h);
                 (sparse * experts + (f(self.num_layers) - sparse) * mlp * h * ffn)
                     / f(self.num_layers.max(1))
             }

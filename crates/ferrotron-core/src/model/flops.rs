@@ -12,7 +12,9 @@ pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
         Some(m) => {
             let layers = cfg.num_layers.max(1) as f64;
             let sparse = m.expert_layers(cfg.num_layers) as f64;
-            let expert = m.top_k as f64 * 3.0 * h * m.expert_size as f64 + m.num_experts as f64 * h;
+            let expert = m.top_k as f64 * 3.0 * h * m.expert_size as f64
+                + m.num_experts as f64 * h
+                + 3.0 * h * m.shared_expert_size as f64;
             (sparse * expert + (layers - sparse) * 3.0 * h * f) / layers
         }
         None => 3.0 * h * f,

@@ -52,6 +52,8 @@ pub enum FfnNames {
     Experts {
         router: String,
         experts: Vec<ExpertNames>,
+        /// Qwen2-MoE: the shared expert and its gate (`[1, hidden]`).
+        shared: Option<(ExpertNames, String)>,
     },
 }
 
@@ -119,7 +121,17 @@ impl ModelConfig {
                                 Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
                                 _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
                             };
+                            let shared = (m.shared_expert_size > 0).then(|| {
+                                let x = |w: &str| format!("{p}.mlp.shared_expert.{w}.weight");
+                                let names = ExpertNames {
+                                    gate: x("gate_proj"),
+                                    up: x("up_proj"),
+                                    down: x("down_proj"),
+                                };
+                                (names, format!("{p}.mlp.shared_expert_gate.weight"))
+                            });
                             FfnNames::Experts {
+                                shared,
                                 router: format!("{p}.{block}.gate.weight"),
                                 experts: (0..m.num_experts)
                                     .map(|e| {
@@ -225,8 +237,20 @@ impl ModelConfig {
                             linear(&mut push, &mlp_in[1], f, h);
                             linear(&mut push, mlp_out, h, f);
                         }
-                        FfnNames::Experts { router, experts } => {
-                            let f = self.moe.as_ref().map_or(f, |m| m.expert_size);
+                        FfnNames::Experts {
+                            router,
+                            experts,
+                            shared,
+                        } => {
+                            let moe = self.moe.as_ref().expect("experts have a configuration");
+                            if let Some((e, gate)) = shared {
+                                let s = moe.shared_expert_size;
+                                push(e.gate.clone(), vec![s, h], WeightLayout::OutIn);
+                                push(e.up.clone(), vec![s, h], WeightLayout::OutIn);
+                                push(e.down.clone(), vec![h, s], WeightLayout::OutIn);
+                                push(gate.clone(), vec![1, h], WeightLayout::OutIn);
+                            }
+                            let f = moe.expert_size;
                             push(router.clone(), vec![experts.len(), h], WeightLayout::OutIn);
                             // The checkpoint's order: Mixtral's w1, w2, w3; Qwen's gate, up, down.
                             let mixtral = self.family() == Family::Mixtral;
@@ -333,11 +357,15 @@ impl ModelConfig {
             return false;
         }
         match self.layer_names(layer).ffn {
-            FfnNames::Experts { router, experts } => {
+            FfnNames::Experts {
+                router,
+                experts,
+                shared,
+            } => {
+                let of = |e: &ExpertNames| e.gate == name || e.up == name || e.down == name;
                 router == name
-                    || experts
-                        .iter()
-                        .any(|e| e.gate == name || e.up == name || e.down == name)
+                    || experts.iter().any(of)
+                    || shared.is_some_and(|(e, gate)| gate == name || of(&e))
             }
             FfnNames::Dense { .. } => false,
         }

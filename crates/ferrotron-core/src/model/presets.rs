@@ -56,6 +56,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
                 expert_size: 96,
                 sparse_step: 1,
                 dense_layers: Vec::new(),
+                shared_expert_size: 0,
             })
         }
         other => {

@@ -66,7 +66,9 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
         Some(m) => {
             let layers = cfg.num_layers.max(1) as f64;
             let sparse = m.expert_layers(cfg.num_layers) as f64;
-            let experts = m.num_experts as f64 * (3.0 * h * m.expert_size as f64 + h);
+            let experts = m.num_experts as f64 * (3.0 * h * m.expert_size as f64 + h)
+                + 3.0 * h * m.shared_expert_size as f64
+                + if m.shared_expert_size > 0 { h } else { 0.0 };
             (sparse * experts + (layers - sparse) * 3.0 * h * f) / layers
         }
         None => 3.0 * h * f / t,
@@ -158,7 +160,8 @@ pub fn layer_activation_bytes(
                     let (k, fe) = (m.top_k as f64, m.expert_size as f64);
                     let share =
                         m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
-                    let sparse = k * tok * (3.0 * fe + h);
+                    let sparse = k * tok * (3.0 * fe + h)
+                        + tok * (3.0 * m.shared_expert_size as f64 + h + 1.0);
                     let router = tok * (4.0 * m.num_experts as f64 + 32.0 * k);
                     (
                         share * sparse + (1.0 - share) * 3.0 * tok * f,

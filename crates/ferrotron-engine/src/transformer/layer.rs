@@ -17,7 +17,7 @@ enum Ffn {
         mlp_in: Vec<Lin>,
         mlp_out: Lin,
     },
-    Experts(MoeIds),
+    Experts(Box<MoeIds>),
 }
 
 /// Parameter indices of one block.
@@ -87,13 +87,17 @@ impl LayerIds {
                     mlp_in: mlp_in.iter().map(|m| lin(m, h, f)).collect(),
                     mlp_out: lin(mlp_out, f, h),
                 },
-                FfnNames::Experts { router, experts } => {
+                FfnNames::Experts {
+                    router,
+                    experts,
+                    shared,
+                } => {
                     let moe = cfg
                         .moe
                         .as_ref()
                         .expect("a block with experts has their configuration");
                     let plain = |name: &String, i, o| lin(&(name.clone(), None), i, o);
-                    Ffn::Experts(MoeIds {
+                    Ffn::Experts(Box::new(MoeIds {
                         router: plain(router, h, experts.len()),
                         experts: experts
                             .iter()
@@ -103,8 +107,17 @@ impl LayerIds {
                                 down: plain(&e.down, moe.expert_size, h),
                             })
                             .collect(),
+                        shared: shared.as_ref().map(|(e, gate)| {
+                            let s = moe.shared_expert_size;
+                            let expert = ExpertIds {
+                                gate: plain(&e.gate, h, s),
+                                up: plain(&e.up, h, s),
+                                down: plain(&e.down, s, h),
+                            };
+                            (expert, plain(gate, h, 1))
+                        }),
                         config: (**moe).clone(),
-                    })
+                    }))
                 }
             },
             qk_norm: n.qk_norm.as_ref().map(|(qn, kn)| {
@@ -152,7 +165,7 @@ enum FfnActs {
         mlp_pre: Vec<Kept>,
         mlp_act: Kept,
     },
-    Experts(MoeActs),
+    Experts(Box<MoeActs>),
 }
 
 impl LayerActs {
@@ -335,7 +348,7 @@ pub(crate) fn forward(
         }
         Ffn::Experts(moe) => {
             let (out, acts) = moe::forward(be, p, moe, n2_in, rows, m.activation_storage);
-            (out, FfnActs::Experts(acts))
+            (out, FfnActs::Experts(Box::new(acts)))
         }
     };
     be.add_assign(&mut out, &x_mid);

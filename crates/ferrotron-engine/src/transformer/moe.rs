@@ -21,6 +21,8 @@ use ferrotron_core::precision::Half;
 pub(crate) struct MoeIds {
     pub router: Lin,
     pub experts: Vec<ExpertIds>,
+    /// Qwen2-MoE: the shared expert every token takes, and its gate (`hidden → 1`, a sigmoid).
+    pub shared: Option<(ExpertIds, Lin)>,
     pub config: MoeConfig,
 }
 
@@ -130,6 +132,8 @@ pub(crate) struct MoeActs {
     /// `[rows, top_k]`: each row's experts, most probable first, and their routing weights.
     chosen: Vec<(usize, f32)>,
     runs: Vec<ExpertRun>,
+    /// The shared expert over every row, and its gate's sigmoid per row.
+    shared: Option<(ExpertRun, Vec<f32>)>,
     pub tally: RouterTally,
 }
 
@@ -146,7 +150,13 @@ impl MoeActs {
                     + r.rows.len() * 2 * std::mem::size_of::<usize>()
             })
             .sum();
-        4 * self.probs.len() + self.chosen.len() * std::mem::size_of::<(usize, f32)>() + runs
+        let shared = self.shared.as_ref().map_or(0, |(r, g)| {
+            r.gate.bytes() + r.up.bytes() + r.act.bytes() + r.out.bytes() + 4 * g.len()
+        });
+        4 * self.probs.len()
+            + self.chosen.len() * std::mem::size_of::<(usize, f32)>()
+            + runs
+            + shared
     }
 }
 
@@ -225,14 +235,8 @@ pub(crate) fn forward(
         if run.rows.is_empty() {
             continue;
         }
-        let n = run.rows.len();
         let xe = gather(x, h, &run.rows);
-        let gate = expert.gate.forward(be, p, &xe, n);
-        let up = expert.up.forward(be, p, &xe, n);
-        let f = expert.gate.out_dim;
-        // SAFETY: SwiGLU writes every element of its output.
-        let act = unsafe { be.overwritten(n * f, &mut |a| be.swiglu_forward(&gate, &up, a)) };
-        let y = expert.down.forward(be, p, &act, n);
+        let y = expert_forward(be, p, expert, &xe, run, storage);
         for (i, &(r, slot)) in run.rows.iter().enumerate() {
             let w = chosen[r * k + slot].1;
             for (o, v) in out[r * h..(r + 1) * h]
@@ -242,19 +246,95 @@ pub(crate) fn forward(
                 *o += v * w;
             }
         }
-        let keep = |v: Vec<f32>| Kept::keep(be, v, storage);
-        run.gate = keep(gate);
-        run.up = keep(up);
-        run.act = keep(act);
-        run.out = keep(y);
+        run.out = Kept::keep(be, y, storage);
     }
+    // Qwen2-MoE's shared expert, over every row, scaled by its gate's sigmoid, added last.
+    let shared = ids.shared.as_ref().map(|(expert, gate)| {
+        let mut run = ExpertRun::default();
+        let y = expert_forward(be, p, expert, x, &mut run, storage);
+        let g: Vec<f32> = gate
+            .forward(be, p, x, rows)
+            .iter()
+            .map(|z| 1.0 / (1.0 + (-z).exp()))
+            .collect();
+        for (r, gr) in g.iter().enumerate() {
+            for (o, v) in out[r * h..(r + 1) * h]
+                .iter_mut()
+                .zip(&y[r * h..(r + 1) * h])
+            {
+                *o += gr * v;
+            }
+        }
+        run.out = Kept::keep(be, y, storage);
+        (run, g)
+    });
     let acts = MoeActs {
         probs,
         chosen,
         runs,
+        shared,
         tally,
     };
     (out, acts)
+}
+
+/// One expert's SwiGLU MLP over its rows `xe`, keeping its pre-activations and activation in
+/// `run`; returns its output.
+fn expert_forward(
+    be: &dyn Backend,
+    p: Weights,
+    expert: &ExpertIds,
+    xe: &[f32],
+    run: &mut ExpertRun,
+    storage: Option<Half>,
+) -> Vec<f32> {
+    let n = xe.len() / expert.gate.in_dim;
+    let gate = expert.gate.forward(be, p, xe, n);
+    let up = expert.up.forward(be, p, xe, n);
+    let f = expert.gate.out_dim;
+    // SAFETY: SwiGLU writes every element of its output.
+    let act = unsafe { be.overwritten(n * f, &mut |a| be.swiglu_forward(&gate, &up, a)) };
+    let y = expert.down.forward(be, p, &act, n);
+    let keep = |v: Vec<f32>| Kept::keep(be, v, storage);
+    run.gate = keep(gate);
+    run.up = keep(up);
+    run.act = keep(act);
+    y
+}
+
+/// The backward of [`expert_forward`]: from `dy` at its output, the gradient at its input `xe`
+/// (returned), its weights' gradients into `g`.
+fn expert_backward(
+    be: &dyn Backend,
+    p: Weights,
+    g: &mut WeightSink,
+    expert: &ExpertIds,
+    run: &mut ExpertRun,
+    dy: &[f32],
+    xe: &[f32],
+) -> Vec<f32> {
+    let n = xe.len() / expert.gate.in_dim;
+    let act = std::mem::take(&mut run.act).into_f32(be);
+    let dact = expert.down.backward_new(be, p, g, dy, &act);
+    drop(act);
+    let (gate, up) = (
+        std::mem::take(&mut run.gate).into_f32(be),
+        std::mem::take(&mut run.up).into_f32(be),
+    );
+    let f = expert.gate.out_dim;
+    let mut dup = Vec::new();
+    // SAFETY: SwiGLU's backward writes every element of both gradients.
+    let dgate = unsafe {
+        be.overwritten(n * f, &mut |dgate| {
+            dup = be.overwritten(n * f, &mut |dup| {
+                be.swiglu_backward(&dact, &gate, &up, dgate, dup)
+            })
+        })
+    };
+    drop((gate, up, dact));
+    let mut dxe = expert.gate.backward_new(be, p, g, &dgate, xe);
+    expert.up.backward(be, p, g, &dup, xe, &mut dxe, true);
+    dxe
 }
 
 /// The block's backward: from `dout` (the gradient at its output, `rows × hidden`) and its input
@@ -296,30 +376,32 @@ pub(crate) fn backward(
             dy.extend(d.iter().map(|v| v * w));
         }
         drop(y);
-        let act = std::mem::take(&mut run.act).into_f32(be);
-        let dact = expert.down.backward_new(be, p, g, &dy, &act);
-        drop((act, dy));
-        let (gate, up) = (
-            std::mem::take(&mut run.gate).into_f32(be),
-            std::mem::take(&mut run.up).into_f32(be),
-        );
-        let f = expert.gate.out_dim;
-        let mut dup = Vec::new();
-        // SAFETY: SwiGLU's backward writes every element of both gradients.
-        let dgate = unsafe {
-            be.overwritten(n * f, &mut |dgate| {
-                dup = be.overwritten(n * f, &mut |dup| {
-                    be.swiglu_backward(&dact, &gate, &up, dgate, dup)
-                })
-            })
-        };
-        drop((gate, up, dact));
         let xe = gather(x, h, &run.rows);
-        let mut dxe = expert.gate.backward_new(be, p, g, &dgate, &xe);
-        expert.up.backward(be, p, g, &dup, &xe, &mut dxe, true);
+        let dxe = expert_backward(be, p, g, expert, run, &dy, &xe);
         for (i, &(r, _)) in run.rows.iter().enumerate() {
             be.add_assign(&mut dx[r * h..(r + 1) * h], &dxe[i * h..(i + 1) * h]);
         }
+    }
+    // The shared expert: its output scaled by the gate's sigmoid σ, so ∂σ = dout · y and the gate's
+    // pre-activation takes ∂σ · σ(1 − σ).
+    if let (Some((expert, gate)), Some((run, sig))) = (&ids.shared, a.shared.as_mut()) {
+        let y = std::mem::take(&mut run.out).into_f32(be);
+        let mut dy = Vec::with_capacity(rows * h);
+        let mut dpre = Vec::with_capacity(rows);
+        for (r, s) in sig.iter().enumerate() {
+            let d = &dout[r * h..(r + 1) * h];
+            let dsig: f32 = d
+                .iter()
+                .zip(&y[r * h..(r + 1) * h])
+                .map(|(a, b)| a * b)
+                .sum();
+            dpre.push(dsig * s * (1.0 - s));
+            dy.extend(d.iter().map(|v| v * s));
+        }
+        drop(y);
+        let dxs = expert_backward(be, p, g, expert, run, &dy, x);
+        be.add_assign(&mut dx, &dxs);
+        gate.backward(be, p, g, &dpre, x, &mut dx, true);
     }
     // Through the weights to the probabilities (renormalised: w = p / S over the row's places,
     // so ∂/∂pⱼ = (∂wⱼ − Σₘ ∂wₘ·wₘ) / S), the load-balancing loss's share, then the softmax.

@@ -130,6 +130,27 @@ pub(super) fn family_keys(f: Family) -> (&'static [&'static str], &'static [&'st
             ],
             &["output_router_logits"],
         ),
+        // As Qwen2 (q/k/v biases under qkv_bias, windows from max_window_layers), with experts and a
+        // shared expert.
+        Family::Qwen2Moe => (
+            &[
+                "qkv_bias",
+                "use_sliding_window",
+                "sliding_window",
+                "max_window_layers",
+                "layer_types",
+                "num_experts",
+                "num_local_experts",
+                "num_experts_per_tok",
+                "norm_topk_prob",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+                "router_aux_loss_coef",
+            ],
+            &["output_router_logits"],
+        ),
         // As Qwen3, with experts. transformers' Qwen3-MoE windows every layer under
         // use_sliding_window and never reads max_window_layers (published configs carry it).
         Family::Qwen3Moe => (
@@ -188,6 +209,7 @@ pub(super) const FAMILIES: &[Family] = &[
     Family::Qwen2,
     Family::Qwen3,
     Family::Mixtral,
+    Family::Qwen2Moe,
     Family::Qwen3Moe,
     Family::Gpt2,
 ];

@@ -133,10 +133,9 @@ impl ModelConfig {
                     "output_router_logits": true,
                 })
             }
-            Family::Qwen3Moe => {
-                let m = self.moe.as_ref().expect("a Qwen3-MoE has experts");
-                serde_json::json!({
-                    "attention_bias": self.bias.qkv,
+            Family::Qwen2Moe | Family::Qwen3Moe => {
+                let m = self.moe.as_ref().expect("a Qwen-MoE has experts");
+                let mut e = serde_json::json!({
                     "use_sliding_window": window.is_some(),
                     "sliding_window": window.map(|w| w.size),
                     "num_experts": m.num_experts,
@@ -147,7 +146,16 @@ impl ModelConfig {
                     "mlp_only_layers": m.dense_layers,
                     "router_aux_loss_coef": m.aux_loss_coef,
                     "output_router_logits": true,
-                })
+                });
+                if family == Family::Qwen2Moe {
+                    e["qkv_bias"] = self.bias.qkv.into();
+                    e["shared_expert_intermediate_size"] = m.shared_expert_size.into();
+                    e["max_window_layers"] =
+                        window.map_or(self.num_layers, |w| w.first_layer).into();
+                } else {
+                    e["attention_bias"] = self.bias.qkv.into();
+                }
+                e
             }
             Family::Gpt2 => serde_json::json!({}),
         };
@@ -308,6 +316,12 @@ impl Reader<'_> {
                 o: attention_bias,
                 mlp: false,
             },
+            // transformers' Qwen2-MoE: q/k/v biases under `qkv_bias` (true by default), none else.
+            Family::Qwen2Moe => ProjectionBias {
+                qkv: self.opt_bool("qkv_bias")?.unwrap_or(true),
+                o: false,
+                mlp: false,
+            },
             Family::Mistral | Family::Mixtral | Family::Gpt2 => ProjectionBias::default(),
         };
         Ok(ModelConfig {
@@ -360,9 +374,11 @@ impl Reader<'_> {
                     expert_size: self.usize("intermediate_size")?,
                     sparse_step: 1,
                     dense_layers: Vec::new(),
+                    shared_expert_size: 0,
                 })))
             }
-            Family::Qwen3Moe => {
+            Family::Qwen2Moe | Family::Qwen3Moe => {
+                let qwen2 = family == Family::Qwen2Moe;
                 let dense_layers = match self.get("mlp_only_layers") {
                     None => Vec::new(),
                     Some(v) => v
@@ -394,16 +410,28 @@ impl Reader<'_> {
                             format!("{b}, and num_experts says {a}: give one of them"),
                         ))
                     }
-                    (a, b) => a.or(b).unwrap_or(128),
+                    (a, b) => a.or(b).unwrap_or(if qwen2 { 60 } else { 128 }),
                 };
                 Ok(Some(Box::new(MoeConfig {
                     num_experts,
-                    top_k: self.opt_usize("num_experts_per_tok")?.unwrap_or(8),
+                    top_k: self.opt_usize("num_experts_per_tok")?.unwrap_or(if qwen2 {
+                        4
+                    } else {
+                        8
+                    }),
                     norm_topk_prob: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
                     aux_loss_coef: coef,
-                    expert_size: self.opt_usize("moe_intermediate_size")?.unwrap_or(768),
+                    expert_size: self
+                        .opt_usize("moe_intermediate_size")?
+                        .unwrap_or(if qwen2 { 1408 } else { 768 }),
                     sparse_step: self.opt_usize("decoder_sparse_step")?.unwrap_or(1),
                     dense_layers,
+                    shared_expert_size: match qwen2 {
+                        true => self
+                            .opt_usize("shared_expert_intermediate_size")?
+                            .unwrap_or(5632),
+                        false => 0,
+                    },
                 })))
             }
             _ => Ok(None),
@@ -441,7 +469,7 @@ impl Reader<'_> {
                         first_layer: 0,
                     }))
             }
-            Family::Qwen2 | Family::Qwen3 => {
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen2Moe => {
                 let enabled = self.opt_bool("use_sliding_window")?.unwrap_or(false);
                 let size = size(Some(4096))?.filter(|_| enabled);
                 let from = self.opt_usize("max_window_layers")?.unwrap_or(28);
