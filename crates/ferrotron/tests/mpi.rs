@@ -61,51 +61,20 @@ fn verify_tensor_and_pipeline_layouts_with_one_rank_per_device() {
     }
 }
 
-#[test]
-fn grads_under_mpi_match_pytorch() {
-    let dir = std::env::temp_dir().join(format!("ferrotron-mpi-grads-{}", std::process::id()));
+/// `grads` of the model in `model` (a directory with its `reference_grads.safetensors`) on `np` MPI
+/// ranks under `layout`: the loss and every gradient, in its full Hugging Face shape, within 1e-5 of
+/// the PyTorch reference.
+fn mpi_grads_match_the_reference(model: &std::path::Path, layout: &str, np: usize) {
+    let dir = std::env::temp_dir().join(format!(
+        "ferrotron-mpi-grads-{}-{}",
+        std::process::id(),
+        layout.replace([',', '='], "-")
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("grads.safetensors");
-    let refs = fixture("llama_tiny").join("reference_grads.safetensors");
-    let (ok, text) = mpirun(
-        4,
-        &[
-            "grads",
-            "--model",
-            fixture("llama_tiny").to_str().unwrap(),
-            "--tokens",
-            refs.to_str().unwrap(),
-            "--layout",
-            "tp=4",
-            "--backend",
-            "mpi",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
-    assert!(ok, "{text}");
-    let (got, want) = (read_f32(&out), read_f32(&refs));
-    let loss_err = (got["loss"].1[0] - want["loss_f32"].1[0]).abs() / want["loss_f32"].1[0];
-    assert!(loss_err <= 1e-5, "loss {loss_err:e}");
-    for (name, w) in want.iter().filter(|(n, _)| n.starts_with("grad_f32.")) {
-        let g = &got[&name.replace("grad_f32.", "grad.")];
-        assert_eq!(g.0, w.0, "{name}: full Hugging Face shape");
-        assert!(rel_err(&g.1, &w.1) <= 1e-5, "{name}");
-    }
-}
-
-/// A Mixtral on two ranks, one sequence each: the replicas sum their router statistics over MPI
-/// before backward, so the loss (with its load-balancing term) and every gradient are
-/// transformers' for the whole batch.
-#[test]
-fn mixtral_grads_on_two_mpi_replicas_match_transformers() {
-    let dir = std::env::temp_dir().join(format!("ferrotron-mpi-moe-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join("grads.safetensors");
-    let model = fixture("variants").join("mixtral");
     let refs = model.join("reference_grads.safetensors");
     let (ok, text) = mpirun(
-        2,
+        np,
         &[
             "grads",
             "--model",
@@ -113,7 +82,7 @@ fn mixtral_grads_on_two_mpi_replicas_match_transformers() {
             "--tokens",
             refs.to_str().unwrap(),
             "--layout",
-            "dp=2,zero=3",
+            layout,
             "--backend",
             "mpi",
             "--out",
@@ -123,11 +92,25 @@ fn mixtral_grads_on_two_mpi_replicas_match_transformers() {
     assert!(ok, "{text}");
     let (got, want) = (read_f32(&out), read_f32(&refs));
     let loss_err = (got["loss"].1[0] - want["loss_f32"].1[0]).abs() / want["loss_f32"].1[0];
-    assert!(loss_err <= 1e-5, "loss {loss_err:e}");
+    assert!(loss_err <= 1e-5, "{layout}: loss {loss_err:e}");
     for (name, w) in want.iter().filter(|(n, _)| n.starts_with("grad_f32.")) {
         let g = &got[&name.replace("grad_f32.", "grad.")];
-        assert!(rel_err(&g.1, &w.1) <= 1e-5, "{name}");
+        assert_eq!(g.0, w.0, "{name}: full Hugging Face shape");
+        assert!(rel_err(&g.1, &w.1) <= 1e-5, "{layout}: {name}");
     }
+}
+
+#[test]
+fn grads_under_mpi_match_pytorch() {
+    mpi_grads_match_the_reference(&fixture("llama_tiny"), "tp=4", 4);
+}
+
+/// A Mixtral on two ranks, one sequence each: the replicas sum their router statistics over MPI
+/// before backward, so the loss (with its load-balancing term) and every gradient are
+/// transformers' for the whole batch.
+#[test]
+fn mixtral_grads_on_two_mpi_replicas_match_transformers() {
+    mpi_grads_match_the_reference(&fixture("variants").join("mixtral"), "dp=2,zero=3", 2);
 }
 
 #[test]
