@@ -129,6 +129,19 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
             p.tflops_per_device * 1e12 * devices_time / tokens,
         ));
     }
+    if let super::PlanModel::Shape(cfg) = &input.model {
+        if let Some(m) = &cfg.moe {
+            out.push(format!(
+                "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): every expert's weights, gradients and optimizer state are held (sharded only by ZeRO: expert parallelism is not implemented yet); compute follows the active parameters",
+                cfg.num_params() as f64 / 1e9,
+                cfg.num_active_params() as f64 / 1e9,
+                m.top_k,
+                m.num_experts,
+                m.expert_layers(cfg.num_layers),
+                cfg.num_layers
+            ));
+        }
+    }
     out
 }
 
