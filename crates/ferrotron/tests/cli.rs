@@ -406,6 +406,39 @@ fn verify_passes_for_every_parallel_layout_and_refuses_what_does_not_split() {
     );
 }
 
+/// A mixture of experts: replicas of one micro-batch each compute the unsplit model's function; more
+/// micro-batches take the load-balancing loss per micro-batch step, and `verify` says how to compare.
+#[test]
+fn verify_explains_a_mixture_of_experts_micro_batches() {
+    let model = fixture("variants").join("mixtral");
+    let verify = |layout: &str| {
+        ferrotron(&[
+            "verify",
+            "--model",
+            model.to_str().unwrap(),
+            "--layout",
+            layout,
+        ])
+    };
+    let o = verify("dp=2,mbs=4");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = verify("dp=2");
+    assert!(
+        !o.status.success() && stderr(&o).contains("give mbs=4 (one micro-batch per replica)"),
+        "{}",
+        stderr(&o)
+    );
+    // A split of the experts not built yet is refused by name.
+    let o = verify("tp=2");
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("mixture of experts")
+            && stderr(&o).contains("not implemented"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn benchmarks_refuse_zero_counts_clearly() {
     for args in [

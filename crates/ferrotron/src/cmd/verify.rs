@@ -110,8 +110,20 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         a.tolerance
     );
     if loss_err > a.tolerance || worst > a.tolerance {
+        // A mixture of experts' load-balancing loss is per micro-batch step; the unsplit model
+        // takes it over the whole batch: only one micro-batch per replica compares like with like.
+        let per_replica = batch.batch / (layout.dp.max(1) * layout.micro_batch_size.max(1));
+        let hint = match (&cfg.moe, per_replica > 1) {
+            (Some(_), true) => format!(
+                " — a mixture of experts takes its load-balancing loss per micro-batch step, and \
+                 this layout runs {per_replica} of them where the unsplit model runs the whole \
+                 batch at once: give mbs={} (one micro-batch per replica) to compare the same function",
+                batch.batch / layout.dp.max(1)
+            ),
+            _ => String::new(),
+        };
         bail!(
-            "the layout does not compute the unsplit model's function within {:.0e}",
+            "the layout does not compute the unsplit model's function within {:.0e}{hint}",
             a.tolerance
         );
     }
