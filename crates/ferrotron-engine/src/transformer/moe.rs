@@ -1,8 +1,9 @@
-//! A mixture of experts in place of a block's MLP (Mixtral's `block_sparse_moe`), computed as
-//! transformers computes it: the router's logits, their softmax in f32, each row's `top_k` most
-//! probable experts with those probabilities renormalised to sum to 1; each expert's SwiGLU MLP
-//! over the rows that chose it; each row's output the sum, expert by expert in index order, of its
-//! experts' outputs times their weights.
+//! A mixture of experts in place of a block's MLP (Mixtral's `block_sparse_moe`, Qwen-MoE's `mlp`),
+//! computed as transformers computes it: the router's logits, their softmax in f32, each row's
+//! `top_k` most probable experts with those probabilities (renormalised to sum to 1 where the
+//! family says); each expert's SwiGLU MLP over the rows that chose it; each row's output the sum,
+//! expert by expert in index order, of its experts' outputs times their weights, then (Qwen2-MoE)
+//! the shared expert's output times the sigmoid of its gate.
 //!
 //! Rows are grouped by expert and each expert multiplies its rows at once (grouped GEMMs, no loop
 //! over tokens). The load-balancing loss couples every layer (its token fractions and mean
