@@ -144,6 +144,13 @@ impl LoraConfig {
     /// What [`LoraConfig::new`] checks, for a configuration read from a file.
     pub fn validate(&self, cfg: &ModelConfig) -> Result<()> {
         let bad = |what: String| Err(ConfigError::Invalid(format!("LoRA: {what}")));
+        if cfg.moe.is_some() {
+            return bad(
+                "adapters on a mixture of experts (its routers and experts) are not implemented \
+                 yet: train it fully"
+                    .into(),
+            );
+        }
         if self.rank == 0 || self.rank > MAX_RANK {
             return bad(format!(
                 "rank {} must be between 1 and {MAX_RANK}",

@@ -619,7 +619,11 @@ mod tests {
         // Written back, read again: the same model.
         let again = parse(&m.to_hf_json().to_string()).unwrap();
         assert_eq!(again, m);
-        // Only data-parallel replicas run one so far.
+        // Only data-parallel replicas run one so far, and without LoRA.
+        assert!(crate::model::LoraConfig::new(&m, 4, 8.0, &[])
+            .unwrap_err()
+            .to_string()
+            .contains("mixture of experts"));
         assert!(m.experts_split(1, 1, 1).is_ok());
         for (tp, pp, cp) in [(2, 1, 1), (1, 2, 1), (1, 1, 2)] {
             assert!(m.experts_split(tp, pp, cp).is_err());
