@@ -39,6 +39,24 @@ fn load() -> (ModelConfig, ParamStore, Reference) {
     load_model("mixtral")
 }
 
+/// One step of `layout` (threads) on the reference batch: its loss and gathered gradients.
+fn step_on(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    reference: &Reference,
+    layout: &Layout,
+) -> ferrotron_engine::error::Result<ferrotron_engine::parallel::PipelineRun> {
+    let part = StagePartition::for_model(cfg, layout.pp.max(1)).unwrap();
+    pipeline_step(
+        cfg,
+        params,
+        &reference.batch,
+        layout,
+        &part,
+        Duration::from_secs(60),
+    )
+}
+
 /// The router of the first block with experts.
 fn first_router(cfg: &ModelConfig) -> String {
     (0..cfg.num_layers)
@@ -147,17 +165,9 @@ fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
         ("qwen2_moe", "dp=2,zero=2"),
     ] {
         let (cfg, params, reference) = load_model(name);
-        let part = StagePartition::for_model(&cfg, 1).unwrap();
         let layout = LayoutSpec::parse(spec).unwrap().layout;
-        let r = pipeline_step(
-            &cfg,
-            &params,
-            &reference.batch,
-            &layout,
-            &part,
-            Duration::from_secs(60),
-        )
-        .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
+        let r = step_on(&cfg, &params, &reference, &layout)
+            .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
         let want = reference.get("loss_f32")[0] as f64;
         let e = (r.loss - want).abs() / want;
         assert!(
@@ -172,19 +182,9 @@ fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
         );
     }
     let (cfg, params, reference) = load();
-    let part = StagePartition::for_model(&cfg, 1).unwrap();
     // One device running the batch as two micro-batches takes the loss per micro-batch: another
     // function (gradient accumulation's), which the replicas do not compute.
-    let one = Layout::default();
-    let split = pipeline_step(
-        &cfg,
-        &params,
-        &reference.batch,
-        &one,
-        &part,
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let split = step_on(&cfg, &params, &reference, &Layout::default()).unwrap();
     let want = reference.get("loss_f32")[0] as f64;
     assert!((split.loss - want).abs() / want > 10.0 * TOL);
 }
@@ -194,18 +194,10 @@ fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
     let (cfg, params, reference) = load();
     for spec in ["tp=2", "pp=2", "cp=2"] {
         let layout = LayoutSpec::parse(spec).unwrap().layout;
-        let part = StagePartition::for_model(&cfg, layout.pp.max(1)).unwrap();
-        let e = pipeline_step(
-            &cfg,
-            &params,
-            &reference.batch,
-            &layout,
-            &part,
-            Duration::from_secs(60),
-        )
-        .err()
-        .unwrap_or_else(|| panic!("{spec} ran"))
-        .to_string();
+        let e = step_on(&cfg, &params, &reference, &layout)
+            .err()
+            .unwrap_or_else(|| panic!("{spec} ran"))
+            .to_string();
         assert!(
             e.contains("mixture of experts") && e.contains(spec) && e.contains("not implemented"),
             "{spec}: {e}"
