@@ -245,10 +245,7 @@ fn each_step_records_the_tokens_each_expert_took() {
         c.parallelism.layout = layout.parse().unwrap();
         c.checkpointing.out_dir = temp_dir(&format!("moe-metrics-{layout}"));
         train(&c, &mut |_| {}).unwrap();
-        let text = std::fs::read_to_string(c.checkpointing.out_dir.join("metrics.jsonl")).unwrap();
-        text.lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .collect::<Vec<_>>()
+        metrics_records(&c.checkpointing.out_dir)
     };
     let one = records("dp=1");
     let two = records("dp=2");

@@ -196,7 +196,7 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let (m, t) = (losses(&mpi_dir), losses(&threads_dir));
+    let (m, t) = (metric_losses(&mpi_dir), metric_losses(&threads_dir));
     assert_eq!(m.len(), 4);
     for (k, (a, b)) in m.iter().zip(&t).enumerate() {
         assert!(
@@ -219,7 +219,7 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
     );
     let (ok, text) = mpirun(8, &r.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(ok, "{text}");
-    let resumed = losses(&resumed_dir);
+    let resumed = metric_losses(&resumed_dir);
     assert_eq!(resumed.len(), 2);
     assert_eq!(
         resumed[0].to_bits(),

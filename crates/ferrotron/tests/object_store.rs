@@ -4,7 +4,7 @@ mod common;
 #[path = "../../ferrotron-engine/tests/common/local_s3.rs"]
 mod local_s3;
 
-use common::{fixture, losses, path, read_f32, stderr, temp_dir};
+use common::{fixture, metric_losses, metrics_records, path, read_f32, stderr, temp_dir};
 use ferrotron_engine::storage::Location;
 use local_s3::LocalS3;
 use std::path::Path;
@@ -184,12 +184,10 @@ fn with_tp4_each_device_reads_only_its_quarter_of_an_s3_model_and_trains_as_from
         args.extend_from_slice(extra);
         let o = ferrotron(&args);
         assert!(o.status.success(), "{model}: {}", stderr(&o));
-        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        let lines: Vec<serde_json::Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        (String::from_utf8_lossy(&o.stdout).into_owned(), lines)
+        (
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            metrics_records(out),
+        )
     };
     let train = |model: &str, out: &Path| train_with(model, out, &[]);
     let (printed, remote) = train("s3://models/llama_tiny_train", &dir.join("s3"));
@@ -347,14 +345,16 @@ fn checkpoints_saved_to_s3_verify_and_resume_on_another_layout_as_local_ones_do(
         );
         assert!(o.status.success(), "resume {ck}: {}", stderr(&o));
     }
-    assert_eq!(losses(&dir.join("s3")), losses(&dir.join("local")));
-    assert_eq!(losses(&dir.join("s3")).len(), 6);
+    assert_eq!(
+        metric_losses(&dir.join("s3")),
+        metric_losses(&dir.join("local"))
+    );
+    assert_eq!(metric_losses(&dir.join("s3")).len(), 6);
     // Each device of the new layout read from the store only the arrays of its tensor-parallel
     // half (by the 256 KiB hash blocks they touch, each checked), the norms whole.
-    let text = std::fs::read_to_string(dir.join("s3").join("metrics.jsonl")).unwrap();
-    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
-    let params = 4 * first["run"]["parameters"].as_u64().unwrap();
-    let resumed: serde_json::Value = serde_json::from_str(text.lines().nth(4).unwrap()).unwrap();
+    let records = metrics_records(&dir.join("s3"));
+    let params = 4 * records[0]["run"]["parameters"].as_u64().unwrap();
+    let resumed = &records[4];
     for d in resumed["devices"].as_array().unwrap() {
         let read = d["model_bytes_read"].as_u64().unwrap();
         assert!(

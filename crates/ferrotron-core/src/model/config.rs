@@ -130,9 +130,22 @@ impl MoeConfig {
             && (layer + 1).is_multiple_of(self.sparse_step.max(1))
     }
 
-    /// How many of `layers` blocks have experts.
+    /// How many of `layers` blocks have experts: every `sparse_step`-th, less the dense ones among
+    /// them (counted, not walked: `validate` asks it of any layer count before bounding anything).
     pub fn expert_layers(&self, layers: usize) -> usize {
-        (0..layers).filter(|&l| self.has_experts(l)).count()
+        if self.num_experts == 0 {
+            return 0;
+        }
+        let step = self.sparse_step.max(1);
+        let mut dense: Vec<usize> = self
+            .dense_layers
+            .iter()
+            .copied()
+            .filter(|&d| d < layers && (d + 1).is_multiple_of(step))
+            .collect();
+        dense.sort_unstable();
+        dense.dedup();
+        layers / step - dense.len()
     }
 }
 

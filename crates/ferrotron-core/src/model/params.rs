@@ -117,9 +117,10 @@ impl ModelConfig {
                         Some(m) => {
                             // Mixtral's `block_sparse_moe` (w1 gate, w3 up, w2 down); Qwen-MoE's
                             // `mlp` with gate_proj, up_proj, down_proj.
-                            let (block, [gate, up, down]) = match self.family() {
-                                Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-                                _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                            let block = self.moe_block();
+                            let [gate, up, down] = match self.family() {
+                                Family::Mixtral => ["w1", "w3", "w2"],
+                                _ => ["gate_proj", "up_proj", "down_proj"],
                             };
                             let shared = (m.shared_expert_size > 0).then(|| {
                                 let x = |w: &str| format!("{p}.mlp.shared_expert.{w}.weight");
@@ -344,31 +345,36 @@ impl ModelConfig {
         self.num_params() - idle
     }
 
-    /// Whether parameter `name` belongs to a mixture of experts (a router or an expert).
+    /// The module a block's mixture of experts is under: Mixtral's `block_sparse_moe`, Qwen-MoE's
+    /// `mlp` (beside the dense blocks' `mlp`).
+    fn moe_block(&self) -> &'static str {
+        match self.family() {
+            Family::Mixtral => "block_sparse_moe",
+            _ => "mlp",
+        }
+    }
+
+    /// Whether parameter `name` belongs to a mixture of experts (a router, an expert, a shared
+    /// expert or its gate), told by its name alone (asked for every tensor: no names are built).
     pub fn is_expert_param(&self, name: &str) -> bool {
         let Some(m) = &self.moe else { return false };
-        let Some(layer) = name
+        let Some((layer, rest)) = name
             .strip_prefix("model.layers.")
-            .and_then(|r| r.split('.').next()?.parse::<usize>().ok())
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(i, rest)| Some((i.parse::<usize>().ok()?, rest)))
         else {
             return false;
         };
-        if !m.has_experts(layer) {
+        let Some(inner) = rest
+            .strip_prefix(self.moe_block())
+            .and_then(|r| r.strip_prefix('.'))
+        else {
             return false;
-        }
-        match self.layer_names(layer).ffn {
-            FfnNames::Experts {
-                router,
-                experts,
-                shared,
-            } => {
-                let of = |e: &ExpertNames| e.gate == name || e.up == name || e.down == name;
-                router == name
-                    || experts.iter().any(of)
-                    || shared.is_some_and(|(e, gate)| gate == name || of(&e))
-            }
-            FfnNames::Dense { .. } => false,
-        }
+        };
+        m.has_experts(layer)
+            && ["gate.", "experts.", "shared_expert.", "shared_expert_gate."]
+                .iter()
+                .any(|p| inner.starts_with(p))
     }
 
     /// Parameters that take part in a matmul for one token (everything active but the input

@@ -1,10 +1,14 @@
 #![allow(dead_code)]
 //! Shared helpers for the engine's integration tests.
 
+#[allow(dead_code)]
+mod run_metrics;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
+#[allow(unused_imports)]
+pub use run_metrics::{metric_losses, metrics_records};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -279,19 +283,6 @@ pub fn check_lora_f64(c: &LoraCase, model: &str) {
         let e = rel_err_f64(g, &c.reference.get_f64(model, &name));
         assert!(e <= LORA_GRAD_TOL, "{model}: {} vs f64 {e:.3e}", spec.name);
     }
-}
-
-/// The training loss of every step a run in `out_dir` recorded (`metrics.jsonl`).
-pub fn metric_losses(out_dir: &std::path::Path) -> Vec<f64> {
-    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
 }
 
 /// A short fine-tuning run of `model` on `layout` for LoRA and QLoRA tests: the built-in corpus,

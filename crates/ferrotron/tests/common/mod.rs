@@ -69,6 +69,10 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 pub mod readme;
+#[path = "../../../ferrotron-engine/tests/common/run_metrics.rs"]
+mod run_metrics;
+#[allow(unused_imports)]
+pub use run_metrics::{metric_losses, metrics_records};
 
 /// `grads --adapter`'s output `got` (`loss`, `grad.<PEFT name>`) against `reference`'s f32 values
 /// (PEFT's): the loss within 1e-6, one gradient per adapter tensor, each of its shape and within
@@ -119,17 +123,4 @@ pub fn train_args(out: &Path, steps: &str, extra: &[&str]) -> Vec<String> {
 pub fn train(out: &Path, steps: &str, extra: &[&str]) -> std::process::Output {
     let args = train_args(out, steps, extra);
     ferrotron(&args.iter().map(String::as_str).collect::<Vec<_>>())
-}
-
-/// Per-step training losses from a run directory's `metrics.jsonl`.
-pub fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
 }

@@ -630,6 +630,65 @@ mod tests {
         }
     }
 
+    /// Which blocks have experts, counted and walked alike; which tensors are experts', told by name
+    /// and by the block's names alike.
+    #[test]
+    fn expert_blocks_and_tensors_are_told_apart_from_dense_ones() {
+        let q = parse(
+            r#"{"model_type":"qwen2_moe","vocab_size":32,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":7,"num_attention_heads":2,"num_experts":3,"num_experts_per_tok":2,
+            "moe_intermediate_size":4,"shared_expert_intermediate_size":6,"decoder_sparse_step":2,
+            "mlp_only_layers":[3, 3, 4, 6]}"#,
+        )
+        .unwrap();
+        let moe = q.moe.clone().unwrap();
+        let walked = (0..7).filter(|&l| moe.has_experts(l)).count();
+        assert_eq!((moe.expert_layers(7), walked), (2, 2)); // blocks 1 and 5
+        for spec in q.param_specs() {
+            let layer: Option<usize> = spec
+                .name
+                .strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next()?.parse().ok());
+            let listed = layer.is_some_and(|l| match q.layer_names(l).ffn {
+                crate::model::FfnNames::Experts {
+                    router,
+                    experts,
+                    shared,
+                } => {
+                    let of = |e: &crate::model::ExpertNames| {
+                        [&e.gate, &e.up, &e.down].contains(&&spec.name)
+                    };
+                    router == spec.name
+                        || experts.iter().any(of)
+                        || shared.is_some_and(|(e, g)| g == spec.name || of(&e))
+                }
+                crate::model::FfnNames::Dense { .. } => false,
+            });
+            assert_eq!(q.is_expert_param(&spec.name), listed, "{}", spec.name);
+        }
+        // A block index past the model, or two experts counts that disagree, are named.
+        let base = r#""model_type":"qwen3_moe","vocab_size":32,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":2,"num_attention_heads":2,"num_experts_per_tok":1"#;
+        for (extra, field) in [
+            (r#","mlp_only_layers":[2]"#, "mlp_only_layers"),
+            (r#","mlp_only_layers":"all""#, "mlp_only_layers"),
+            (
+                r#","num_experts":4,"num_local_experts":8"#,
+                "num_local_experts",
+            ),
+            (r#","decoder_sparse_step":0"#, "decoder_sparse_step"),
+        ] {
+            let e = parse(&format!("{{{base}{extra}}}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
+        // A layer count at the bound is counted, not walked.
+        let mut huge = moe.clone();
+        huge.dense_layers.clear();
+        assert_eq!(huge.expert_layers(MAX_DIMENSION), MAX_DIMENSION / 2);
+    }
+
     #[test]
     fn rope_theta_top_level_or_nested() {
         let base = r#""model_type":"llama","vocab_size":32,"hidden_size":8,"intermediate_size":16,

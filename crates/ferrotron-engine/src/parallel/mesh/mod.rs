@@ -315,7 +315,7 @@ impl<'a> MeshStep<'a> {
     }
 
     /// A mixture-of-experts model runs on data-parallel replicas only so far
-    /// ([`ModelConfig::experts_split`]), in f32, without LoRA.
+    /// ([`ModelConfig::experts_split`]), in f32 (LoRA on one is refused where LoRA is validated).
     fn check_experts(&self) -> Result<()> {
         if self.cfg.moe.is_none() {
             return Ok(());
@@ -333,9 +333,6 @@ impl<'a> MeshStep<'a> {
                 "precision {}: a mixture of experts trains in f32 only so far",
                 self.precision
             ));
-        }
-        if self.frozen.is_some() {
-            return refuse("LoRA on a mixture of experts is not implemented yet".into());
         }
         Ok(())
     }
