@@ -147,10 +147,11 @@ impl StartingPoint {
             (Some(a), _) => &a.params,
             (None, StartWeights::Loaded(p)) => p,
             (None, StartWeights::Stored(w)) => w,
-            (None, StartWeights::Resumed | StartWeights::Base(_)) => self
+            (None, StartWeights::Resumed) => self
                 .resume
                 .as_ref()
                 .expect("a resumed run has its checkpoint"),
+            (None, StartWeights::Base(_)) => unreachable!("a frozen base comes with adapters"),
         }
     }
 
