@@ -220,6 +220,10 @@ pub struct Layout {
     pub cp: usize,
     #[serde(default)]
     pub cp_comm: CpComm,
+    /// Expert parallelism: a mixture of experts' experts divided over this many of the replicas
+    /// (dp·cp), which exchange tokens with all-to-alls (see [`crate::rank::RankGrid::expert_ranks`]).
+    #[serde(default = "one")]
+    pub ep: usize,
     pub vpp: usize,
     pub zero: u8,
     pub micro_batch_size: usize,
@@ -244,6 +248,7 @@ impl Default for Layout {
             pp: 1,
             cp: 1,
             cp_comm: CpComm::Ring,
+            ep: 1,
             vpp: 1,
             zero: 0,
             micro_batch_size: 1,
@@ -276,6 +281,7 @@ pub const LAYOUT_KEYS: &[&str] = &[
     "pp",
     "cp",
     "cp_comm",
+    "ep",
     "vpp",
     "zero",
     "mbs",
@@ -313,7 +319,7 @@ impl LayoutSpec {
         !self.auto_keys.is_empty()
     }
 
-    /// Parses `dp=2,tp=2,pp=2,cp=1,cp_comm=ring,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,
+    /// Parses `dp=2,tp=2,pp=2,cp=1,cp_comm=ring,ep=1,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,
     /// recompute=none` (any subset),
     /// optionally `stages=5+6+…` (layers per virtual stage), or `auto`.
     pub fn parse(spec: &str) -> Result<Self> {
@@ -375,6 +381,7 @@ impl LayoutSpec {
                 "tp" => l.tp = positive(value)?,
                 "pp" => l.pp = positive(value)?,
                 "cp" => l.cp = positive(value)?,
+                "ep" => l.ep = positive(value)?,
                 "cp_comm" => {
                     l.cp_comm = CpComm::parse(value)
                         .ok_or_else(|| bad(key, format!("`{value}` is not ring or a2a")))?
@@ -433,6 +440,12 @@ impl LayoutSpec {
         };
         if given("sp") && l.sequence_parallel && l.tp == 1 && fixed("tp") {
             return refuse("sp=true with tp=1 splits nothing (sequence parallelism splits the norms' and dropouts' activations over the tp group): drop sp, or give tp ≥ 2".into());
+        }
+        if given("ep") && l.ep > 1 && fixed("ep") && fixed("dp") && fixed("cp") {
+            let replicas = l.dp * l.cp;
+            if !replicas.is_multiple_of(l.ep) {
+                return refuse(format!("ep={} carves the expert-parallel group from the dp·cp = {replicas} replicas, and {} does not divide {replicas}: give a dp that ep divides", l.ep, l.ep));
+            }
         }
         if given("zero") && l.zero > 0 && l.dp * l.cp == 1 && fixed("dp") && fixed("cp") {
             return refuse(format!("zero={} with one replica (dp×cp = 1) has nothing to shard over: drop zero, or give dp ≥ 2", l.zero));
@@ -501,6 +514,9 @@ impl fmt::Display for Layout {
         if self.cp > 1 {
             write!(f, ",cp={},cp_comm={}", self.cp, self.cp_comm.name())?;
         }
+        if self.ep > 1 {
+            write!(f, ",ep={}", self.ep)?;
+        }
         match &self.stages {
             Some(st) => write!(f, ",stages={st}"),
             None => Ok(()),
@@ -524,6 +540,23 @@ mod tests {
             LayoutSpec::parse("auto").unwrap().auto_keys.len(),
             LAYOUT_KEYS.len() - 1
         );
+    }
+
+    #[test]
+    fn expert_parallel_key_parses_prints_and_takes_no_devices_of_its_own() {
+        let s = LayoutSpec::parse("dp=4,ep=2,zero=3").unwrap();
+        assert_eq!((s.layout.ep, s.layout.world_size()), (2, 4));
+        assert!(s.layout.to_string().ends_with(",ep=2"));
+        assert_eq!(
+            LayoutSpec::parse(&s.layout.to_string()).unwrap().layout,
+            s.layout
+        );
+        assert!(!Layout::default().to_string().contains("ep="));
+        let mut old = serde_json::to_value(Layout::default()).unwrap();
+        old.as_object_mut().unwrap().remove("ep");
+        assert_eq!(serde_json::from_value::<Layout>(old).unwrap().ep, 1);
+        let e = LayoutSpec::parse("dp=3,ep=2").unwrap_err().to_string();
+        assert!(e.contains("ep=2") && e.contains("does not divide 3"), "{e}");
     }
 
     #[test]

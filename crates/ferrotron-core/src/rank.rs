@@ -145,6 +145,26 @@ impl RankGrid {
         c.cp + self.cp * c.dp
     }
 
+    /// Expert parallelism over groups of `ep` replicas: the group of `rank` — the `ep` replicas
+    /// whose [`RankGrid::replica_index`] differ only modulo `ep` (consecutive replicas, so inside a
+    /// node first) — and `rank`'s place in it, which says which share of the experts it holds.
+    pub fn expert_ranks(&self, rank: usize, ep: usize) -> (Vec<usize>, usize) {
+        let (replicas, d) = (self.replica_ranks(rank), self.replica_index(rank));
+        let ep = ep.max(1);
+        let first = d / ep * ep;
+        (replicas[first..first + ep].to_vec(), d % ep)
+    }
+
+    /// The replicas that hold the same experts as `rank` under expert parallelism over `ep`
+    /// (replica indices equal modulo `ep`): the experts' gradients sum, and ZeRO shards their
+    /// state, over these; and `rank`'s place among them.
+    pub fn expert_replica_ranks(&self, rank: usize, ep: usize) -> (Vec<usize>, usize) {
+        let (replicas, d) = (self.replica_ranks(rank), self.replica_index(rank));
+        let ep = ep.max(1);
+        let ranks = replicas.into_iter().skip(d % ep).step_by(ep).collect();
+        (ranks, d / ep)
+    }
+
     /// Every group along `d`, each in coordinate order, sorted.
     pub fn groups(&self, d: Dim) -> Vec<Vec<usize>> {
         let mut out: Vec<Vec<usize>> = (0..self.world_size())
@@ -228,6 +248,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn expert_groups_are_carved_from_consecutive_replicas() {
+        // tp=2, dp=4: rank r's replicas are r % 2, +2, +4, +6.
+        let g = RankGrid::new(2, 1, 4, 1, 8).unwrap();
+        assert_eq!(g.expert_ranks(5, 2), (vec![5, 7], 0));
+        assert_eq!(g.expert_ranks(7, 2), (vec![5, 7], 1));
+        assert_eq!(g.expert_replica_ranks(7, 2), (vec![3, 7], 1));
+        assert_eq!(g.expert_ranks(6, 4), (vec![0, 2, 4, 6], 3));
+        assert_eq!(g.expert_replica_ranks(6, 4), (vec![6], 0));
+        // ep=1: every replica holds every expert.
+        assert_eq!(g.expert_ranks(6, 1), (vec![6], 0));
+        assert_eq!(g.expert_replica_ranks(6, 1), (g.replica_ranks(6), 3));
     }
 
     #[test]

@@ -130,6 +130,11 @@ fn assert_bitwise(got: &Run, want: &Run, what: &str) {
 
 /// Both directions of a pair of layouts, and each resumed on itself (bitwise).
 fn check_pair(tag: &str, a: &str, b: &str) {
+    check_pair_with(&config, tag, a, b)
+}
+
+/// [`check_pair`] with the runs `config` sets up.
+fn check_pair_with(config: &dyn Fn(&str, &str) -> TrainConfig, tag: &str, a: &str, b: &str) {
     let full_a = run(&config(&format!("{tag}-a"), a));
     let full_b = run(&config(&format!("{tag}-b"), b));
     for (from, to, full_to, dir) in [(&full_a, b, &full_b, "ab"), (&full_b, a, &full_a, "ba")] {
@@ -149,6 +154,20 @@ fn check_pair(tag: &str, a: &str, b: &str) {
         });
         assert_bitwise(&resumed, full, &format!("`{l}` → itself"));
     }
+}
+
+/// A mixture of experts whose experts are divided over pairs of replicas, ZeRO-3 sharding them
+/// over the replicas holding the same ones, resumed on one device (every expert whole) and back.
+/// Four sequences per step, one per replica (or one micro-batch of four): the same function.
+#[test]
+fn resume_experts_split_over_replicas_on_one_device_and_back() {
+    let moe = |tag: &str, layout: &str| {
+        let mut c = config(tag, layout);
+        c.input.model = "mixtral-tiny".into();
+        c.optimizer.batch_size = 4;
+        c
+    };
+    check_pair_with(&moe, "moe", "dp=4,ep=2,zero=3", "mbs=4");
 }
 
 #[test]

@@ -81,6 +81,7 @@ fn each_model_matches_transformers_loss_with_its_load_balancing_term_and_every_g
             sparse_step: 1,
             dense_layers: Vec::new(),
             shared_expert_size: 0,
+            held: Default::default(),
         }))
     );
     // Every tensor of the checkpoint is a parameter: the router and each expert's w1, w2, w3.
@@ -159,8 +160,8 @@ fn each_model_matches_transformers_loss_with_its_load_balancing_term_and_every_g
 #[test]
 fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
     for (name, spec) in [
-        ("mixtral", "dp=2"),
-        ("mixtral", "dp=2,zero=3"),
+        ("mixtral", "dp=2,mbs=2"),
+        ("mixtral", "dp=2,mbs=2,zero=3"),
         ("qwen3_moe", "dp=2,zero=1"),
         ("qwen2_moe", "dp=2,zero=2"),
     ] {
@@ -187,6 +188,97 @@ fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
     let split = step_on(&cfg, &params, &reference, &Layout::default()).unwrap();
     let want = reference.get("loss_f32")[0] as f64;
     assert!((split.loss - want).abs() / want > 10.0 * TOL);
+}
+
+/// Experts divided over an expert-parallel group carved from the replicas: every token's row goes
+/// to its experts' devices and back, forward and backward, and the experts' gradients sum (and
+/// ZeRO shards their state) over the replicas holding the same experts. Loss and every gradient
+/// equal transformers' on the whole batch.
+#[test]
+fn expert_parallel_layouts_equal_transformers_on_the_whole_batch() {
+    for (name, spec) in [
+        ("mixtral", "dp=2,ep=2,mbs=2"),
+        ("mixtral", "dp=4,ep=4"),
+        ("mixtral", "dp=4,ep=2,zero=3"),
+        ("mixtral", "dp=4,ep=2,zero=1"),
+        ("mixtral", "dp=4,ep=2,zero=2"),
+        ("qwen2_moe", "dp=2,ep=2"),
+        ("qwen3_moe", "dp=2,ep=2,zero=3"),
+    ] {
+        let (cfg, params, reference) = load_model(name);
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        let r = step_on(&cfg, &params, &reference, &layout)
+            .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
+        let want = reference.get("loss_f32")[0] as f64;
+        let e = (r.loss - want).abs() / want;
+        assert!(
+            e <= TOL,
+            "{name} {spec}: loss {} vs transformers {want} ({e:e})",
+            r.loss
+        );
+        let (tensor, worst) = worst_grad_err(&r.grads, &reference);
+        assert!(
+            worst <= TOL,
+            "{name} {spec}: {tensor} vs transformers: {worst:e}"
+        );
+    }
+}
+
+/// The bytes each device sends in the all-to-alls are the planner's formula exactly, given where
+/// the unsplit model routes each replica's tokens (recomputed here, one sequence at a time).
+#[test]
+fn expert_all_to_all_bytes_are_the_planners() {
+    let (cfg, params, reference) = load();
+    let layout = LayoutSpec::parse("dp=4,ep=2").unwrap().layout;
+    let r = step_on(&cfg, &params, &reference, &layout).unwrap();
+    let moe = cfg.moe.clone().unwrap();
+    let per_device = moe.num_experts / layout.ep;
+    let owner = |e: usize| e / per_device;
+    // Each replica's places per expert, over the blocks with experts, by the unsplit model.
+    let model = Transformer::new(&cfg, &params);
+    let be = CpuBackend::single_threaded();
+    let seq = reference.batch.seq;
+    let routed: Vec<Vec<Vec<f64>>> = (0..4)
+        .map(|d| {
+            let one = ferrotron_engine::transformer::TokenBatch {
+                ids: reference.batch.ids[d * seq..(d + 1) * seq].to_vec(),
+                batch: 1,
+                seq,
+            };
+            let state = model.forward(&be, &params, &one);
+            state
+                .expert_tokens()
+                .iter()
+                .map(|(_, t)| t.clone())
+                .collect()
+        })
+        .collect();
+    let layers = moe.expert_layers(cfg.num_layers) as f64;
+    for (rank, stats) in r.stats.iter().enumerate() {
+        let (d, me) = (rank, rank % layout.ep);
+        let group: Vec<usize> = (0..4).filter(|g| g / layout.ep == d / layout.ep).collect();
+        let mut out = 0.0;
+        let mut into = 0.0;
+        for (layer, counts) in routed[d].iter().enumerate() {
+            out += (0..moe.num_experts)
+                .filter(|&e| owner(e) != me)
+                .map(|e| counts[e])
+                .sum::<f64>();
+            for &src in group.iter().filter(|&&g| g != d) {
+                into += (0..moe.num_experts)
+                    .filter(|&e| owner(e) == me)
+                    .map(|e| routed[src][layer][e])
+                    .sum::<f64>();
+            }
+        }
+        let want =
+            ferrotron_core::plan::expert_all_to_all_bytes(&cfg, layout.ep, layers, out, into);
+        assert_eq!(
+            stats.bytes_sent_by_group("ep") as f64,
+            want,
+            "device {rank}: {out} places out, {into} in"
+        );
+    }
 }
 
 #[test]

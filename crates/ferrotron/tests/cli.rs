@@ -422,6 +422,9 @@ fn verify_explains_a_mixture_of_experts_micro_batches() {
     };
     let o = verify("dp=2,mbs=4");
     assert!(o.status.success(), "{}", stderr(&o));
+    // Its experts divided over the two replicas.
+    let o = verify("dp=2,mbs=4,ep=2,zero=2");
+    assert!(o.status.success(), "{}", stderr(&o));
     let o = verify("dp=2");
     assert!(
         !o.status.success() && stderr(&o).contains("give mbs=4 (one micro-batch per replica)"),

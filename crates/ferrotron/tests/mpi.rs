@@ -105,12 +105,13 @@ fn grads_under_mpi_match_pytorch() {
     mpi_grads_match_the_reference(&fixture("llama_tiny"), "tp=4", 4);
 }
 
-/// A Mixtral on two ranks, one sequence each: the replicas sum their router statistics over MPI
-/// before backward, so the loss (with its load-balancing term) and every gradient are
-/// transformers' for the whole batch.
+/// A Mixtral on four ranks, one sequence each, its experts divided over pairs of them: tokens
+/// travel to their experts' ranks and back over MPI, the replicas sum their router statistics
+/// before backward, and ZeRO-3 shards the experts over the ranks holding them; the loss (with its
+/// load-balancing term) and every gradient are transformers' for the whole batch.
 #[test]
-fn mixtral_grads_on_two_mpi_replicas_match_transformers() {
-    mpi_grads_match_the_reference(&fixture("variants").join("mixtral"), "dp=2,zero=3", 2);
+fn mixtral_grads_on_four_mpi_ranks_with_expert_parallelism_match_transformers() {
+    mpi_grads_match_the_reference(&fixture("variants").join("mixtral"), "dp=4,ep=2,zero=3", 4);
 }
 
 #[test]

@@ -116,6 +116,37 @@ pub struct MoeConfig {
     /// output scaled by a sigmoid gate of the token (0: none).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub shared_expert_size: usize,
+    /// Which of the routed experts this copy of the model holds: all of them, or under expert
+    /// parallelism one device's share ([`ModelConfig::expert_shard`]); never saved.
+    #[serde(skip)]
+    pub held: ExpertShard,
+}
+
+/// One device's share of every block's routed experts under expert parallelism: the `index`-th of
+/// `size` contiguous, equal ranges (the whole model: index 0 of 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub index: usize,
+    pub size: usize,
+}
+
+impl Default for ExpertShard {
+    fn default() -> Self {
+        Self { index: 0, size: 1 }
+    }
+}
+
+impl ExpertShard {
+    /// The experts (of `num_experts`) this share holds.
+    pub fn held(&self, num_experts: usize) -> std::ops::Range<usize> {
+        let n = num_experts / self.size.max(1);
+        self.index * n..(self.index + 1) * n
+    }
+
+    /// The share that holds expert `e` (of `num_experts`).
+    pub fn owner(&self, e: usize, num_experts: usize) -> usize {
+        e / (num_experts / self.size.max(1)).max(1)
+    }
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -342,24 +373,76 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Whether a mixture of experts can run split `tp`, `pp` and `cp` ways, and if not, why: so far
-    /// only data-parallel replicas run one (its router statistics are per micro-batch, which a split
-    /// of the layers, weights or sequence would divide). The one statement of the rule: the planner
-    /// and the engine both ask it.
+    /// Whether this model can run split `tp`, `pp` and `cp` ways with its experts over `ep` of its
+    /// `replicas` (dp·cp), and if not, the layout key at fault and why. So far a mixture of experts
+    /// runs on data-parallel replicas only (its router statistics are per micro-batch, which a
+    /// split of the layers, weights or sequence would divide), its experts divided over an
+    /// expert-parallel group carved from them. The one statement of the rule: the planner and the
+    /// engine both ask it.
     pub fn experts_split(
         &self,
         tp: usize,
         pp: usize,
         cp: usize,
-    ) -> std::result::Result<(), String> {
-        if self.moe.is_none() || (tp <= 1 && pp <= 1 && cp <= 1) {
-            return Ok(());
+        ep: usize,
+        replicas: usize,
+    ) -> std::result::Result<(), (&'static str, String)> {
+        let Some(m) = &self.moe else {
+            return match ep {
+                0 | 1 => Ok(()),
+                _ => Err((
+                    "ep",
+                    format!(
+                        "ep={ep} divides a mixture of experts' experts over devices, and this \
+                         model has none: drop ep"
+                    ),
+                )),
+            };
+        };
+        if let Some((key, n)) = [("tp", tp), ("pp", pp), ("cp", cp)]
+            .into_iter()
+            .find(|&(_, n)| n > 1)
+        {
+            return Err((
+                key,
+                format!(
+                    "{key}={n}: a mixture of experts runs on data-parallel replicas only so far, \
+                     its experts divided over them with ep=N (tensor, pipeline and context \
+                     parallelism of its blocks are not implemented yet)"
+                ),
+            ));
         }
-        Err(format!(
-            "a mixture of experts runs on data-parallel replicas only so far (tp={tp}, pp={pp}, \
-             cp={cp} split it): expert parallelism (ep=N) and the other splits of its experts are \
-             not implemented yet"
-        ))
+        if ep > 1 && !replicas.is_multiple_of(ep) {
+            return Err((
+                "ep",
+                format!(
+                    "ep={ep} carves the expert-parallel group from the {replicas} data-parallel \
+                     replicas (dp·cp), and {ep} does not divide {replicas}: give a dp that ep \
+                     divides"
+                ),
+            ));
+        }
+        if ep > 1 && !m.num_experts.is_multiple_of(ep) {
+            return Err((
+                "ep",
+                format!(
+                    "ep={ep} gives each device num_experts / ep experts, and the model's {} \
+                     experts do not divide by {ep}",
+                    m.num_experts
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// This model as the `index`-th of `size` devices of an expert-parallel group holds it: every
+    /// block's routed experts in that device's range only (the rest of the model whole).
+    pub fn expert_shard(&self, index: usize, size: usize) -> ModelConfig {
+        let mut out = self.clone();
+        if let Some(m) = &mut out.moe {
+            m.held = ExpertShard { index, size };
+        }
+        out
     }
 
     /// Shape rules every model must satisfy; returns (field, message) on failure.

@@ -10,8 +10,8 @@ mod presets;
 mod rope;
 
 pub use config::{
-    Activation, Arch, Family, ModelConfig, MoeConfig, NormKind, PositionKind, ProjectionBias,
-    SlidingWindow, MAX_DIMENSION, MAX_PARAMS,
+    Activation, Arch, ExpertShard, Family, ModelConfig, MoeConfig, NormKind, PositionKind,
+    ProjectionBias, SlidingWindow, MAX_DIMENSION, MAX_PARAMS,
 };
 pub use flops::{head_forward_flops, layer_forward_flops, layer_matmul_params};
 pub use lora::{

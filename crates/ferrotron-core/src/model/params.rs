@@ -51,6 +51,8 @@ pub enum FfnNames {
     /// `w1` (gate), `w3` (up) and `w2` (down) projections.
     Experts {
         router: String,
+        /// The routed experts this copy holds, by their index in the router: all of them, unless
+        /// split by expert parallelism (`MoeConfig::held`).
         experts: Vec<ExpertNames>,
         /// Qwen2-MoE: the shared expert and its gate (`[1, hidden]`).
         shared: Option<(ExpertNames, String)>,
@@ -134,7 +136,9 @@ impl ModelConfig {
                             FfnNames::Experts {
                                 shared,
                                 router: format!("{p}.{block}.gate.weight"),
-                                experts: (0..m.num_experts)
+                                experts: m
+                                    .held
+                                    .held(m.num_experts)
                                     .map(|e| {
                                         let x =
                                             |w: &str| format!("{p}.{block}.experts.{e}.{w}.weight");
@@ -252,7 +256,11 @@ impl ModelConfig {
                                 push(gate.clone(), vec![1, h], WeightLayout::OutIn);
                             }
                             let f = moe.expert_size;
-                            push(router.clone(), vec![experts.len(), h], WeightLayout::OutIn);
+                            push(
+                                router.clone(),
+                                vec![moe.num_experts, h],
+                                WeightLayout::OutIn,
+                            );
                             // The checkpoint's order: Mixtral's w1, w2, w3; Qwen's gate, up, down.
                             let mixtral = self.family() == Family::Mixtral;
                             for e in experts {
@@ -375,6 +383,16 @@ impl ModelConfig {
             && ["gate.", "experts.", "shared_expert.", "shared_expert_gate."]
                 .iter()
                 .any(|p| inner.starts_with(p))
+    }
+
+    /// The routed expert parameter `name` belongs to (`…experts.N.…`), told by its name alone;
+    /// `None` for every other tensor (a router, a shared expert, anything dense).
+    pub fn routed_expert_of(&self, name: &str) -> Option<usize> {
+        if !self.is_expert_param(name) {
+            return None;
+        }
+        let (_, rest) = name.split_once(".experts.")?;
+        rest.split('.').next()?.parse().ok()
     }
 
     /// Parameters that take part in a matmul for one token (everything active but the input

@@ -57,6 +57,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
                 sparse_step: 1,
                 dense_layers: Vec::new(),
                 shared_expert_size: 0,
+                held: Default::default(),
             })
         }
         other => {

@@ -108,6 +108,40 @@ pub struct Traffic {
     /// all-to-alls.
     #[serde(default)]
     pub cp: f64,
+    /// Expert parallelism's all-to-alls: tokens to their experts' devices and back, forward and
+    /// backward ([`expert_all_to_all_bytes`], at the balanced load).
+    #[serde(default)]
+    pub ep: f64,
+}
+
+/// Bytes one device sends in expert parallelism's all-to-alls over `exchanges` (block with
+/// experts, micro-batch) pairs, for `places_out` of its tokens' top-k places routed to other
+/// devices' experts and `places_in` places it received from them, summed over those pairs: each
+/// pair exchanges the routed rows' counts (one 8-byte count per expert a device holds, to each
+/// other device), then sends the rows out and their results back (f32, `hidden` wide), and the
+/// backward sends their gradients the same two ways. The engine sends exactly this; the plan
+/// prices it at the balanced load ([`balanced_places`]).
+pub fn expert_all_to_all_bytes(
+    cfg: &ModelConfig,
+    ep: usize,
+    exchanges: f64,
+    places_out: f64,
+    places_in: f64,
+) -> f64 {
+    let Some(m) = cfg.moe.as_ref().filter(|_| ep > 1) else {
+        return 0.0;
+    };
+    let counts = exchanges * (ep - 1) as f64 * (m.num_experts / ep) as f64 * 8.0;
+    counts + 2.0 * (places_out + places_in) * cfg.hidden_size as f64 * 4.0
+}
+
+/// The top-k places a device of an expert-parallel group of `ep` sends to other devices' experts
+/// (and receives) for `tokens` of its tokens, when the router spreads them evenly over the experts.
+pub fn balanced_places(cfg: &ModelConfig, ep: usize, tokens: f64) -> f64 {
+    match &cfg.moe {
+        Some(m) => tokens * m.top_k as f64 * (ep - 1) as f64 / ep as f64,
+        None => 0.0,
+    }
 }
 
 pub struct Costs {
@@ -334,6 +368,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let boundary = (l.micro_batch_size * super::local_seq(input, l) * cfg.hidden_size) as f64 * act;
     let lt = layer_time(input, cfg, l);
     let cp = context_costs(input, cfg, l, &links.cp);
+    let ep = expert_costs(input, cfg, l, &links.replicas);
 
     // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer (3 under sequence
     // parallelism, below), 2 more when the forward is recomputed: the bytes `tp_bytes_per_device`
@@ -373,8 +408,9 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
             let [fwd, bwd] = zero3(layers);
             let (mut f, mut b) = (
-                layers * (2.0 * ar_time + cp.forward) + fwd.0,
-                layers * ((backward_ar + recompute_ar) * ar_time + cp.backward) + bwd.0,
+                layers * (2.0 * ar_time + cp.forward + ep.per_layer) + fwd.0,
+                layers * ((backward_ar + recompute_ar) * ar_time + cp.backward + ep.per_layer)
+                    + bwd.0,
             );
             if vs == 0 {
                 (f, b) = (f + embed_comm.0, b + embed_comm.1);
@@ -389,13 +425,15 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         .map(|vs| {
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
             let [gather_fwd, gather_bwd] = zero3(layers);
-            let mut fwd =
-                layers * (lt.forward + 2.0 * ar_time + cp.forward) + gather_fwd.0 + gather_fwd.1;
+            let mut fwd = layers * (lt.forward + 2.0 * ar_time + cp.forward + ep.per_layer)
+                + gather_fwd.0
+                + gather_fwd.1;
             let mut bwd = layers
                 * (lt.backward
                     + lt.recompute
                     + (backward_ar + recompute_ar) * ar_time
-                    + cp.backward)
+                    + cp.backward
+                    + ep.per_layer)
                 + gather_bwd.0
                 + gather_bwd.1;
             if vs == 0 {
@@ -421,7 +459,12 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         .map(|stage| tp_bytes_per_device(input, cfg, l, stage))
         .fold(0.0, f64::max);
     let pp_bytes = pp_bytes(input, cfg, l, m, boundary);
-    let dp_bytes = dp_bytes(l, m, trainable, grad_b, w_b);
+    // Under expert parallelism the routed experts reduce over the replicas holding them only.
+    let experts = match &input.lora {
+        None => super::memory::routed_expert_params(cfg, l) * super::stage_layers(cfg, l, 0) as f64,
+        Some(_) => 0.0,
+    };
+    let dp_bytes = dp_bytes(l, m, (trainable, experts), grad_b, w_b);
     let dp_time = replica_reduction_time(input, l, dp_bytes, &links.replicas);
     // The busiest stage's layers, each micro-batch.
     let stage_layers = (0..l.pp)
@@ -429,6 +472,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
         .max()
         .unwrap_or(0) as f64;
     let cp_bytes = stage_layers * m as f64 * cp.bytes_per_layer;
+    let ep_bytes = m as f64 * ep.bytes_per_micro_batch;
     let optimizer_time = optimizer_time(input, l, trainable);
     Costs {
         optimizer_time,
@@ -437,6 +481,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             pp: pp_bytes,
             dp: dp_bytes,
             cp: cp_bytes,
+            ep: ep_bytes,
         },
         actions,
         action_comm,
@@ -547,9 +592,22 @@ fn pp_bytes(input: &PlanInput, cfg: &ModelConfig, l: &Layout, m: usize, boundary
         .fold(0.0, f64::max)
 }
 
-/// Data-parallel bytes per device per step for the ZeRO stage: `trainable` parameters, gradients of
-/// `grad_b` bytes and weights of `w_b`, over `m` micro-batches, among the dp × cp replicas.
-fn dp_bytes(l: &Layout, m: usize, trainable: f64, grad_b: f64, w_b: f64) -> f64 {
+/// Data-parallel bytes per device per step for the ZeRO stage: `trainable` parameters (of which
+/// `experts` are routed experts), gradients of `grad_b` bytes and weights of `w_b`, over `m`
+/// micro-batches, among the dp × cp replicas (the experts among the dp × cp / ep holding them).
+fn dp_bytes(l: &Layout, m: usize, (trainable, experts): (f64, f64), grad_b: f64, w_b: f64) -> f64 {
+    let ep = l.ep.max(1);
+    if ep > 1 && experts > 0.0 {
+        let dense = Layout { ep: 1, ..*l };
+        let routed = Layout {
+            ep: 1,
+            dp: (l.replicas() / ep).max(1),
+            cp: 1,
+            ..*l
+        };
+        return dp_bytes(&dense, m, (trainable - experts, 0.0), grad_b, w_b)
+            + dp_bytes(&routed, m, (experts, 0.0), grad_b, w_b);
+    }
     if l.replicas() <= 1 {
         return 0.0;
     }
@@ -588,6 +646,36 @@ fn optimizer_time(input: &PlanInput, l: &Layout, trainable: f64) -> f64 {
         1.0
     };
     trainable / shard * optimizer_bytes / input.cluster.memory_bandwidth_bytes_per_s
+}
+
+/// Expert parallelism per micro-batch on one device: the bytes it sends, and the exposed time of
+/// a layer's two all-to-alls in one direction (forward, or backward), a block average (the blocks
+/// without experts exchange nothing). Not overlapped: each waits for the routing before it.
+struct ExpertCosts {
+    bytes_per_micro_batch: f64,
+    per_layer: f64,
+}
+
+fn expert_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) -> ExpertCosts {
+    let none = ExpertCosts {
+        bytes_per_micro_batch: 0.0,
+        per_layer: 0.0,
+    };
+    let Some(m) = cfg.moe.as_ref().filter(|_| l.ep > 1) else {
+        return none;
+    };
+    let layers = m.expert_layers(cfg.num_layers) as f64;
+    let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
+    let places = balanced_places(cfg, l.ep, tokens);
+    let bytes = expert_all_to_all_bytes(cfg, l.ep, layers, layers * places, layers * places);
+    let eff = input.cluster.calibration.link_efficiency;
+    // Two all-to-alls each way per block with experts, each ep − 1 messages.
+    let one_way = bytes / 2.0;
+    let time = ring_time(one_way, 2 * (l.ep - 1), link, eff) / cfg.num_layers.max(1) as f64;
+    ExpertCosts {
+        bytes_per_micro_batch: bytes,
+        per_layer: time,
+    }
 }
 
 /// Context parallelism's communication per layer and micro-batch on one device: exposed time in

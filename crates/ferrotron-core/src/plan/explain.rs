@@ -131,8 +131,21 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
     }
     if let super::PlanModel::Shape(cfg) = &input.model {
         if let Some(m) = &cfg.moe {
+            let held = if l.ep > 1 {
+                format!(
+                    "expert parallel ep={}: each device holds {} of the {} experts of every block, ZeRO shards them over the {} replicas holding the same ones; tokens travel to their experts and back in four all-to-alls per block, {} per step per device at a balanced load on the {} link",
+                    l.ep,
+                    m.num_experts / l.ep,
+                    m.num_experts,
+                    (l.replicas() / l.ep).max(1),
+                    gb(p.comm_bytes_per_step.ep),
+                    link_name(lk.replicas.bandwidth_bytes_per_s)
+                )
+            } else {
+                "every expert's weights, gradients and optimizer state are on every replica (sharded only by ZeRO; ep=N divides the experts over N replicas)".into()
+            };
             out.push(format!(
-                "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): every expert's weights, gradients and optimizer state are held (sharded only by ZeRO: expert parallelism is not implemented yet); compute follows the active parameters",
+                "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): {held}; compute follows the active parameters",
                 cfg.num_params() as f64 / 1e9,
                 cfg.num_active_params() as f64 / 1e9,
                 m.top_k,

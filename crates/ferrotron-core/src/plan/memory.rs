@@ -60,16 +60,18 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
         l.tp as f64,
     );
     let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
-    // A mixture of experts (never tensor-parallel so far): every expert's MLP and the router in
-    // its blocks, the dense MLP in the others (a block on average).
+    // A mixture of experts (never tensor-parallel so far): this device's share of the routed
+    // experts, the router and the shared expert in its blocks, the dense MLP in the others (a
+    // block on average).
     let mlp = match &cfg.moe {
         Some(m) => {
             let layers = cfg.num_layers.max(1) as f64;
             let sparse = m.expert_layers(cfg.num_layers) as f64;
-            let experts = m.num_experts as f64 * (3.0 * h * m.expert_size as f64 + h)
+            let rest = m.num_experts as f64 * h
                 + 3.0 * h * m.shared_expert_size as f64
                 + if m.shared_expert_size > 0 { h } else { 0.0 };
-            (sparse * experts + (layers - sparse) * 3.0 * h * f) / layers
+            routed_expert_params(cfg, l)
+                + (sparse * rest + (layers - sparse) * 3.0 * h * f) / layers
         }
         None => 3.0 * h * f / t,
     };
@@ -81,6 +83,20 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
         Arch::Gpt2 => {
             (3.0 * h * h + 3.0 * h) / t + h * h / t + h + (h * f + f) / t + f * h / t + h + 4.0 * h
         }
+    }
+}
+
+/// One block's routed-expert parameters on a device (a block on average): its `num_experts / ep`
+/// experts' MLPs in the blocks with experts. ZeRO shards them over the dp·cp / ep replicas that
+/// hold the same experts, where it shards the rest over all dp·cp.
+pub fn routed_expert_params(cfg: &ModelConfig, l: &Layout) -> f64 {
+    match &cfg.moe {
+        Some(m) => {
+            let share = m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
+            let per_device = (m.num_experts / l.ep.max(1)) as f64;
+            share * per_device * 3.0 * cfg.hidden_size as f64 * m.expert_size as f64
+        }
+        None => 0.0,
     }
 }
 
@@ -151,16 +167,16 @@ pub fn layer_activation_bytes(
                 (false, _) => (0.0, b * (heads / t) * s * 4.0),
             };
             // The MLP's pre-activations and activation; a mixture of experts keeps them for each
-            // of a token's top_k places, and each expert's output (the routing weight's
-            // gradient), beside the router's f32 probabilities and each place's expert, weight
-            // and row (32 bytes).
+            // of a token's top_k places, with each place's input row (as its expert's device
+            // received it) and its expert's output (the routing weight's gradient), beside the
+            // router's f32 probabilities and each place's expert, weight and row (32 bytes).
             let (mlp, router_bytes) = match (cfg.arch, &cfg.moe) {
                 (Arch::Llama, Some(m)) => {
                     // A block on average: the blocks with experts, the dense ones.
                     let (k, fe) = (m.top_k as f64, m.expert_size as f64);
                     let share =
                         m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
-                    let sparse = k * tok * (3.0 * fe + h)
+                    let sparse = k * tok * (3.0 * fe + 2.0 * h)
                         + tok * (3.0 * m.shared_expert_size as f64 + h + 1.0);
                     let router = tok * (4.0 * m.num_experts as f64 + 32.0 * k);
                     (
@@ -385,13 +401,30 @@ fn comm_buffers(
             None => largest_unit_params(cfg, l, stage),
         };
         let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
+        // Under expert parallelism a unit's dense and routed-expert tensors reduce over different
+        // groups, one set after the other: the buffers of the larger set at a time.
+        let reduced = match input.lora {
+            None if l.ep > 1 => {
+                let experts = routed_expert_params(cfg, l).min(unit);
+                experts.max(unit - experts)
+            }
+            _ => unit,
+        };
         let dp_buf = match (replicas > 1, l.zero) {
             (false, _) => 0.0,
-            (true, 0 | 1) => 2.0 * unit * pr.grads.bytes(),
-            (true, _) => 4.0 * unit * pr.grads.bytes(),
+            (true, 0 | 1) => 2.0 * reduced * pr.grads.bytes(),
+            (true, _) => 4.0 * reduced * pr.grads.bytes(),
+        };
+        // ZeRO-3 holds the unit in use and the next one prefetched; under expert parallelism
+        // nothing is prefetched (the dense and the expert sets gather in turn, one collective at
+        // a time).
+        let prefetched = if l.ep > 1 && cfg.moe.is_some() {
+            1.0
+        } else {
+            2.0
         };
         let z3_buf = if l.zero == 3 && replicas > 1 {
-            2.0 * unit * pr.weights.bytes()
+            prefetched * unit * pr.weights.bytes()
         } else {
             0.0
         };
@@ -573,6 +606,23 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
         }
     };
     let z = l.zero;
+    // ZeRO from `stage_min` shards what trains over the replicas; under expert parallelism a
+    // routed expert only over those holding it (dp·cp / ep).
+    let experts = match &input.model {
+        PlanModel::Shape(cfg) if input.lora.is_none() && cfg.moe.is_some() => {
+            routed_expert_params(cfg, l) * super::stage_layers(cfg, l, stage) as f64
+        }
+        _ => 0.0,
+    };
+    let expert_dp = (replicas / l.ep.max(1)).max(1) as f64;
+    let sharded = |n: f64, stage_min: u8| {
+        if z >= stage_min {
+            let e = experts.min(n);
+            (n - e) / dp + e / expert_dp
+        } else {
+            n
+        }
+    };
     let shard = |stage_min: u8| if z >= stage_min { dp } else { 1.0 };
     // Asynchronous schedules stash weight versions for their in-flight micro-batches (PipeDream:
     // one per micro-batch in flight but the newest; 2BW: the previous one, but on the last stage)
@@ -589,7 +639,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
         frozen_base_bytes(input, l, stage, params)
             + versions * trainable / shard(3) * pr.weights.bytes()
     } else {
-        versions * params * pr.weights.bytes() / shard(3)
+        versions * sharded(params, 3) * pr.weights.bytes()
     };
     // Mixed precision in this engine: beside the 16-bit gradients, its optimizer reads f32 ones for
     // what it updates (widened at the end of the reduction, as Megatron's f32 main gradients). The
@@ -600,13 +650,13 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     // 2BW's two stores are each reduced (so widened) at the end of their step, before the
     // previous one's update: both hold main gradients then.
     let main_grads = if engine && pr.grads.bytes() < pr.master_bytes() {
-        grad_buffers * trainable * pr.master_bytes() / shard(1)
+        grad_buffers * sharded(trainable, 1) * pr.master_bytes()
     } else {
         0.0
     };
-    let gradients = grad_buffers * trainable * pr.grads.bytes() / shard(2) + main_grads;
-    let master_weights = trainable * pr.master_bytes() / shard(1);
-    let optimizer_states = trainable * input.optimizer.state_bytes(pr) / shard(1);
+    let gradients = grad_buffers * sharded(trainable, 2) * pr.grads.bytes() + main_grads;
+    let master_weights = sharded(trainable, 1) * pr.master_bytes();
+    let optimizer_states = sharded(trainable, 1) * input.optimizer.state_bytes(pr);
     MemoryTerms {
         weights: weights as u64,
         gradients: gradients as u64,

@@ -11,6 +11,7 @@ mod search;
 mod spec;
 
 pub use crate::precision::{Dtype, StateDtypes};
+pub use cost::{balanced_places, expert_all_to_all_bytes};
 pub use cost::{
     gemm_time, layer_forward_flops, layer_gemm_shapes, layer_time, links, step_flops,
     tp_bytes_per_device, LayerTime, Links, Traffic,
@@ -392,11 +393,7 @@ fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result
     if let Err(why) = cfg.tensor_parallel_split(l.tp) {
         return Err(rule("tp", format!("tp={}: {why}", l.tp)));
     }
-    if let Err(why) = cfg.experts_split(l.tp, l.pp, l.cp) {
-        let key = [("tp", l.tp), ("pp", l.pp), ("cp", l.cp)]
-            .into_iter()
-            .find(|&(_, n)| n > 1)
-            .map_or("tp", |(k, _)| k);
+    if let Err((key, why)) = cfg.experts_split(l.tp, l.pp, l.cp, l.ep, l.replicas()) {
         return Err(rule(key, why));
     }
     if l.cp > 1 && l.cp_comm == crate::layout::CpComm::A2a {

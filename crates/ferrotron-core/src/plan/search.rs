@@ -52,7 +52,11 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                         ],
                         _ => &[Schedule::Interleaved],
                     };
-                    for &schedule in schedules {
+                    for (&schedule, ep) in schedules.iter().flat_map(|s| {
+                        expert_options(input, dp * cp)
+                            .into_iter()
+                            .map(move |e| (s, e))
+                    }) {
                         for zero in 0..=if dp > 1 { 3 } else { 0 } {
                             for mbs in MICRO_BATCH_SIZES {
                                 for recompute in
@@ -82,6 +86,7 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                                             stages: None,
                                             cp,
                                             cp_comm,
+                                            ep,
                                         };
                                         let split_ok =
                                             cp == 1 || (mbs == 1 && recompute != Recompute::Full);
@@ -98,6 +103,21 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
         }
     }
     out
+}
+
+/// The expert-parallel groups worth pricing over `replicas` (dp·cp) devices: none, and for a
+/// mixture of experts every size that divides both the replicas and the experts.
+fn expert_options(input: &PlanInput, replicas: usize) -> Vec<usize> {
+    match &input.model {
+        PlanModel::Shape(cfg) => match &cfg.moe {
+            Some(m) => divisors(replicas)
+                .into_iter()
+                .filter(|&ep| m.num_experts.is_multiple_of(ep))
+                .collect(),
+            None => vec![1],
+        },
+        PlanModel::ParamsOnly(_) => vec![1],
+    }
 }
 
 /// The context-parallel splits worth pricing for `replicas` devices per (tp, pp) shard: none, and

@@ -54,9 +54,10 @@ impl Holding {
 }
 
 /// The tensors rank `rank` of `layout` keeps, in its store's order: every tensor of its stages'
-/// shard, whole or (ZeRO ≥ 1 over more than one replica: the shard's dp × cp copies) its owned
-/// piece. Without ZeRO sharding the replicas hold identical copies and only replica 0 keeps them
-/// (others keep nothing).
+/// shard, whole or (ZeRO ≥ 1 over more than one replica) its owned piece. A tensor's replicas are
+/// the shard's dp × cp copies, or under expert parallelism (`ep`) a routed expert's dp × cp / ep
+/// copies on the devices holding that expert. Without ZeRO sharding its replicas hold identical
+/// copies and only the first keeps it (others keep nothing of it).
 ///
 /// With `lora` the tensors are the LoRA adapters (the frozen base is not trained, so not saved).
 pub fn rank_holdings(
@@ -72,42 +73,53 @@ pub fn rank_holdings(
             "rank {rank} of layout `{layout}`, which has {world} devices"
         )));
     }
-    // The replicas of a shard (dp × cp) hold the same parameters: ZeRO shards over them.
     let grid = layout.rank_grid(world);
-    let (replicas, d) = (layout.replicas(), grid.replica_index(rank));
     let (t, s) = (grid.coords(rank).tp, grid.coords(rank).pp);
-    let sharded = layout.zero >= 1 && replicas > 1;
-    if !sharded && d > 0 {
-        return Ok(Vec::new());
-    }
+    let ep = layout.ep.max(1);
+    // Each tensor's replicas and this rank's place among them: the shard's, or a routed expert's.
+    let dense = (layout.replicas(), grid.replica_index(rank));
+    let (expert_replicas, expert_index) = grid.expert_replica_ranks(rank, ep);
+    let routed = (expert_replicas.len(), expert_index);
     let partition = StagePartition::for_layout(cfg, layout)?;
     let ranges: Vec<Range<usize>> = (0..vpp)
         .map(|k| partition.layers[k * pp + s].clone())
         .collect();
     let shard = TpShard::new(cfg, tp, t, false)?;
-    let local = shard.local_config(cfg);
+    let local = shard
+        .local_config(cfg)
+        .expert_shard(grid.expert_ranks(rank, ep).1, ep);
     let (global, mine) = match lora {
         Some(l) => (l.adapter_specs(cfg), l.adapter_specs(&local)),
         None => (cfg.param_specs(), local.param_specs()),
     };
-    mine.into_iter()
+    let mut out = Vec::new();
+    for spec in mine
+        .into_iter()
         .filter(|spec| ranges.iter().any(|r| cfg.stage_owns(&spec.name, r)))
-        .map(|spec| {
-            let shape = global
-                .iter()
-                .find(|g| g.name == spec.name)
-                .map(|g| g.shape.clone())
-                .expect("a shard's tensors are the model's");
-            let n = spec.numel();
-            Ok(Holding {
-                tp_slice: shard.slice(cfg, &spec.name)?,
-                flat: if sharded { owned(n, replicas, d) } else { 0..n },
-                name: spec.name,
-                shape,
-                shard_shape: spec.shape,
-            })
-        })
-        .collect()
+    {
+        let (replicas, d) = match cfg.routed_expert_of(&spec.name) {
+            Some(_) => routed,
+            None => dense,
+        };
+        let sharded = layout.zero >= 1 && replicas > 1;
+        if !sharded && d > 0 {
+            continue;
+        }
+        let shape = global
+            .iter()
+            .find(|g| g.name == spec.name)
+            .map(|g| g.shape.clone())
+            .expect("a shard's tensors are the model's");
+        let n = spec.numel();
+        out.push(Holding {
+            tp_slice: shard.slice(cfg, &spec.name)?,
+            flat: if sharded { owned(n, replicas, d) } else { 0..n },
+            name: spec.name,
+            shape,
+            shard_shape: spec.shape,
+        });
+    }
+    Ok(out)
 }
 
 /// The manifest's tensor list for `layout`: every model tensor with the pieces each rank's file

@@ -75,6 +75,20 @@ impl DeviceMesh {
         Group::new("dp", self.replica_ranks(rank))
     }
 
+    /// The expert-parallel group of `rank` over `ep` of its replicas, and its place there (see
+    /// [`RankGrid::expert_ranks`]).
+    pub fn expert_group(&self, rank: usize, ep: usize) -> (Group, usize) {
+        let (ranks, i) = self.expert_ranks(rank, ep);
+        (Group::new("ep", ranks), i)
+    }
+
+    /// The replicas holding `rank`'s experts under expert parallelism over `ep` (their gradients
+    /// sum and ZeRO shards over them), and its place there (see [`RankGrid::expert_replica_ranks`]).
+    pub fn expert_replica_group(&self, rank: usize, ep: usize) -> (Group, usize) {
+        let (ranks, i) = self.expert_replica_ranks(rank, ep);
+        (Group::new("dp", ranks), i)
+    }
+
     /// The group along `d` that contains `rank`, its members in coordinate order.
     pub fn group_of(&self, rank: usize, d: Dim) -> Group {
         Group::new(d.name(), self.group_ranks(rank, d))

@@ -3,6 +3,7 @@
 
 pub mod context;
 pub mod data;
+mod expert;
 mod mesh;
 mod pipedream;
 mod pipeline;

@@ -139,12 +139,12 @@ impl SegmentRun<'_> {
         }
         // The state's own whole-gradient store goes unused (each update accumulates in a store of
         // its own, swapped in for its reductions and its step): freed.
-        let mut own = dev.zero.no_update_grads();
-        dev.zero.swap_update_grads(&mut own);
+        let mut own = dev.zero.single_mut().no_update_grads();
+        dev.zero.single_mut().swap_update_grads(&mut own);
         drop(own);
-        dev.zero.begin_versions(&mut **tpg.comm())?;
+        dev.zero.single_mut().begin_versions(&mut **tpg.comm())?;
         let result = self.run_list(tpg, dev, chunks, &be, &mut left);
-        dev.zero.end_versions();
+        dev.zero.single_mut().end_versions();
         result
     }
 
@@ -178,14 +178,17 @@ impl SegmentRun<'_> {
             run.check_capacity(&mut pass.out.over_capacity);
             match action {
                 Action::Forward { mb, .. } => {
-                    let mut res = Resident::new(vers.params(&dev.zero, v)?);
+                    let mut res = Resident::new(vers.params(dev.zero.single(), v)?);
                     run.forward(tpg, &mut res, be, &chunks[0], &mut pass, (mb, 0))?;
                 }
                 Action::Backward { mb, .. } => {
                     let u = sched.update_of(mb);
-                    let grads = open.entry(u).or_insert_with(|| dev.zero.update_grads());
+                    let grads = open
+                        .entry(u)
+                        .or_insert_with(|| dev.zero.single_mut().update_grads());
                     let before = pass.out.loss;
-                    let mut res = dev.zero.accumulating(vers.params(&dev.zero, v)?, grads);
+                    let zero = dev.zero.single();
+                    let mut res = zero.accumulating(vers.params(zero, v)?, grads);
                     run.backward(tpg, &mut res, be, &chunks[0], &mut pass, (mb, 0), false)?;
                     out.step_loss[mb / self.micro_per_step] += pass.out.loss - before;
                     left[u] -= 1;
@@ -203,7 +206,7 @@ impl SegmentRun<'_> {
                             run.stage
                         ))
                     })?;
-                    vers.stash_current(&dev.zero, i);
+                    vers.stash_current(dev.zero.single(), i);
                     out.update_norm[u] = self.apply(tpg, dev, u, g, partial)?;
                     vers.current += 1;
                     run.computed(tpg, action, started, &mut pass)?;
@@ -242,9 +245,9 @@ impl SegmentRun<'_> {
         let mut c = tpg.comm();
         let c = &mut **c;
         let specs = dev.zero.specs();
-        dev.zero.swap_update_grads(&mut g);
+        dev.zero.single_mut().swap_update_grads(&mut g);
         let reduced = (|| -> Result<f64> {
-            dev.zero.reduce_all(c)?;
+            dev.zero.single_mut().reduce_all(c)?;
             let shard = dev.shard;
             dev.zero.with_grad_view(|grads| -> Result<()> {
                 finish_grads(c, self.cfg, &shard, &self.tp_group, &specs, grads)?;
@@ -275,7 +278,7 @@ impl SegmentRun<'_> {
             }
             Ok(partial[0])
         })();
-        dev.zero.swap_update_grads(&mut g);
+        dev.zero.single_mut().swap_update_grads(&mut g);
         Ok((g, reduced?))
     }
 
@@ -294,7 +297,7 @@ impl SegmentRun<'_> {
         let mut c = tpg.comm();
         let c = &mut **c;
         let specs = dev.zero.specs();
-        dev.zero.swap_update_grads(&mut g);
+        dev.zero.single_mut().swap_update_grads(&mut g);
         let result = (|| -> Result<f64> {
             if self.tied && p > 1 && s == p - 1 {
                 let id = specs
@@ -324,10 +327,10 @@ impl SegmentRun<'_> {
                     });
                 }
             }
-            dev.zero.update_version(c, (self.lr_of)(u))?;
+            dev.zero.single_mut().update_version(c, (self.lr_of)(u))?;
             Ok(norm)
         })();
-        dev.zero.swap_update_grads(&mut g);
+        dev.zero.single_mut().swap_update_grads(&mut g);
         result
     }
 }

@@ -4,7 +4,7 @@
 //! gradients over its micro-batches. The mesh around it (tensor-parallel groups, data-parallel
 //! replicas) and the runners of a whole step are in `mesh/`.
 
-use super::data::ZeroState;
+use super::data::GroupedZero;
 use super::tensor::TpGroup;
 use crate::comm::{Comm, CommStats};
 use crate::error::{EngineError, Result};
@@ -250,7 +250,7 @@ impl StageRun<'_> {
     pub fn execute<C: Comm>(
         &self,
         tpg: &TpGroup<'_, C>,
-        zero: &mut ZeroState,
+        zero: &mut GroupedZero,
         chunks: &[Transformer],
     ) -> Result<StageOutcome> {
         // Several devices in one process compute on one thread each (a device's clock is its

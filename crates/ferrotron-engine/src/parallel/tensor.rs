@@ -15,6 +15,7 @@
 //!   with it each device sees its rows only, so their gradients are summed over the group.
 
 use super::context::{self, ContextShard};
+use super::expert;
 pub use super::slice::Slice;
 pub(crate) use super::slice::{dims, one};
 use super::weights::WeightSource;
@@ -534,6 +535,8 @@ pub struct TpGroup<'a, C: Comm> {
     wire: Wire,
     /// Context parallelism: this device's part of each sequence and its group.
     context: Option<(ContextShard, Group)>,
+    /// Expert parallelism: the expert-parallel group and this device's place in it.
+    experts: Option<(Group, usize)>,
 }
 
 impl<'a, C: Comm> TpGroup<'a, C> {
@@ -545,7 +548,17 @@ impl<'a, C: Comm> TpGroup<'a, C> {
             error: RefCell::new(None),
             wire: Wire(None),
             context: None,
+            experts: None,
         }
+    }
+
+    /// Experts divided over an expert-parallel group (of more than one device), this device the
+    /// `index`-th.
+    pub fn with_experts(mut self, group: Group, index: usize) -> Self {
+        if group.size() > 1 {
+            self.experts = Some((group, index));
+        }
+        self
     }
 
     /// Sequences split over a context-parallel group (of more than one device).
@@ -675,6 +688,30 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
             Some((cx, g)) => self.with_comm(|c| context::backward(c, g, cx, be, s, inputs, grads)),
             None => be.attention_backward(s, inputs, grads),
         }
+    }
+    fn expert_counts(&self, counts: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+        let Some((g, me)) = &self.experts else {
+            return counts;
+        };
+        let per = counts.first().map_or(0, Vec::len);
+        let mut out = vec![vec![0; per]; g.size()];
+        self.with_comm(|c| {
+            out = expert::exchange_counts(c, g, *me, counts)?;
+            Ok(())
+        });
+        out
+    }
+    fn expert_exchange(&self, send: Vec<Vec<f32>>, lengths: &[usize]) -> Vec<Vec<f32>> {
+        let Some((g, me)) = &self.experts else {
+            return send;
+        };
+        // After a failure (kept for `result`), messages of the right lengths keep the pass going.
+        let mut out: Vec<Vec<f32>> = lengths.iter().map(|&n| vec![0f32; n]).collect();
+        self.with_comm(|c| {
+            out = expert::exchange_rows(c, g, *me, send, lengths)?;
+            Ok(())
+        });
+        out
     }
 }
 

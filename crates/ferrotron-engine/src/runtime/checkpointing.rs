@@ -122,11 +122,26 @@ pub fn device_arrays(
     }
     let specs = dev.zero.specs();
     let with_moments = dev.zero.optimizer_step() > 0;
+    // The device's tensors it keeps (a replica keeps nothing of what an earlier one keeps whole).
+    let kept: Vec<_> = dev
+        .zero
+        .owned_state()
+        .into_iter()
+        .zip(specs)
+        .filter(|(_, spec)| holdings.iter().any(|h| h.name == spec.name))
+        .collect();
+    if kept.len() != holdings.len() {
+        return Err(EngineError::Invalid(format!(
+            "checkpoint: device {} keeps {} tensors, the layout says {}",
+            dev.rank,
+            kept.len(),
+            holdings.len()
+        )));
+    }
     holdings
         .into_iter()
-        .zip(dev.zero.owned_state())
-        .zip(specs)
-        .map(|((h, s), spec)| {
+        .zip(kept)
+        .map(|(h, (s, spec))| {
             if h.name != spec.name || h.flat != s.flat {
                 return Err(EngineError::Invalid(format!(
                     "checkpoint: device {} holds `{}` {:?}, the layout says `{}` {:?}",

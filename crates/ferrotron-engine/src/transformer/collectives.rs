@@ -1,6 +1,7 @@
 //! The collectives a shard of the model calls: at the edges of its tensor-parallel regions
-//! (Megatron's f and g operators), and, when its sequences are split (context parallelism), for
-//! attention across the split and the positions of its tokens. The executor calls them
+//! (Megatron's f and g operators); when its sequences are split (context parallelism), for
+//! attention across the split and the positions of its tokens; and when its experts are split
+//! (expert parallelism), to send tokens to their experts and back. The executor calls them
 //! unconditionally; for the unsplit model every one is the identity or the local kernel
 //! ([`Unsplit`]), and the parallel layer implements them over process groups.
 
@@ -57,6 +58,17 @@ pub trait ShardCollectives {
         grads: QkvGrads,
     ) {
         be.attention_backward(s, inputs, grads)
+    }
+
+    /// Expert parallelism: `counts[j]` (one count per expert device j holds) go to device j of the
+    /// expert-parallel group; returns what each device sent here, in group order.
+    fn expert_counts(&self, counts: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+        counts
+    }
+    /// Expert parallelism: `send[j]` goes to device j of the expert-parallel group; returns what
+    /// each device sent here, in group order (`lengths[j]` elements from device j).
+    fn expert_exchange(&self, send: Vec<Vec<f32>>, _lengths: &[usize]) -> Vec<Vec<f32>> {
+        send
     }
 }
 

@@ -98,7 +98,7 @@ impl LayerIds {
                         .expect("a block with experts has their configuration");
                     let plain = |name: &String, i, o| lin(&(name.clone(), None), i, o);
                     Ffn::Experts(Box::new(MoeIds {
-                        router: plain(router, h, experts.len()),
+                        router: plain(router, h, moe.num_experts),
                         experts: experts
                             .iter()
                             .map(|e| ExpertIds {
@@ -347,7 +347,7 @@ pub(crate) fn forward(
             (out, acts)
         }
         Ffn::Experts(moe) => {
-            let (out, acts) = moe::forward(be, p, moe, n2_in, rows, m.activation_storage);
+            let (out, acts) = moe::forward(be, tp, p, moe, n2_in, rows, m.activation_storage);
             (out, FfnActs::Experts(Box::new(acts)))
         }
     };
@@ -431,7 +431,7 @@ fn mlp_backward(
         }
         (Ffn::Experts(moe), FfnActs::Experts(acts)) => {
             let n2_out = a.n2_out.get(be);
-            moe::backward(be, p, g, moe, acts, dx, &n2_out, rows, prob_grad)
+            moe::backward(be, tp, p, g, moe, acts, dx, &n2_out, rows, prob_grad)
         }
         _ => unreachable!("a block's activations are of its own kind"),
     };

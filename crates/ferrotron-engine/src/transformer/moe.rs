@@ -10,7 +10,13 @@
 //! probabilities are taken over all layers' rows together), so each layer only tallies its
 //! statistics ([`RouterTally`]); the pass adds the loss once all layers have run, and each layer's
 //! backward receives its gradient with respect to the router probabilities, the same for every row.
+//!
+//! Under expert parallelism a device holds a contiguous share of the experts (`MoeConfig::held`):
+//! its rows routed to other devices' experts travel there and their outputs come back (two
+//! all-to-alls in forward, two in backward, through [`ShardCollectives`]); unsplit, the same code
+//! runs with one device, whose messages are its own.
 
+use super::collectives::ShardCollectives;
 use super::kept::Kept;
 use super::linear::{Lin, Weights};
 use super::weights::WeightSink;
@@ -113,16 +119,24 @@ impl RouterTally {
     }
 }
 
-/// The rows one expert serves, and what its forward keeps for backward.
+/// One of a row's `top_k` places: the row, and which place (most probable first).
+type Place = (usize, usize);
+
+/// What one expert's SwiGLU forward keeps for backward, over the rows it ran on.
 #[derive(Default)]
 struct ExpertRun {
-    /// `(row, slot)`: the row, and which of its `top_k` places chose this expert.
-    rows: Vec<(usize, usize)>,
+    /// The rows it ran on, when they are not the block's input (a routed expert's, gathered
+    /// from every device of the expert-parallel group).
+    x: Kept,
     gate: Kept,
     up: Kept,
     act: Kept,
-    /// The expert's output for its rows, before the routing weight (the weight's gradient).
-    out: Kept,
+}
+
+impl ExpertRun {
+    fn bytes(&self) -> usize {
+        self.x.bytes() + self.gate.bytes() + self.up.bytes() + self.act.bytes()
+    }
 }
 
 /// What a mixture-of-experts block keeps for backward.
@@ -132,31 +146,34 @@ pub(crate) struct MoeActs {
     probs: Vec<f32>,
     /// `[rows, top_k]`: each row's experts, most probable first, and their routing weights.
     chosen: Vec<(usize, f32)>,
-    runs: Vec<ExpertRun>,
-    /// The shared expert over every row, and its gate's sigmoid per row.
-    shared: Option<(ExpertRun, Vec<f32>)>,
+    /// Per expert of the router: this device's `(row, slot)` places routed to it (the row, and
+    /// which of its `top_k` places chose it), and its output for them before the routing weight
+    /// (the weight's gradient).
+    routes: Vec<Vec<Place>>,
+    outs: Vec<Kept>,
+    /// Per expert this device holds: how many rows each device of the expert-parallel group sent
+    /// it, and what its forward kept.
+    received: Vec<Vec<usize>>,
+    held: Vec<ExpertRun>,
+    /// The shared expert over every row, its output, and its gate's sigmoid per row.
+    shared: Option<(ExpertRun, Kept, Vec<f32>)>,
     pub tally: RouterTally,
 }
 
 impl MoeActs {
     pub fn bytes(&self) -> usize {
-        let runs: usize = self
-            .runs
-            .iter()
-            .map(|r| {
-                r.gate.bytes()
-                    + r.up.bytes()
-                    + r.act.bytes()
-                    + r.out.bytes()
-                    + r.rows.len() * 2 * std::mem::size_of::<usize>()
-            })
-            .sum();
-        let shared = self.shared.as_ref().map_or(0, |(r, g)| {
-            r.gate.bytes() + r.up.bytes() + r.act.bytes() + r.out.bytes() + 4 * g.len()
-        });
+        let routes: usize = self.routes.iter().map(|r| r.len()).sum();
+        let outs: usize = self.outs.iter().map(Kept::bytes).sum();
+        let held: usize = self.held.iter().map(ExpertRun::bytes).sum();
+        let shared = self
+            .shared
+            .as_ref()
+            .map_or(0, |(r, out, g)| r.bytes() + out.bytes() + 4 * g.len());
         4 * self.probs.len()
             + self.chosen.len() * std::mem::size_of::<(usize, f32)>()
-            + runs
+            + routes * 2 * std::mem::size_of::<usize>()
+            + outs
+            + held
             + shared
     }
 }
@@ -184,26 +201,133 @@ fn top_k(p: &[f32], k: usize) -> Vec<usize> {
     order
 }
 
-/// The rows of `x` (`width` wide) at `rows`, one after another.
-fn gather(x: &[f32], width: usize, rows: &[(usize, usize)]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.len() * width);
-    for &(r, _) in rows {
-        out.extend_from_slice(&x[r * width..(r + 1) * width]);
-    }
-    out
+/// Where a block's routed experts are: `per_device` experts on each of `devices` devices of the
+/// expert-parallel group (device j holds those from `j · per_device`).
+struct Placement {
+    devices: usize,
+    per_device: usize,
 }
 
-/// The block's output for its `rows` inputs `x` (the normed hidden states), and what backward needs.
+impl Placement {
+    fn of(ids: &MoeIds) -> Self {
+        Self {
+            devices: ids.config.held.size,
+            per_device: ids.experts.len(),
+        }
+    }
+
+    /// The experts device `j` holds.
+    fn of_device(&self, j: usize) -> std::ops::Range<usize> {
+        j * self.per_device..(j + 1) * self.per_device
+    }
+}
+
+/// For each device of the group, one row (`width` wide) per place routed to its experts, expert
+/// by expert: `each(place, buf)` appends the row of `place` (a `(row, slot)`).
+fn pack_for_devices(
+    at: &Placement,
+    routes: &[Vec<Place>],
+    width: usize,
+    each: &dyn Fn(Place, &mut Vec<f32>),
+) -> Vec<Vec<f32>> {
+    (0..at.devices)
+        .map(|j| {
+            let experts = at.of_device(j);
+            let n: usize = routes[experts.clone()].iter().map(Vec::len).sum();
+            let mut buf = Vec::with_capacity(n * width);
+            for e in experts {
+                for &place in &routes[e] {
+                    each(place, &mut buf);
+                }
+            }
+            buf
+        })
+        .collect()
+}
+
+/// The rows each held expert received, gathered from the devices' messages (`received[le][j]`
+/// rows of held expert `le` from device `j`, in held-expert order within each message).
+fn rows_of_held(msgs: &[Vec<f32>], received: &[Vec<usize>], width: usize) -> Vec<Vec<f32>> {
+    let mut offsets = vec![0usize; msgs.len()];
+    received
+        .iter()
+        .map(|counts| {
+            let n: usize = counts.iter().sum();
+            let mut rows = Vec::with_capacity(n * width);
+            for (j, &c) in counts.iter().enumerate() {
+                rows.extend_from_slice(&msgs[j][offsets[j]..offsets[j] + c * width]);
+                offsets[j] += c * width;
+            }
+            rows
+        })
+        .collect()
+}
+
+/// The inverse of [`rows_of_held`]: each held expert's result rows, cut into one message per
+/// device (in held-expert order).
+fn messages_from_held(
+    results: &[Vec<f32>],
+    received: &[Vec<usize>],
+    width: usize,
+) -> Vec<Vec<f32>> {
+    let devices = received.first().map_or(0, Vec::len);
+    let mut msgs: Vec<Vec<f32>> = (0..devices)
+        .map(|j| Vec::with_capacity(received.iter().map(|c| c[j]).sum::<usize>() * width))
+        .collect();
+    for (rows, counts) in results.iter().zip(received) {
+        let mut at = 0;
+        for (msg, &c) in msgs.iter_mut().zip(counts) {
+            msg.extend_from_slice(&rows[at..at + c * width]);
+            at += c * width;
+        }
+    }
+    msgs
+}
+
+/// The message lengths device `j` sends back for this device's places: its experts' places.
+fn lengths_back(at: &Placement, routes: &[Vec<Place>], width: usize) -> Vec<usize> {
+    (0..at.devices)
+        .map(|j| routes[at.of_device(j)].iter().map(Vec::len).sum::<usize>() * width)
+        .collect()
+}
+
+/// Calls `each(e, i, row)` for each place `i` of each expert `e` routed from this device, with
+/// that place's row of the messages that came back (one per device, in [`pack_for_devices`]'
+/// order).
+fn unpack_from_devices(
+    at: &Placement,
+    routes: &[Vec<Place>],
+    msgs: &[Vec<f32>],
+    width: usize,
+    each: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    for (j, msg) in msgs.iter().enumerate() {
+        let mut rows = msg.chunks_exact(width);
+        for e in at.of_device(j) {
+            for i in 0..routes[e].len() {
+                each(e, i, rows.next().expect("a row back for every place sent"));
+            }
+        }
+    }
+}
+
+/// The block's output for its `rows` inputs `x` (the normed hidden states), and what backward
+/// needs. Each place's row travels to the device holding its expert (`coll`'s expert-parallel
+/// group; itself when unsplit), the expert runs over every row it received at once, and the
+/// results travel back.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     be: &dyn Backend,
+    coll: &dyn ShardCollectives,
     p: Weights,
     ids: &MoeIds,
     x: &[f32],
     rows: usize,
     storage: Option<Half>,
 ) -> (Vec<f32>, MoeActs) {
-    let (n_experts, k) = (ids.experts.len(), ids.config.top_k);
+    let (n_experts, k) = (ids.config.num_experts, ids.config.top_k);
     let h = ids.router.in_dim;
+    let at = Placement::of(ids);
     let mut probs = ids.router.forward(be, p, x, rows);
     softmax_rows(&mut probs, n_experts);
     let mut tally = RouterTally {
@@ -213,7 +337,7 @@ pub(crate) fn forward(
         predicted: None,
     };
     let mut chosen = Vec::with_capacity(rows * k);
-    let mut runs: Vec<ExpertRun> = (0..n_experts).map(|_| ExpertRun::default()).collect();
+    let mut routes: Vec<Vec<Place>> = vec![Vec::new(); n_experts];
     for (r, row) in probs.chunks_exact(n_experts).enumerate() {
         for (s, v) in tally.probs.iter_mut().zip(row) {
             *s += *v as f64;
@@ -227,18 +351,60 @@ pub(crate) fn forward(
                 row[e]
             };
             chosen.push((e, w));
-            runs[e].rows.push((r, slot));
+            routes[e].push((r, slot));
             tally.assigned[e] += 1.0;
         }
     }
+    // Dispatch: every place's row to its expert's device; each held expert learns how many rows
+    // each device sent it.
+    let counts: Vec<Vec<usize>> = (0..at.devices)
+        .map(|j| routes[at.of_device(j)].iter().map(Vec::len).collect())
+        .collect();
+    let from_devices = coll.expert_counts(counts);
+    let received: Vec<Vec<usize>> = (0..at.per_device)
+        .map(|le| from_devices.iter().map(|c| c[le]).collect())
+        .collect();
+    let sent = pack_for_devices(&at, &routes, h, &|(r, _), buf| {
+        buf.extend_from_slice(&x[r * h..(r + 1) * h])
+    });
+    let lengths: Vec<usize> = from_devices
+        .iter()
+        .map(|c| c.iter().sum::<usize>() * h)
+        .collect();
+    let msgs = coll.expert_exchange(sent, &lengths);
+    // Each held expert over all the rows it received, at once.
+    let mut held = Vec::with_capacity(at.per_device);
+    let mut results = Vec::with_capacity(at.per_device);
+    for (expert, xe) in ids.experts.iter().zip(rows_of_held(&msgs, &received, h)) {
+        let mut run = ExpertRun::default();
+        let y = if xe.is_empty() {
+            Vec::new()
+        } else {
+            expert_forward(be, p, expert, &xe, &mut run, storage)
+        };
+        run.x = Kept::keep(be, xe, storage);
+        held.push(run);
+        results.push(y);
+    }
+    drop(msgs);
+    // Combine: the results back to the devices their rows came from, each place's output added
+    // with its routing weight, expert by expert in index order.
+    let back = coll.expert_exchange(
+        messages_from_held(&results, &received, h),
+        &lengths_back(&at, &routes, h),
+    );
+    drop(results);
+    let mut y_of: Vec<Vec<f32>> = routes
+        .iter()
+        .map(|r| Vec::with_capacity(r.len() * h))
+        .collect();
+    unpack_from_devices(&at, &routes, &back, h, &mut |e, _, row| {
+        y_of[e].extend_from_slice(row)
+    });
+    drop(back);
     let mut out = be.zeros(rows * h);
-    for (expert, run) in ids.experts.iter().zip(runs.iter_mut()) {
-        if run.rows.is_empty() {
-            continue;
-        }
-        let xe = gather(x, h, &run.rows);
-        let y = expert_forward(be, p, expert, &xe, run, storage);
-        for (i, &(r, slot)) in run.rows.iter().enumerate() {
+    for (e, y) in y_of.iter().enumerate() {
+        for (i, &(r, slot)) in routes[e].iter().enumerate() {
             let w = chosen[r * k + slot].1;
             for (o, v) in out[r * h..(r + 1) * h]
                 .iter_mut()
@@ -247,8 +413,11 @@ pub(crate) fn forward(
                 *o += v * w;
             }
         }
-        run.out = Kept::keep(be, y, storage);
     }
+    let outs = y_of
+        .into_iter()
+        .map(|y| Kept::keep(be, y, storage))
+        .collect();
     // Qwen2-MoE's shared expert, over every row, scaled by its gate's sigmoid, added last.
     let shared = ids.shared.as_ref().map(|(expert, gate)| {
         let mut run = ExpertRun::default();
@@ -266,13 +435,15 @@ pub(crate) fn forward(
                 *o += gr * v;
             }
         }
-        run.out = Kept::keep(be, y, storage);
-        (run, g)
+        (run, Kept::keep(be, y, storage), g)
     });
     let acts = MoeActs {
         probs,
         chosen,
-        runs,
+        routes,
+        outs,
+        received,
+        held,
         shared,
         tally,
     };
@@ -339,12 +510,14 @@ fn expert_backward(
 }
 
 /// The block's backward: from `dout` (the gradient at its output, `rows × hidden`) and its input
-/// `x`, the gradient at its input (returned) and its weights' gradients (into `g`).
+/// `x`, the gradient at its input (returned) and its weights' gradients (into `g`). Each place's
+/// output gradient travels to its expert's device and the input gradient back, as in forward.
 /// `prob_grad` is the load-balancing loss's gradient with respect to each expert's router
 /// probability (the same on every row; empty when the loss is not taken).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     be: &dyn Backend,
+    coll: &dyn ShardCollectives,
     p: Weights,
     g: &mut WeightSink,
     ids: &MoeIds,
@@ -354,39 +527,62 @@ pub(crate) fn backward(
     rows: usize,
     prob_grad: &[f32],
 ) -> Vec<f32> {
-    let (n_experts, k) = (ids.experts.len(), ids.config.top_k);
+    let (n_experts, k) = (ids.config.num_experts, ids.config.top_k);
     let h = ids.router.in_dim;
+    let at = Placement::of(ids);
     let mut dx = be.zeros(rows * h);
-    // ∂loss/∂(routing weight) of each row's places.
+    // ∂loss/∂(routing weight) of each row's places, from the outputs kept.
     let mut dweight = vec![0f32; rows * k];
-    for (expert, run) in ids.experts.iter().zip(a.runs.iter_mut()) {
-        if run.rows.is_empty() {
-            continue;
-        }
-        let n = run.rows.len();
-        let y = std::mem::take(&mut run.out).into_f32(be);
-        let mut dy = Vec::with_capacity(n * h);
-        for (i, &(r, slot)) in run.rows.iter().enumerate() {
-            let d = &dout[r * h..(r + 1) * h];
-            let w = a.chosen[r * k + slot].1;
-            dweight[r * k + slot] = d
+    for (routes, out) in a.routes.iter().zip(a.outs.iter_mut()) {
+        let y = std::mem::take(out).into_f32(be);
+        for (i, &(r, slot)) in routes.iter().enumerate() {
+            dweight[r * k + slot] = dout[r * h..(r + 1) * h]
                 .iter()
                 .zip(&y[i * h..(i + 1) * h])
                 .map(|(a, b)| a * b)
                 .sum();
-            dy.extend(d.iter().map(|v| v * w));
-        }
-        drop(y);
-        let xe = gather(x, h, &run.rows);
-        let dxe = expert_backward(be, p, g, expert, run, &dy, &xe);
-        for (i, &(r, _)) in run.rows.iter().enumerate() {
-            be.add_assign(&mut dx[r * h..(r + 1) * h], &dxe[i * h..(i + 1) * h]);
         }
     }
+    // Each place's output gradient (times its routing weight) to its expert's device.
+    let chosen = &a.chosen;
+    let sent = pack_for_devices(&at, &a.routes, h, &|(r, slot), buf| {
+        let w = chosen[r * k + slot].1;
+        buf.extend(dout[r * h..(r + 1) * h].iter().map(|v| v * w))
+    });
+    let lengths: Vec<usize> = (0..at.devices)
+        .map(|j| a.received.iter().map(|c| c[j]).sum::<usize>() * h)
+        .collect();
+    let msgs = coll.expert_exchange(sent, &lengths);
+    let mut results = Vec::with_capacity(at.per_device);
+    for ((expert, run), dy) in
+        ids.experts
+            .iter()
+            .zip(a.held.iter_mut())
+            .zip(rows_of_held(&msgs, &a.received, h))
+    {
+        let xe = std::mem::take(&mut run.x).into_f32(be);
+        results.push(if dy.is_empty() {
+            Vec::new()
+        } else {
+            expert_backward(be, p, g, expert, run, &dy, &xe)
+        });
+    }
+    drop(msgs);
+    let back = coll.expert_exchange(
+        messages_from_held(&results, &a.received, h),
+        &lengths_back(&at, &a.routes, h),
+    );
+    drop(results);
+    let routes = &a.routes;
+    unpack_from_devices(&at, routes, &back, h, &mut |e, i, row| {
+        let r = routes[e][i].0;
+        be.add_assign(&mut dx[r * h..(r + 1) * h], row);
+    });
+    drop(back);
     // The shared expert: its output scaled by the gate's sigmoid σ, so ∂σ = dout · y and the gate's
     // pre-activation takes ∂σ · σ(1 − σ).
-    if let (Some((expert, gate)), Some((run, sig))) = (&ids.shared, a.shared.as_mut()) {
-        let y = std::mem::take(&mut run.out).into_f32(be);
+    if let (Some((expert, gate)), Some((run, out, sig))) = (&ids.shared, a.shared.as_mut()) {
+        let y = std::mem::take(out).into_f32(be);
         let mut dy = Vec::with_capacity(rows * h);
         let mut dpre = Vec::with_capacity(rows);
         for (r, s) in sig.iter().enumerate() {

@@ -155,6 +155,29 @@ impl ParamStore {
         out
     }
 
+    /// Splits the store in two, moving its tensors (no copies): those `pick` selects, and the
+    /// rest; each with the store indices its tensors had.
+    pub fn split(self, pick: impl Fn(&str) -> bool) -> [(Self, Vec<usize>); 2] {
+        let picked: Vec<bool> = self.specs.iter().map(|s| pick(&s.name)).collect();
+        let mut tensors: Vec<Option<Vec<f32>>> = self.tensors.into_iter().map(Some).collect();
+        let mut nf4: Vec<Option<Option<Arc<Nf4Matrix>>>> = self.nf4.into_iter().map(Some).collect();
+        let specs = self.specs;
+        [true, false].map(|side| {
+            let at: Vec<usize> = (0..specs.len()).filter(|&i| picked[i] == side).collect();
+            let mut store = Self::from_tensors(
+                at.iter().map(|&i| specs[i].clone()).collect(),
+                at.iter()
+                    .map(|&i| tensors[i].take().expect("moved once"))
+                    .collect(),
+            );
+            store.nf4 = at
+                .iter()
+                .map(|&i| nf4[i].take().expect("moved once"))
+                .collect();
+            (store, at)
+        })
+    }
+
     pub fn id(&self, name: &str) -> Option<usize> {
         self.index.get(name).copied()
     }

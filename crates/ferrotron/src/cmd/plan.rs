@@ -194,11 +194,14 @@ fn print_plan(p: &Plan) {
         println!("| … {left_out} more stages | | | | | | | |");
     }
     let c = &p.comm_bytes_per_step;
-    let cp = if p.layout.cp > 1 {
+    let mut cp = if p.layout.cp > 1 {
         format!(", cp {}", format_bytes(c.cp as u64))
     } else {
         String::new()
     };
+    if p.layout.ep > 1 {
+        cp.push_str(&format!(", ep {}", format_bytes(c.ep as u64)));
+    }
     println!(
         "bytes per step per device: tp {}, pp {}, dp {}{cp} | bubble {:.1}% | step {:.4} s | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%",
         format_bytes(c.tp as u64),

@@ -168,6 +168,9 @@ fn bytes(e: &Evidence) -> (Vec<String>, Vec<String>) {
         ("dp", &["dp"], traffic.dp),
         ("pp", &["p2p", "pp"], traffic.pp),
         ("cp", &["cp"], traffic.cp),
+        // Expert parallelism's all-to-alls, priced at a balanced load: a router that favours
+        // some experts moves more or less.
+        ("ep", &["ep"], traffic.ep),
     ] {
         let got = e
             .devices

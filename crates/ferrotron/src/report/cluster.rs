@@ -255,6 +255,7 @@ mod tests {
             pp: 2e9,
             dp: 3e9,
             cp: 0.0,
+            ep: 0.0,
         };
         let svg = layout_map_svg(&l, &c, &traffic);
         assert_eq!(svg.matches("class=\"device\"").count(), 16);

@@ -375,6 +375,7 @@ impl Reader<'_> {
                     sparse_step: 1,
                     dense_layers: Vec::new(),
                     shared_expert_size: 0,
+                    held: Default::default(),
                 })))
             }
             Family::Qwen2Moe | Family::Qwen3Moe => {
@@ -432,6 +433,7 @@ impl Reader<'_> {
                             .unwrap_or(5632),
                         false => 0,
                     },
+                    held: Default::default(),
                 })))
             }
             _ => Ok(None),
@@ -624,10 +626,22 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("mixture of experts"));
-        assert!(m.experts_split(1, 1, 1).is_ok());
-        for (tp, pp, cp) in [(2, 1, 1), (1, 2, 1), (1, 1, 2)] {
-            assert!(m.experts_split(tp, pp, cp).is_err());
+        assert!(m.experts_split(1, 1, 1, 1, 1).is_ok());
+        assert!(m.experts_split(1, 1, 1, 4, 8).is_ok());
+        for (tp, pp, cp, key) in [(2, 1, 1, "tp"), (1, 2, 1, "pp"), (1, 1, 2, "cp")] {
+            assert_eq!(m.experts_split(tp, pp, cp, 1, 2).unwrap_err().0, key);
         }
+        // ep divides the replicas and the experts (8 of them here).
+        let (key, why) = m.experts_split(1, 1, 1, 4, 6).unwrap_err();
+        assert!(key == "ep" && why.contains("does not divide 6"), "{why}");
+        let (key, why) = m.experts_split(1, 1, 1, 3, 3).unwrap_err();
+        assert!(key == "ep" && why.contains("8 experts"), "{why}");
+        let dense = crate::model::preset("llama-tiny").unwrap();
+        assert!(dense
+            .experts_split(1, 1, 1, 2, 2)
+            .unwrap_err()
+            .1
+            .contains("has none"));
     }
 
     /// Which blocks have experts, counted and walked alike; which tensors are experts', told by name
@@ -665,6 +679,13 @@ mod tests {
                 crate::model::FfnNames::Dense { .. } => false,
             });
             assert_eq!(q.is_expert_param(&spec.name), listed, "{}", spec.name);
+            let routed = spec.name.contains(".experts.");
+            assert_eq!(
+                q.routed_expert_of(&spec.name).is_some(),
+                routed,
+                "{}",
+                spec.name
+            );
         }
         // A block index past the model, or two experts counts that disagree, are named.
         let base = r#""model_type":"qwen3_moe","vocab_size":32,"hidden_size":8,"intermediate_size":16,

@@ -107,12 +107,14 @@ macro_rules! with_half {
 
 mod asynchronous;
 mod gather;
+mod grouped;
 mod reduce;
 mod residency;
 mod update;
 mod whole;
 
 pub use asynchronous::{UpdateGrads, VersionResidency};
+pub use grouped::{GroupedResidency, GroupedZero};
 pub use residency::ZeroResidency;
 
 /// Which tensors each unit of `cfg` reaches (a unit is what the executor asks for at once), and

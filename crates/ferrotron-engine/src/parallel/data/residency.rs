@@ -2,7 +2,7 @@
 //! reduced away per unit or in background buckets.
 
 use super::ZeroState;
-use crate::comm::Comm;
+use crate::comm::{Comm, CommError};
 use crate::parallel::tensor::TpGroup;
 use crate::transformer::{FrozenBase, ParamStore, Residency, Unit};
 
@@ -13,9 +13,74 @@ pub struct ZeroResidency<'s, 'c, C: Comm> {
     pub(super) tpg: &'s TpGroup<'c, C>,
 }
 
-impl<C: Comm> ZeroResidency<'_, '_, C> {
-    fn gathered(&self) -> bool {
-        self.state.stage == 3 && self.state.dp > 1 || self.state.half.is_some()
+impl ZeroState {
+    /// Whether the executor's parameters are gathered per unit (ZeRO-3 over several replicas, or
+    /// widened from 16-bit storage) rather than present throughout.
+    pub(super) fn gathered(&self) -> bool {
+        self.stage == 3 && self.dp > 1 || self.half.is_some()
+    }
+
+    /// Before the executor reads `unit`'s parameters: gathered, when they are per unit.
+    pub(super) fn open_params<C: Comm>(&mut self, c: &mut C, unit: Unit) -> Result<(), CommError> {
+        if self.gathered() {
+            self.bring_in(c, unit)?;
+        }
+        Ok(())
+    }
+
+    /// After the executor read `unit`'s parameters: freed, when gathered per unit.
+    pub(super) fn close_params(&mut self, unit: Unit) {
+        if self.gathered() {
+            self.release_unit(unit);
+        }
+    }
+
+    /// Before the executor accumulates `unit`'s weight gradients: its parameters present, and
+    /// zeroed gradients for it where they exist per unit (ZeRO-2/3, mixed precision's f32
+    /// scratch). Returns the unit's tensors.
+    pub(super) fn open_unit_grads<C: Comm>(
+        &mut self,
+        c: &mut C,
+        unit: Unit,
+    ) -> Result<Vec<usize>, CommError> {
+        let ids = self.unit_ids(unit);
+        self.open_params(c, unit)?;
+        if self.half.is_some() {
+            self.open_scratch(&ids);
+        } else if self.stage >= 2 && self.dp > 1 {
+            self.open_grads(&ids);
+        }
+        Ok(ids)
+    }
+
+    /// After the executor accumulated `unit`'s weight gradients (`ids`): its gathered parameters
+    /// freed, and its gradients reduced away (ZeRO-2/3, mixed precision) or counted towards their
+    /// bucket (ZeRO 0–1).
+    pub(super) fn close_unit_grads<C: Comm>(
+        &mut self,
+        c: &mut C,
+        unit: Unit,
+        ids: &[usize],
+    ) -> Result<(), CommError> {
+        if self.half.is_some() {
+            self.release(ids);
+            return self.absorb(c, ids);
+        }
+        self.close_params(unit);
+        if self.stage >= 2 && self.dp > 1 {
+            // One collective at a time on the group: the prefetch completes first.
+            self.finish_prefetch(c)?;
+            self.scatter_grads(c, ids)
+        } else {
+            self.visited(c, unit)
+        }
+    }
+
+    /// Completes every collective this state has in flight (a prefetch, a bucket): before another
+    /// state's collectives on another group may start (a device runs one at a time).
+    pub(super) fn settle<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        self.finish_prefetch(c)?;
+        self.finish_in_flight(c)
     }
 }
 
@@ -33,15 +98,10 @@ impl<C: Comm> Residency for ZeroResidency<'_, '_, C> {
     }
 
     fn params(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
-        let gathered = self.gathered();
         let s = &mut *self.state;
-        if gathered {
-            self.tpg.with_comm(|c| s.bring_in(c, unit));
-        }
+        self.tpg.with_comm(|c| s.open_params(c, unit));
         f(&s.params);
-        if gathered {
-            s.release_unit(unit);
-        }
+        s.close_params(unit);
     }
 
     fn gather_frozen(&mut self, unit: Unit, base: &FrozenBase) -> ParamStore {
@@ -58,35 +118,13 @@ impl<C: Comm> Residency for ZeroResidency<'_, '_, C> {
     }
 
     fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
-        let gathered = self.gathered();
         let s = &mut *self.state;
-        let ids = s.unit_ids(unit);
-        if gathered {
-            self.tpg.with_comm(|c| s.bring_in(c, unit));
-        }
-        if s.half.is_some() {
-            s.open_scratch(&ids);
-            f(&s.params, &mut s.grads);
-            s.release(&ids);
-            self.tpg.with_comm(|c| s.absorb(c, &ids));
-            return;
-        }
-        let sharded_grads = s.stage >= 2 && s.dp > 1;
-        if sharded_grads {
-            s.open_grads(&ids);
-        }
+        let mut ids = s.unit_ids(unit);
+        self.tpg.with_comm(|c| {
+            ids = s.open_unit_grads(c, unit)?;
+            Ok(())
+        });
         f(&s.params, &mut s.grads);
-        if gathered {
-            s.release_unit(unit);
-        }
-        if sharded_grads {
-            // One collective at a time on the group: the prefetch completes first.
-            self.tpg.with_comm(|c| {
-                s.finish_prefetch(c)?;
-                s.scatter_grads(c, &ids)
-            });
-        } else {
-            self.tpg.with_comm(|c| s.visited(c, unit));
-        }
+        self.tpg.with_comm(|c| s.close_unit_grads(c, unit, &ids));
     }
 }

@@ -8,6 +8,7 @@ use crate::memory;
 use crate::parallel::pipeline::{DeviceResult, PipelineRun};
 use crate::parallel::tensor::gather_tensor;
 use crate::transformer::ParamStore;
+use ferrotron_core::rank::Coords;
 
 impl MeshStep<'_> {
     /// The whole model's parameters, gathered from every device onto rank 0 (`None` elsewhere).
@@ -21,50 +22,74 @@ impl MeshStep<'_> {
         self.gather_to_root(c, mine, 1 << 61)
     }
 
-    /// Sends every device's whole-shard store to rank 0, which assembles the model's tensors (from
-    /// replica 0 of each stage's tensor-parallel group).
+    /// Whether device `rank` is among those whose stores together hold every tensor: the first
+    /// replica of each shard, or under expert parallelism the first expert-parallel group of
+    /// replicas (between them, every expert).
+    fn holds_first_copies(&self, rank: usize) -> bool {
+        self.mesh.replica_index(rank) < self.layout.ep.max(1)
+    }
+
+    /// The model's whole tensors from the stores of the devices that hold first copies
+    /// (`store_of(rank)`): each tensor from the first replica holding it, its tensor-parallel
+    /// shards joined.
+    fn assemble<'s>(&self, store_of: &dyn Fn(usize) -> &'s ParamStore) -> Result<ParamStore> {
+        let mut full = ParamStore::zeros(self.params.specs().to_vec());
+        let mut done = vec![false; full.specs.len()];
+        let (cp, ep) = (self.mesh.cp, self.layout.ep.max(1));
+        for pp in 0..self.mesh.pp {
+            for d in 0..ep {
+                let ranks: Vec<usize> = (0..self.mesh.tp)
+                    .map(|tp| {
+                        let (cp, dp) = (d % cp, d / cp);
+                        self.mesh.rank_of(Coords { tp, cp, dp, pp })
+                    })
+                    .collect();
+                for spec in &store_of(ranks[0]).specs {
+                    let id = full.id(&spec.name).expect("model parameter");
+                    if std::mem::replace(&mut done[id], true) {
+                        continue;
+                    }
+                    let shards: Vec<&[f32]> = ranks
+                        .iter()
+                        .map(|&r| {
+                            store_of(r)
+                                .get(&spec.name)
+                                .expect("a stage's devices hold its parameters")
+                        })
+                        .collect();
+                    full.tensors[id] = gather_tensor(self.cfg, &full.specs[id], &shards)?;
+                }
+            }
+        }
+        Ok(full)
+    }
+
+    /// Sends the whole-shard stores of the devices holding first copies to rank 0, which
+    /// assembles the model's tensors.
     fn gather_to_root<C: Comm>(
         &self,
         c: &mut C,
         mine: ParamStore,
         tag: u64,
     ) -> Result<Option<ParamStore>> {
-        let d = self.mesh.replica_index(c.rank());
         if c.rank() != 0 {
-            if d == 0 {
+            if self.holds_first_copies(c.rank()) {
                 for (i, t) in mine.tensors.iter().enumerate() {
                     c.send(0, t, tag + i as u64)?;
                 }
             }
             return Ok(None);
         }
-        let mut stores = vec![mine];
-        for r in 1..self.world() {
-            if self.mesh.replica_index(r) != 0 {
-                continue;
-            }
+        let mut stores = std::collections::HashMap::new();
+        stores.insert(0, mine);
+        for r in (1..self.world()).filter(|&r| self.holds_first_copies(r)) {
             let mut s = ParamStore::zeros(self.device_specs(r)?);
             for (i, t) in s.tensors.iter_mut().enumerate() {
                 c.recv(r, t, tag + i as u64)?;
             }
-            stores.push(s);
+            stores.insert(r, s);
         }
-        // `stores` is in rank order over replica 0: stage-major, tensor-parallel rank fastest.
-        let mut full = ParamStore::zeros(self.params.specs().to_vec());
-        for stage in stores.chunks(self.mesh.tp) {
-            for spec in &stage[0].specs {
-                let shards: Vec<&[f32]> = stage
-                    .iter()
-                    .map(|s| {
-                        s.get(&spec.name)
-                            .expect("a stage's devices hold its parameters")
-                    })
-                    .collect();
-                let id = full.id(&spec.name).expect("model parameter");
-                full.tensors[id] = gather_tensor(self.cfg, &full.specs[id], &shards)?;
-            }
-        }
-        Ok(Some(full))
+        Ok(Some(self.assemble(&|r| &stores[&r])?))
     }
 
     /// Runs this process's device of the step and collects every device's loss and gradients on
@@ -127,31 +152,7 @@ impl MeshStep<'_> {
 
     /// Combines every device's result (in rank order) into the step's loss and whole gradients.
     pub fn combine(&self, results: Vec<DeviceResult>, wall_time_s: f64) -> Result<PipelineRun> {
-        let mut full = ParamStore::zeros(self.params.specs().to_vec());
-        let tp = self.mesh.tp;
-        // Replica 0's devices, stage-major, tensor-parallel rank fastest.
-        let replica0: Vec<&DeviceResult> = results
-            .iter()
-            .enumerate()
-            .filter(|(r, _)| self.mesh.replica_index(*r) == 0)
-            .map(|(_, x)| x)
-            .collect();
-        for stage in replica0.chunks(tp) {
-            for spec in &stage[0].grads.specs {
-                let shards: Vec<&[f32]> = stage
-                    .iter()
-                    .map(|r| {
-                        r.grads
-                            .get(&spec.name)
-                            .expect("every device of a stage holds its parameters")
-                    })
-                    .collect();
-                let id = full
-                    .id(&spec.name)
-                    .expect("stage parameters are model parameters");
-                full.tensors[id] = gather_tensor(self.cfg, &full.specs[id], &shards)?;
-            }
-        }
+        let full = self.assemble(&|r| &results[r].grads)?;
         let mut run = PipelineRun {
             loss: 0.0,
             grads: ParamStore::zeros(Vec::new()),

@@ -16,7 +16,7 @@ pub use runners::{pipeline_step, pipeline_steps, pipeline_steps_of};
 pub use train::{LossScaling, StepReport, Training};
 
 use super::context::ContextShard;
-use super::data::ZeroState;
+use super::data::{GroupedZero, ZeroState};
 use super::pipeline::{DeviceResult, StageOutcome, StageRun};
 use super::tensor::{finish_grads, TpGroup, TpShard};
 use super::weights::WeightSource;
@@ -88,7 +88,7 @@ pub struct Device {
     /// headers included; 0 for a model in memory).
     pub model_bytes_read: u64,
     pub(crate) chunks: Vec<Transformer>,
-    pub zero: ZeroState,
+    pub zero: GroupedZero,
 }
 
 impl<'a> MeshStep<'a> {
@@ -299,10 +299,19 @@ impl<'a> MeshStep<'a> {
             .collect()
     }
 
+    /// The model as device `rank` holds it: its tensor-parallel shard's shape, with its share of
+    /// the experts under expert parallelism.
+    fn local_config(&self, rank: usize, shard: &TpShard) -> ModelConfig {
+        let (_, index) = self.mesh.expert_group(rank, self.layout.ep.max(1));
+        shard
+            .local_config(self.cfg)
+            .expert_shard(index, self.layout.ep.max(1))
+    }
+
     /// The parameters device `rank` holds, as its shard names and shapes them (in store order).
     pub fn device_specs(&self, rank: usize) -> Result<Vec<ParamSpec>> {
         let t = self.mesh.coords(rank).tp;
-        let local = TpShard::new(self.cfg, self.mesh.tp, t, false)?.local_config(self.cfg);
+        let local = self.local_config(rank, &TpShard::new(self.cfg, self.mesh.tp, t, false)?);
         let ranges = self.ranges(rank);
         let specs = match self.frozen {
             Some((_, lora)) => lora.adapter_specs(&local),
@@ -314,19 +323,23 @@ impl<'a> MeshStep<'a> {
             .collect())
     }
 
-    /// A mixture-of-experts model runs on data-parallel replicas only so far
-    /// ([`ModelConfig::experts_split`]), in f32 (LoRA on one is refused where LoRA is validated).
+    /// A mixture-of-experts model runs on data-parallel replicas only so far, its experts
+    /// divided over `ep` of them ([`ModelConfig::experts_split`]), in f32 (LoRA on one is refused
+    /// where LoRA is validated).
     fn check_experts(&self) -> Result<()> {
-        if self.cfg.moe.is_none() {
-            return Ok(());
-        }
         let l = self.layout;
         let refuse = |why: String| Err(EngineError::Invalid(format!("layout `{l}`: {why}")));
-        if let Err(why) = self
-            .cfg
-            .experts_split(l.tp.max(1), l.pp.max(1), l.cp.max(1))
-        {
+        if let Err((_, why)) = self.cfg.experts_split(
+            l.tp.max(1),
+            l.pp.max(1),
+            l.cp.max(1),
+            l.ep.max(1),
+            l.replicas(),
+        ) {
             return refuse(why);
+        }
+        if self.cfg.moe.is_none() {
+            return Ok(());
         }
         if self.precision != MixedPrecision::F32 {
             return refuse(format!(
@@ -343,13 +356,19 @@ impl<'a> MeshStep<'a> {
         let (cfg, layout) = (self.cfg, self.layout);
         let t = self.mesh.coords(rank).tp;
         let shard = TpShard::new(cfg, self.mesh.tp, t, layout.sequence_parallel)?;
-        let local = shard.local_config(cfg);
+        let local = self.local_config(rank, &shard);
         let ranges = self.ranges(rank);
         {
             let _other = memory::scope(Term::Other);
             crate::kernels::CpuBackend::with_threads(self.kernel_threads).reserve_workspace();
         }
-        let mine = |n: &str| ranges.iter().any(|r| cfg.stage_owns(n, r));
+        let held = local.moe.as_ref().map(|m| m.held.held(m.num_experts));
+        let mine = |n: &str| {
+            ranges.iter().any(|r| cfg.stage_owns(n, r))
+                && cfg
+                    .routed_expert_of(n)
+                    .is_none_or(|e| held.as_ref().is_none_or(|h| h.contains(&e)))
+        };
         let (store, mut model_bytes_read) = {
             let _weights = memory::scope(Term::Weights);
             shard.shard_store(cfg, self.params, &mine)?
@@ -392,18 +411,32 @@ impl<'a> MeshStep<'a> {
             })
             .collect();
         drop(base_shard);
-        // The shard's replicas (dp × cp) sum their gradients, and ZeRO shards over them.
-        let replicas = self.mesh.replica_group(rank);
-        let mut zero = ZeroState::new(
-            cfg,
-            store,
-            layout.zero,
-            replicas,
-            self.mesh.replica_index(rank),
-            self.m,
-            adam,
-            self.precision.storage(),
-        );
+        // The shard's replicas (dp × cp) sum their gradients, and ZeRO shards over them; under
+        // expert parallelism the routed experts' only over the replicas holding the same ones.
+        let state = |store: ParamStore, (group, index): (crate::comm::Group, usize)| {
+            ZeroState::new(
+                cfg,
+                store,
+                layout.zero,
+                group,
+                index,
+                self.m,
+                adam,
+                self.precision.storage(),
+            )
+        };
+        let replicas = (self.mesh.replica_group(rank), self.mesh.replica_index(rank));
+        let mut zero = if layout.ep > 1 {
+            let [(experts, expert_at), (dense, dense_at)] =
+                store.split(|n| cfg.routed_expert_of(n).is_some());
+            let expert_replicas = self.mesh.expert_replica_group(rank, layout.ep);
+            GroupedZero::from_parts(vec![
+                (state(dense, replicas), dense_at),
+                (state(experts, expert_replicas), expert_at),
+            ])
+        } else {
+            GroupedZero::whole(state(store, replicas))
+        };
         zero.set_threaded_update(self.kernel_threads > 1);
         zero.set_prefetch(self.zero3_prefetch);
         Ok(Device {
@@ -492,24 +525,21 @@ impl<'a> MeshStep<'a> {
 
     /// Device `dev`'s share of the squared global gradient norm (of its reduced gradients).
     pub(crate) fn grad_sq_partial(&self, dev: &mut Device) -> f64 {
-        let (d, s) = (
-            self.mesh.replica_index(dev.rank),
-            self.mesh.coords(dev.rank).pp,
-        );
+        let s = self.mesh.coords(dev.rank).pp;
         let specs = dev.zero.specs();
         let tied_copy = self.cfg.tie_word_embeddings && self.mesh.pp > 1 && s == self.mesh.pp - 1;
-        if !(dev.zero.grads_sharded() || d == 0) {
-            return 0.0; // an identical replica: replica 0 counts it
-        }
-        dev.zero.with_grad_view(|grads| {
+        // An identical replica's copy is counted by the first replica holding it.
+        dev.zero.with_counted_grad_view(|grads, counted| {
             specs
                 .iter()
                 .zip(grads.iter())
-                .filter(|(sp, _)| {
-                    dev.shard.counts_in_norm(self.cfg, &sp.name)
+                .zip(counted)
+                .filter(|((sp, _), &counted)| {
+                    counted
+                        && dev.shard.counts_in_norm(self.cfg, &sp.name)
                         && !(tied_copy && sp.name == self.cfg.embedding_name())
                 })
-                .map(|(_, g)| sum_of_squares(g, self.kernel_threads))
+                .map(|((_, g), _)| sum_of_squares(g, self.kernel_threads))
                 .sum()
         })
     }
@@ -605,9 +635,11 @@ impl<'a> MeshStep<'a> {
     pub(super) fn shard_group<'c, C: Comm>(&self, c: &'c mut C, dev: &Device) -> TpGroup<'c, C> {
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
         let cp_group = self.mesh.group_of(dev.rank, Dim::Cp);
+        let (ep_group, ep_index) = self.mesh.expert_group(dev.rank, self.layout.ep.max(1));
         TpGroup::new(c, tp_group, dev.shard)
             .with_wire(Wire::of(self.precision))
             .with_context(self.context_of(dev.rank), cp_group)
+            .with_experts(ep_group, ep_index)
     }
 }
 

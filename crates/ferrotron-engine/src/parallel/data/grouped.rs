@@ -1,0 +1,356 @@
+//! A device's state when its tensors are shared with different replicas: under expert parallelism
+//! the dense tensors with every replica of the shard (dp·cp), a mixture of experts' routed experts
+//! only with the replicas holding the same experts (dp·cp / ep). Each set is a [`ZeroState`] over
+//! its own group (so ZeRO 1–3 partitions both); the executor sees one store in the shard's order,
+//! assembled per unit by moving the tensors in and out (no copies).
+//!
+//! A device runs one collective at a time: with two sets, each set's collectives complete before
+//! the other's start (its prefetches and background buckets are settled), trading their overlap
+//! with compute for correctness on every backend.
+
+use super::{OwnedState, ZeroState};
+use crate::comm::{Comm, CommError};
+use crate::parallel::tensor::TpGroup;
+use crate::transformer::{FrozenBase, ParamStore, Residency, Unit};
+use ferrotron_core::model::ParamSpec;
+use std::ops::Range;
+
+/// One set of tensors: its state, and where each of its tensors sits in the shard's order.
+struct Part {
+    state: ZeroState,
+    at: Vec<usize>,
+}
+
+/// The device's state: one [`ZeroState`] over its replicas, or (expert parallelism) one per set
+/// of tensors shared alike.
+pub struct GroupedZero {
+    parts: Vec<Part>,
+    /// The shard's tensors in its order, and the executor's views in that order (tensors moved in
+    /// from the parts for a unit's work, then back).
+    specs: Vec<ParamSpec>,
+    params: ParamStore,
+    grads: ParamStore,
+}
+
+impl GroupedZero {
+    /// Every tensor in one state (shared with every replica alike).
+    pub fn whole(state: ZeroState) -> Self {
+        let n = state.params.specs.len();
+        Self::from_parts(vec![(state, (0..n).collect())])
+    }
+
+    /// Tensors in several states, `at[i]` the shard's index of each state's `i`-th tensor.
+    pub fn from_parts(parts: Vec<(ZeroState, Vec<usize>)>) -> Self {
+        let n: usize = parts.iter().map(|(_, at)| at.len()).sum();
+        let mut specs: Vec<Option<ParamSpec>> = vec![None; n];
+        for (state, at) in &parts {
+            for (spec, &j) in state.params.specs.iter().zip(at) {
+                specs[j] = Some(spec.clone());
+            }
+        }
+        let specs: Vec<ParamSpec> = specs
+            .into_iter()
+            .map(|s| s.expect("the parts cover the shard"))
+            .collect();
+        let mut parts: Vec<Part> = parts
+            .into_iter()
+            .map(|(state, at)| Part { state, at })
+            .collect();
+        if parts.len() > 1 {
+            // Prefetching would keep one set's gather in flight while the other's runs.
+            parts.iter_mut().for_each(|p| p.state.set_prefetch(false));
+        }
+        let empty = || ParamStore::from_tensors(specs.clone(), vec![Vec::new(); n]);
+        Self {
+            params: empty(),
+            grads: empty(),
+            specs,
+            parts,
+        }
+    }
+
+    /// The state of a device whose tensors are all shared alike (no expert parallelism): what the
+    /// asynchronous schedules work on, which refuse a split of experts before any device is built.
+    pub fn single(&self) -> &ZeroState {
+        assert_eq!(self.parts.len(), 1, "one set of tensors");
+        &self.parts[0].state
+    }
+
+    /// See [`GroupedZero::single`].
+    pub fn single_mut(&mut self) -> &mut ZeroState {
+        assert_eq!(self.parts.len(), 1, "one set of tensors");
+        &mut self.parts[0].state
+    }
+
+    pub fn set_prefetch(&mut self, on: bool) {
+        let alone = self.parts.len() == 1;
+        self.parts
+            .iter_mut()
+            .for_each(|p| p.state.set_prefetch(on && alone));
+    }
+
+    pub fn set_threaded_update(&mut self, threaded: bool) {
+        self.parts
+            .iter_mut()
+            .for_each(|p| p.state.set_threaded_update(threaded));
+    }
+
+    /// The shard's parameter specs, in its order.
+    pub fn specs(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+
+    pub fn begin_step(&mut self) {
+        self.parts.iter_mut().for_each(|p| p.state.begin_step());
+    }
+
+    /// Ends the step's gradient reductions, set by set.
+    pub fn reduce_grads<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        self.parts
+            .iter_mut()
+            .try_for_each(|p| p.state.reduce_grads(c))
+    }
+
+    /// One optimizer update of every set.
+    pub fn update<C: Comm>(&mut self, c: &mut C, lr: f32) -> Result<(), CommError> {
+        self.parts
+            .iter_mut()
+            .try_for_each(|p| p.state.update(c, lr))
+    }
+
+    pub fn optimizer_step(&self) -> u64 {
+        self.parts[0].state.optimizer_step()
+    }
+
+    /// Runs `f` over the reduced gradients this device holds, in the shard's order (see
+    /// [`ZeroState::with_grad_view`]).
+    pub fn with_grad_view<R>(&mut self, f: impl FnOnce(&mut [&mut [f32]]) -> R) -> R {
+        self.with_counted_grad_view(|g, _| f(g))
+    }
+
+    /// [`GroupedZero::with_grad_view`], with whether this device counts each tensor in a global
+    /// sum over devices (its own piece, or the first replica's copy of a whole one).
+    pub fn with_counted_grad_view<R>(
+        &mut self,
+        f: impl FnOnce(&mut [&mut [f32]], &[bool]) -> R,
+    ) -> R {
+        let n = self.specs.len();
+        let counts = |parts: &[Part]| {
+            let mut out = vec![false; n];
+            for p in parts {
+                let counted = p.state.sharded() || p.state.dp_rank == 0;
+                p.at.iter().for_each(|&j| out[j] = counted);
+            }
+            out
+        };
+        let counted = counts(&self.parts);
+        match self.parts.as_mut_slice() {
+            // Built by `whole`: the shard's order is the state's.
+            [one] => one.state.with_grad_view(|g| f(g, &counted)),
+            [a, b] => a.state.with_grad_view(|ga| {
+                b.state.with_grad_view(|gb| {
+                    let mut view: Vec<&mut [f32]> = Vec::with_capacity(n);
+                    view.resize_with(n, Default::default);
+                    for (&j, g) in a.at.iter().zip(ga.iter_mut()) {
+                        view[j] = &mut **g;
+                    }
+                    for (&j, g) in b.at.iter().zip(gb.iter_mut()) {
+                        view[j] = &mut **g;
+                    }
+                    f(&mut view, &counted)
+                })
+            }),
+            _ => unreachable!("a shard's tensors are shared in one or two ways"),
+        }
+    }
+
+    /// The shard's whole parameters (every replica of each set must call it).
+    pub fn full_params<C: Comm>(&mut self, c: &mut C) -> Result<ParamStore, CommError> {
+        let mut out = Vec::new();
+        for p in &mut self.parts {
+            out.push(p.state.full_params(c)?);
+        }
+        Ok(self.merge(out))
+    }
+
+    /// The shard's whole reduced gradients (every replica of each set must call it).
+    pub fn full_grads<C: Comm>(&self, c: &mut C) -> Result<ParamStore, CommError> {
+        let mut out = Vec::new();
+        for p in &self.parts {
+            out.push(p.state.full_grads(c)?);
+        }
+        Ok(self.merge(out))
+    }
+
+    /// One store per part, in the shard's order.
+    fn merge(&self, stores: Vec<ParamStore>) -> ParamStore {
+        let mut tensors = vec![Vec::new(); self.specs.len()];
+        for (p, store) in self.parts.iter().zip(stores) {
+            for (&j, t) in p.at.iter().zip(store.tensors) {
+                tensors[j] = t;
+            }
+        }
+        ParamStore::from_tensors(self.specs.clone(), tensors)
+    }
+
+    /// The range of each tensor this device owns (see [`ZeroState::owned_ranges`]), in the shard's
+    /// order.
+    pub fn owned_ranges(&self) -> Vec<Range<usize>> {
+        let mut out = vec![0..0; self.specs.len()];
+        for p in &self.parts {
+            for (&j, r) in p.at.iter().zip(p.state.owned_ranges()) {
+                out[j] = r;
+            }
+        }
+        out
+    }
+
+    /// What this device owns of each tensor, for a checkpoint, in the shard's order.
+    pub fn owned_state(&self) -> Vec<OwnedState> {
+        let mut out: Vec<Option<OwnedState>> = (0..self.specs.len()).map(|_| None).collect();
+        for p in &self.parts {
+            for (&j, s) in p.at.iter().zip(p.state.owned_state()) {
+                out[j] = Some(s);
+            }
+        }
+        out.into_iter()
+            .map(|s| s.expect("every tensor in a part"))
+            .collect()
+    }
+
+    /// Resumes the optimizer: each tensor's moments over its owned range, in the shard's order.
+    pub fn restore_optimizer(&mut self, step: u64, moments: Vec<(Vec<f32>, Vec<f32>)>) {
+        let mut moments: Vec<Option<(Vec<f32>, Vec<f32>)>> =
+            moments.into_iter().map(Some).collect();
+        for p in &mut self.parts {
+            let mine =
+                p.at.iter()
+                    .map(|&j| moments[j].take().expect("one tensor, one part"))
+                    .collect();
+            p.state.restore_optimizer(step, mine);
+        }
+    }
+
+    /// Accumulates deferred weight gradients (a zero-bubble W action; see
+    /// [`ZeroState::apply_deferred`]). Only pipelines defer them, and a split of experts is not
+    /// pipelined.
+    pub fn apply_deferred<C: Comm>(
+        &mut self,
+        c: &mut C,
+        touched: &[usize],
+        apply: impl FnOnce(&mut ParamStore),
+    ) -> Result<(), CommError> {
+        if self.parts.len() > 1 {
+            return Err(CommError::Usage(
+                "deferred weight gradients with experts split over devices: a mixture of experts \
+                 is not pipelined"
+                    .into(),
+            ));
+        }
+        self.parts[0].state.apply_deferred(c, touched, apply)
+    }
+
+    /// A residency for the executor over this state, with the device's communicator.
+    pub fn residency<'s, 'c, C: Comm>(
+        &'s mut self,
+        tpg: &'s TpGroup<'c, C>,
+    ) -> GroupedResidency<'s, 'c, C> {
+        GroupedResidency { zero: self, tpg }
+    }
+
+    /// Moves every part's tensors (parameters, and gradients when `grads`) into the views.
+    fn lend(&mut self, grads: bool) {
+        for p in &mut self.parts {
+            for (i, &j) in p.at.iter().enumerate() {
+                std::mem::swap(&mut self.params.tensors[j], &mut p.state.params.tensors[i]);
+                std::mem::swap(&mut self.params.bf16[j], &mut p.state.params.bf16[i]);
+                std::mem::swap(&mut self.params.nf4[j], &mut p.state.params.nf4[i]);
+                if grads {
+                    std::mem::swap(&mut self.grads.tensors[j], &mut p.state.grads.tensors[i]);
+                }
+            }
+        }
+    }
+}
+
+/// The executor's view of a [`GroupedZero`]: each part's unit brought in (one part's collectives
+/// completed before the other's), its tensors lent to one store for the executor's work.
+pub struct GroupedResidency<'s, 'c, C: Comm> {
+    zero: &'s mut GroupedZero,
+    tpg: &'s TpGroup<'c, C>,
+}
+
+impl<C: Comm> GroupedResidency<'_, '_, C> {
+    /// Runs `step` on each part, settling each part's collectives before the next part's when
+    /// there are several.
+    fn each(&mut self, step: &mut dyn FnMut(&mut C, &mut ZeroState) -> Result<(), CommError>) {
+        let several = self.zero.parts.len() > 1;
+        for p in &mut self.zero.parts {
+            self.tpg.with_comm(|c| {
+                step(c, &mut p.state)?;
+                if several {
+                    p.state.settle(c)?;
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
+impl<C: Comm> Residency for GroupedResidency<'_, '_, C> {
+    fn begin_pass(&mut self, units: &[Unit]) {
+        if self.zero.parts.len() == 1 {
+            self.zero.parts[0]
+                .state
+                .residency(self.tpg)
+                .begin_pass(units);
+        }
+    }
+
+    fn params(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore)) {
+        if self.zero.parts.len() == 1 {
+            return self.zero.parts[0].state.residency(self.tpg).params(unit, f);
+        }
+        self.each(&mut |c, s| s.open_params(c, unit));
+        self.zero.lend(false);
+        f(&self.zero.params);
+        self.zero.lend(false);
+        self.zero
+            .parts
+            .iter_mut()
+            .for_each(|p| p.state.close_params(unit));
+    }
+
+    fn gather_frozen(&mut self, unit: Unit, base: &FrozenBase) -> ParamStore {
+        // LoRA on a mixture of experts is refused where LoRA is validated: one part.
+        self.zero.parts[0]
+            .state
+            .residency(self.tpg)
+            .gather_frozen(unit, base)
+    }
+
+    fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
+        if self.zero.parts.len() == 1 {
+            return self.zero.parts[0]
+                .state
+                .residency(self.tpg)
+                .params_and_grads(unit, f);
+        }
+        let mut ids: Vec<Vec<usize>> = vec![Vec::new(); self.zero.parts.len()];
+        let mut k = 0;
+        self.each(&mut |c, s| {
+            ids[k] = s.open_unit_grads(c, unit)?;
+            k += 1;
+            Ok(())
+        });
+        self.zero.lend(true);
+        f(&self.zero.params, &mut self.zero.grads);
+        self.zero.lend(true);
+        let mut k = 0;
+        self.each(&mut |c, s| {
+            let r = s.close_unit_grads(c, unit, &ids[k]);
+            k += 1;
+            r
+        });
+    }
+}
