@@ -217,6 +217,7 @@ fn expert_parallel_layouts_equal_transformers_on_the_whole_batch() {
             r.loss
         );
         let (tensor, worst) = worst_grad_err(&r.grads, &reference);
+        println!("{name} {spec}: loss {e:.1e}, worst gradient {worst:.1e} ({tensor})");
         assert!(
             worst <= TOL,
             "{name} {spec}: {tensor} vs transformers: {worst:e}"
@@ -295,6 +296,27 @@ fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
             "{spec}: {e}"
         );
     }
+}
+
+/// `ep` on a model without experts, or one that does not divide the experts, is refused naming it.
+#[test]
+fn an_expert_split_that_cannot_be_made_is_refused_by_name() {
+    let (cfg, params, reference) = load();
+    let layout = LayoutSpec::parse("dp=4,ep=4").unwrap().layout;
+    let mut three = cfg.clone();
+    three.moe.as_mut().unwrap().num_experts = 3;
+    let e = step_on(&three, &params, &reference, &layout)
+        .err()
+        .expect("3 experts over ep=4")
+        .to_string();
+    assert!(e.contains("ep=4") && e.contains("3 experts"), "{e}");
+    let (dense, dense_params) = hf::load_model(&fixture("llama_tiny")).unwrap();
+    let layout = LayoutSpec::parse("dp=2,ep=2").unwrap().layout;
+    let e = step_on(&dense, &dense_params, &reference, &layout)
+        .err()
+        .expect("ep on a dense model")
+        .to_string();
+    assert!(e.contains("ep=2") && e.contains("has none"), "{e}");
 }
 
 #[test]

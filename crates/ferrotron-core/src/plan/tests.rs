@@ -768,3 +768,49 @@ fn model_flops_count_attention_under_the_causal_mask_and_its_window() {
         "{model} {hardware}"
     );
 }
+
+/// Expert parallelism: each device holds num_experts / ep of every block's routed experts, ZeRO
+/// shards them over the dp·cp / ep replicas holding the same ones (and the rest over all), the
+/// all-to-alls are priced at the balanced load, and the search finds ep for Mixtral 8x7B.
+#[test]
+fn expert_parallelism_divides_the_experts_and_is_searched() {
+    let input = PlanInput::new(
+        PlanModel::parse("mixtral-8x7b").unwrap(),
+        Cluster::parse("dgx-h100-80g,nodes=2").unwrap(),
+        4096,
+        64,
+    );
+    let PlanModel::Shape(cfg) = &input.model else {
+        unreachable!()
+    };
+    let m = cfg.moe.as_deref().unwrap();
+    let layout = |spec: &str| crate::layout::LayoutSpec::parse(spec).unwrap().layout;
+    let (whole, split) = (layout("dp=16,zero=1"), layout("dp=16,ep=8,zero=1"));
+    // Every block has experts: 32 blocks × 8 experts × 3 matrices of 4096 × 14336.
+    let experts = 32.0 * 8.0 * 3.0 * 4096.0 * 14336.0;
+    let held = params_on_device(cfg, &whole, 0) - params_on_device(cfg, &split, 0);
+    assert!((held / (experts * 7.0 / 8.0) - 1.0).abs() < 1e-12, "{held}");
+    // ZeRO-1: the optimizer state of the experts over the 16 / 8 = 2 replicas holding them.
+    let dense = params_on_device(cfg, &split, 0) - experts / 8.0;
+    let want = 8.0 * (dense / 16.0 + experts / 8.0 / 2.0);
+    let got = stage_memory(&input, &split, 0, 1).optimizer_states as f64;
+    assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
+    // All-to-all bytes: four exchanges of k·tokens·(ep−1)/ep rows per block and micro-batch,
+    // beside the counts.
+    let plan = evaluate(&input, &layout("dp=16,ep=8,zero=1,mbs=1")).unwrap();
+    let places = 4096.0 * m.top_k as f64 * 7.0 / 8.0;
+    let per_micro_batch = 32.0 * (2.0 * 2.0 * places * 4096.0 * 4.0 + 7.0 * 8.0);
+    let micro_batches = 64.0 / 16.0;
+    assert_eq!(plan.comm_bytes_per_step.ep, micro_batches * per_micro_batch);
+    assert!(plan
+        .explain
+        .iter()
+        .any(|l| l.contains("expert parallel ep=8")));
+    let best = &search(&input).unwrap()[0];
+    assert!(best.layout.ep > 1 && best.fits, "{}", best.layout);
+    // ep must divide the replicas and the experts.
+    let e = evaluate(&input, &layout("dp=16,ep=16"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("ep=16") && e.contains("8 experts"), "{e}");
+}
