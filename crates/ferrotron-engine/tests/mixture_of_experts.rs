@@ -2,8 +2,8 @@
 //! (`tests/fixtures/variants/mixtral`, made by `make_moe_references.py`, whose router weights are
 //! drawn sharp enough that no token's top-k choice is within 1e-3 of flipping) gives
 //! transformers' loss — cross-entropy plus the load-balancing loss, router logits on — and every
-//! gradient, named as the checkpoint names them, on one device; data-parallel replicas give what
-//! one device gives with the same micro-batches; splits not implemented are refused by name.
+//! gradient, named as the checkpoint names them, on one device; data-parallel replicas, expert
+//! parallelism and pipelines give the same; splits not implemented are refused by name.
 
 mod common;
 
@@ -14,7 +14,7 @@ use ferrotron_core::schedule::StagePartition;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::parallel::pipeline_step;
-use ferrotron_engine::transformer::{ParamStore, Transformer};
+use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use std::time::Duration;
 
 /// f32 against transformers' f32, summed in other orders: relative error per tensor.
@@ -46,15 +46,18 @@ fn step_on(
     reference: &Reference,
     layout: &Layout,
 ) -> ferrotron_engine::error::Result<ferrotron_engine::parallel::PipelineRun> {
-    let part = StagePartition::for_model(cfg, layout.pp.max(1)).unwrap();
-    pipeline_step(
-        cfg,
-        params,
-        &reference.batch,
-        layout,
-        &part,
-        Duration::from_secs(60),
-    )
+    step_batch(cfg, params, &reference.batch, layout)
+}
+
+/// One step of `layout` (threads) on `batch`.
+fn step_batch(
+    cfg: &ModelConfig,
+    params: &ParamStore,
+    batch: &TokenBatch,
+    layout: &Layout,
+) -> ferrotron_engine::error::Result<ferrotron_engine::parallel::PipelineRun> {
+    let part = StagePartition::for_layout(cfg, layout).unwrap();
+    pipeline_step(cfg, params, batch, layout, &part, Duration::from_secs(60))
 }
 
 /// The router of the first block with experts.
@@ -202,8 +205,17 @@ fn expert_parallel_layouts_equal_transformers_on_the_whole_batch() {
         ("mixtral", "dp=4,ep=2,zero=3"),
         ("mixtral", "dp=4,ep=2,zero=1"),
         ("mixtral", "dp=4,ep=2,zero=2"),
+        ("mixtral", "dp=2,ep=2,mbs=2,recompute=full"),
         ("qwen2_moe", "dp=2,ep=2"),
         ("qwen3_moe", "dp=2,ep=2,zero=3"),
+        // Pipeline stages: the router statistics travel forward with the activations and the
+        // whole step's back with their gradients.
+        ("mixtral", "pp=2,mbs=4"),
+        ("mixtral", "pp=2,mbs=4,schedule=zbh1"),
+        ("mixtral", "dp=2,ep=2,pp=2,mbs=2,zero=1"),
+        ("mixtral", "dp=2,ep=2,pp=2,mbs=2,schedule=zbh1,zero=3"),
+        ("qwen3_moe", "pp=3,mbs=2"),
+        ("qwen2_moe", "dp=2,ep=2,pp=2,zero=2"),
     ] {
         let (cfg, params, reference) = load_model(name);
         let layout = LayoutSpec::parse(spec).unwrap().layout;
@@ -225,6 +237,65 @@ fn expert_parallel_layouts_equal_transformers_on_the_whole_batch() {
     }
 }
 
+/// Several micro-batches per replica take the load-balancing loss per micro-batch step (each over
+/// the replicas' micro-batches of that step): pipelines, interleaved ones included, and expert
+/// parallelism compute exactly what one device computes with the same micro-batches.
+#[test]
+fn pipelines_of_several_micro_batches_equal_one_device() {
+    for (name, spec, one) in [
+        ("mixtral", "pp=2", "mbs=1"),
+        ("mixtral", "pp=2,schedule=gpipe", "mbs=1"),
+        ("mixtral", "dp=2,ep=2,pp=2,schedule=zbh1", "mbs=1"),
+        ("qwen2_moe", "pp=2,vpp=2,schedule=interleaved", "mbs=1"),
+    ] {
+        let (cfg, params, reference) = load_model(name);
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        let r = step_on(&cfg, &params, &reference, &layout)
+            .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
+        // dp=2 with m micro-batches each: micro-batch step j is replica 0's j-th and replica
+        // 1's j-th; one device runs them in that pairing with twice the micro-batch size.
+        let mut base = LayoutSpec::parse(one).unwrap().layout;
+        if layout.dp > 1 {
+            base.micro_batch_size *= layout.dp;
+            let b = &reference.batch;
+            let seq = b.seq;
+            let per = b.batch / layout.dp;
+            let mut ids = Vec::new();
+            for j in 0..per {
+                for d in 0..layout.dp {
+                    let at = (d * per + j) * seq;
+                    ids.extend_from_slice(&b.ids[at..at + seq]);
+                }
+            }
+            let paired = TokenBatch { ids, ..b.clone() };
+            let want = step_batch(&cfg, &params, &paired, &base).unwrap();
+            compare(name, spec, &r, &want);
+        } else {
+            let want = step_on(&cfg, &params, &reference, &base).unwrap();
+            compare(name, spec, &r, &want);
+        }
+    }
+}
+
+fn compare(
+    name: &str,
+    spec: &str,
+    got: &ferrotron_engine::parallel::PipelineRun,
+    want: &ferrotron_engine::parallel::PipelineRun,
+) {
+    let e = (got.loss - want.loss).abs() / want.loss;
+    assert!(
+        e <= TOL,
+        "{name} {spec}: loss {} vs {}",
+        got.loss,
+        want.loss
+    );
+    for (s, b) in want.grads.specs.iter().zip(&want.grads.tensors) {
+        let e = rel_err(got.grads.get(&s.name).unwrap(), b);
+        assert!(e <= TOL, "{name} {spec}: {} off by {e:e}", s.name);
+    }
+}
+
 /// The bytes each device sends in the all-to-alls are the planner's formula exactly, given where
 /// the unsplit model routes each replica's tokens (recomputed here, one sequence at a time).
 #[test]
@@ -241,7 +312,7 @@ fn expert_all_to_all_bytes_are_the_planners() {
     let seq = reference.batch.seq;
     let routed: Vec<Vec<Vec<f64>>> = (0..4)
         .map(|d| {
-            let one = ferrotron_engine::transformer::TokenBatch {
+            let one = TokenBatch {
                 ids: reference.batch.ids[d * seq..(d + 1) * seq].to_vec(),
                 batch: 1,
                 seq,
@@ -285,7 +356,7 @@ fn expert_all_to_all_bytes_are_the_planners() {
 #[test]
 fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
     let (cfg, params, reference) = load();
-    for spec in ["tp=2", "pp=2", "cp=2"] {
+    for spec in ["tp=2", "cp=2"] {
         let layout = LayoutSpec::parse(spec).unwrap().layout;
         let e = step_on(&cfg, &params, &reference, &layout)
             .err()

@@ -107,11 +107,18 @@ fn grads_under_mpi_match_pytorch() {
 
 /// A Mixtral on four ranks, one sequence each, its experts divided over pairs of them: tokens
 /// travel to their experts' ranks and back over MPI, the replicas sum their router statistics
-/// before backward, and ZeRO-3 shards the experts over the ranks holding them; the loss (with its
-/// load-balancing term) and every gradient are transformers' for the whole batch.
+/// before backward, and ZeRO-3 shards the experts over the ranks holding them; then over two
+/// pipeline stages. The loss (with its load-balancing term) and every gradient are transformers'
+/// for the whole batch.
 #[test]
 fn mixtral_grads_on_four_mpi_ranks_with_expert_parallelism_match_transformers() {
     mpi_grads_match_the_reference(&fixture("variants").join("mixtral"), "dp=4,ep=2,zero=3", 4);
+    // Two pipeline stages of two replicas: the router statistics travel between the stages' ranks.
+    mpi_grads_match_the_reference(
+        &fixture("variants").join("mixtral"),
+        "dp=2,ep=2,pp=2,mbs=2,schedule=zbh1",
+        4,
+    );
 }
 
 #[test]

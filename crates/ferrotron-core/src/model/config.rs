@@ -373,16 +373,14 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Whether this model can run split `tp`, `pp` and `cp` ways with its experts over `ep` of its
+    /// Whether this model can run split `tp` and `cp` ways with its experts over `ep` of its
     /// `replicas` (dp·cp), and if not, the layout key at fault and why. So far a mixture of experts
-    /// runs on data-parallel replicas only (its router statistics are per micro-batch, which a
-    /// split of the layers, weights or sequence would divide), its experts divided over an
-    /// expert-parallel group carved from them. The one statement of the rule: the planner and the
+    /// runs on data-parallel replicas and pipeline stages (its router statistics travel with each
+    /// micro-batch), its experts divided over an expert-parallel group carved from the replicas. The one statement of the rule: the planner and the
     /// engine both ask it.
     pub fn experts_split(
         &self,
         tp: usize,
-        pp: usize,
         cp: usize,
         ep: usize,
         replicas: usize,
@@ -399,16 +397,13 @@ impl ModelConfig {
                 )),
             };
         };
-        if let Some((key, n)) = [("tp", tp), ("pp", pp), ("cp", cp)]
-            .into_iter()
-            .find(|&(_, n)| n > 1)
-        {
+        if let Some((key, n)) = [("tp", tp), ("cp", cp)].into_iter().find(|&(_, n)| n > 1) {
             return Err((
                 key,
                 format!(
-                    "{key}={n}: a mixture of experts runs on data-parallel replicas only so far, \
-                     its experts divided over them with ep=N (tensor, pipeline and context \
-                     parallelism of its blocks are not implemented yet)"
+                    "{key}={n}: a mixture of experts runs on data-parallel replicas and pipeline \
+                     stages only so far, its experts divided over the replicas with ep=N (tensor \
+                     and context parallelism of its blocks are not implemented yet)"
                 ),
             ));
         }

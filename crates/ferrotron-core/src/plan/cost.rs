@@ -587,7 +587,12 @@ fn pp_bytes(input: &PlanInput, cfg: &ModelConfig, l: &Layout, m: usize, boundary
                 .map(|vs| usize::from(vs + 1 < nv) + usize::from(vs > 0))
                 .sum();
             let ends = if s == 0 || s == l.pp - 1 { tied } else { 0.0 };
-            sends as f64 * m as f64 * boundary / rows_here + ends
+            // A mixture of experts' router statistics beside each boundary tensor: 2·E + 2 f64.
+            let router = cfg
+                .moe
+                .as_ref()
+                .map_or(0.0, |m| (2 * m.num_experts + 2) as f64 * 8.0);
+            sends as f64 * m as f64 * (boundary / rows_here + router) + ends
         })
         .fold(0.0, f64::max)
 }
@@ -661,17 +666,23 @@ fn expert_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) -
         bytes_per_micro_batch: 0.0,
         per_layer: 0.0,
     };
-    let Some(m) = cfg.moe.as_ref().filter(|_| l.ep > 1) else {
+    if cfg.moe.is_none() || l.ep <= 1 {
         return none;
-    };
-    let layers = m.expert_layers(cfg.num_layers) as f64;
+    }
+    // The busiest stage's blocks with experts.
+    let layers = (0..l.pp)
+        .map(|s| super::stage_expert_layers(cfg, l, s))
+        .max()
+        .unwrap_or(0) as f64;
     let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
     let places = balanced_places(cfg, l.ep, tokens);
     let bytes = expert_all_to_all_bytes(cfg, l.ep, layers, layers * places, layers * places);
     let eff = input.cluster.calibration.link_efficiency;
-    // Two all-to-alls each way per block with experts, each ep − 1 messages.
+    // Two all-to-alls each way per block with experts, each ep − 1 messages; spread over the
+    // stage's blocks (the actions price a block on average).
     let one_way = bytes / 2.0;
-    let time = ring_time(one_way, 2 * (l.ep - 1), link, eff) / cfg.num_layers.max(1) as f64;
+    let blocks = super::stage_layers(cfg, l, 0).max(1) as f64;
+    let time = ring_time(one_way, 2 * (l.ep - 1) * layers as usize, link, eff) / blocks;
     ExpertCosts {
         bytes_per_micro_batch: bytes,
         per_layer: time,

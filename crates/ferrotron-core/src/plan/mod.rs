@@ -393,7 +393,7 @@ fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result
     if let Err(why) = cfg.tensor_parallel_split(l.tp) {
         return Err(rule("tp", format!("tp={}: {why}", l.tp)));
     }
-    if let Err((key, why)) = cfg.experts_split(l.tp, l.pp, l.cp, l.ep, l.replicas()) {
+    if let Err((key, why)) = cfg.experts_split(l.tp, l.cp, l.ep, l.replicas()) {
         return Err(rule(key, why));
     }
     if l.cp > 1 && l.cp_comm == crate::layout::CpComm::A2a {
@@ -486,6 +486,21 @@ pub fn stage_layers(cfg: &ModelConfig, l: &Layout, stage: usize) -> usize {
         .skip(stage)
         .step_by(l.pp.max(1))
         .sum()
+}
+
+/// Blocks with experts on stage `stage` (over its chunks), a mixture of experts' or none.
+pub fn stage_expert_layers(cfg: &ModelConfig, l: &Layout, stage: usize) -> usize {
+    let Some(m) = &cfg.moe else { return 0 };
+    let chunks = chunk_layers(cfg, l);
+    let mut first = 0;
+    let mut count = 0;
+    for (vs, &n) in chunks.iter().enumerate() {
+        if vs % l.pp.max(1) == stage {
+            count += (first..first + n).filter(|&i| m.has_experts(i)).count();
+        }
+        first += n;
+    }
+    count
 }
 
 /// Peak chunk stashes of stage `s` in closed form (what the schedule simulation measures for these

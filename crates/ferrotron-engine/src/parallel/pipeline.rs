@@ -147,6 +147,11 @@ fn tag(mb: usize, vs: usize, dir: u64) -> u64 {
     ((mb as u64) << 32 | (vs as u64) << 1) | dir
 }
 
+/// The tag of the router statistics that travel beside a boundary tensor of tag `t`.
+fn router_tag(t: u64) -> u64 {
+    t | 1 << 47
+}
+
 /// One device's part of a pipelined step: where it sits and what it runs.
 pub(crate) struct StageRun<'a> {
     pub schedule: &'a PipelineSchedule,
@@ -318,9 +323,21 @@ impl StageRun<'_> {
             let (batch, seq) = (self.micro[0].batch, self.micro[0].seq);
             StageInput::Hidden { x, batch, seq }
         };
+        // A mixture of experts: the router statistics of the stages before, which the last
+        // stage's load-balancing loss takes over every layer.
+        let earlier = match self.router_width(model) {
+            Some(width) if vs > 0 => {
+                let from = (self.device_of)((vs - 1) % p);
+                Some(self.receive_router(tpg, from, router_tag(tag(mb, vs, FORWARD)), width)?)
+            }
+            _ => None,
+        };
         let started = clocks(tpg);
         let mut state = model.forward_stage_in(be, tpg, res, input);
         self.computed(tpg, Action::Forward { mb, chunk }, started, pass)?;
+        if let Some(v) = earlier {
+            state.add_router_tally(&crate::transformer::RouterTally::from_vec(&v));
+        }
         pass.out
             .add_expert_tokens(model.cfg.num_layers, state.expert_tokens());
         if vs + 1 < p * self.chunks_per_device {
@@ -334,6 +351,12 @@ impl StageRun<'_> {
                 format!("F{mb}"),
                 pass,
             )?;
+            if let Some(width) = self.router_width(model) {
+                let v = state.router_tally_vec(width, 0.0);
+                tpg.comm()
+                    .send(to, &v, router_tag(tag(mb, vs + 1, FORWARD)))
+                    .map_err(EngineError::Comm)?;
+            }
         }
         pass.stash.insert((mb, chunk), state);
         pass.note_held();
@@ -368,14 +391,29 @@ impl StageRun<'_> {
         };
         let targets = &self.targets[mb];
         let mut state = state;
-        if let (Some(group), Some(tally)) = (self.router_group, state.router_tally_mut()) {
-            let predicted = targets.iter().filter(|t| t.is_some()).count() as f64;
-            let mut v = tally.to_vec(predicted);
-            tpg.comm()
-                .all_reduce(group, &mut v, crate::comm::ReduceOp::Sum)
-                .map_err(EngineError::Comm)?;
-            *tally = crate::transformer::RouterTally::from_vec(&v);
-        }
+        // A mixture of experts: the last stage's tally is every layer's; summed over the
+        // replicas it is the micro-batch step's, which travels back to every stage before (each
+        // stage's layers take the load-balancing loss's gradient from it).
+        let router = match self.router_width(model) {
+            Some(width) if dout.is_some() => {
+                let from = (self.device_of)((vs + 1) % p);
+                let v = self.receive_router(tpg, from, router_tag(tag(mb, vs, BACKWARD)), width)?;
+                state.set_router_tally(crate::transformer::RouterTally::from_vec(&v));
+                Some(v)
+            }
+            Some(width) => {
+                let predicted = targets.iter().filter(|t| t.is_some()).count() as f64;
+                let mut v = state.router_tally_vec(width, predicted);
+                if let Some(group) = self.router_group {
+                    tpg.comm()
+                        .all_reduce(group, &mut v, crate::comm::ReduceOp::Sum)
+                        .map_err(EngineError::Comm)?;
+                }
+                state.set_router_tally(crate::transformer::RouterTally::from_vec(&v));
+                Some(v)
+            }
+            None => None,
+        };
         let started = clocks(tpg);
         let (loss, dx, w) =
             model.backward_stage_in(be, tpg, res, state, dout, targets, self.scale, split);
@@ -402,8 +440,33 @@ impl StageRun<'_> {
                 format!("B{mb}"),
                 pass,
             )?;
+            if let Some(v) = router {
+                tpg.comm()
+                    .send(to, &v, router_tag(tag(mb, vs - 1, BACKWARD)))
+                    .map_err(EngineError::Comm)?;
+            }
         }
         Ok(())
+    }
+
+    /// A mixture of experts: the length of the router statistics a micro-batch carries.
+    fn router_width(&self, model: &Transformer) -> Option<usize> {
+        model.cfg.moe.as_ref().map(|m| 2 * m.num_experts + 2)
+    }
+
+    /// Router statistics (`width` numbers) from the device `from`.
+    fn receive_router<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        from: usize,
+        tag: u64,
+        width: usize,
+    ) -> Result<Vec<f64>> {
+        let mut v = vec![0f64; width];
+        tpg.comm()
+            .recv(from, &mut v, tag)
+            .map_err(EngineError::Comm)?;
+        Ok(v)
     }
 
     /// Ends an action's compute: its collectives' errors, a drill's extra time, its timeline entry.

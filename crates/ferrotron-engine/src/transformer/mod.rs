@@ -81,10 +81,28 @@ impl ForwardState {
         &self.expert_tokens
     }
 
-    /// A mixture of experts: the load-balancing loss's statistics of this micro-batch over this
-    /// stage's layers (`None` for a dense model), for the runtime to sum over replicas.
-    pub fn router_tally_mut(&mut self) -> Option<&mut RouterTally> {
-        (!self.router_tally.is_empty()).then_some(&mut self.router_tally)
+    /// A mixture of experts: the load-balancing loss's statistics of this micro-batch so far, as
+    /// `width` numbers ([`RouterTally::to_vec`], zeros before any block with experts) with
+    /// `predicted` tokens, for the runtime to carry between stages and sum over replicas.
+    pub fn router_tally_vec(&self, width: usize, predicted: f64) -> Vec<f64> {
+        if self.router_tally.assigned.is_empty() {
+            let mut v = vec![0.0; width];
+            v[width - 1] = predicted;
+            return v;
+        }
+        self.router_tally.to_vec(predicted)
+    }
+
+    /// Adds the statistics of the stages before this one (their blocks with experts).
+    pub fn add_router_tally(&mut self, earlier: &RouterTally) {
+        self.router_tally.add(earlier);
+    }
+
+    /// Replaces the statistics by the whole micro-batch step's (every layer's, summed over the
+    /// replicas, with their predicted tokens): what this stage's backward takes the load-balancing
+    /// loss's gradient from.
+    pub fn set_router_tally(&mut self, whole: RouterTally) {
+        self.router_tally = whole;
     }
 
     /// Bytes held for backward right now: every stashed activation and the logits.

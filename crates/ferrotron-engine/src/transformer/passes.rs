@@ -185,7 +185,15 @@ impl Transformer {
                 });
                 dx
             }
-            _ => dout.expect("a stage without the loss needs the gradient at its output"),
+            _ => {
+                // A stage before the loss: the statistics came back from it, with the micro-batch
+                // step's predicted tokens.
+                if let (Some(moe), Some(together)) = (&self.cfg.moe, state.router_tally.predicted) {
+                    let scale = moe.aux_loss_coef * together * loss_scale as f64;
+                    prob_grad = state.router_tally.prob_grad(scale);
+                }
+                dout.expect("a stage without the loss needs the gradient at its output")
+            }
         };
         assert_eq!(
             dx.len(),

@@ -232,22 +232,36 @@ impl GroupedZero {
     }
 
     /// Accumulates deferred weight gradients (a zero-bubble W action; see
-    /// [`ZeroState::apply_deferred`]). Only pipelines defer them, and a split of experts is not
-    /// pipelined.
+    /// [`ZeroState::apply_deferred`]) of `touched` (the shard's indices), each set's reduced
+    /// over its own group, one set after the other.
     pub fn apply_deferred<C: Comm>(
         &mut self,
         c: &mut C,
         touched: &[usize],
         apply: impl FnOnce(&mut ParamStore),
     ) -> Result<(), CommError> {
-        if self.parts.len() > 1 {
-            return Err(CommError::Usage(
-                "deferred weight gradients with experts split over devices: a mixture of experts \
-                 is not pipelined"
-                    .into(),
-            ));
+        if self.parts.len() == 1 {
+            return self.parts[0].state.apply_deferred(c, touched, apply);
         }
-        self.parts[0].state.apply_deferred(c, touched, apply)
+        let mine: Vec<Vec<usize>> = self
+            .parts
+            .iter()
+            .map(|p| {
+                (0..p.at.len())
+                    .filter(|&i| touched.contains(&p.at[i]))
+                    .collect()
+            })
+            .collect();
+        for (p, ids) in self.parts.iter_mut().zip(&mine) {
+            p.state.open_deferred(ids);
+        }
+        self.lend(true);
+        apply(&mut self.grads);
+        self.lend(true);
+        for (p, ids) in self.parts.iter_mut().zip(&mine) {
+            p.state.close_deferred(c, ids)?;
+        }
+        Ok(())
     }
 
     /// A residency for the executor over this state, with the device's communicator.

@@ -190,17 +190,32 @@ impl ZeroState {
         touched: &[usize],
         apply: impl FnOnce(&mut ParamStore),
     ) -> Result<(), CommError> {
+        self.open_deferred(touched);
+        apply(&mut self.grads);
+        self.close_deferred(c, touched)
+    }
+
+    /// Before deferred weight gradients of `touched` accumulate: zeroed gradients for them where
+    /// gradients exist per unit (mixed precision's f32 scratch, ZeRO-2/3).
+    pub(super) fn open_deferred(&mut self, touched: &[usize]) {
         if self.half.is_some() {
             self.open_scratch(touched);
-            apply(&mut self.grads);
-            return self.absorb(c, touched);
-        }
-        let sharded_grads = self.stage >= 2 && self.dp > 1;
-        if sharded_grads {
+        } else if self.stage >= 2 && self.dp > 1 {
             self.open_grads(touched);
         }
-        apply(&mut self.grads);
-        if sharded_grads {
+    }
+
+    /// After deferred weight gradients of `touched` accumulated: reduced away where they exist
+    /// per unit.
+    pub(super) fn close_deferred<C: Comm>(
+        &mut self,
+        c: &mut C,
+        touched: &[usize],
+    ) -> Result<(), CommError> {
+        if self.half.is_some() {
+            return self.absorb(c, touched);
+        }
+        if self.stage >= 2 && self.dp > 1 {
             self.scatter_grads(c, touched)?;
         }
         Ok(())
