@@ -488,6 +488,7 @@ fn expert_parallel_memory_matches_the_planner() {
         "dp=4,ep=4,mbs=2",
         "dp=4,ep=2,zero=1,mbs=2",
         "dp=4,ep=2,zero=3,mbs=2",
+        "dp=2,ep=2,tp=2,zero=1,mbs=4",
     ] {
         let l = LayoutSpec::parse(spec).unwrap().layout;
         let part = StagePartition::for_model(&cfg, 1).unwrap();

@@ -373,14 +373,16 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Whether this model can run split `tp` and `cp` ways with its experts over `ep` of its
-    /// `replicas` (dp·cp), and if not, the layout key at fault and why. So far a mixture of experts
-    /// runs on data-parallel replicas and pipeline stages (its router statistics travel with each
-    /// micro-batch), its experts divided over an expert-parallel group carved from the replicas. The one statement of the rule: the planner and the
+    /// Whether this model can run split `tp` ways (with or without sequence parallelism) and `cp`
+    /// ways with its experts over `ep` of its `replicas` (dp·cp), and if not, the layout key at
+    /// fault and why. So far a mixture of experts runs on data-parallel replicas, pipeline stages
+    /// (its router statistics travel with each micro-batch) and tensor-parallel groups (each
+    /// expert's columns split), its experts divided over an expert-parallel group carved from the
+    /// replicas. The one statement of the rule: the planner and the
     /// engine both ask it.
     pub fn experts_split(
         &self,
-        tp: usize,
+        (tp, sequence_parallel): (usize, bool),
         cp: usize,
         ep: usize,
         replicas: usize,
@@ -397,14 +399,22 @@ impl ModelConfig {
                 )),
             };
         };
-        if let Some((key, n)) = [("tp", tp), ("cp", cp)].into_iter().find(|&(_, n)| n > 1) {
+        if cp > 1 {
             return Err((
-                key,
+                "cp",
                 format!(
-                    "{key}={n}: a mixture of experts runs on data-parallel replicas and pipeline \
-                     stages only so far, its experts divided over the replicas with ep=N (tensor \
-                     and context parallelism of its blocks are not implemented yet)"
+                    "cp={cp}: a mixture of experts runs on data-parallel replicas, pipeline stages \
+                     and tensor-parallel groups only so far, its experts divided over the replicas \
+                     with ep=N (context parallelism of its blocks is not implemented yet)"
                 ),
+            ));
+        }
+        if sequence_parallel && tp > 1 {
+            return Err((
+                "sp",
+                "sp=true: a mixture of experts runs without sequence parallelism so far (its \
+                 router would see only its device's rows): drop sp"
+                    .into(),
             ));
         }
         if ep > 1 && !replicas.is_multiple_of(ep) {

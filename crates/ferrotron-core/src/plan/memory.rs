@@ -60,18 +60,18 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
         l.tp as f64,
     );
     let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
-    // A mixture of experts (never tensor-parallel so far): this device's share of the routed
-    // experts, the router and the shared expert in its blocks, the dense MLP in the others (a
-    // block on average).
+    // A mixture of experts: this device's share of the routed experts (and of their columns under
+    // tensor parallelism), the router (whole on every device) and its share of the shared expert
+    // in its blocks, the dense MLP in the others (a block on average).
     let mlp = match &cfg.moe {
         Some(m) => {
             let layers = cfg.num_layers.max(1) as f64;
             let sparse = m.expert_layers(cfg.num_layers) as f64;
             let rest = m.num_experts as f64 * h
-                + 3.0 * h * m.shared_expert_size as f64
+                + 3.0 * h * m.shared_expert_size as f64 / t
                 + if m.shared_expert_size > 0 { h } else { 0.0 };
             routed_expert_params(cfg, l)
-                + (sparse * rest + (layers - sparse) * 3.0 * h * f) / layers
+                + (sparse * rest + (layers - sparse) * 3.0 * h * f / t) / layers
         }
         None => 3.0 * h * f / t,
     };
@@ -87,14 +87,15 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
 }
 
 /// One block's routed-expert parameters on a device (a block on average): its `num_experts / ep`
-/// experts' MLPs in the blocks with experts. ZeRO shards them over the dp·cp / ep replicas that
-/// hold the same experts, where it shards the rest over all dp·cp.
+/// experts' MLPs (their columns / tp) in the blocks with experts. ZeRO shards them over the
+/// dp·cp / ep replicas that hold the same experts, where it shards the rest over all dp·cp.
 pub fn routed_expert_params(cfg: &ModelConfig, l: &Layout) -> f64 {
     match &cfg.moe {
         Some(m) => {
             let share = m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
             let per_device = (m.num_experts / l.ep.max(1)) as f64;
             share * per_device * 3.0 * cfg.hidden_size as f64 * m.expert_size as f64
+                / l.tp.max(1) as f64
         }
         None => 0.0,
     }
@@ -176,8 +177,8 @@ pub fn layer_activation_bytes(
                     let (k, fe) = (m.top_k as f64, m.expert_size as f64);
                     let share =
                         m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
-                    let sparse = k * tok * (3.0 * fe + 2.0 * h)
-                        + tok * (3.0 * m.shared_expert_size as f64 + h + 1.0);
+                    let sparse = k * tok * (3.0 * fe / t + 2.0 * h)
+                        + tok * (3.0 * m.shared_expert_size as f64 / t + h + 1.0);
                     let router = tok * (4.0 * m.num_experts as f64 + 32.0 * k);
                     (
                         share * sparse + (1.0 - share) * 3.0 * tok * f,

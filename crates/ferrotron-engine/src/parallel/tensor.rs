@@ -119,12 +119,63 @@ impl TpShard {
     /// The shape of this device's part of the model: its heads, KV heads, MLP columns and vocabulary
     /// rows. Its [`ModelConfig::param_specs`] are the shard's tensors, by their Hugging Face names.
     pub fn local_config(&self, cfg: &ModelConfig) -> ModelConfig {
+        let moe = cfg.moe.as_ref().map(|m| {
+            Box::new(ferrotron_core::model::MoeConfig {
+                expert_size: piece(m.expert_size, self.size, self.rank).len(),
+                shared_expert_size: piece(m.shared_expert_size, self.size, self.rank).len(),
+                ..(**m).clone()
+            })
+        });
         ModelConfig {
             num_heads: cfg.num_heads / self.size,
             num_kv_heads: self.kv_heads(cfg).len(),
             intermediate_size: self.ffn(cfg).len(),
             vocab_size: self.vocab_rows(cfg),
+            moe,
             ..cfg.clone()
+        }
+    }
+
+    /// A mixture of experts' tensor `name` (see [`ModelConfig::is_expert_param`]): the router and
+    /// the shared expert's gate replicated (every device routes every row alike); each expert's
+    /// gate and up projections column-parallel and its down projection row-parallel over its
+    /// columns, as the dense MLP's (the first devices take one more column when they do not
+    /// divide).
+    fn expert_slice(&self, cfg: &ModelConfig, spec: &ParamSpec) -> Slice {
+        let name = &spec.name;
+        let m = cfg.moe.as_ref().expect("an expert's tensor has experts");
+        let columns = if name.contains(".shared_expert.") {
+            m.shared_expert_size
+        } else {
+            m.expert_size
+        };
+        let mine = piece(columns, self.size, self.rank);
+        let cut = |dim: usize| Slice {
+            dim,
+            ranges: one(mine.clone()),
+            pad: 0,
+        };
+        if ["w2.weight", "down_proj.weight"]
+            .iter()
+            .any(|s| name.ends_with(s))
+        {
+            cut(1)
+        } else if [
+            "w1.weight",
+            "w3.weight",
+            "gate_proj.weight",
+            "up_proj.weight",
+        ]
+        .iter()
+        .any(|s| name.ends_with(s))
+        {
+            cut(0)
+        } else {
+            Slice {
+                dim: 0,
+                ranges: one(0..spec.shape[0]),
+                pad: 0,
+            }
         }
     }
 
@@ -170,15 +221,8 @@ impl TpShard {
         if self.is_replicated(cfg, name) {
             return Ok(whole);
         }
-        // A mixture of experts has no tensor-parallel split yet: whole on the one device.
         if cfg.is_expert_param(name) {
-            return match self.size {
-                1 => Ok(whole),
-                _ => Err(EngineError::Invalid(format!(
-                    "parameter `{name}` (a mixture of experts) has no tensor-parallel \
-                     implementation yet (refusing to replicate it)"
-                ))),
-            };
+            return Ok(self.expert_slice(cfg, &spec));
         }
         let rule = match cfg.arch {
             // Column-parallel weights and their biases are cut along their outputs (dim 0).
@@ -197,10 +241,6 @@ impl TpShard {
                 Some(cut(0, vec![ffn]))
             }
             Arch::Llama if is("mlp.down_proj.weight") => Some(cut(1, vec![ffn])),
-            // A mixture of experts has no tensor-parallel split yet: whole on the one device.
-            Arch::Llama if name.contains(".block_sparse_moe.") && self.size == 1 => {
-                Some(whole.clone())
-            }
             Arch::Gpt2 if is("attn.c_attn.weight") || is("attn.c_attn.bias") => {
                 // Fused [q | k | v] columns: this device's heads of each.
                 let h = cfg.hidden_size;
@@ -330,9 +370,12 @@ impl TpShard {
             return self.is_whole_adapter(cfg, name);
         }
         let is = |suffix: &str| name.ends_with(suffix);
+        // A mixture of experts' router and shared-expert gate: every device routes every row.
+        let router =
+            cfg.is_expert_param(name) && (is(".gate.weight") || is("shared_expert_gate.weight"));
         match cfg.arch {
             // Norms (the per-head q/k norms included) and the row-parallel layers' biases.
-            Arch::Llama => is("norm.weight") || is("o_proj.bias") || is("down_proj.bias"),
+            Arch::Llama => is("norm.weight") || is("o_proj.bias") || is("down_proj.bias") || router,
             Arch::Gpt2 => {
                 Some(name) == cfg.position_embedding_name()
                     || name.contains(".ln_")
@@ -636,6 +679,9 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
         }
         self.run(|c, g| self.wire.all_reduce(c, g, &mut x));
         x
+    }
+    fn index(&self) -> usize {
+        self.shard.rank
     }
     fn max(&self, x: &mut [f32]) {
         if self.shard.size == 1 {

@@ -15,6 +15,10 @@ use crate::kernels::{AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads};
 pub trait ShardCollectives {
     /// Devices in the tensor-parallel group (1: the unsplit model).
     fn size(&self) -> usize;
+    /// This device's place in the tensor-parallel group.
+    fn index(&self) -> usize {
+        0
+    }
     /// This device's block of the rows of a hidden state as (index, blocks); (0, 1) when rows are whole.
     fn row_block(&self) -> (usize, usize);
     /// Every row of a hidden state whose rows are sharded (the input of a column-parallel layer, the

@@ -437,6 +437,9 @@ pub(crate) fn forward(
         }
         (run, Kept::keep(be, y, storage), g)
     });
+    // Under tensor parallelism each device's experts hold some of their columns: the output is a
+    // partial sum, reduced over the group (as the dense MLP's down projection).
+    let out = coll.reduce(out);
     let acts = MoeActs {
         probs,
         chosen,
@@ -543,6 +546,9 @@ pub(crate) fn backward(
                 .sum();
         }
     }
+    // Under tensor parallelism the outputs kept are partial sums over the group's columns: so are
+    // these products.
+    sum_over_group(coll, &mut dweight);
     // Each place's output gradient (times its routing weight) to its expert's device.
     let chosen = &a.chosen;
     let sent = pack_for_devices(&at, &a.routes, h, &|(r, slot), buf| {
@@ -584,21 +590,25 @@ pub(crate) fn backward(
     if let (Some((expert, gate)), Some((run, out, sig))) = (&ids.shared, a.shared.as_mut()) {
         let y = std::mem::take(out).into_f32(be);
         let mut dy = Vec::with_capacity(rows * h);
+        let mut dsig: Vec<f32> = (0..rows)
+            .map(|r| {
+                dout[r * h..(r + 1) * h]
+                    .iter()
+                    .zip(&y[r * h..(r + 1) * h])
+                    .map(|(a, b)| a * b)
+                    .sum()
+            })
+            .collect();
+        drop(y);
+        sum_over_group(coll, &mut dsig);
         let mut dpre = Vec::with_capacity(rows);
         for (r, s) in sig.iter().enumerate() {
-            let d = &dout[r * h..(r + 1) * h];
-            let dsig: f32 = d
-                .iter()
-                .zip(&y[r * h..(r + 1) * h])
-                .map(|(a, b)| a * b)
-                .sum();
-            dpre.push(dsig * s * (1.0 - s));
-            dy.extend(d.iter().map(|v| v * s));
+            dpre.push(dsig[r] * s * (1.0 - s));
+            dy.extend(dout[r * h..(r + 1) * h].iter().map(|v| v * s));
         }
-        drop(y);
         let dxs = expert_backward(be, p, g, expert, run, &dy, x);
         be.add_assign(&mut dx, &dxs);
-        gate.backward(be, p, g, &dpre, x, &mut dx, true);
+        replicated_backward(be, coll, p, g, gate, &dpre, x, &mut dx);
     }
     // Through the weights to the probabilities (renormalised: w = p / S over the row's places,
     // so ∂/∂pⱼ = (∂wⱼ − Σₘ ∂wₘ·wₘ) / S), the load-balancing loss's share, then the softmax.
@@ -627,8 +637,39 @@ pub(crate) fn backward(
             *d = p * (*d - dot);
         }
     }
-    ids.router.backward(be, p, g, &dlogits, x, &mut dx, true);
+    replicated_backward(be, coll, p, g, &ids.router, &dlogits, x, &mut dx);
     dx
+}
+
+/// Sums `v` over the tensor-parallel group (in f64), when there is one.
+fn sum_over_group(coll: &dyn ShardCollectives, v: &mut [f32]) {
+    if coll.size() > 1 {
+        let mut wide: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+        coll.sum(&mut wide);
+        v.iter_mut().zip(&wide).for_each(|(x, w)| *x = *w as f32);
+    }
+}
+
+/// The backward of a linear layer every device of the tensor-parallel group computes alike (the
+/// router, the shared expert's gate): its weight gradient on each, its input gradient added by the
+/// first device only, since the block's input gradient is then summed over the group.
+#[allow(clippy::too_many_arguments)]
+fn replicated_backward(
+    be: &dyn Backend,
+    coll: &dyn ShardCollectives,
+    p: Weights,
+    g: &mut WeightSink,
+    lin: &Lin,
+    dy: &[f32],
+    x: &[f32],
+    dx: &mut [f32],
+) {
+    if coll.index() == 0 {
+        lin.backward(be, p, g, dy, x, dx, true);
+    } else {
+        let mut discarded = vec![0f32; dx.len()];
+        lin.backward(be, p, g, dy, x, &mut discarded, false);
+    }
 }
 
 #[cfg(test)]
