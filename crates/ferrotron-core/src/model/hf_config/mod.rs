@@ -621,27 +621,24 @@ mod tests {
         // Written back, read again: the same model.
         let again = parse(&m.to_hf_json().to_string()).unwrap();
         assert_eq!(again, m);
-        // Data-parallel replicas (ep among them) and pipeline stages run one so far, without LoRA.
+        // Data-parallel replicas (ep among them), pipeline stages and tensor-parallel groups run
+        // one so far, without LoRA.
         assert!(crate::model::LoraConfig::new(&m, 4, 8.0, &[])
             .unwrap_err()
             .to_string()
             .contains("mixture of experts"));
-        assert!(m.experts_split(1, 1, 1, 1).is_ok());
-        assert!(m.experts_split(1, 1, 4, 8).is_ok());
-        for (tp, cp, key) in [(2, 1, "tp"), (1, 2, "cp")] {
-            assert_eq!(m.experts_split(tp, cp, 1, 2).unwrap_err().0, key);
-        }
+        assert!(m.experts_split((1, false), 1, 1, 1).is_ok());
+        assert!(m.experts_split((2, false), 1, 4, 8).is_ok());
+        assert_eq!(m.experts_split((2, true), 1, 1, 2).unwrap_err().0, "sp");
+        assert_eq!(m.experts_split((1, false), 2, 1, 2).unwrap_err().0, "cp");
         // ep divides the replicas and the experts (8 of them here).
-        let (key, why) = m.experts_split(1, 1, 4, 6).unwrap_err();
+        let (key, why) = m.experts_split((1, false), 1, 4, 6).unwrap_err();
         assert!(key == "ep" && why.contains("does not divide 6"), "{why}");
-        let (key, why) = m.experts_split(1, 1, 3, 3).unwrap_err();
+        let (key, why) = m.experts_split((1, false), 1, 3, 3).unwrap_err();
         assert!(key == "ep" && why.contains("8 experts"), "{why}");
         let dense = crate::model::preset("llama-tiny").unwrap();
-        assert!(dense
-            .experts_split(1, 1, 2, 2)
-            .unwrap_err()
-            .1
-            .contains("has none"));
+        let none = dense.experts_split((1, false), 1, 2, 2).unwrap_err();
+        assert!(none.1.contains("has none"));
     }
 
     /// Which blocks have experts, counted and walked alike; which tensors are experts', told by name
