@@ -99,6 +99,47 @@ fn mid_sized_llama() -> (
     (cfg, params, batch)
 }
 
+/// Prints measured and predicted peaks per term, and checks the weights, gradients, optimizer
+/// state, activations and total within 10% (communication buffers printed only: pooled message
+/// buffers grow with how many messages happen to be in flight).
+fn assert_terms_near(
+    what: &str,
+    got: &ferrotron_core::plan::MemoryTerms,
+    want: &ferrotron_core::plan::MemoryTerms,
+) {
+    let mb = |b: u64| b as f64 / 1e6;
+    println!(
+        "{what}: measured / predicted MB: weights {:.2}/{:.2} gradients {:.2}/{:.2} \
+         optimizer {:.2}/{:.2} activations {:.2}/{:.2} comm {:.2}/{:.2} total {:.2}/{:.2}",
+        mb(got.weights),
+        mb(want.weights),
+        mb(got.gradients),
+        mb(want.gradients),
+        mb(got.optimizer_states),
+        mb(want.optimizer_states),
+        mb(got.activations),
+        mb(want.activations),
+        mb(got.comm_buffers),
+        mb(want.comm_buffers),
+        mb(got.total),
+        mb(want.total),
+    );
+    for (term, a, b) in [
+        ("weights", got.weights, want.weights),
+        ("gradients", got.gradients, want.gradients),
+        (
+            "optimizer_states",
+            got.optimizer_states,
+            want.optimizer_states,
+        ),
+        ("activations", got.activations, want.activations),
+        ("total", got.total, want.total),
+    ] {
+        let e = (a as f64 / b as f64 - 1.0).abs();
+        assert!(e <= 0.10, "{what}: {term} measured {a} vs predicted {b}");
+    }
+}
+
 /// Measured peaks per term against the planner's prediction (ferrotron activation model, f32) on a
 /// mid-sized Llama (hidden 256, 8 layers, seq 128) over dp2·tp2·pp2. Communication buffers are
 /// printed, not checked: pooled message buffers grow with how many messages happen to be in flight.
@@ -115,37 +156,8 @@ fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
             pipeline_step(&cfg, &params, &batch, &l, &part, Duration::from_secs(120)).unwrap();
         let plan = evaluate(&input, &l).unwrap();
         for (d, m) in run.memory.iter().enumerate() {
-            let (got, want) = (
-                m.peak_terms(),
-                plan.memory_bytes_per_stage[d / (l.tp * l.dp)],
-            );
-            println!(
-                "{spec} device {d}: measured / predicted MB: weights {:.2}/{:.2} gradients {:.2}/{:.2} \
-                 optimizer {:.2}/{:.2} activations {:.2}/{:.2} comm {:.2}/{:.2} total {:.2}/{:.2}",
-                got.weights as f64 / 1e6, want.weights as f64 / 1e6,
-                got.gradients as f64 / 1e6, want.gradients as f64 / 1e6,
-                got.optimizer_states as f64 / 1e6, want.optimizer_states as f64 / 1e6,
-                got.activations as f64 / 1e6, want.activations as f64 / 1e6,
-                got.comm_buffers as f64 / 1e6, want.comm_buffers as f64 / 1e6,
-                got.total as f64 / 1e6, want.total as f64 / 1e6,
-            );
-            for (term, a, b) in [
-                ("weights", got.weights, want.weights),
-                ("gradients", got.gradients, want.gradients),
-                (
-                    "optimizer_states",
-                    got.optimizer_states,
-                    want.optimizer_states,
-                ),
-                ("activations", got.activations, want.activations),
-                ("total", got.total, want.total),
-            ] {
-                let e = (a as f64 / b as f64 - 1.0).abs();
-                assert!(
-                    e <= 0.10,
-                    "{spec} device {d}: {term} measured {a} vs predicted {b}"
-                );
-            }
+            let want = plan.memory_bytes_per_stage[d / (l.tp * l.dp)];
+            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want);
         }
     }
 }
@@ -496,34 +508,7 @@ fn expert_parallel_memory_matches_the_planner() {
             pipeline_step(&cfg, &params, &batch, &l, &part, Duration::from_secs(120)).unwrap();
         let want = evaluate(&input, &l).unwrap().memory_bytes_per_stage[0];
         for (d, m) in run.memory.iter().enumerate() {
-            let got = m.peak_terms();
-            println!(
-                "{spec} device {d}: measured / predicted MB: weights {:.2}/{:.2} gradients {:.2}/{:.2} \
-                 optimizer {:.2}/{:.2} activations {:.2}/{:.2} comm {:.2}/{:.2} total {:.2}/{:.2}",
-                got.weights as f64 / 1e6, want.weights as f64 / 1e6,
-                got.gradients as f64 / 1e6, want.gradients as f64 / 1e6,
-                got.optimizer_states as f64 / 1e6, want.optimizer_states as f64 / 1e6,
-                got.activations as f64 / 1e6, want.activations as f64 / 1e6,
-                got.comm_buffers as f64 / 1e6, want.comm_buffers as f64 / 1e6,
-                got.total as f64 / 1e6, want.total as f64 / 1e6,
-            );
-            for (term, a, b) in [
-                ("weights", got.weights, want.weights),
-                ("gradients", got.gradients, want.gradients),
-                (
-                    "optimizer_states",
-                    got.optimizer_states,
-                    want.optimizer_states,
-                ),
-                ("activations", got.activations, want.activations),
-                ("total", got.total, want.total),
-            ] {
-                let e = (a as f64 / b as f64 - 1.0).abs();
-                assert!(
-                    e <= 0.10,
-                    "{spec} device {d}: {term} measured {a} vs predicted {b}"
-                );
-            }
+            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want);
         }
     }
 }

@@ -168,22 +168,7 @@ fn data_parallel_replicas_equal_transformers_on_the_whole_batch() {
         ("qwen3_moe", "dp=2,zero=1"),
         ("qwen2_moe", "dp=2,zero=2"),
     ] {
-        let (cfg, params, reference) = load_model(name);
-        let layout = LayoutSpec::parse(spec).unwrap().layout;
-        let r = step_on(&cfg, &params, &reference, &layout)
-            .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
-        let want = reference.get("loss_f32")[0] as f64;
-        let e = (r.loss - want).abs() / want;
-        assert!(
-            e <= TOL,
-            "{name} {spec}: loss {} vs transformers {want} ({e:e})",
-            r.loss
-        );
-        let (tensor, worst) = worst_grad_err(&r.grads, &reference);
-        assert!(
-            worst <= TOL,
-            "{name} {spec}: {tensor} vs transformers: {worst:e}"
-        );
+        assert_equals_transformers(name, spec);
     }
     let (cfg, params, reference) = load();
     // One device running the batch as two micro-batches takes the loss per micro-batch: another
@@ -223,24 +208,30 @@ fn expert_parallel_layouts_equal_transformers_on_the_whole_batch() {
         ("qwen3_moe", "dp=2,ep=2,tp=2,zero=3"),
         ("mixtral", "dp=2,ep=2,tp=2,pp=2,mbs=2,zero=3"),
     ] {
-        let (cfg, params, reference) = load_model(name);
-        let layout = LayoutSpec::parse(spec).unwrap().layout;
-        let r = step_on(&cfg, &params, &reference, &layout)
-            .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
-        let want = reference.get("loss_f32")[0] as f64;
-        let e = (r.loss - want).abs() / want;
-        assert!(
-            e <= TOL,
-            "{name} {spec}: loss {} vs transformers {want} ({e:e})",
-            r.loss
-        );
-        let (tensor, worst) = worst_grad_err(&r.grads, &reference);
-        println!("{name} {spec}: loss {e:.1e}, worst gradient {worst:.1e} ({tensor})");
-        assert!(
-            worst <= TOL,
-            "{name} {spec}: {tensor} vs transformers: {worst:e}"
-        );
+        assert_equals_transformers(name, spec);
     }
+}
+
+/// One step of `spec` on fixture `name`'s batch: the loss and every gradient within 1e-5 of
+/// transformers'.
+fn assert_equals_transformers(name: &str, spec: &str) {
+    let (cfg, params, reference) = load_model(name);
+    let layout = LayoutSpec::parse(spec).unwrap().layout;
+    let r = step_on(&cfg, &params, &reference, &layout)
+        .unwrap_or_else(|e| panic!("{name} {spec}: {e}"));
+    let want = reference.get("loss_f32")[0] as f64;
+    let e = (r.loss - want).abs() / want;
+    assert!(
+        e <= TOL,
+        "{name} {spec}: loss {} vs transformers {want} ({e:e})",
+        r.loss
+    );
+    let (tensor, worst) = worst_grad_err(&r.grads, &reference);
+    println!("{name} {spec}: loss {e:.1e}, worst gradient {worst:.1e} ({tensor})");
+    assert!(
+        worst <= TOL,
+        "{name} {spec}: {tensor} vs transformers: {worst:e}"
+    );
 }
 
 /// Several micro-batches per replica take the load-balancing loss per micro-batch step (each over
