@@ -68,6 +68,16 @@ pub struct Links {
     /// The replicas' group (dp × cp: the gradient reduction and ZeRO): the data-parallel link when
     /// there are several replicas along dp (it is the slower, farther apart), else the cp one.
     pub replicas: Link,
+    /// The expert-parallel groups' (see [`expert_groups_within_nodes`]).
+    pub ep: Link,
+}
+
+/// Whether every expert-parallel group sits inside a node. A group is `ep` consecutive replicas,
+/// `tp` ranks apart, and the groups tile the ranks in aligned blocks of `ep · tp` (the replicas of
+/// a stage are a multiple of ep): inside nodes when a node holds whole blocks.
+pub fn expert_groups_within_nodes(c: &Cluster, l: &Layout) -> bool {
+    let block = l.ep.max(1) * l.tp.max(1);
+    block <= c.devices_per_node && c.devices_per_node.is_multiple_of(block)
 }
 
 pub fn links(c: &Cluster, l: &Layout) -> Links {
@@ -88,6 +98,11 @@ pub fn links(c: &Cluster, l: &Layout) -> Links {
             pick(Dim::Dp)
         } else {
             pick(Dim::Cp)
+        },
+        ep: if expert_groups_within_nodes(c, l) {
+            c.intra_node
+        } else {
+            c.inter_node
         },
     }
 }
@@ -368,7 +383,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let boundary = (l.micro_batch_size * super::local_seq(input, l) * cfg.hidden_size) as f64 * act;
     let lt = layer_time(input, cfg, l);
     let cp = context_costs(input, cfg, l, &links.cp);
-    let ep = expert_costs(input, cfg, l, &links.replicas);
+    let ep = expert_costs(input, cfg, l, &links.ep);
 
     // Tensor parallel time: 2 all-reduces in forward and 2 in backward per layer (3 under sequence
     // parallelism, below), 2 more when the forward is recomputed: the bytes `tp_bytes_per_device`

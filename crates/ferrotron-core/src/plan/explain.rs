@@ -139,7 +139,7 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
                     m.num_experts,
                     (l.replicas() / l.ep).max(1),
                     gb(p.comm_bytes_per_step.ep),
-                    link_name(lk.replicas.bandwidth_bytes_per_s)
+                    link_name(lk.ep.bandwidth_bytes_per_s)
                 )
             } else {
                 "every expert's weights, gradients and optimizer state are on every replica (sharded only by ZeRO; ep=N divides the experts over N replicas)".into()

@@ -806,6 +806,10 @@ fn expert_parallelism_divides_the_experts_and_is_searched() {
         .explain
         .iter()
         .any(|l| l.contains("expert parallel ep=8")));
+    // Eight consecutive replicas on eight-device nodes: inside a node; with tp=2 they span two.
+    let c = &input.cluster;
+    assert_eq!(links(c, &split).ep, c.intra_node);
+    assert_eq!(links(c, &layout("dp=8,tp=2,ep=8")).ep, c.inter_node);
     // The search prices expert-parallel candidates beside the others.
     let plans = search(&input).unwrap();
     assert!(
