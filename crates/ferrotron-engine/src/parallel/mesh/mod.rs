@@ -325,8 +325,8 @@ impl<'a> MeshStep<'a> {
 
     /// A mixture-of-experts model runs on data-parallel replicas, pipeline stages (synchronous
     /// schedules) and tensor-parallel groups (without sequence parallelism) only so far, its
-    /// experts divided over `ep` of the replicas ([`ModelConfig::experts_split`]), in f32 (LoRA on one is refused
-    /// where LoRA is validated).
+    /// experts divided over `ep` of the replicas ([`ModelConfig::experts_split`]), in f32 (LoRA
+    /// on one is refused where LoRA is validated).
     fn check_experts(&self) -> Result<()> {
         let l = self.layout;
         let refuse = |why: String| Err(EngineError::Invalid(format!("layout `{l}`: {why}")));
