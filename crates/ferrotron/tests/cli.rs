@@ -431,11 +431,15 @@ fn verify_explains_a_mixture_of_experts_micro_batches() {
         "{}",
         stderr(&o)
     );
+    // Its experts' columns over a tensor-parallel group, beside expert parallelism.
+    let o = verify("dp=2,tp=2,mbs=4,ep=2");
+    assert!(o.status.success(), "{}", stderr(&o));
     // A split of the experts not built yet is refused by name.
-    let o = verify("tp=2");
+    let o = verify("cp=2,mbs=8");
     assert!(
         !o.status.success()
             && stderr(&o).contains("mixture of experts")
+            && stderr(&o).contains("cp=2")
             && stderr(&o).contains("not implemented"),
         "{}",
         stderr(&o)
