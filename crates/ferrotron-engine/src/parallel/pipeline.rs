@@ -353,9 +353,7 @@ impl StageRun<'_> {
             )?;
             if let Some(width) = self.router_width(model) {
                 let v = state.router_tally_vec(width, 0.0);
-                tpg.comm()
-                    .send(to, &v, router_tag(tag(mb, vs + 1, FORWARD)))
-                    .map_err(EngineError::Comm)?;
+                self.send_router(tpg, to, router_tag(tag(mb, vs + 1, FORWARD)), &v)?;
             }
         }
         pass.stash.insert((mb, chunk), state);
@@ -441,9 +439,7 @@ impl StageRun<'_> {
                 pass,
             )?;
             if let Some(v) = router {
-                tpg.comm()
-                    .send(to, &v, router_tag(tag(mb, vs - 1, BACKWARD)))
-                    .map_err(EngineError::Comm)?;
+                self.send_router(tpg, to, router_tag(tag(mb, vs - 1, BACKWARD)), &v)?;
             }
         }
         Ok(())
@@ -452,6 +448,17 @@ impl StageRun<'_> {
     /// A mixture of experts: the length of the router statistics a micro-batch carries.
     fn router_width(&self, model: &Transformer) -> Option<usize> {
         model.cfg.moe.as_ref().map(|m| 2 * m.num_experts + 2)
+    }
+
+    /// Router statistics to the device `to`.
+    fn send_router<C: Comm>(
+        &self,
+        tpg: &TpGroup<'_, C>,
+        to: usize,
+        tag: u64,
+        v: &[f64],
+    ) -> Result<()> {
+        tpg.comm().send(to, v, tag).map_err(EngineError::Comm)
     }
 
     /// Router statistics (`width` numbers) from the device `from`.
