@@ -188,17 +188,22 @@ impl RankGrid {
     /// True when every group along `d` sits inside one node. A group's ranks increase along it, so
     /// it does when its first and last rank share a node: when `first mod n + span < n` (n devices
     /// per node, span its last rank − its first). Only the largest residue of a first rank matters;
-    /// along each other dimension residues repeat within n steps, so this takes at most n³ steps
-    /// however large the grid (the planner asks it for every candidate of a search).
+    /// along each other dimension residues repeat every n / gcd(stride, n) steps (one step when the
+    /// stride is whole nodes), so this takes at most n³ steps however large the grid, and usually a
+    /// few (the planner asks it for every candidate of a search).
     pub fn within_nodes(&self, d: Dim) -> bool {
         let n = self.devices_per_node;
         let span = (self.size(d) - 1) * self.stride(d);
+        if span >= n {
+            return false;
+        }
         // The other dimensions, each walked only as far as its residues can differ.
         let [a, b, c] = {
             let mut others = Dim::ALL.into_iter().filter(|&e| e != d);
             [(); 3].map(|_| {
                 let e = others.next().expect("three other dimensions");
-                (self.size(e).min(n), self.stride(e))
+                let period = n / gcd(self.stride(e), n);
+                (self.size(e).min(period), self.stride(e))
             })
         };
         let mut highest = 0;
@@ -221,6 +226,15 @@ impl RankGrid {
         let next = (c.pp + 1 < self.pp).then(|| self.rank_of(Coords { pp: c.pp + 1, ..c }));
         let prev = (c.pp > 0).then(|| self.rank_of(Coords { pp: c.pp - 1, ..c }));
         (prev, next)
+    }
+}
+
+/// The greatest common divisor (Euclid).
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 

@@ -307,7 +307,8 @@ fn layer_stash_and_chunk(
         input.precision.weights.bytes(),
     );
     let layers = super::chunk_layers(cfg, l)
-        .into_iter()
+        .iter()
+        .copied()
         .skip(stage)
         .step_by(l.pp.max(1))
         .max()

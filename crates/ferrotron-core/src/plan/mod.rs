@@ -423,7 +423,10 @@ fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result
             ),
         ));
     }
-    StagePartition::for_layout(cfg, l)?;
+    // A split by compute exists once pp·vpp ≤ layers (checked above); a named one may not add up.
+    if l.stages.is_some() {
+        StagePartition::for_layout(cfg, l)?;
+    }
     if input.seq > cfg.max_position_embeddings && cfg.arch == crate::model::Arch::Gpt2 {
         return Err(rule(
             "seq",
@@ -448,14 +451,15 @@ fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result
 
 /// Layers of each virtual stage, as the engine splits them (`StagePartition::for_layout`: the
 /// layers the layout names, otherwise split by compute); empty for a split `check_layout` refuses.
-pub fn chunk_layers(cfg: &ModelConfig, l: &Layout) -> Vec<usize> {
+pub fn chunk_layers(cfg: &ModelConfig, l: &Layout) -> std::rc::Rc<[usize]> {
     // Every stage's memory and costs ask for the same split; the search prices thousands of layouts
-    // of deep models, so the last split is kept (per thread) rather than recomputed per stage.
+    // of deep models, so the last split is kept (per thread) and shared rather than recomputed or
+    // copied per stage.
     type Key = (bool, [usize; 6], Option<crate::layout::NamedStages>);
     thread_local! {
-        static LAST: std::cell::RefCell<Option<(Key, Vec<usize>)>> = const { std::cell::RefCell::new(None) };
+        static LAST: std::cell::RefCell<Option<(Key, std::rc::Rc<[usize]>)>> = const { std::cell::RefCell::new(None) };
     }
-    let key: Key = (
+    let key = (
         cfg.arch == crate::model::Arch::Llama,
         [
             cfg.num_layers,
@@ -465,18 +469,20 @@ pub fn chunk_layers(cfg: &ModelConfig, l: &Layout) -> Vec<usize> {
             cfg.q_dim() * (1 << 20) + cfg.kv_dim(),
             l.pp * l.vpp,
         ],
-        l.stages,
     );
     LAST.with(|last| {
-        if let Some((k, v)) = &*last.borrow() {
-            if *k == key {
+        // Compared in place: a named split is a large array, and copying it per call would cost
+        // more than the cache saves.
+        if let Some(((arch, shape, stages), v)) = &*last.borrow() {
+            if (*arch, shape, stages) == (key.0, &key.1, &l.stages) {
                 return v.clone();
             }
         }
-        let v = StagePartition::for_layout(cfg, l)
+        let v: std::rc::Rc<[usize]> = StagePartition::for_layout(cfg, l)
             .map(|p| p.counts())
-            .unwrap_or_default();
-        *last.borrow_mut() = Some((key, v.clone()));
+            .unwrap_or_default()
+            .into();
+        *last.borrow_mut() = Some(((key.0, key.1, l.stages), v.clone()));
         v
     })
 }
