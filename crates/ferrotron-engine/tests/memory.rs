@@ -167,37 +167,61 @@ fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
 /// alone have gradients and optimizer state.
 #[test]
 fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
-    use ferrotron_core::model::LoraConfig;
+    let (cfg, base, batch) = mid_sized_llama();
+    let lora = ferrotron_core::model::LoraConfig::new(&cfg, 8, 16.0, &[]).unwrap();
+    assert_lora_memory_near(
+        &cfg,
+        &base,
+        &batch,
+        &lora,
+        &[
+            "mbs=1",
+            "dp=2,tp=2,pp=2,mbs=1",
+            "dp=2,tp=2,pp=2,mbs=1,zero=3",
+        ],
+    );
+}
+
+/// LoRA on attention and the experts of a mid-sized Mixtral split over replicas: the routed
+/// experts' adapters (their share on each device) shard over the replicas holding them, the rest
+/// over all.
+#[test]
+fn lora_on_experts_memory_matches_the_planner() {
+    let (cfg, base, batch) = mid_sized_mixtral();
+    let lora = ferrotron_core::model::LoraConfig::new(&cfg, 8, 16.0, &[]).unwrap();
+    assert_lora_memory_near(
+        &cfg,
+        &base,
+        &batch,
+        &lora,
+        &["dp=4,ep=2,zero=3,mbs=2", "dp=2,ep=2,tp=2,zero=1,mbs=4"],
+    );
+}
+
+/// One LoRA step of each layout of `specs` against `plan --lora-rank`: each device's measured
+/// peaks per term within 10% of its stage's prediction.
+fn assert_lora_memory_near(
+    cfg: &ferrotron_core::model::ModelConfig,
+    base: &ferrotron_engine::transformer::ParamStore,
+    batch: &TokenBatch,
+    lora: &ferrotron_core::model::LoraConfig,
+    specs: &[&str],
+) {
     use ferrotron_core::plan::evaluate;
     use ferrotron_engine::lora::Adapters;
     use ferrotron_engine::parallel::pipeline_steps_of;
     use ferrotron_engine::transformer::Trained;
-    let (cfg, base, batch) = mid_sized_llama();
-    let (seq, b) = (batch.seq, batch.batch);
-    let lora = LoraConfig::new(&cfg, 8, 16.0, &[]).unwrap();
-    let adapters = Adapters::init(&cfg, lora.clone(), 2);
+    let adapters = Adapters::init(cfg, lora.clone(), 2);
     let input = ferrotron_core::plan::PlanInput {
         lora: Some(lora.clone()),
-        ..f32_plan_input(&cfg, seq, b)
+        ..f32_plan_input(cfg, batch.seq, batch.batch)
     };
-    for spec in [
-        "mbs=1",
-        "dp=2,tp=2,pp=2,mbs=1",
-        "dp=2,tp=2,pp=2,mbs=1,zero=3",
-    ] {
+    for spec in specs {
         let l = LayoutSpec::parse(spec).unwrap().layout;
-        let part = StagePartition::for_model(&cfg, l.pp).unwrap();
-        let trained = Trained::lora(&base, &lora, &adapters.params);
-        let run = pipeline_steps_of(
-            &cfg,
-            trained,
-            &batch,
-            &l,
-            &part,
-            Duration::from_secs(120),
-            0,
-        )
-        .unwrap();
+        let part = StagePartition::for_model(cfg, l.pp).unwrap();
+        let trained = Trained::lora(base, lora, &adapters.params);
+        let run =
+            pipeline_steps_of(cfg, trained, batch, &l, &part, Duration::from_secs(120), 0).unwrap();
         let plan = evaluate(&input, &l).unwrap();
         for (d, m) in run.memory.iter().enumerate() {
             let (got, want) = (
@@ -475,8 +499,34 @@ fn activations_grow_linearly_with_the_sequence_and_match_the_planner() {
 /// printed, not checked (see above).
 #[test]
 fn expert_parallel_memory_matches_the_planner() {
-    use ferrotron_core::model::{ModelConfig, MoeConfig};
     use ferrotron_core::plan::evaluate;
+    let (cfg, params, batch) = mid_sized_mixtral();
+    let input = f32_plan_input(&cfg, batch.seq, batch.batch);
+    for spec in [
+        "dp=4,ep=4,mbs=2",
+        "dp=4,ep=2,zero=1,mbs=2",
+        "dp=4,ep=2,zero=3,mbs=2",
+        "dp=2,ep=2,tp=2,zero=1,mbs=4",
+    ] {
+        let l = LayoutSpec::parse(spec).unwrap().layout;
+        let part = StagePartition::for_model(&cfg, 1).unwrap();
+        let run =
+            pipeline_step(&cfg, &params, &batch, &l, &part, Duration::from_secs(120)).unwrap();
+        let want = evaluate(&input, &l).unwrap().memory_bytes_per_stage[0];
+        for (d, m) in run.memory.iter().enumerate() {
+            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want);
+        }
+    }
+}
+
+/// A mid-sized Mixtral (hidden 256, 4 blocks of 8 experts, top 2), random weights, and 8 sequences
+/// of 128 tokens.
+fn mid_sized_mixtral() -> (
+    ferrotron_core::model::ModelConfig,
+    ferrotron_engine::transformer::ParamStore,
+    TokenBatch,
+) {
+    use ferrotron_core::model::{ModelConfig, MoeConfig};
     let cfg = ModelConfig::llama(2048, 256, 352, 4, 4, 4, 256, 10000.0).with_experts(MoeConfig {
         num_experts: 8,
         top_k: 2,
@@ -495,20 +545,5 @@ fn expert_parallel_memory_matches_the_planner() {
         batch: b,
         seq,
     };
-    let input = f32_plan_input(&cfg, seq, b);
-    for spec in [
-        "dp=4,ep=4,mbs=2",
-        "dp=4,ep=2,zero=1,mbs=2",
-        "dp=4,ep=2,zero=3,mbs=2",
-        "dp=2,ep=2,tp=2,zero=1,mbs=4",
-    ] {
-        let l = LayoutSpec::parse(spec).unwrap().layout;
-        let part = StagePartition::for_model(&cfg, 1).unwrap();
-        let run =
-            pipeline_step(&cfg, &params, &batch, &l, &part, Duration::from_secs(120)).unwrap();
-        let want = evaluate(&input, &l).unwrap().memory_bytes_per_stage[0];
-        for (d, m) in run.memory.iter().enumerate() {
-            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want);
-        }
-    }
+    (cfg, params, batch)
 }

@@ -5,6 +5,7 @@
 //! and how each half splits under tensor parallelism. No arithmetic.
 
 use super::config::{Arch, ModelConfig};
+use super::params::{ExpertNames, FfnNames};
 use super::params::{ParamSpec, WeightLayout};
 use crate::error::{ConfigError, Result};
 
@@ -47,7 +48,7 @@ pub enum AdapterHalf {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraTarget {
     pub module: String,
-    pub short: &'static str,
+    pub short: String,
     pub layer: usize,
     pub in_dim: usize,
     pub out_dim: usize,
@@ -67,59 +68,87 @@ impl LoraTarget {
     }
 }
 
-/// The projections of one block that LoRA can target, in the block's order: (short name, module
-/// suffix, in, out, split).
-fn projections(cfg: &ModelConfig) -> Vec<(&'static str, &'static str, usize, usize, TargetSplit)> {
+/// The projections of layer `i` that LoRA can target, in the block's order, as [`LoraTarget`]s:
+/// attention's, then the MLP's, or under a mixture of experts each held expert's gate, up and down
+/// projections (Mixtral's `w1`, `w3`, `w2`) and the shared expert's. The names are the checkpoint's
+/// ([`ModelConfig::layer_names`]); a router is not a projection LoRA adapts.
+fn projections(cfg: &ModelConfig, i: usize) -> Vec<LoraTarget> {
+    let names = cfg.layer_names(i);
     let (h, f, q, kv) = (
         cfg.hidden_size,
         cfg.intermediate_size,
         cfg.q_dim(),
         cfg.kv_dim(),
     );
+    let mut out = Vec::new();
+    let mut add = |weight: &str, in_dim: usize, out_dim: usize, split: TargetSplit| {
+        let module = weight
+            .strip_suffix(".weight")
+            .expect("a projection's weight is named `….weight`");
+        out.push(LoraTarget {
+            module: module.to_string(),
+            short: module.rsplit('.').next().unwrap_or(module).to_string(),
+            layer: i,
+            in_dim,
+            out_dim,
+            split,
+        });
+    };
     use TargetSplit::{Column, Row};
     match cfg.arch {
-        Arch::Llama => vec![
-            ("q_proj", "self_attn.q_proj", h, q, Column),
-            ("k_proj", "self_attn.k_proj", h, kv, Column),
-            ("v_proj", "self_attn.v_proj", h, kv, Column),
-            ("o_proj", "self_attn.o_proj", q, h, Row),
-            ("gate_proj", "mlp.gate_proj", h, f, Column),
-            ("up_proj", "mlp.up_proj", h, f, Column),
-            ("down_proj", "mlp.down_proj", f, h, Row),
-        ],
-        Arch::Gpt2 => vec![
-            ("c_attn", "attn.c_attn", h, 3 * q, Column),
-            ("c_proj", "attn.c_proj", q, h, Row),
-            ("c_fc", "mlp.c_fc", h, f, Column),
-            ("c_proj", "mlp.c_proj", f, h, Row),
-        ],
+        Arch::Llama => {
+            let [qw, kw, vw] = [0, 1, 2].map(|k| &names.qkv[k].0);
+            add(qw, h, q, Column);
+            add(kw, h, kv, Column);
+            add(vw, h, kv, Column);
+        }
+        Arch::Gpt2 => add(&names.qkv[0].0, h, 3 * q, Column),
     }
-}
-
-/// The module path of layer `i`'s blocks (`model.layers.3`, `transformer.h.3`).
-fn layer_prefix(cfg: &ModelConfig, i: usize) -> String {
-    match cfg.arch {
-        Arch::Llama => format!("model.layers.{i}"),
-        Arch::Gpt2 => format!("transformer.h.{i}"),
+    add(&names.attn_out.0, q, h, Row);
+    match &names.ffn {
+        FfnNames::Dense { mlp_in, mlp_out } => {
+            for (w, _) in mlp_in {
+                add(w, h, f, Column);
+            }
+            add(&mlp_out.0, f, h, Row);
+        }
+        FfnNames::Experts {
+            experts, shared, ..
+        } => {
+            let m = cfg
+                .moe
+                .as_ref()
+                .expect("a block with experts has a MoE config");
+            let mut expert = |e: &ExpertNames, width: usize| {
+                add(&e.gate, h, width, Column);
+                add(&e.up, h, width, Column);
+                add(&e.down, width, h, Row);
+            };
+            for e in experts {
+                expert(e, m.expert_size);
+            }
+            if let Some((e, _gate)) = shared {
+                expert(e, m.shared_expert_size);
+            }
+        }
     }
+    out
 }
 
 impl LoraConfig {
-    /// Every projection of the architecture (what `--lora-targets` defaults to).
-    pub fn all_targets(arch: Arch) -> Vec<String> {
-        let names: &[&str] = match arch {
-            Arch::Llama => &[
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ],
-            Arch::Gpt2 => &["c_attn", "c_proj", "c_fc"],
-        };
-        names.iter().map(|s| s.to_string()).collect()
+    /// The short names of every projection of `cfg` (what `--lora-targets` defaults to), in the
+    /// order a block holds them: a mixture of experts' experts are `w1`, `w3`, `w2` (Mixtral) or
+    /// `gate_proj`, `up_proj`, `down_proj` (Qwen-MoE, as its shared expert's and dense blocks').
+    pub fn all_targets(cfg: &ModelConfig) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for i in 0..cfg.num_layers {
+            for p in projections(cfg, i) {
+                if !out.contains(&p.short) {
+                    out.push(p.short);
+                }
+            }
+        }
+        out
     }
 
     /// A configuration for `cfg`'s architecture; `targets` empty means every projection. Refuses a
@@ -130,7 +159,7 @@ impl LoraConfig {
             rank,
             alpha,
             targets: if targets.is_empty() {
-                Self::all_targets(cfg.arch)
+                Self::all_targets(cfg)
             } else {
                 let mut t: Vec<String> = targets.iter().map(|s| s.trim().to_string()).collect();
                 t.dedup();
@@ -144,13 +173,6 @@ impl LoraConfig {
     /// What [`LoraConfig::new`] checks, for a configuration read from a file.
     pub fn validate(&self, cfg: &ModelConfig) -> Result<()> {
         let bad = |what: String| Err(ConfigError::Invalid(format!("LoRA: {what}")));
-        if cfg.moe.is_some() {
-            return bad(
-                "adapters on a mixture of experts (its routers and experts) are not implemented \
-                 yet: train it fully"
-                    .into(),
-            );
-        }
         if self.rank == 0 || self.rank > MAX_RANK {
             return bad(format!(
                 "rank {} must be between 1 and {MAX_RANK}",
@@ -163,18 +185,23 @@ impl LoraConfig {
         if self.targets.is_empty() {
             return bad("no target modules".into());
         }
-        let known = Self::all_targets(cfg.arch);
+        let known = Self::all_targets(cfg);
         if let Some(t) = self.targets.iter().find(|t| !known.contains(t)) {
+            let what = if cfg.moe.is_some() && t == "gate" {
+                " (it is the router: LoRA adapts the experts and attention, not routing)"
+            } else {
+                ""
+            };
             return bad(format!(
-                "target module `{t}` is not a projection of a {:?} model (targets: {})",
+                "target module `{t}` is not a projection of a {:?} model{what} (targets: {})",
                 cfg.arch,
                 known.join(", ")
             ));
         }
-        let smallest = projections(cfg)
+        let smallest = self
+            .modules(cfg)
             .iter()
-            .filter(|p| self.targets.iter().any(|t| t == p.0))
-            .map(|p| p.2.min(p.3))
+            .map(|p| p.in_dim.min(p.out_dim))
             .min()
             .unwrap_or(usize::MAX);
         if self.rank > smallest {
@@ -198,20 +225,12 @@ impl LoraConfig {
             .collect()
     }
 
-    /// The targeted modules of layer `i`, in the block's order.
+    /// The targeted modules of layer `i`, in the block's order (under expert parallelism, of the
+    /// experts `cfg` holds).
     pub fn layer_modules(&self, cfg: &ModelConfig, i: usize) -> Vec<LoraTarget> {
-        let prefix = layer_prefix(cfg, i);
-        projections(cfg)
+        projections(cfg, i)
             .into_iter()
-            .filter(|p| self.targets.iter().any(|t| t == p.0))
-            .map(|(short, suffix, in_dim, out_dim, split)| LoraTarget {
-                module: format!("{prefix}.{suffix}"),
-                short,
-                layer: i,
-                in_dim,
-                out_dim,
-                split,
-            })
+            .filter(|p| self.targets.contains(&p.short))
             .collect()
     }
 
@@ -256,15 +275,29 @@ pub fn projection_split(cfg: &ModelConfig, module: &str) -> Option<TargetSplit> 
     let rest = module
         .strip_prefix("model.layers.")
         .or_else(|| module.strip_prefix("transformer.h."))?;
-    let (layer, suffix) = rest.split_once('.')?;
+    let (layer, _) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     if layer >= cfg.num_layers {
         return None;
     }
-    projections(cfg)
+    projections(cfg, layer)
         .into_iter()
-        .find(|p| p.1 == suffix)
-        .map(|p| p.4)
+        .find(|p| p.module == module)
+        .map(|p| p.split)
+}
+
+/// Whether `cfg`'s frozen base can be stored quantized (QLoRA), or why not: a mixture of experts'
+/// cannot yet — which of its tensors a 4-bit base quantizes (routers, fused experts) has no
+/// reference here, so it is refused rather than guessed.
+pub fn check_quantized_base(cfg: &ModelConfig) -> std::result::Result<(), String> {
+    if cfg.moe.is_some() {
+        return Err(
+            "a 4-bit base of a mixture of experts is not implemented yet (train its \
+                    adapters on the unquantized base: leave --quantize-base out)"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 /// Whether `name` is the weight of one of the decoder's projections (its linear layers): what

@@ -15,8 +15,8 @@ pub use config::{
 };
 pub use flops::{head_forward_flops, layer_forward_flops, layer_matmul_params};
 pub use lora::{
-    adapter_parts, is_projection_weight, projection_split, AdapterHalf, LoraConfig, LoraTarget,
-    TargetSplit, MAX_RANK, PEFT_PREFIX,
+    adapter_parts, check_quantized_base, is_projection_weight, projection_split, AdapterHalf,
+    LoraConfig, LoraTarget, TargetSplit, MAX_RANK, PEFT_PREFIX,
 };
 pub use params::{ExpertNames, FfnNames, LayerParamNames, ParamSpec, WeightLayout};
 pub use presets::{preset, PRESET_NAMES};

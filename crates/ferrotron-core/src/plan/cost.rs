@@ -323,23 +323,27 @@ pub fn tp_bytes_per_device(input: &PlanInput, cfg: &ModelConfig, l: &Layout, sta
         // `A`, a row-parallel base's `B`) is a partial sum on every device, summed over the group;
         // a shared KV head's `B` over the devices sharing it.
         let r = lora.rank as f64;
-        let mut whole = 0.0;
-        let mut kv_b = 0.0;
-        for m in lora.layer_modules(cfg, 0) {
-            match m.split {
-                crate::model::TargetSplit::Column => {
-                    whole += r * m.in_dim as f64;
-                    if matches!(m.short, "k_proj" | "v_proj") {
-                        kv_b += r * cfg.head_dim as f64;
-                    }
-                }
-                crate::model::TargetSplit::Row => whole += r * m.out_dim as f64,
-            }
-        }
-        after += 2.0 * ring * layers * whole * grad;
+        let over_layers = |per: &dyn Fn(&crate::model::LoraTarget) -> f64| {
+            super::memory::sum_over_stage_layers(cfg, l, stage, &|i| {
+                let (dense, experts) = super::memory::lora_layer_sum(cfg, lora, l.ep, i, per);
+                dense + experts
+            })
+        };
+        let whole = over_layers(&|m| match m.split {
+            crate::model::TargetSplit::Column => r * m.in_dim as f64,
+            crate::model::TargetSplit::Row => r * m.out_dim as f64,
+        });
+        after += 2.0 * ring * whole * grad;
         if cfg.num_kv_heads < l.tp {
+            let kv_b = over_layers(&|m| {
+                if matches!(m.short.as_str(), "k_proj" | "v_proj") {
+                    r * cfg.head_dim as f64
+                } else {
+                    0.0
+                }
+            });
             let g = (l.tp / cfg.num_kv_heads) as f64;
-            after += 2.0 * (g - 1.0) / g * layers * kv_b * grad;
+            after += 2.0 * (g - 1.0) / g * kv_b * grad;
         }
         return m * (units * hidden + per_micro_batch) + after;
     }

@@ -196,7 +196,11 @@ pub fn search_notes(input: &PlanInput, best: Option<&Plan>) -> Vec<String> {
     ));
     if let Some(lora) = &input.lora {
         out.push(format!("2. reduce: LoRA rank {} on {} leaves gradients and optimizer state only for the adapters ({}); the frozen base keeps its weights", lora.rank, lora.targets.join(", "), gb((n.gradients + n.optimizer_states + n.master_weights) as f64)));
-        out.push(quantized_base_note(input, &naive));
+        if let PlanModel::Shape(cfg) = &input.model {
+            if crate::model::check_quantized_base(cfg).is_ok() {
+                out.push(quantized_base_note(input, &naive));
+            }
+        }
     }
     if world > 1 {
         let shard = |z| mem(&Layout { zero: z, ..full });

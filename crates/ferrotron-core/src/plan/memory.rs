@@ -3,7 +3,7 @@
 use super::spec::{ActivationModel, AttentionKernel, PlanModel};
 use super::{MemoryTerms, PlanInput};
 use crate::layout::{Layout, Recompute};
-use crate::model::{is_projection_weight, Arch, LoraConfig, ModelConfig, TargetSplit};
+use crate::model::{is_projection_weight, Arch, LoraConfig, LoraTarget, ModelConfig, TargetSplit};
 
 /// Parameters one device of stage `stage` holds before any ZeRO sharding: its layers' share under
 /// tensor parallelism (sharded matrices / tp, replicated norms and row-parallel biases whole), plus the
@@ -398,19 +398,24 @@ fn comm_buffers(
         // unit at a time (its pieces and the gathered whole).
         // What one unit's reductions and gathers move: its trainable parameters (with LoRA
         // one layer's adapters; the frozen base never moves).
-        let unit = match &input.lora {
-            Some(lora) => lora_layer_params_on_device(cfg, lora, l.tp),
+        let lora_unit = input
+            .lora
+            .as_ref()
+            .map(|lora| largest_lora_layer_on_device(cfg, lora, l));
+        let unit = match lora_unit {
+            Some((dense, experts)) => dense + experts,
             None => largest_unit_params(cfg, l, stage),
         };
         let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
         // Under expert parallelism a unit's dense and routed-expert tensors reduce over different
         // groups, one set after the other: the buffers of the larger set at a time.
-        let reduced = match input.lora {
-            None if l.ep > 1 => {
+        let reduced = match lora_unit {
+            _ if l.ep == 1 => unit,
+            None => {
                 let experts = routed_expert_params(cfg, l).min(unit);
                 experts.max(unit - experts)
             }
-            _ => unit,
+            Some((dense, experts)) => dense.max(experts),
         };
         let dp_buf = match (replicas > 1, l.zero) {
             (false, _) => 0.0,
@@ -610,9 +615,16 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     let z = l.zero;
     // ZeRO from `stage_min` shards what trains over the replicas; under expert parallelism a
     // routed expert only over those holding it (dp·cp / ep).
-    let experts = match &input.model {
-        PlanModel::Shape(cfg) if input.lora.is_none() && cfg.moe.is_some() => {
+    let experts = match (&input.model, &input.lora) {
+        (PlanModel::Shape(cfg), None) if cfg.moe.is_some() => {
             routed_expert_params(cfg, l) * super::stage_layers(cfg, l, stage) as f64
+        }
+        // With LoRA what trains is the adapters: the routed experts' are theirs.
+        (PlanModel::Shape(cfg), Some(lora)) if cfg.moe.is_some() => {
+            let per = |m: &LoraTarget| lora_target_params_on_device(cfg, lora, l.tp, m);
+            sum_over_stage_layers(cfg, l, stage, &|i| {
+                lora_layer_sum(cfg, lora, l.ep, i, &per).1
+            })
         }
         _ => 0.0,
     };
@@ -625,7 +637,6 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             n
         }
     };
-    let shard = |stage_min: u8| if z >= stage_min { dp } else { 1.0 };
     // Asynchronous schedules stash weight versions for their in-flight micro-batches (PipeDream:
     // one per micro-batch in flight but the newest; 2BW: the previous one, but on the last stage)
     // and 2BW holds a step's gradients until its update while the next step's accumulate.
@@ -639,7 +650,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
         // The frozen base stays whole on every replica (ZeRO shards only what trains) and is never
         // versioned; the adapters' compute copy is sharded like any trained parameter.
         frozen_base_bytes(input, l, stage, params)
-            + versions * trainable / shard(3) * pr.weights.bytes()
+            + versions * sharded(trainable, 3) * pr.weights.bytes()
     } else {
         versions * sharded(params, 3) * pr.weights.bytes()
     };
@@ -722,23 +733,88 @@ fn gathered_codes(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
     codes as f64 * (1.0 + 1.0 / l.replicas() as f64)
 }
 
-/// One block's adapter parameters on one device of a tensor-parallel group of `t`: each target's
-/// sharded half (a column-parallel base's `B`, a row-parallel base's `A`) divided by `t` (a shared KV
-/// head's `B` is one head's), the other half whole.
-pub fn lora_layer_params_on_device(cfg: &ModelConfig, lora: &LoraConfig, t: usize) -> f64 {
+/// Σ `per(target)` over layer `i`'s adapters on one device, as (dense, routed experts): a routed
+/// expert's counted `num_experts / ep` times (the experts are alike, and expert parallelism leaves a
+/// device its share; only one expert's names are built, however many there are).
+pub fn lora_layer_sum(
+    cfg: &ModelConfig,
+    lora: &LoraConfig,
+    ep: usize,
+    i: usize,
+    per: &dyn Fn(&LoraTarget) -> f64,
+) -> (f64, f64) {
+    let (one, routed) = match &cfg.moe {
+        Some(m) if m.has_experts(i) => (
+            cfg.expert_shard(0, m.num_experts),
+            (m.num_experts / ep.max(1)) as f64,
+        ),
+        _ => (cfg.clone(), 0.0),
+    };
+    let (mut dense, mut experts) = (0.0, 0.0);
+    for t in lora.layer_modules(&one, i) {
+        if one.routed_expert_of(&t.weight_name()).is_some() {
+            experts += routed * per(&t);
+        } else {
+            dense += per(&t);
+        }
+    }
+    (dense, experts)
+}
+
+/// A target's adapter parameters on one device of a tensor-parallel group of `t`: its sharded half
+/// (a column-parallel base's `B`, a row-parallel base's `A`) divided by `t` (a shared KV head's `B`
+/// is one head's), the other half whole.
+pub fn lora_target_params_on_device(
+    cfg: &ModelConfig,
+    lora: &LoraConfig,
+    t: usize,
+    m: &LoraTarget,
+) -> f64 {
     let (r, t) = (lora.rank as f64, t as f64);
     let kv_out = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
-    lora.layer_modules(cfg, 0)
+    let (i, o) = (m.in_dim as f64, m.out_dim as f64);
+    match m.split {
+        TargetSplit::Column if matches!(m.short.as_str(), "k_proj" | "v_proj") => r * (i + kv_out),
+        TargetSplit::Column => r * (i + o / t),
+        TargetSplit::Row => r * (i / t + o),
+    }
+}
+
+/// Σ `per(layer)` over the layers one device of `stage` holds, `per` asked once for a block with
+/// experts and once for one without (all blocks of a kind are alike).
+pub fn sum_over_stage_layers(
+    cfg: &ModelConfig,
+    l: &Layout,
+    stage: usize,
+    per: &dyn Fn(usize) -> f64,
+) -> f64 {
+    let has = |i: usize| cfg.moe.as_ref().is_some_and(|m| m.has_experts(i));
+    let kind = |experts: bool| (0..cfg.num_layers).find(|&i| has(i) == experts);
+    let with = super::stage_expert_layers(cfg, l, stage);
+    let without = super::stage_layers(cfg, l, stage) - with;
+    [(with, true), (without, false)]
         .iter()
-        .map(|m| {
-            let (i, o) = (m.in_dim as f64, m.out_dim as f64);
-            match m.split {
-                TargetSplit::Column if matches!(m.short, "k_proj" | "v_proj") => r * (i + kv_out),
-                TargetSplit::Column => r * (i + o / t),
-                TargetSplit::Row => r * (i / t + o),
+        .filter(|(n, _)| *n > 0)
+        .map(|&(n, experts)| n as f64 * kind(experts).map_or(0.0, per))
+        .sum()
+}
+
+/// The largest block's adapter parameters on one device, as (dense, routed experts).
+pub fn largest_lora_layer_on_device(
+    cfg: &ModelConfig,
+    lora: &LoraConfig,
+    l: &Layout,
+) -> (f64, f64) {
+    let per = |m: &LoraTarget| lora_target_params_on_device(cfg, lora, l.tp, m);
+    (0..cfg.num_layers)
+        .map(|i| lora_layer_sum(cfg, lora, l.ep, i, &per))
+        .fold((0.0, 0.0), |best, x| {
+            if x.0 + x.1 > best.0 + best.1 {
+                x
+            } else {
+                best
             }
         })
-        .sum()
 }
 
 /// The adapter parameters one device of `stage` holds (its layers' adapters).
@@ -748,5 +824,9 @@ pub fn lora_params_on_device(
     l: &Layout,
     stage: usize,
 ) -> f64 {
-    lora_layer_params_on_device(cfg, lora, l.tp) * super::stage_layers(cfg, l, stage) as f64
+    let per = |m: &LoraTarget| lora_target_params_on_device(cfg, lora, l.tp, m);
+    sum_over_stage_layers(cfg, l, stage, &|i| {
+        let (dense, experts) = lora_layer_sum(cfg, lora, l.ep, i, &per);
+        dense + experts
+    })
 }

@@ -160,6 +160,10 @@ impl PlanInput {
                 format!("{q} quantizes a frozen base: give --lora-rank too"),
             ));
         }
+        if let (Some(q), PlanModel::Shape(cfg)) = (self.quantize_base, &self.model) {
+            crate::model::check_quantized_base(cfg)
+                .map_err(|why| flag("--quantize-base", format!("{q}: {why}")))?;
+        }
         if let Some(lora) = &self.lora {
             match &self.model {
                 PlanModel::Shape(cfg) => lora

@@ -153,10 +153,15 @@ pub(super) fn resolve(
 /// run trains adapters at all.
 pub(super) fn base_quantization(
     cfg: &TrainConfig,
+    model: &ModelConfig,
     resume: Option<&Checkpoint>,
     lora: bool,
 ) -> Result<Option<BaseQuantization>> {
     let asked = cfg.lora.quantize_base;
+    if let Some(q) = asked {
+        ferrotron_core::model::check_quantized_base(model)
+            .map_err(|why| EngineError::Invalid(format!("--quantize-base {q}: {why}")))?;
+    }
     let trained_on = resume
         .filter(|ck| ck.manifest.lora.is_some())
         .map(|ck| (ck, ck.manifest.quantize_base));

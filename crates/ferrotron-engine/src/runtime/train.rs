@@ -95,7 +95,8 @@ impl StartingPoint {
             start = ck.manifest.step;
         }
         let adapters = lora_run::resolve(cfg, &model, resume.as_ref())?;
-        let quantized = lora_run::base_quantization(cfg, resume.as_ref(), adapters.is_some())?;
+        let quantized =
+            lora_run::base_quantization(cfg, &model, resume.as_ref(), adapters.is_some())?;
         // A full-training checkpoint holds the weights; otherwise they are the model's (QLoRA:
         // quantized as they are read).
         let params = match (&resume, &source) {

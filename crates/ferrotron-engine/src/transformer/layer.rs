@@ -35,13 +35,31 @@ pub(crate) struct LayerIds {
 }
 
 impl LayerIds {
-    /// The block's projections (what LoRA may target; experts not yet).
+    /// The block's linear layers (what LoRA may target: which it does is the LoRA config's).
     pub fn lins_mut(&mut self) -> impl Iterator<Item = &mut Lin> {
         let mlp: Vec<&mut Lin> = match &mut self.ffn {
             Ffn::Dense { mlp_in, mlp_out } => {
                 mlp_in.iter_mut().chain(std::iter::once(mlp_out)).collect()
             }
-            Ffn::Experts(_) => Vec::new(),
+            Ffn::Experts(moe) => {
+                let MoeIds {
+                    router,
+                    experts,
+                    shared,
+                    ..
+                } = &mut **moe;
+                let (shared_expert, shared_gate) = match shared {
+                    Some((e, g)) => (Some(e), Some(g)),
+                    None => (None, None),
+                };
+                experts
+                    .iter_mut()
+                    .chain(shared_expert)
+                    .flat_map(|e| [&mut e.gate, &mut e.up, &mut e.down])
+                    .chain(std::iter::once(router))
+                    .chain(shared_gate)
+                    .collect()
+            }
         };
         self.qkv
             .iter_mut()

@@ -621,12 +621,25 @@ mod tests {
         // Written back, read again: the same model.
         let again = parse(&m.to_hf_json().to_string()).unwrap();
         assert_eq!(again, m);
-        // Data-parallel replicas (ep among them), pipeline stages and tensor-parallel groups run
-        // one so far, without LoRA.
-        assert!(crate::model::LoraConfig::new(&m, 4, 8.0, &[])
+        // LoRA adapts attention and the experts (Mixtral's w1, w3, w2), never the router.
+        let lora = crate::model::LoraConfig::new(&m, 4, 8.0, &[]).unwrap();
+        assert_eq!(
+            lora.targets,
+            ["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"]
+        );
+        let names: Vec<String> = lora.adapter_specs(&m).into_iter().map(|s| s.name).collect();
+        assert!(
+            names.contains(&"model.layers.0.block_sparse_moe.experts.7.w2.lora_B.weight".into())
+        );
+        // Under expert parallelism a device's adapters are its experts'.
+        let held = lora.adapter_specs(&m.expert_shard(1, 2));
+        assert!(held.iter().all(|s| m
+            .routed_expert_of(&s.name)
+            .is_none_or(|e| (4..8).contains(&e))));
+        let e = crate::model::LoraConfig::new(&m, 4, 8.0, &["gate".into()])
             .unwrap_err()
-            .to_string()
-            .contains("mixture of experts"));
+            .to_string();
+        assert!(e.contains("`gate`") && e.contains("router"), "{e}");
         assert!(m.experts_split((1, false), 1, 1, 1).is_ok());
         assert!(m.experts_split((2, false), 1, 4, 8).is_ok());
         assert_eq!(m.experts_split((2, true), 1, 1, 2).unwrap_err().0, "sp");
