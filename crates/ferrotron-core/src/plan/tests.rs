@@ -822,4 +822,37 @@ fn expert_parallelism_divides_the_experts_and_is_searched() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("ep=16") && e.contains("8 experts"), "{e}");
+    // LoRA: the experts' adapters are divided like the experts (dense ones whole), and sharded by
+    // ZeRO-1 over the replicas holding them; a 4-bit base is refused, by name.
+    let lora = crate::model::LoraConfig::new(cfg, 16, 32.0, &[]).unwrap();
+    let with_lora = PlanInput {
+        lora: Some(lora),
+        ..input.clone()
+    };
+    let adapters =
+        |l: &Layout| memory::lora_params_on_device(cfg, with_lora.lora.as_ref().unwrap(), l, 0);
+    // Per block and expert: w1 and w3 (4096 → 14336) and w2 (14336 → 4096), rank 16.
+    let expert_adapters = 32.0 * 8.0 * 3.0 * 16.0 * (4096.0 + 14336.0);
+    let shed = adapters(&whole) - adapters(&split);
+    assert!(
+        (shed / (expert_adapters * 7.0 / 8.0) - 1.0).abs() < 1e-12,
+        "{shed}"
+    );
+    let dense = adapters(&split) - expert_adapters / 8.0;
+    let want = 8.0 * (dense / 16.0 + expert_adapters / 8.0 / 2.0);
+    let got = stage_memory(&with_lora, &split, 0, 1).optimizer_states as f64;
+    assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
+    let e = evaluate(
+        &PlanInput {
+            quantize_base: Some(crate::precision::BaseQuantization::Nf4),
+            ..with_lora
+        },
+        &split,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("--quantize-base") && e.contains("mixture of experts"),
+        "{e}"
+    );
 }
