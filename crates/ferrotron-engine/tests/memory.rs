@@ -537,6 +537,7 @@ fn mid_sized_mixtral() -> (
         dense_layers: Vec::new(),
         shared_expert_size: 0,
         held: Default::default(),
+        capacity_factor: None,
     });
     let params = ferrotron_engine::transformer::ParamStore::init_random(&cfg, 1);
     let (seq, b) = (128, 8);

@@ -85,6 +85,7 @@ fn each_model_matches_transformers_loss_with_its_load_balancing_term_and_every_g
             dense_layers: Vec::new(),
             shared_expert_size: 0,
             held: Default::default(),
+            capacity_factor: None,
         }))
     );
     // Every tensor of the checkpoint is a parameter: the router and each expert's w1, w2, w3.
@@ -455,19 +456,21 @@ fn the_written_checkpoints_read_back_as_the_same_models() {
 #[test]
 fn each_step_records_the_tokens_each_expert_took() {
     use ferrotron_engine::runtime::{train, TrainConfig};
-    let records = |layout: &str| {
+    let records_with = |layout: &str, capacity_factor: Option<f64>| {
         let mut c = TrainConfig::default();
         c.input.model = "mixtral-tiny".into();
+        c.input.capacity_factor = capacity_factor;
         c.optimizer.steps = 2;
         c.optimizer.batch_size = 4;
         c.input.seq_len = 32;
         c.logging.eval_every = 0;
         c.logging.eval_batches = 1;
         c.parallelism.layout = layout.parse().unwrap();
-        c.checkpointing.out_dir = temp_dir(&format!("moe-metrics-{layout}"));
+        c.checkpointing.out_dir = temp_dir(&format!("moe-metrics-{layout}-{capacity_factor:?}"));
         train(&c, &mut |_| {}).unwrap();
         metrics_records(&c.checkpointing.out_dir)
     };
+    let records = |layout: &str| records_with(layout, None);
     let one = records("dp=1");
     let two = records("dp=2");
     let cfg = ferrotron_core::model::preset("mixtral-tiny").unwrap();
@@ -489,4 +492,75 @@ fn each_step_records_the_tokens_each_expert_took() {
     }
     // The first step routes the same tokens through the same weights on either layout.
     assert_eq!(one[0]["expert_tokens"], two[0]["expert_tokens"]);
+    assert!(
+        one[0].get("expert_dropped").is_none(),
+        "dropless: nothing to report"
+    );
+    // A capacity factor of 1: micro-batches of 32 rows, 16 places per expert; what each expert
+    // dropped beside what it was given, the same with expert parallelism as without.
+    let (kept, split) = (
+        records_with("dp=2", Some(1.0)),
+        records_with("dp=2,ep=2", Some(1.0)),
+    );
+    for r in &kept {
+        let total: u64 = r["expert_dropped"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()))
+            .sum();
+        assert_eq!(total, r["expert_dropped_total"].as_u64().unwrap());
+        assert!(total > 0 && total < (4 * 32 * moe.top_k * cfg.num_layers) as u64);
+    }
+    assert_eq!(kept[0]["expert_dropped"], split[0]["expert_dropped"]);
+    // The first block routes before anything was dropped: as without a capacity.
+    assert_eq!(kept[0]["expert_tokens"][0], one[0]["expert_tokens"][0]);
+}
+
+/// A capacity factor: each expert takes at most ⌈F · rows · top_k / experts⌉ of a micro-batch's
+/// places on a device, first choices first, earlier rows first (`make_moe_capacity_reference.py`
+/// wraps transformers' experts to drop the same places): the loss and every gradient equal
+/// transformers' on one device and on splits that keep the micro-batch whole on a device (tensor
+/// parallelism, pipeline stages); expert parallelism drops what each replica drops without it; a
+/// capacity no expert reaches is dropless, bit for bit.
+#[test]
+fn a_capacity_factor_drops_the_places_transformers_drops() {
+    let (dropless, params, _) = load();
+    let with = |f: f64| {
+        let mut cfg = dropless.clone();
+        cfg.moe.as_mut().unwrap().capacity_factor = Some(f);
+        cfg
+    };
+    let cfg = with(1.0);
+    let reference = Reference::from_file(
+        fixture("variants")
+            .join("mixtral")
+            .join("capacity_reference.safetensors"),
+    );
+    assert!(reference.get("dropped").iter().sum::<f32>() > 0.0);
+    for spec in ["mbs=4", "tp=2,mbs=4", "pp=2,mbs=4"] {
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        let r = step_on(&cfg, &params, &reference, &layout).unwrap();
+        let want = reference.get("loss_f32")[0] as f64;
+        let e = (r.loss - want).abs() / want;
+        let (tensor, worst) = worst_grad_err(&r.grads, &reference);
+        println!("capacity 1.0 {spec}: loss {e:.1e}, worst gradient {worst:.1e} ({tensor})");
+        assert!(
+            e <= TOL && worst <= TOL,
+            "{spec}: loss {e:e}, {tensor} {worst:e}"
+        );
+    }
+    let run = |cfg: &ModelConfig, spec: &str| {
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        step_on(cfg, &params, &reference, &layout).unwrap()
+    };
+    let (split, replicas) = (run(&cfg, "dp=2,ep=2,mbs=2"), run(&cfg, "dp=2,mbs=2"));
+    assert_eq!(split.loss, replicas.loss);
+    for (spec, g) in split.grads.specs.iter().zip(&split.grads.tensors) {
+        let e = rel_err(g, replicas.grads.get(&spec.name).unwrap());
+        assert!(e <= TOL, "dp2·ep2 against dp2: {} {e:e}", spec.name);
+    }
+    let (roomy, none) = (run(&with(100.0), "mbs=4"), run(&dropless, "mbs=4"));
+    assert_eq!(roomy.loss, none.loss);
+    assert_eq!(roomy.grads, none.grads);
 }

@@ -120,6 +120,12 @@ pub struct MoeConfig {
     /// parallelism one device's share ([`ModelConfig::expert_shard`]); never saved.
     #[serde(skip)]
     pub held: ExpertShard,
+    /// Token dropping (a training setting, not the checkpoint's: transformers' models are
+    /// dropless): each expert takes at most [`MoeConfig::capacity`] of a micro-batch's places on a
+    /// device, first choices before second ones, earlier rows first; the places past it are
+    /// dropped (the token keeps its other experts' outputs, weights unchanged). `None`: dropless.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
 }
 
 /// One device's share of every block's routed experts under expert parallelism: the `index`-th of
@@ -154,6 +160,28 @@ fn is_zero(n: &usize) -> bool {
 }
 
 impl MoeConfig {
+    /// How many of `rows` rows' places one expert takes under the capacity factor F:
+    /// ⌈F · rows · top_k / num_experts⌉ (GShard's and Switch's expert capacity); unbounded when
+    /// dropless.
+    pub fn capacity(&self, rows: usize) -> usize {
+        match self.capacity_factor {
+            Some(f) => (f * (rows * self.top_k) as f64 / self.num_experts as f64).ceil() as usize,
+            None => usize::MAX,
+        }
+    }
+
+    /// Whether `f` can be a capacity factor, or why not: a positive, finite number.
+    pub fn check_capacity_factor(f: f64) -> std::result::Result<(), String> {
+        if f.is_finite() && f > 0.0 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{f} is not a capacity factor: give a positive number (1.0: each expert takes its \
+                 even share of the places; more leaves room for imbalance)"
+            ))
+        }
+    }
+
     /// Whether block `layer` has experts (transformers' rule for Qwen-MoE; every block for Mixtral).
     pub fn has_experts(&self, layer: usize) -> bool {
         !self.dense_layers.contains(&layer)

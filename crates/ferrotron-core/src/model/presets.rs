@@ -16,6 +16,7 @@ pub const PRESET_NAMES: &[&str] = &[
     "qwen3-32b",
     "mistral-7b",
     "mixtral-tiny",
+    "mixtral-bench",
     "mixtral-8x7b",
     "qwen3-30b-a3b",
 ];
@@ -35,8 +36,9 @@ const PUBLISHED: &[(&str, &str)] = &[
     ("qwen3-30b-a3b", include_str!("configs/qwen3-30b-a3b.json")),
 ];
 
-/// Named model shapes. `llama-small` is the embedded default run's model; `llama-bench` is the
-/// benchmark shape shared with the PyTorch peer script; the others are real checkpoints' configs.
+/// Named model shapes. `llama-small` is the embedded default run's model; `llama-bench` and
+/// `mixtral-bench` are the benchmark shapes shared with the PyTorch peer script; the others are real
+/// checkpoints' configs.
 pub fn preset(name: &str) -> Result<ModelConfig> {
     if let Some((_, json)) = PUBLISHED.iter().find(|(n, _)| *n == name) {
         return ModelConfig::from_hf_json(json, Path::new(&format!("{name}/config.json")));
@@ -58,8 +60,26 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
                 dense_layers: Vec::new(),
                 shared_expert_size: 0,
                 held: Default::default(),
+                capacity_factor: None,
             })
         }
+        // llama-bench's attention with eight experts of 704 columns, two per token: a token's
+        // active MLP is llama-bench's (2 × 704 = 1408), the benchmark shape shared with the
+        // PyTorch peer script (`--model mixtral`).
+        "mixtral-bench" => ModelConfig::llama(8192, 512, 704, 8, 8, 8, 256, 10000.0).with_experts(
+            super::MoeConfig {
+                num_experts: 8,
+                top_k: 2,
+                norm_topk_prob: true,
+                aux_loss_coef: 0.02,
+                expert_size: 704,
+                sparse_step: 1,
+                dense_layers: Vec::new(),
+                shared_expert_size: 0,
+                held: Default::default(),
+                capacity_factor: None,
+            },
+        ),
         other => {
             return Err(ConfigError::Invalid(format!(
                 "unknown model preset `{other}` (known: {})",

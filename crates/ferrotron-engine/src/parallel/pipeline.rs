@@ -202,8 +202,9 @@ pub(crate) struct StageOutcome {
     /// The device went over its memory capacity: where it was first seen. The step still runs to
     /// its end so that its peers are not left waiting; the caller ends the run.
     pub over_capacity: Option<EngineError>,
-    /// A mixture of experts: per layer of the model, the top-k places each expert took in this
-    /// device's micro-batches (empty rows for the layers elsewhere; empty for a dense model).
+    /// A mixture of experts: per layer of the model, the top-k places the router gave each expert
+    /// in this device's micro-batches, then the places each dropped over its capacity (`2 ·
+    /// experts` counts; empty rows for the layers elsewhere; empty for a dense model).
     pub expert_tokens: Vec<Vec<f64>>,
 }
 

@@ -111,6 +111,10 @@ settings! {
             option [] tokenizer: Option<PathBuf>;
             /// Tokens per sequence.
             value [] seq_len: usize = 128;
+            /// A mixture of experts: drop tokens past each expert's capacity, ⌈F · tokens · top_k /
+            /// experts⌉ of a micro-batch's places on each device, recorded in metrics.jsonl
+            /// (default: dropless, as transformers computes these models).
+            option [] capacity_factor: Option<f64>;
             /// Seeds the preset's initial weights and the data order.
             value [] seed: u64 = 0;
             /// Fraction of the token stream (its tail) held out for validation.
@@ -396,6 +400,11 @@ impl TrainConfig {
         }
         if !(self.optimizer.lr.is_finite() && self.optimizer.lr > 0.0) {
             return bad("lr", "must be a positive number");
+        }
+        if let Some(f) = self.input.capacity_factor {
+            if let Err(why) = ferrotron_core::model::MoeConfig::check_capacity_factor(f) {
+                return bad("capacity_factor", &why);
+            }
         }
         if !(self.optimizer.min_lr.is_finite() && self.optimizer.min_lr >= 0.0) {
             return bad("min_lr", "must be a non-negative number");

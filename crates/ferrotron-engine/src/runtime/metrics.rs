@@ -405,24 +405,42 @@ impl<'a> MetricsWriter<'a> {
             extra.insert("skipped".into(), f.skipped.into());
         }
         if !f.expert_tokens.is_empty() {
-            // Per layer, the tokens each expert took (a token counts once for each of its top-k
-            // experts); the load is the busiest expert's over the mean, in the worst layer.
+            // Per layer, the tokens the router gave each expert (a token counts once for each of
+            // its top-k experts), then those it dropped over its capacity; the load is the busiest
+            // expert's over the mean, in the worst layer.
+            let half = |row: &Vec<f64>, second: bool| -> Vec<f64> {
+                let (taken, dropped) = row.split_at(row.len() / 2);
+                if second { dropped } else { taken }.to_vec()
+            };
             let load = f
                 .expert_tokens
                 .iter()
                 .filter(|row| !row.is_empty())
                 .map(|row| {
+                    let row = half(row, false);
                     let mean = row.iter().sum::<f64>() / row.len() as f64;
                     row.iter().copied().fold(0.0, f64::max) / mean.max(f64::MIN_POSITIVE)
                 })
                 .fold(0.0, f64::max);
-            let tokens: Vec<Vec<u64>> = f
-                .expert_tokens
-                .iter()
-                .map(|row| row.iter().map(|&v| v.round() as u64).collect())
-                .collect();
-            extra.insert("expert_tokens".into(), serde_json::json!(tokens));
+            let counts = |second: bool| -> Vec<Vec<u64>> {
+                f.expert_tokens
+                    .iter()
+                    .map(|row| {
+                        half(row, second)
+                            .iter()
+                            .map(|&v| v.round() as u64)
+                            .collect()
+                    })
+                    .collect()
+            };
+            extra.insert("expert_tokens".into(), serde_json::json!(counts(false)));
             extra.insert("expert_load_max_over_mean".into(), load.into());
+            let dropped = counts(true);
+            let total: u64 = dropped.iter().flatten().sum();
+            if total > 0 || self.run.cfg.input.capacity_factor.is_some() {
+                extra.insert("expert_dropped".into(), serde_json::json!(dropped));
+                extra.insert("expert_dropped_total".into(), total.into());
+            }
         }
         if stall > 0.0 {
             // A save started after this step: how long it held the devices (the longest).

@@ -70,7 +70,16 @@ struct StartingPoint {
 
 impl StartingPoint {
     fn resolve(cfg: &TrainConfig) -> Result<Self> {
-        let (model, source) = resolve_config(&cfg.input.model)?;
+        let (mut model, source) = resolve_config(&cfg.input.model)?;
+        if let Some(f) = cfg.input.capacity_factor {
+            let Some(moe) = model.moe.as_deref_mut() else {
+                return Err(EngineError::Invalid(format!(
+                    "capacity_factor {f}: {} has no experts to drop tokens from (leave it out)",
+                    cfg.input.model
+                )));
+            };
+            moe.capacity_factor = Some(f);
+        }
         let resume = cfg
             .checkpointing
             .resume

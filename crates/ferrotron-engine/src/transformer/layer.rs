@@ -220,6 +220,15 @@ impl LayerActs {
             FfnActs::Dense { .. } => None,
         }
     }
+
+    /// Per expert, the places the router gave it and then the places it dropped over its capacity
+    /// (`2 · experts` counts; `None` for a dense block).
+    pub fn expert_counts(&self) -> Option<Vec<f64>> {
+        match &self.ffn {
+            FfnActs::Experts(m) => Some([&m.tally.assigned[..], &m.dropped[..]].concat()),
+            FfnActs::Dense { .. } => None,
+        }
+    }
 }
 
 fn attn_shape(cfg: &ModelConfig, ids: &LayerIds, batch: usize, seq: usize) -> AttnShape {

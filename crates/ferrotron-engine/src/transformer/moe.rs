@@ -158,6 +158,8 @@ pub(crate) struct MoeActs {
     /// The shared expert over every row, its output, and its gate's sigmoid per row.
     shared: Option<(ExpertRun, Kept, Vec<f32>)>,
     pub tally: RouterTally,
+    /// Per expert of the router: the places it dropped, over its capacity (all zero when dropless).
+    pub dropped: Vec<f64>,
 }
 
 impl MoeActs {
@@ -355,6 +357,21 @@ pub(crate) fn forward(
             tally.assigned[e] += 1.0;
         }
     }
+    // Token dropping, before dispatch: each expert keeps at most its capacity of this device's
+    // places, first choices before second ones, earlier rows first. A dropped place adds nothing to
+    // its row's output (the others keep their weights), so its weight's gradient is zero; the
+    // load-balancing loss still counts the router's choice.
+    let capacity = ids.config.capacity(rows);
+    let mut dropped = vec![0.0; n_experts];
+    for (places, d) in routes.iter_mut().zip(dropped.iter_mut()) {
+        if places.len() > capacity {
+            *d = (places.len() - capacity) as f64;
+            places.sort_unstable_by_key(|&(r, slot)| (slot, r));
+            places.truncate(capacity);
+            // Back to row order (an expert takes a row at most once).
+            places.sort_unstable();
+        }
+    }
     // Dispatch: every place's row to its expert's device; each held expert learns how many rows
     // each device sent it.
     let counts: Vec<Vec<usize>> = (0..at.devices)
@@ -449,6 +466,7 @@ pub(crate) fn forward(
         held,
         shared,
         tally,
+        dropped,
     };
     (out, acts)
 }

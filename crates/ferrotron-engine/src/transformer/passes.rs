@@ -76,9 +76,9 @@ impl Transformer {
                 ));
             });
             let (out, acts) = result.expect("the layer ran");
-            if let Some(t) = acts.router_tally() {
+            if let (Some(t), Some(counts)) = (acts.router_tally(), acts.expert_counts()) {
                 router_tally.add(t);
-                expert_tokens.push((self.layer_range.start + i, t.assigned.clone()));
+                expert_tokens.push((self.layer_range.start + i, counts));
             }
             match input {
                 Some(input) => layer_inputs.push(Kept::keep(be, input, self.activation_storage)),

@@ -376,6 +376,7 @@ impl Reader<'_> {
                     dense_layers: Vec::new(),
                     shared_expert_size: 0,
                     held: Default::default(),
+                    capacity_factor: None,
                 })))
             }
             Family::Qwen2Moe | Family::Qwen3Moe => {
@@ -434,6 +435,7 @@ impl Reader<'_> {
                         false => 0,
                     },
                     held: Default::default(),
+                    capacity_factor: None,
                 })))
             }
             _ => Ok(None),

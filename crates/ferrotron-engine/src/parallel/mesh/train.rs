@@ -65,8 +65,9 @@ pub struct StepReport {
     /// fp16: the loss scale this step used, and whether it was skipped (inf/NaN in the gradients).
     pub loss_scale: f64,
     pub skipped: bool,
-    /// A mixture of experts: per layer, the top-k places each expert took over the step's whole
-    /// batch (every device's); empty for a dense model.
+    /// A mixture of experts: per layer, the top-k places the router gave each expert over the
+    /// step's whole batch (every device's), then the places each dropped over its capacity (`2 ·
+    /// experts` counts); empty for a dense model.
     pub expert_tokens: Vec<Vec<f64>>,
 }
 
@@ -190,8 +191,8 @@ impl MeshStep<'_> {
         // any device went over its capacity (then every device ends the run here, together), and
         // whether any was asked to stop.
         // A mixture of experts: every device adds its layers' expert counts (the same length on
-        // every device: layers × experts).
-        let experts = self.cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+        // every device: layers × experts, taken then dropped).
+        let experts = 2 * self.cfg.moe.as_ref().map_or(0, |m| m.num_experts);
         let mut l = vec![
             loss,
             over_capacity.is_some() as u8 as f64,
