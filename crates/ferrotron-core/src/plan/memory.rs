@@ -743,15 +743,16 @@ pub fn lora_layer_sum(
     i: usize,
     per: &dyn Fn(&LoraTarget) -> f64,
 ) -> (f64, f64) {
+    let shard;
     let (one, routed) = match &cfg.moe {
-        Some(m) if m.has_experts(i) => (
-            cfg.expert_shard(0, m.num_experts),
-            (m.num_experts / ep.max(1)) as f64,
-        ),
-        _ => (cfg.clone(), 0.0),
+        Some(m) if m.has_experts(i) => {
+            shard = cfg.expert_shard(0, m.num_experts);
+            (&shard, (m.num_experts / ep.max(1)) as f64)
+        }
+        _ => (cfg, 0.0),
     };
     let (mut dense, mut experts) = (0.0, 0.0);
-    for t in lora.layer_modules(&one, i) {
+    for t in lora.layer_modules(one, i) {
         if one.routed_expert_of(&t.weight_name()).is_some() {
             experts += routed * per(&t);
         } else {
@@ -780,16 +781,23 @@ pub fn lora_target_params_on_device(
     }
 }
 
+/// The first block with experts and the first without, those `cfg` has: every block of a kind is
+/// alike, so one of each stands for the rest.
+fn block_kinds(cfg: &ModelConfig) -> [Option<usize>; 2] {
+    let has = |i: usize| cfg.moe.as_ref().is_some_and(|m| m.has_experts(i));
+    [true, false].map(|experts| (0..cfg.num_layers).find(|&i| has(i) == experts))
+}
+
 /// Σ `per(layer)` over the layers one device of `stage` holds, `per` asked once for a block with
-/// experts and once for one without (all blocks of a kind are alike).
+/// experts and once for one without.
 pub fn sum_over_stage_layers(
     cfg: &ModelConfig,
     l: &Layout,
     stage: usize,
     per: &dyn Fn(usize) -> f64,
 ) -> f64 {
-    let has = |i: usize| cfg.moe.as_ref().is_some_and(|m| m.has_experts(i));
-    let kind = |experts: bool| (0..cfg.num_layers).find(|&i| has(i) == experts);
+    let [with_experts, without] = block_kinds(cfg);
+    let kind = |experts: bool| if experts { with_experts } else { without };
     let with = super::stage_expert_layers(cfg, l, stage);
     let without = super::stage_layers(cfg, l, stage) - with;
     [(with, true), (without, false)]
@@ -806,7 +814,9 @@ pub fn largest_lora_layer_on_device(
     l: &Layout,
 ) -> (f64, f64) {
     let per = |m: &LoraTarget| lora_target_params_on_device(cfg, lora, l.tp, m);
-    (0..cfg.num_layers)
+    block_kinds(cfg)
+        .into_iter()
+        .flatten()
         .map(|i| lora_layer_sum(cfg, lora, l.ep, i, &per))
         .fold((0.0, 0.0), |best, x| {
             if x.0 + x.1 > best.0 + best.1 {
