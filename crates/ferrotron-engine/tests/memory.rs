@@ -167,13 +167,8 @@ fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
 /// alone have gradients and optimizer state.
 #[test]
 fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
-    let (cfg, base, batch) = mid_sized_llama();
-    let lora = ferrotron_core::model::LoraConfig::new(&cfg, 8, 16.0, &[]).unwrap();
     assert_lora_memory_near(
-        &cfg,
-        &base,
-        &batch,
-        &lora,
+        mid_sized_llama(),
         &[
             "mbs=1",
             "dp=2,tp=2,pp=2,mbs=1",
@@ -187,30 +182,29 @@ fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
 /// over all.
 #[test]
 fn lora_on_experts_memory_matches_the_planner() {
-    let (cfg, base, batch) = mid_sized_mixtral();
-    let lora = ferrotron_core::model::LoraConfig::new(&cfg, 8, 16.0, &[]).unwrap();
     assert_lora_memory_near(
-        &cfg,
-        &base,
-        &batch,
-        &lora,
+        mid_sized_mixtral(),
         &["dp=4,ep=2,zero=3,mbs=2", "dp=2,ep=2,tp=2,zero=1,mbs=4"],
     );
 }
 
-/// One LoRA step of each layout of `specs` against `plan --lora-rank`: each device's measured
-/// peaks per term within 10% of its stage's prediction.
+/// One step of adapters of rank 8 (alpha 16) on every projection of the model, for each layout of
+/// `specs`, against `plan --lora-rank`: each device's measured peaks per term within 10% of its
+/// stage's prediction.
 fn assert_lora_memory_near(
-    cfg: &ferrotron_core::model::ModelConfig,
-    base: &ferrotron_engine::transformer::ParamStore,
-    batch: &TokenBatch,
-    lora: &ferrotron_core::model::LoraConfig,
+    (cfg, base, batch): (
+        ferrotron_core::model::ModelConfig,
+        ferrotron_engine::transformer::ParamStore,
+        TokenBatch,
+    ),
     specs: &[&str],
 ) {
     use ferrotron_core::plan::evaluate;
     use ferrotron_engine::lora::Adapters;
     use ferrotron_engine::parallel::pipeline_steps_of;
     use ferrotron_engine::transformer::Trained;
+    let (cfg, base, batch) = (&cfg, &base, &batch);
+    let lora = &ferrotron_core::model::LoraConfig::new(cfg, 8, 16.0, &[]).unwrap();
     let adapters = Adapters::init(cfg, lora.clone(), 2);
     let input = ferrotron_core::plan::PlanInput {
         lora: Some(lora.clone()),
