@@ -213,38 +213,56 @@ fn expert_parallel_layouts_equal_transformers_on_the_whole_batch() {
     }
 }
 
-/// LoRA on attention and on every expert of the Mixtral (rank 4, alpha 8, both halves random;
-/// `make_moe_lora_reference.py`): the loss and every adapter gradient equal PEFT's — its load of
-/// the per-expert adapter onto transformers' fused experts — on one device and split: replicas
-/// sharing the experts, ZeRO-3, tensor-parallel experts, pipeline stages.
+/// LoRA on attention and on every expert (rank 4, alpha 8, both halves random;
+/// `make_moe_lora_reference.py`): the loss and every adapter gradient equal the references — PEFT's
+/// load of the Mixtral's per-expert adapter onto transformers' fused experts; for the Qwen2-MoE
+/// (experts, shared expert and dense MLPs adapted) transformers on the merged weights — on one
+/// device and split: replicas sharing the experts, ZeRO-3, tensor-parallel experts, pipeline stages.
 #[test]
-fn lora_on_experts_and_attention_equals_peft() {
-    let dir = fixture("variants").join("lora").join("mixtral");
-    let (cfg, base) = hf::load_model(&fixture("variants").join("mixtral")).unwrap();
-    let adapters = ferrotron_engine::lora::Adapters::load_peft(&dir, &cfg).unwrap();
-    assert!(adapters
-        .params
-        .specs
-        .iter()
-        .any(|s| s.name == "model.layers.1.block_sparse_moe.experts.3.w2.lora_A.weight"));
-    let case = LoraCase {
-        cfg,
-        base,
-        adapters,
-        reference: Reference::from_file(dir.join("lora_reference.safetensors")),
-    };
-    // One micro-batch per replica: the load-balancing loss is then the whole batch's, as PEFT's.
-    for spec in [
-        "mbs=4",
-        "dp=2,ep=2,mbs=2",
-        "dp=4,ep=2,zero=3",
-        "dp=4,ep=4,zero=1",
-        "tp=2,mbs=4",
-        "dp=2,ep=2,tp=2,mbs=2,zero=2",
-        "pp=2,mbs=4",
-        "dp=2,ep=2,pp=2,mbs=2,schedule=zbh1,zero=3",
+fn lora_on_experts_and_attention_equals_the_references() {
+    // One micro-batch per replica: the load-balancing loss is then the whole batch's, as the
+    // references'.
+    for (name, specs) in [
+        (
+            "mixtral",
+            &[
+                "mbs=4",
+                "dp=2,ep=2,mbs=2",
+                "dp=4,ep=2,zero=3",
+                "dp=4,ep=4,zero=1",
+                "tp=2,mbs=4",
+                "dp=2,ep=2,tp=2,mbs=2,zero=2",
+                "pp=2,mbs=4",
+                "dp=2,ep=2,pp=2,mbs=2,schedule=zbh1,zero=3",
+            ][..],
+        ),
+        (
+            "qwen2_moe",
+            &[
+                "mbs=2",
+                "dp=2,ep=2,zero=3",
+                "tp=2,mbs=2",
+                "dp=2,ep=2,pp=2,zero=2",
+            ][..],
+        ),
     ] {
-        check_lora(&case, "mixtral", spec);
+        let dir = fixture("variants").join("lora").join(name);
+        let (cfg, base) = hf::load_model(&fixture("variants").join(name)).unwrap();
+        let adapters = ferrotron_engine::lora::Adapters::load_peft(&dir, &cfg).unwrap();
+        assert!(adapters
+            .params
+            .specs
+            .iter()
+            .any(|s| cfg.routed_expert_of(&s.name) == Some(3)));
+        let case = LoraCase {
+            cfg,
+            base,
+            adapters,
+            reference: Reference::from_file(dir.join("lora_reference.safetensors")),
+        };
+        for spec in specs {
+            check_lora(&case, name, spec);
+        }
     }
 }
 
