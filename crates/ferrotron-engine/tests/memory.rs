@@ -101,16 +101,19 @@ fn mid_sized_llama() -> (
 
 /// Prints measured and predicted peaks per term, and checks the weights, gradients, optimizer
 /// state, activations and total within 10% (communication buffers printed only: pooled message
-/// buffers grow with how many messages happen to be in flight).
+/// buffers grow with how many messages happen to be in flight). `unplanned` bytes of the measured
+/// total are left out of the comparison (the kernels' workspace, which follows this CPU's caches).
 fn assert_terms_near(
     what: &str,
     got: &ferrotron_core::plan::MemoryTerms,
     want: &ferrotron_core::plan::MemoryTerms,
+    unplanned: u64,
 ) {
     let mb = |b: u64| b as f64 / 1e6;
     println!(
-        "{what}: measured / predicted MB: weights {:.2}/{:.2} gradients {:.2}/{:.2} \
-         optimizer {:.2}/{:.2} activations {:.2}/{:.2} comm {:.2}/{:.2} total {:.2}/{:.2}",
+        "{what}: measured / predicted MB: weights {:.3}/{:.3} gradients {:.3}/{:.3} \
+         optimizer {:.3}/{:.3} activations {:.2}/{:.2} comm {:.3}/{:.3} total {:.2}/{:.2} \
+         (unplanned, left out: {:.2})",
         mb(got.weights),
         mb(want.weights),
         mb(got.gradients),
@@ -123,6 +126,7 @@ fn assert_terms_near(
         mb(want.comm_buffers),
         mb(got.total),
         mb(want.total),
+        mb(unplanned),
     );
     for (term, a, b) in [
         ("weights", got.weights, want.weights),
@@ -133,7 +137,7 @@ fn assert_terms_near(
             want.optimizer_states,
         ),
         ("activations", got.activations, want.activations),
-        ("total", got.total, want.total),
+        ("total", got.total - unplanned, want.total),
     ] {
         let e = (a as f64 / b as f64 - 1.0).abs();
         assert!(e <= 0.10, "{what}: {term} measured {a} vs predicted {b}");
@@ -157,7 +161,7 @@ fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
         let plan = evaluate(&input, &l).unwrap();
         for (d, m) in run.memory.iter().enumerate() {
             let want = plan.memory_bytes_per_stage[d / (l.tp * l.dp)];
-            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want);
+            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want, 0);
         }
     }
 }
@@ -218,47 +222,12 @@ fn assert_lora_memory_near(
             pipeline_steps_of(cfg, trained, batch, &l, &part, Duration::from_secs(120), 0).unwrap();
         let plan = evaluate(&input, &l).unwrap();
         for (d, m) in run.memory.iter().enumerate() {
-            let (got, want) = (
-                m.peak_terms(),
-                plan.memory_bytes_per_stage[d / (l.tp * l.dp)],
+            assert_terms_near(
+                &format!("LoRA {spec} device {d}"),
+                &m.peak_terms(),
+                &plan.memory_bytes_per_stage[d / (l.tp * l.dp)],
+                m.peak_other(),
             );
-            println!(
-                "LoRA {spec} device {d}: measured / predicted MB: weights {:.3}/{:.3} gradients \
-                 {:.3}/{:.3} optimizer {:.3}/{:.3} activations {:.2}/{:.2} comm {:.3}/{:.3} \
-                 total {:.2}/{:.2} (other, unplanned: {:.2})",
-                got.weights as f64 / 1e6,
-                want.weights as f64 / 1e6,
-                got.gradients as f64 / 1e6,
-                want.gradients as f64 / 1e6,
-                got.optimizer_states as f64 / 1e6,
-                want.optimizer_states as f64 / 1e6,
-                got.activations as f64 / 1e6,
-                want.activations as f64 / 1e6,
-                got.comm_buffers as f64 / 1e6,
-                want.comm_buffers as f64 / 1e6,
-                got.total as f64 / 1e6,
-                want.total as f64 / 1e6,
-                m.peak_other() as f64 / 1e6,
-            );
-            for (term, a, b) in [
-                ("weights", got.weights, want.weights),
-                ("gradients", got.gradients, want.gradients),
-                (
-                    "optimizer_states",
-                    got.optimizer_states,
-                    want.optimizer_states,
-                ),
-                ("activations", got.activations, want.activations),
-                // The kernels' workspace (`other`) is not planned, and its size follows this CPU's
-                // caches: the total compared is the rest.
-                ("total", got.total - m.peak_other(), want.total),
-            ] {
-                let e = (a as f64 / b as f64 - 1.0).abs();
-                assert!(
-                    e <= 0.10,
-                    "LoRA {spec} device {d}: {term} measured {a} vs predicted {b}"
-                );
-            }
         }
     }
 }
@@ -508,7 +477,7 @@ fn expert_parallel_memory_matches_the_planner() {
             pipeline_step(&cfg, &params, &batch, &l, &part, Duration::from_secs(120)).unwrap();
         let want = evaluate(&input, &l).unwrap().memory_bytes_per_stage[0];
         for (d, m) in run.memory.iter().enumerate() {
-            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want);
+            assert_terms_near(&format!("{spec} device {d}"), &m.peak_terms(), &want, 0);
         }
     }
 }
