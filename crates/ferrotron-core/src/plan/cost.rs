@@ -133,21 +133,21 @@ pub struct Traffic {
 /// experts, micro-batch) pairs, for `places_out` of its tokens' top-k places routed to other
 /// devices' experts and `places_in` places it received from them, summed over those pairs: each
 /// pair exchanges the routed rows' counts (one 8-byte count per expert a device holds, to each
-/// other device), then sends the rows out and their results back (f32, `hidden` wide), and the
-/// backward sends their gradients the same two ways. The engine sends exactly this; the plan
-/// prices it at the balanced load ([`balanced_places`]).
+/// other device), then sends the rows out and their results back (`hidden` wide, `value_bytes`
+/// each: the activations' wire format), and the backward sends their gradients the same two ways.
+/// The engine sends exactly this; the plan prices it at the balanced load ([`balanced_places`]).
 pub fn expert_all_to_all_bytes(
     cfg: &ModelConfig,
     ep: usize,
+    value_bytes: f64,
     exchanges: f64,
-    places_out: f64,
-    places_in: f64,
+    (places_out, places_in): (f64, f64),
 ) -> f64 {
     let Some(m) = cfg.moe.as_ref().filter(|_| ep > 1) else {
         return 0.0;
     };
     let counts = exchanges * (ep - 1) as f64 * (m.num_experts / ep) as f64 * 8.0;
-    counts + 2.0 * (places_out + places_in) * cfg.hidden_size as f64 * 4.0
+    counts + 2.0 * (places_out + places_in) * cfg.hidden_size as f64 * value_bytes
 }
 
 /// The top-k places a device of an expert-parallel group of `ep` sends to other devices' experts
@@ -695,7 +695,8 @@ fn expert_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) -
         .unwrap_or(0) as f64;
     let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
     let places = balanced_places(cfg, l.ep, tokens);
-    let bytes = expert_all_to_all_bytes(cfg, l.ep, layers, layers * places, layers * places);
+    let act = input.precision.weights.bytes();
+    let bytes = expert_all_to_all_bytes(cfg, l.ep, act, layers, (layers * places, layers * places));
     let eff = input.cluster.calibration.link_efficiency;
     // Two all-to-alls each way per block with experts, each ep − 1 messages; spread over the
     // stage's blocks (the actions price a block on average).

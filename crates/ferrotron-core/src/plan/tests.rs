@@ -795,11 +795,12 @@ fn expert_parallelism_divides_the_experts_and_is_searched() {
     let want = 8.0 * (dense / 16.0 + experts / 8.0 / 2.0);
     let got = stage_memory(&input, &split, 0, 1).optimizer_states as f64;
     assert!((got / want - 1.0).abs() < 1e-9, "{got} vs {want}");
-    // All-to-all bytes: four exchanges of k·tokens·(ep−1)/ep rows per block and micro-batch,
-    // beside the counts.
+    // All-to-all bytes: four exchanges of k·tokens·(ep−1)/ep rows per block and micro-batch, in the
+    // activations' format (the plan's default precision, bf16: 2 bytes), beside the counts.
+    assert_eq!(input.precision.weights.bytes(), 2.0);
     let plan = evaluate(&input, &layout("dp=16,ep=8,zero=1,mbs=1")).unwrap();
     let places = 4096.0 * m.top_k as f64 * 7.0 / 8.0;
-    let per_micro_batch = 32.0 * (2.0 * 2.0 * places * 4096.0 * 4.0 + 7.0 * 8.0);
+    let per_micro_batch = 32.0 * (2.0 * 2.0 * places * 4096.0 * 2.0 + 7.0 * 8.0);
     let micro_batches = 64.0 / 16.0;
     assert_eq!(plan.comm_bytes_per_step.ep, micro_batches * per_micro_batch);
     assert!(plan

@@ -190,6 +190,12 @@ pub enum Matrix<'a> {
 /// The ops a device must provide. Buffers are row-major; `accumulate` means `+=` instead of `=`.
 /// Weight-gradient methods always accumulate, so micro-batches sum into one gradient.
 pub trait Backend: Sync {
+    /// These kernels with f32 products (operands as they are, 16-bit weights widened): what a
+    /// mixture of experts' router computes in under mixed precision, so that which experts a token
+    /// takes does not turn on the products' rounding (Megatron-Core's fp32 router, DeepSeek-V3's
+    /// gating).
+    fn f32_products(&self) -> Box<dyn Backend>;
+
     /// `c[m×n] (+)= a[m×k] · b[k×n]` with arbitrary row/column strides for `a` and `b`.
     #[allow(clippy::too_many_arguments)]
     fn matmul(

@@ -6,9 +6,13 @@
 //!
 //! An all-to-all is one message to each other device of the group (a device keeps its own part),
 //! each sent without waiting (`send_overlapped`) before any is received, so no order of arrival can
-//! deadlock; counted under group kind `ep`.
+//! deadlock; counted under group kind `ep`. Rows travel in the run's wire format (16 bits under mixed
+//! precision, as the activations between pipeline stages and tensor-parallel devices do); a device's
+//! own part is rounded alike, so that a row's value does not depend on where its expert lives.
 
 use crate::comm::{Comm, CommError, Group};
+use crate::half_storage::{Half16, Wire};
+use ferrotron_core::precision::Half;
 
 /// Tags of expert-parallel messages: a namespace of their own (context parallelism's are
 /// `3 << 62 | k << 40` for small k, the pipeline's below 2⁶²).
@@ -36,16 +40,34 @@ pub fn exchange_counts<C: Comm>(
         .collect())
 }
 
-/// Sends `send[j]` to member j of `g` (this device is member `me`); returns what each member
-/// sent here, `lengths[j]` elements from member j.
+/// Sends `send[j]` to member j of `g` (this device is member `me`) in `wire`'s format; returns what
+/// each member sent here, `lengths[j]` elements from member j.
 pub fn exchange_rows<C: Comm>(
+    c: &mut C,
+    g: &Group,
+    me: usize,
+    wire: Wire,
+    send: Vec<Vec<f32>>,
+    lengths: &[usize],
+) -> Result<Vec<Vec<f32>>, CommError> {
+    match wire.0 {
+        None => exchange(c, g, me, send, lengths, TAG_ROWS),
+        Some(Half::Bf16) => exchange_rounded::<C, half::bf16>(c, g, me, send, lengths),
+        Some(Half::F16) => exchange_rounded::<C, half::f16>(c, g, me, send, lengths),
+    }
+}
+
+/// [`exchange_rows`] with every message rounded to `T` (the device's own part too).
+fn exchange_rounded<C: Comm, T: Half16>(
     c: &mut C,
     g: &Group,
     me: usize,
     send: Vec<Vec<f32>>,
     lengths: &[usize],
 ) -> Result<Vec<Vec<f32>>, CommError> {
-    exchange(c, g, me, send, lengths, TAG_ROWS)
+    let send: Vec<Vec<T>> = send.iter().map(|m| T::round_all(m)).collect();
+    let got = exchange(c, g, me, send, lengths, TAG_ROWS)?;
+    Ok(got.iter().map(|m| T::widen_all(m)).collect())
 }
 
 fn exchange<C: Comm, T: crate::comm::Element>(

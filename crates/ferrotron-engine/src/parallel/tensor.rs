@@ -754,7 +754,7 @@ impl<C: Comm> ShardCollectives for TpGroup<'_, C> {
         // After a failure (kept for `result`), messages of the right lengths keep the pass going.
         let mut out: Vec<Vec<f32>> = lengths.iter().map(|&n| vec![0f32; n]).collect();
         self.with_comm(|c| {
-            out = expert::exchange_rows(c, g, *me, send, lengths)?;
+            out = expert::exchange_rows(c, g, *me, self.wire, send, lengths)?;
             Ok(())
         });
         out

@@ -87,6 +87,9 @@ pub(super) struct Figures {
     bytes_tp: u64,
     bytes_dp: u64,
     bytes_pp: u64,
+    /// Context parallelism's K/V blocks or all-to-alls, and expert parallelism's all-to-alls.
+    bytes_cp: u64,
+    bytes_ep: u64,
     /// Bytes the device read from where the model is stored to build its shard.
     pub model_bytes_read: u64,
     /// Seconds a checkpoint save held the device at the end of this step (0: none started).
@@ -95,7 +98,7 @@ pub(super) struct Figures {
     pub checkpoint_snapshot_bytes: u64,
 }
 
-const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 3;
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 3 + 2;
 /// Tag of the figures message (above any pipeline or gathering tag).
 const FIGURES_TAG: u64 = 1 << 59;
 
@@ -112,6 +115,8 @@ impl Figures {
             bytes_dp: by("dp"),
             // Pipeline traffic: the stage-to-stage transfers and the tied embedding's reduction.
             bytes_pp: by("p2p") + by("pp"),
+            bytes_cp: by("cp"),
+            bytes_ep: by("ep"),
             model_bytes_read: 0,
             checkpoint_stall_s: 0.0,
             checkpoint_snapshot_bytes: 0,
@@ -137,6 +142,8 @@ impl Figures {
         out[29] = self.model_bytes_read as f64;
         out[30] = self.checkpoint_stall_s;
         out[31] = self.checkpoint_snapshot_bytes as f64;
+        out[32] = self.bytes_cp as f64;
+        out[33] = self.bytes_ep as f64;
         out
     }
     fn unpack(v: &[f64; FIGURES]) -> Self {
@@ -155,6 +162,7 @@ impl Figures {
         f.model_bytes_read = v[29] as u64;
         f.checkpoint_stall_s = v[30];
         f.checkpoint_snapshot_bytes = v[31] as u64;
+        (f.bytes_cp, f.bytes_ep) = (v[32] as u64, v[33] as u64);
         f
     }
 }
@@ -514,7 +522,9 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
         "other_memory_bytes": f.memory.peak_other(),
         "idle_fraction": idle,
         "bytes_sent": f.bytes_sent,
-        "bytes_sent_by_group": {"tp": f.bytes_tp, "dp": f.bytes_dp, "pp": f.bytes_pp},
+        "bytes_sent_by_group": {
+            "tp": f.bytes_tp, "dp": f.bytes_dp, "pp": f.bytes_pp, "cp": f.bytes_cp, "ep": f.bytes_ep,
+        },
         "step_time_s": f.span_s,
         "wall_step_time_s": wall,
     })

@@ -11,6 +11,10 @@
 //! statistics ([`RouterTally`]); the pass adds the loss once all layers have run, and each layer's
 //! backward receives its gradient with respect to the router probabilities, the same for every row.
 //!
+//! Under mixed precision the router's products are f32 (its weight the 16-bit compute copy,
+//! widened): a token's experts are the top k of its probabilities, and a product rounded to bf16
+//! would move them by more than the gap between the k-th and the next.
+//!
 //! Under expert parallelism a device holds a contiguous share of the experts (`MoeConfig::held`):
 //! its rows routed to other devices' experts travel there and their outputs come back (two
 //! all-to-alls in forward, two in backward, through [`ShardCollectives`]); unsplit, the same code
@@ -330,7 +334,8 @@ pub(crate) fn forward(
     let (n_experts, k) = (ids.config.num_experts, ids.config.top_k);
     let h = ids.router.in_dim;
     let at = Placement::of(ids);
-    let mut probs = ids.router.forward(be, p, x, rows);
+    // The router in f32 products (see `Backend::f32_products`); its softmax in f32.
+    let mut probs = ids.router.forward(&*be.f32_products(), p, x, rows);
     softmax_rows(&mut probs, n_experts);
     let mut tally = RouterTally {
         assigned: vec![0.0; n_experts],
@@ -655,7 +660,8 @@ pub(crate) fn backward(
             *d = p * (*d - dot);
         }
     }
-    replicated_backward(be, coll, p, g, &ids.router, &dlogits, x, &mut dx);
+    let router_be = be.f32_products();
+    replicated_backward(&*router_be, coll, p, g, &ids.router, &dlogits, x, &mut dx);
     dx
 }
 

@@ -81,6 +81,9 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    fn f32_products(&self) -> Box<dyn Backend> {
+        Box::new(self.clone().computing(Products::F32))
+    }
     fn matmul(
         &self,
         m: usize,

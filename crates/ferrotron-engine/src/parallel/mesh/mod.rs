@@ -325,8 +325,7 @@ impl<'a> MeshStep<'a> {
 
     /// A mixture-of-experts model runs on data-parallel replicas, pipeline stages (synchronous
     /// schedules) and tensor-parallel groups (without sequence parallelism) only so far, its
-    /// experts divided over `ep` of the replicas ([`ModelConfig::experts_split`]), in f32 (LoRA
-    /// on one is refused where LoRA is validated).
+    /// experts divided over `ep` of the replicas ([`ModelConfig::experts_split`]).
     fn check_experts(&self) -> Result<()> {
         let l = self.layout;
         let refuse = |why: String| Err(EngineError::Invalid(format!("layout `{l}`: {why}")));
@@ -346,12 +345,6 @@ impl<'a> MeshStep<'a> {
                 "schedule={}: a mixture of experts runs on the synchronous schedules only so far \
                  (its router statistics travel with each micro-batch of a step)",
                 l.schedule.name()
-            ));
-        }
-        if self.precision != MixedPrecision::F32 {
-            return refuse(format!(
-                "precision {}: a mixture of experts trains in f32 only so far",
-                self.precision
             ));
         }
         Ok(())
@@ -591,8 +584,16 @@ impl<'a> MeshStep<'a> {
         } = last.expect("at least one pass");
         let end = c.device_time();
         let stats = c.stats().since(&measured_from);
-        // Whole gradients for the report (not part of the step: after the measurements).
-        let grads = dev.zero.full_grads(c)?;
+        // Whole gradients for the report (not part of the step: after the measurements), of the
+        // loss itself: fp16's loss scale divided out, as the optimizer step would.
+        let mut grads = dev.zero.full_grads(c)?;
+        if self.loss_scale != 1.0 {
+            let unscale = (1.0 / self.loss_scale) as f32;
+            grads
+                .tensors
+                .iter_mut()
+                .for_each(|t| t.iter_mut().for_each(|x| *x *= unscale));
+        }
         Ok(DeviceResult {
             loss,
             grads,
