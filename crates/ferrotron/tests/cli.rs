@@ -434,13 +434,16 @@ fn verify_explains_a_mixture_of_experts_micro_batches() {
     // Its experts' columns over a tensor-parallel group, beside expert parallelism.
     let o = verify("dp=2,tp=2,mbs=4,ep=2");
     assert!(o.status.success(), "{}", stderr(&o));
+    // Its sequences cut over a context-parallel pair, which is also its expert-parallel group.
+    let o = verify("cp=2,ep=2,mbs=4");
+    assert!(o.status.success(), "{}", stderr(&o));
     // A split of the experts not built yet is refused by name.
-    let o = verify("cp=2,mbs=8");
+    let o = verify("pp=2,schedule=2bw,mbs=4");
     assert!(
         !o.status.success()
             && stderr(&o).contains("mixture of experts")
-            && stderr(&o).contains("cp=2")
-            && stderr(&o).contains("not implemented"),
+            && stderr(&o).contains("schedule=2bw")
+            && stderr(&o).contains("so far"),
         "{}",
         stderr(&o)
     );

@@ -401,17 +401,16 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Whether this model can run split `tp` ways (with or without sequence parallelism) and `cp`
-    /// ways with its experts over `ep` of its `replicas` (dp·cp), and if not, the layout key at
-    /// fault and why. So far a mixture of experts runs on data-parallel replicas, pipeline stages
-    /// (its router statistics travel with each micro-batch) and tensor-parallel groups (each
-    /// expert's columns split), its experts divided over an expert-parallel group carved from the
-    /// replicas. The one statement of the rule: the planner and the
-    /// engine both ask it.
+    /// Whether this model can run with its experts over `ep` of its `replicas` (dp·cp), and if not,
+    /// the layout key at fault and why. A mixture of experts runs on data-parallel replicas, context-parallel groups
+    /// (a token's experts do not depend on where its sequence is cut; the router statistics are
+    /// summed over both), pipeline stages (its router statistics travel with each micro-batch) and
+    /// tensor-parallel groups with or without sequence parallelism (each expert's columns split,
+    /// the rows gathered before the block as for a dense MLP), its experts divided over an
+    /// expert-parallel group carved from the replicas. The one statement of the rule: the planner
+    /// and the engine both ask it.
     pub fn experts_split(
         &self,
-        (tp, sequence_parallel): (usize, bool),
-        cp: usize,
         ep: usize,
         replicas: usize,
     ) -> std::result::Result<(), (&'static str, String)> {
@@ -427,24 +426,6 @@ impl ModelConfig {
                 )),
             };
         };
-        if cp > 1 {
-            return Err((
-                "cp",
-                format!(
-                    "cp={cp}: a mixture of experts runs on data-parallel replicas, pipeline stages \
-                     and tensor-parallel groups only so far, its experts divided over the replicas \
-                     with ep=N (context parallelism of its blocks is not implemented yet)"
-                ),
-            ));
-        }
-        if sequence_parallel && tp > 1 {
-            return Err((
-                "sp",
-                "sp=true: a mixture of experts runs without sequence parallelism so far (its \
-                 router would see only its device's rows): drop sp"
-                    .into(),
-            ));
-        }
         if ep > 1 && !replicas.is_multiple_of(ep) {
             return Err((
                 "ep",

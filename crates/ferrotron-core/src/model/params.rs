@@ -365,24 +365,32 @@ impl ModelConfig {
     /// Whether parameter `name` belongs to a mixture of experts (a router, an expert, a shared
     /// expert or its gate), told by its name alone (asked for every tensor: no names are built).
     pub fn is_expert_param(&self, name: &str) -> bool {
-        let Some(m) = &self.moe else { return false };
-        let Some((layer, rest)) = name
-            .strip_prefix("model.layers.")
-            .and_then(|r| r.split_once('.'))
-            .and_then(|(i, rest)| Some((i.parse::<usize>().ok()?, rest)))
-        else {
-            return false;
-        };
-        let Some(inner) = rest
-            .strip_prefix(self.moe_block())
-            .and_then(|r| r.strip_prefix('.'))
-        else {
-            return false;
-        };
-        m.has_experts(layer)
-            && ["gate.", "experts.", "shared_expert.", "shared_expert_gate."]
+        self.expert_block_part(name).is_some_and(|inner| {
+            ["gate.", "experts.", "shared_expert.", "shared_expert_gate."]
                 .iter()
                 .any(|p| inner.starts_with(p))
+        })
+    }
+
+    /// Whether parameter `name` is a mixture of experts' router or its shared expert's gate: the
+    /// linear layers every device of a tensor-parallel group computes whole, from every row.
+    pub fn is_router_param(&self, name: &str) -> bool {
+        self.expert_block_part(name).is_some_and(|inner| {
+            inner.starts_with("gate.") || inner.starts_with("shared_expert_gate.")
+        })
+    }
+
+    /// What follows `model.layers.N.<moe block>.` in `name`, when block N has experts.
+    fn expert_block_part<'a>(&self, name: &'a str) -> Option<&'a str> {
+        let m = self.moe.as_ref()?;
+        let (layer, rest) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(i, rest)| Some((i.parse::<usize>().ok()?, rest)))?;
+        let inner = rest
+            .strip_prefix(self.moe_block())
+            .and_then(|r| r.strip_prefix('.'))?;
+        m.has_experts(layer).then_some(inner)
     }
 
     /// The routed expert parameter `name` belongs to (`…experts.N.…`), told by its name alone;

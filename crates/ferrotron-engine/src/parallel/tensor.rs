@@ -386,9 +386,10 @@ impl TpShard {
 
     /// Whether a replicated parameter's gradient is computed from this device's rows only under
     /// sequence parallelism (so the group must sum it): the norms and the position embedding.
-    /// Row-parallel biases see every row (their gradient comes from the gathered output gradient).
+    /// Row-parallel biases see every row (their gradient comes from the gathered output gradient),
+    /// and so do a mixture of experts' router and shared-expert gate (the block's rows gathered).
     pub fn sums_over_group(&self, cfg: &ModelConfig, name: &str) -> bool {
-        self.is_replicated(cfg, name) && !is_row_parallel_bias(name)
+        self.is_replicated(cfg, name) && !is_row_parallel_bias(name) && !cfg.is_router_param(name)
     }
 
     /// Whether parameter `name`'s gradient is a partial sum on each device of the group, so that

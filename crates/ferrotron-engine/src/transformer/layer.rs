@@ -457,8 +457,13 @@ fn mlp_backward(
             }
         }
         (Ffn::Experts(moe), FfnActs::Experts(acts)) => {
+            // As the dense branch: under sequence parallelism the block saw every row.
+            let dout_all = tp.gather_rows(dx);
+            let dout = dout_all.as_deref().unwrap_or(dx);
             let n2_out = a.n2_out.get(be);
-            moe::backward(be, tp, p, g, moe, acts, dx, &n2_out, rows, prob_grad)
+            let n2_all = tp.gather_rows(&n2_out);
+            let n2_in = n2_all.as_deref().unwrap_or(&n2_out);
+            moe::backward(be, tp, p, g, moe, acts, dout, n2_in, rows, prob_grad)
         }
         _ => unreachable!("a block's activations are of its own kind"),
     };

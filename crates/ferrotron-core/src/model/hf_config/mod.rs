@@ -642,17 +642,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("`gate`") && e.contains("router"), "{e}");
-        assert!(m.experts_split((1, false), 1, 1, 1).is_ok());
-        assert!(m.experts_split((2, false), 1, 4, 8).is_ok());
-        assert_eq!(m.experts_split((2, true), 1, 1, 2).unwrap_err().0, "sp");
-        assert_eq!(m.experts_split((1, false), 2, 1, 2).unwrap_err().0, "cp");
+        assert!(m.experts_split(1, 1).is_ok());
+        assert!(m.experts_split(4, 8).is_ok());
+        // The router and the shared expert's gate, told by name.
+        assert!(m.is_router_param("model.layers.3.block_sparse_moe.gate.weight"));
+        assert!(!m.is_router_param("model.layers.3.block_sparse_moe.experts.0.w1.weight"));
         // ep divides the replicas and the experts (8 of them here).
-        let (key, why) = m.experts_split((1, false), 1, 4, 6).unwrap_err();
+        let (key, why) = m.experts_split(4, 6).unwrap_err();
         assert!(key == "ep" && why.contains("does not divide 6"), "{why}");
-        let (key, why) = m.experts_split((1, false), 1, 3, 3).unwrap_err();
+        let (key, why) = m.experts_split(3, 3).unwrap_err();
         assert!(key == "ep" && why.contains("8 experts"), "{why}");
         let dense = crate::model::preset("llama-tiny").unwrap();
-        let none = dense.experts_split((1, false), 1, 2, 2).unwrap_err();
+        let none = dense.experts_split(2, 2).unwrap_err();
         assert!(none.1.contains("has none"));
     }
 

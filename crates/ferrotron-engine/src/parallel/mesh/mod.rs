@@ -323,18 +323,12 @@ impl<'a> MeshStep<'a> {
             .collect())
     }
 
-    /// A mixture-of-experts model runs on data-parallel replicas, pipeline stages (synchronous
-    /// schedules) and tensor-parallel groups (without sequence parallelism) only so far, its
-    /// experts divided over `ep` of the replicas ([`ModelConfig::experts_split`]).
+    /// A mixture-of-experts model runs on the splits [`ModelConfig::experts_split`] allows, on the
+    /// synchronous schedules only so far.
     fn check_experts(&self) -> Result<()> {
         let l = self.layout;
         let refuse = |why: String| Err(EngineError::Invalid(format!("layout `{l}`: {why}")));
-        if let Err((_, why)) = self.cfg.experts_split(
-            (l.tp.max(1), l.sequence_parallel),
-            l.cp.max(1),
-            l.ep.max(1),
-            l.replicas(),
-        ) {
+        if let Err((_, why)) = self.cfg.experts_split(l.ep.max(1), l.replicas()) {
             return refuse(why);
         }
         if self.cfg.moe.is_none() {
