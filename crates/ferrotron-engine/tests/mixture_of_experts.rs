@@ -697,29 +697,6 @@ fn moe_tolerance(cfg: &ModelConfig, spec: &str, precision: MixedPrecision) -> f6
     (stages as f64).sqrt() * unit_roundoff(precision)
 }
 
-/// Loss and every gradient of `got` against `want`: the worst relative error.
-fn worst_error(
-    got: &ferrotron_engine::parallel::PipelineRun,
-    want: &ferrotron_engine::parallel::PipelineRun,
-) -> (String, f64) {
-    let mut worst = (
-        "loss".to_string(),
-        (got.loss - want.loss).abs() / want.loss.abs(),
-    );
-    for (s, (g, w)) in got
-        .grads
-        .specs
-        .iter()
-        .zip(got.grads.tensors.iter().zip(&want.grads.tensors))
-    {
-        let e = rel_err(g, w);
-        if e > worst.1 {
-            worst = (s.name.clone(), e);
-        }
-    }
-    worst
-}
-
 /// bf16 and fp16 on a tiny Mixtral whose every routing decision is clear of bf16's rounding
 /// (`make_moe_bf16_reference.py`: each token's k-th and (k+1)-th router logits further apart than
 /// twice a bf16 run's largest logit error): the unsplit step against transformers in f64 within
@@ -786,7 +763,7 @@ fn mixed_precision_steps_equal_transformers_f64_within_their_rounding() {
             let want = mixed_step(&cfg, &params, &base, one, precision);
             let got = mixed_step(&cfg, &params, batch, spec, precision);
             let tol = moe_tolerance(&cfg, spec, precision);
-            let (name, e) = worst_error(&got, &want);
+            let (name, e) = worst_run_err(&got, &want);
             println!("{precision} {spec}: worst {name} {e:.3e} (tolerance {tol:.3e})");
             assert!(e <= tol, "{precision} {spec}: {name} {e:.3e} > {tol:.3e}");
         }
