@@ -551,12 +551,19 @@ fn each_step_records_the_tokens_each_expert_took() {
         assert!(total > 0 && total < (4 * 32 * moe.top_k * cfg.num_layers) as u64);
     }
     assert_eq!(kept[0]["expert_dropped"], split[0]["expert_dropped"]);
-    // Each device's all-to-all bytes beside its other traffic: none without expert parallelism.
+    // Each device's all-to-all bytes beside its other traffic and the planner's figure (at the
+    // balanced load): none without expert parallelism.
     for r in &split {
+        let predicted = r["predicted_bytes_sent_by_group"]["ep"].as_f64().unwrap();
+        assert!(predicted > 0.0, "{r}");
         for d in r["devices"].as_array().unwrap() {
             assert!(d["bytes_sent_by_group"]["ep"].as_u64().unwrap() > 0, "{d}");
         }
     }
+    assert_eq!(
+        kept[0]["predicted_bytes_sent_by_group"]["ep"].as_f64(),
+        Some(0.0)
+    );
     for d in kept[0]["devices"].as_array().unwrap() {
         assert_eq!(d["bytes_sent_by_group"]["ep"].as_u64(), Some(0));
     }

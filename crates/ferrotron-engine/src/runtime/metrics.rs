@@ -399,6 +399,12 @@ impl<'a> MetricsWriter<'a> {
         };
         let mut extra = serde_json::Map::new();
         extra.insert("layout".into(), self.run.layout.to_string().into());
+        // Beside each device's `bytes_sent_by_group`: the planner's bytes per step per device along
+        // each dimension (expert parallelism's at the balanced load).
+        extra.insert(
+            "predicted_bytes_sent_by_group".into(),
+            serde_json::json!(self.run.plan.comm_bytes_per_step),
+        );
         let cfg = self.run.cfg;
         extra.insert(
             "tokens_per_step".into(),
