@@ -146,12 +146,16 @@ fn a_job_of_the_wrong_size_is_refused_clearly() {
 /// `ferrotron train` on the llama_tiny fixture and the bundled text, sequences of 32 tokens, no
 /// evaluation, into `out`; `extra` adds or overrides flags.
 fn train_args(out: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    train_args_of(fixture("llama_tiny").to_str().unwrap(), out, extra)
+}
+
+/// `train` of `model` (a preset or a directory) on the bundled manuals, 32-token sequences.
+fn train_args_of(model: &str, out: &std::path::Path, extra: &[&str]) -> Vec<String> {
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/gnu-manuals.txt");
-    let model = fixture("llama_tiny");
     let mut args: Vec<String> = [
         "train",
         "--model",
-        model.to_str().unwrap(),
+        model,
         "--data",
         data.to_str().unwrap(),
         "--seq-len",
@@ -239,6 +243,53 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
         m[3].to_bits(),
         "step 4 after resuming"
     );
+}
+
+/// A mixture of experts in bf16 on four ranks, its sequences cut over context-parallel pairs that are
+/// also its expert-parallel groups (16-bit rows in the all-to-alls): the same losses as the threads
+/// backend, step by step.
+#[test]
+fn a_bf16_mixture_of_experts_over_cp_and_ep_trains_as_on_threads() {
+    let root = std::env::temp_dir().join(format!("ferrotron-mpi-moe-{}", std::process::id()));
+    let args = |backend: &str, out: &std::path::Path| {
+        train_args_of(
+            "mixtral-tiny",
+            out,
+            &[
+                "--layout",
+                "dp=2,cp=2,ep=2,zero=2,mbs=2",
+                "--precision",
+                "bf16",
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--backend",
+                backend,
+            ],
+        )
+    };
+    let (mpi_dir, threads_dir) = (root.join("mpi"), root.join("threads"));
+    let a = args("mpi", &mpi_dir);
+    let (ok, text) = mpirun(4, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{text}");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args("threads", &threads_dir))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (m, t) = (metric_losses(&mpi_dir), metric_losses(&threads_dir));
+    assert_eq!(m.len(), 3);
+    for (k, (a, b)) in m.iter().zip(&t).enumerate() {
+        assert!(
+            (a - b).abs() / b <= 1e-6,
+            "step {k}: mpi {a} vs threads {b}"
+        );
+    }
 }
 
 #[test]
