@@ -470,6 +470,10 @@ fn expert_parallel_memory_matches_the_planner() {
         "dp=4,ep=2,zero=1,mbs=2",
         "dp=4,ep=2,zero=3,mbs=2",
         "dp=2,ep=2,tp=2,zero=1,mbs=4",
+        // Sequences cut over a context-parallel pair that is also the expert-parallel group;
+        // sequence parallelism (the experts see the gathered rows).
+        "dp=2,cp=2,ep=2,zero=1,mbs=4",
+        "tp=2,sp=true,mbs=8",
     ] {
         let l = LayoutSpec::parse(spec).unwrap().layout;
         let part = StagePartition::for_model(&cfg, 1).unwrap();
