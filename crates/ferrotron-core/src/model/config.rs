@@ -402,13 +402,13 @@ impl ModelConfig {
     }
 
     /// Whether this model can run with its experts over `ep` of its `replicas` (dp·cp), and if not,
-    /// the layout key at fault and why. A mixture of experts runs on data-parallel replicas, context-parallel groups
-    /// (a token's experts do not depend on where its sequence is cut; the router statistics are
-    /// summed over both), pipeline stages (its router statistics travel with each micro-batch) and
-    /// tensor-parallel groups with or without sequence parallelism (each expert's columns split,
-    /// the rows gathered before the block as for a dense MLP), its experts divided over an
-    /// expert-parallel group carved from the replicas. The one statement of the rule: the planner
-    /// and the engine both ask it.
+    /// the layout key at fault and why. A mixture of experts runs on data-parallel replicas,
+    /// context-parallel groups (a token's experts do not depend on where its sequence is cut; the
+    /// router statistics are summed over both), pipeline stages (its router statistics travel with
+    /// each micro-batch) and tensor-parallel groups with or without sequence parallelism (each
+    /// expert's columns split, the rows gathered before the block as for a dense MLP), its experts
+    /// divided over an expert-parallel group carved from the replicas. The one statement of the
+    /// rule: the planner and the engine both ask it.
     pub fn experts_split(
         &self,
         ep: usize,

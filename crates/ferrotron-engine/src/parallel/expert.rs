@@ -6,9 +6,10 @@
 //!
 //! An all-to-all is one message to each other device of the group (a device keeps its own part),
 //! each sent without waiting (`send_overlapped`) before any is received, so no order of arrival can
-//! deadlock; counted under group kind `ep`. Rows travel in the run's wire format (16 bits under mixed
-//! precision, as the activations between pipeline stages and tensor-parallel devices do); a device's
-//! own part is rounded alike, so that a row's value does not depend on where its expert lives.
+//! deadlock; counted under group kind `ep`. Rows travel in the run's wire format (16 bits under
+//! mixed precision, as the activations between pipeline stages and tensor-parallel devices do); a
+//! device's own part is rounded alike, so that a row's value does not depend on where its expert
+//! lives.
 
 use crate::comm::{Comm, CommError, Group};
 use crate::half_storage::{Half16, Wire};
