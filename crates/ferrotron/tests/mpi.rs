@@ -192,30 +192,9 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
             ],
         )
     };
-    let (mpi_dir, threads_dir) = (root.join("mpi"), root.join("threads"));
-    let a = args("mpi", &mpi_dir);
-    let (ok, text) = mpirun(8, &a.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(
-        ok && text.contains("per device, measured peak memory"),
-        "{text}"
-    );
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args("threads", &threads_dir))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (m, t) = (metric_losses(&mpi_dir), metric_losses(&threads_dir));
+    let mpi_dir = root.join("mpi");
+    let m = losses_on_mpi_and_threads(8, &root, &args);
     assert_eq!(m.len(), 4);
-    for (k, (a, b)) in m.iter().zip(&t).enumerate() {
-        assert!(
-            (a - b).abs() / b <= 1e-6,
-            "step {k}: mpi {a} vs threads {b}"
-        );
-    }
     // Every rank wrote its file of the checkpoints; resuming under MPI from step 2 continues the
     // run exactly.
     let ck = ferrotron_engine::checkpoint::Checkpoint::open(&mpi_dir.join("checkpoints")).unwrap();
@@ -269,10 +248,23 @@ fn a_bf16_mixture_of_experts_over_cp_and_ep_trains_as_on_threads() {
             ],
         )
     };
+    assert_eq!(losses_on_mpi_and_threads(4, &root, &args).len(), 3);
+}
+
+/// Runs `args(backend, out)` under `mpirun -np np` into `root/mpi` and on the threads backend into
+/// `root/threads`; asserts every step's loss agrees within 1e-6 and returns the MPI run's.
+fn losses_on_mpi_and_threads(
+    np: usize,
+    root: &std::path::Path,
+    args: &dyn Fn(&str, &std::path::Path) -> Vec<String>,
+) -> Vec<f64> {
     let (mpi_dir, threads_dir) = (root.join("mpi"), root.join("threads"));
     let a = args("mpi", &mpi_dir);
-    let (ok, text) = mpirun(4, &a.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(ok, "{text}");
+    let (ok, text) = mpirun(np, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        ok && text.contains("per device, measured peak memory"),
+        "{text}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
         .args(args("threads", &threads_dir))
         .output()
@@ -283,13 +275,14 @@ fn a_bf16_mixture_of_experts_over_cp_and_ep_trains_as_on_threads() {
         String::from_utf8_lossy(&out.stderr)
     );
     let (m, t) = (metric_losses(&mpi_dir), metric_losses(&threads_dir));
-    assert_eq!(m.len(), 3);
+    assert_eq!(m.len(), t.len());
     for (k, (a, b)) in m.iter().zip(&t).enumerate() {
         assert!(
             (a - b).abs() / b <= 1e-6,
             "step {k}: mpi {a} vs threads {b}"
         );
     }
+    m
 }
 
 #[test]
