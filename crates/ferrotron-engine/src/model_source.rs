@@ -26,6 +26,24 @@ pub fn resolve_model(spec: &str, seed: u64) -> Result<(ModelConfig, ParamStore, 
 /// The configuration of `spec` (a preset name, a Hugging Face model directory or an
 /// `s3://bucket/prefix` holding one) and where its weights are, without reading them.
 pub fn resolve_config(spec: &str) -> Result<(ModelConfig, ModelSource)> {
+    let (cfg, source) = find_config(spec)?;
+    if let Some(why) = cfg.engine_refusal() {
+        return Err(EngineError::Invalid(format!("model `{spec}`: {why}")));
+    }
+    Ok((cfg, source))
+}
+
+/// Preset `name`, if the engine runs it (the benchmarks' models).
+pub fn engine_preset(name: &str) -> Result<ModelConfig> {
+    let cfg = preset(name)?;
+    match cfg.engine_refusal() {
+        Some(why) => Err(EngineError::Invalid(format!("model `{name}`: {why}"))),
+        None => Ok(cfg),
+    }
+}
+
+/// The configuration of `spec` and where its weights are, whether or not the engine runs it.
+fn find_config(spec: &str) -> Result<(ModelConfig, ModelSource)> {
     if storage::is_remote(spec) {
         let model = Location::parse(spec)?;
         // A missing bucket or wrong credentials are said now, before any work.

@@ -130,6 +130,15 @@ fn flags_and_specs_name_what_is_wrong() {
             "train --data /no/such/file.txt --steps 1",
             "/no/such/file.txt",
         ),
+        // A model `plan` prices and the engine does not run: said before any work.
+        (
+            "train --model deepseek-v3 --steps 1",
+            "not implemented by the engine yet: plan it",
+        ),
+        (
+            "bench train --model deepseek-v3",
+            "not implemented by the engine yet: plan it",
+        ),
     ] {
         let args: Vec<&str> = args.split_whitespace().collect();
         let err = fails(&args);

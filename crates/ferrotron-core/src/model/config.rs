@@ -48,6 +48,9 @@ pub enum Family {
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
+    /// DeepSeek-V3: multi-head latent attention and a shared expert beside the routed ones. `plan`
+    /// prices it; the engine refuses it ([`ModelConfig::engine_refusal`]).
+    DeepseekV3,
     Gpt2,
 }
 
@@ -61,6 +64,7 @@ impl Family {
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::DeepseekV3 => "deepseek_v3",
             Family::Gpt2 => "gpt2",
         }
     }
@@ -73,6 +77,7 @@ impl Family {
             Family::Mixtral => "MixtralForCausalLM",
             Family::Qwen2Moe => "Qwen2MoeForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::DeepseekV3 => "DeepseekV3ForCausalLM",
             Family::Gpt2 => "GPT2LMHeadModel",
         }
     }
@@ -93,6 +98,32 @@ pub struct ProjectionBias {
 pub struct SlidingWindow {
     pub size: usize,
     pub first_layer: usize,
+}
+
+/// One token's attention tensors on one device (see [`ModelConfig::attention_widths`]): its
+/// queries, keys, values and output, and latent attention's low-rank latents with their norms'
+/// outputs (`q_a`, its norm, `kv_a`'s latent and rotary key, its norm; 0 without).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionWidths {
+    pub q: f64,
+    pub k: f64,
+    pub v: f64,
+    pub out: f64,
+    pub latent: f64,
+}
+
+/// DeepSeek-V2/V3's multi-head latent attention: queries through a rank-`q_lora_rank` bottleneck
+/// (`q_a_proj`, an RMSNorm, `q_b_proj`), keys and values from one shared `kv_lora_rank` latent per
+/// token (`kv_a_proj_with_mqa`, which also gives the `qk_rope_head_dim` rotary key part shared by
+/// every head, an RMSNorm, `kv_b_proj`). A query/key head is `head_dim` = nope + rope wide, a
+/// value head `v_head_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LatentAttention {
+    /// `None`: one `q_proj`, no query bottleneck (DeepSeek-V2-Lite).
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
 }
 
 /// A mixture of experts in place of a block's MLP (Mixtral, Qwen3-MoE): a router (a linear map to
@@ -241,6 +272,9 @@ pub struct ModelConfig {
     /// A mixture of experts in place of a block's MLP (boxed: most models have none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<Box<MoeConfig>>,
+    /// DeepSeek's multi-head latent attention in place of q/k/v projections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latent_attention: Option<LatentAttention>,
 }
 
 impl ModelConfig {
@@ -275,6 +309,7 @@ impl ModelConfig {
             qk_norm: false,
             sliding_window: None,
             moe: None,
+            latent_attention: None,
         }
     }
 
@@ -306,6 +341,7 @@ impl ModelConfig {
             qk_norm: false,
             sliding_window: None,
             moe: None,
+            latent_attention: None,
         }
     }
 
@@ -370,6 +406,61 @@ impl ModelConfig {
     }
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+    /// The values' width: the keys' ([`ModelConfig::kv_dim`]) unless latent attention's value
+    /// heads are narrower.
+    pub fn v_dim(&self) -> usize {
+        match self.latent_attention {
+            Some(a) => self.num_kv_heads * a.v_head_dim,
+            None => self.kv_dim(),
+        }
+    }
+    /// The attention output's width (what `o_proj` takes): one value head per query head.
+    pub fn attn_out_dim(&self) -> usize {
+        match self.latent_attention {
+            Some(a) => self.num_heads * a.v_head_dim,
+            None => self.q_dim(),
+        }
+    }
+
+    /// The widths of one token's attention tensors on one device of a tensor-parallel group of
+    /// `tp` (each device its heads; KV heads fewer than the devices replicated): what the planner
+    /// prices activations, buffers and traffic by.
+    pub fn attention_widths(&self, tp: usize) -> AttentionWidths {
+        let t = tp.max(1) as f64;
+        let kv = self.head_dim as f64 * (self.num_kv_heads as f64 / t).max(1.0);
+        let (q, out) = (self.q_dim() as f64 / t, self.attn_out_dim() as f64 / t);
+        match self.latent_attention {
+            // Every head its own key (num_kv_heads = heads); the latents are whole per device.
+            Some(a) => AttentionWidths {
+                q,
+                k: q,
+                v: out,
+                out,
+                latent: (2 * a.q_lora_rank.unwrap_or(0) + 2 * a.kv_lora_rank + a.qk_rope_head_dim)
+                    as f64,
+            },
+            None => AttentionWidths {
+                q,
+                k: kv,
+                v: kv,
+                out,
+                latent: 0.0,
+            },
+        }
+    }
+
+    /// Why the engine cannot train this model, if it cannot: `plan` prices every model it can
+    /// describe, the engine runs the ones it implements. The one statement of what it implements.
+    pub fn engine_refusal(&self) -> Option<String> {
+        (self.latent_attention.is_some() || self.family() == Family::DeepseekV3).then(|| {
+            format!(
+                "a {} model (multi-head latent attention, group-limited sigmoid routing) is \
+                 priced by `ferrotron plan` but not implemented by the engine yet: plan it, or \
+                 train a Llama-, Qwen-, Mistral-, Mixtral-, Qwen-MoE- or GPT-2-family model",
+                self.family().model_type()
+            )
+        })
     }
 
     /// Whether tensor parallelism of degree `tp` can split this model — every device takes whole
@@ -549,6 +640,31 @@ impl ModelConfig {
                 ));
             }
         }
+        if let Some(a) = self.latent_attention {
+            let widths = [
+                ("kv_lora_rank", a.kv_lora_rank),
+                ("v_head_dim", a.v_head_dim),
+                ("qk_rope_head_dim", a.qk_rope_head_dim),
+                ("q_lora_rank", a.q_lora_rank.unwrap_or(1)),
+            ];
+            for (name, value) in widths {
+                if value == 0 || value > MAX_DIMENSION {
+                    return Err((
+                        name.into(),
+                        format!("{value} must be between 1 and {MAX_DIMENSION}"),
+                    ));
+                }
+            }
+            if a.qk_rope_head_dim >= self.head_dim {
+                return Err((
+                    "qk_rope_head_dim".into(),
+                    format!(
+                        "{} leaves no unrotated part of the {}-wide query/key head",
+                        a.qk_rope_head_dim, self.head_dim
+                    ),
+                ));
+            }
+        }
         if let Some(w) = self.sliding_window {
             if w.size == 0 {
                 return Err(("sliding_window".into(), "must be positive".into()));
@@ -599,7 +715,11 @@ impl ModelConfig {
             }
             None => mlp * h * ffn,
         };
-        let layer = 2.0 * h * q + 2.0 * h * kv + ffn_params + biases + head_norms;
+        let attention = match self.latent_attention {
+            Some(_) => self.attention_matmul_params(),
+            None => 2.0 * h * q + 2.0 * h * kv,
+        };
+        let layer = attention + ffn_params + biases + head_norms;
         let tables = if self.tie_word_embeddings { 1.0 } else { 2.0 };
         f(self.num_layers) * layer
             + tables * f(self.vocab_size) * h

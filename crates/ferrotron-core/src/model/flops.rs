@@ -20,7 +20,7 @@ pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
         None => 3.0 * h * f,
     };
     match cfg.arch {
-        Arch::Llama => 2.0 * h * cfg.q_dim() as f64 + 2.0 * h * cfg.kv_dim() as f64 + mlp,
+        Arch::Llama => cfg.attention_matmul_params() + mlp,
         Arch::Gpt2 => 4.0 * h * h + 2.0 * h * f,
     }
 }
@@ -29,7 +29,7 @@ pub fn layer_matmul_params(cfg: &ModelConfig) -> f64 {
 /// counted full as in Narayanan et al. 2021).
 pub fn layer_forward_flops(cfg: &ModelConfig, mbs: usize, seq: usize) -> f64 {
     let tok = (mbs * seq) as f64;
-    2.0 * layer_matmul_params(cfg) * tok + 4.0 * tok * seq as f64 * cfg.q_dim() as f64
+    2.0 * layer_matmul_params(cfg) * tok + tok * seq as f64 * cfg.attention_score_flops_per_key()
 }
 
 pub fn head_forward_flops(cfg: &ModelConfig, mbs: usize, seq: usize) -> f64 {

@@ -96,15 +96,24 @@ fn projections(cfg: &ModelConfig, i: usize) -> Vec<LoraTarget> {
     };
     use TargetSplit::{Column, Row};
     match cfg.arch {
-        Arch::Llama => {
-            let [qw, kw, vw] = [0, 1, 2].map(|k| &names.qkv[k].0);
-            add(qw, h, q, Column);
-            add(kw, h, kv, Column);
-            add(vw, h, kv, Column);
-        }
+        // Latent attention: the up-projections, split by heads as q/k/v are (the down-projections,
+        // whole on every device, are not targets).
+        Arch::Llama => match (&names.latent, cfg.latent_attention) {
+            (Some(l), Some(a)) => {
+                add(&l.q_b, a.q_lora_rank.unwrap_or(h), q, Column);
+                let kv_b = cfg.num_heads * (cfg.head_dim - a.qk_rope_head_dim + a.v_head_dim);
+                add(&l.kv_b, a.kv_lora_rank, kv_b, Column);
+            }
+            _ => {
+                let [qw, kw, vw] = [0, 1, 2].map(|k| &names.qkv[k].0);
+                add(qw, h, q, Column);
+                add(kw, h, kv, Column);
+                add(vw, h, kv, Column);
+            }
+        },
         Arch::Gpt2 => add(&names.qkv[0].0, h, 3 * q, Column),
     }
-    add(&names.attn_out.0, q, h, Row);
+    add(&names.attn_out.0, cfg.attn_out_dim(), h, Row);
     match &names.ffn {
         FfnNames::Dense { mlp_in, mlp_out } => {
             for (w, _) in mlp_in {

@@ -10,14 +10,14 @@ mod presets;
 mod rope;
 
 pub use config::{
-    Activation, Arch, ExpertShard, Family, ModelConfig, MoeConfig, NormKind, PositionKind,
-    ProjectionBias, SlidingWindow, MAX_DIMENSION, MAX_PARAMS,
+    Activation, Arch, AttentionWidths, ExpertShard, Family, LatentAttention, ModelConfig,
+    MoeConfig, NormKind, PositionKind, ProjectionBias, SlidingWindow, MAX_DIMENSION, MAX_PARAMS,
 };
 pub use flops::{head_forward_flops, layer_forward_flops, layer_matmul_params};
 pub use lora::{
     adapter_parts, check_quantized_base, is_projection_weight, projection_split, AdapterHalf,
     LoraConfig, LoraTarget, TargetSplit, MAX_RANK, PEFT_PREFIX,
 };
-pub use params::{ExpertNames, FfnNames, LayerParamNames, ParamSpec, WeightLayout};
+pub use params::{ExpertNames, FfnNames, LatentNames, LayerParamNames, ParamSpec, WeightLayout};
 pub use presets::{preset, PRESET_NAMES};
 pub use rope::{RopeFrequencies, RopeScaling};

@@ -37,6 +37,19 @@ pub struct LayerParamNames {
     pub ffn: FfnNames,
     /// Qwen3: the RMSNorms over each head of q and of k.
     pub qk_norm: Option<(String, String)>,
+    /// DeepSeek's multi-head latent attention, in place of `qkv` (then empty).
+    pub latent: Option<LatentNames>,
+}
+
+/// The projections and norms of multi-head latent attention (see `LatentAttention`).
+#[derive(Debug, Clone)]
+pub struct LatentNames {
+    /// `q_a_proj` and `q_a_layernorm` before `q_b_proj`, or one `q_proj` without a query rank.
+    pub q_a: Option<(String, String)>,
+    pub q_b: String,
+    pub kv_a: String,
+    pub kv_a_norm: String,
+    pub kv_b: String,
 }
 
 /// A block's feed-forward parameters: one MLP, or a router and its experts.
@@ -54,8 +67,9 @@ pub enum FfnNames {
         /// The routed experts this copy holds, by their index in the router: all of them, unless
         /// split by expert parallelism (`MoeConfig::held`).
         experts: Vec<ExpertNames>,
-        /// Qwen2-MoE: the shared expert and its gate (`[1, hidden]`).
-        shared: Option<(ExpertNames, String)>,
+        /// Qwen2-MoE: the shared expert and its gate (`[1, hidden]`); DeepSeek's shared experts
+        /// (one MLP as wide as all of them) have no gate.
+        shared: Option<(ExpertNames, Option<String>)>,
     },
 }
 
@@ -109,11 +123,28 @@ impl ModelConfig {
                     norm1_bias: None,
                     norm2_weight: format!("{p}.post_attention_layernorm.weight"),
                     norm2_bias: None,
-                    qkv: vec![
-                        w("self_attn.q_proj", b.qkv),
-                        w("self_attn.k_proj", b.qkv),
-                        w("self_attn.v_proj", b.qkv),
-                    ],
+                    qkv: match self.latent_attention {
+                        Some(_) => Vec::new(),
+                        None => vec![
+                            w("self_attn.q_proj", b.qkv),
+                            w("self_attn.k_proj", b.qkv),
+                            w("self_attn.v_proj", b.qkv),
+                        ],
+                    },
+                    latent: self.latent_attention.map(|a| {
+                        let x = |s: &str| format!("{p}.self_attn.{s}.weight");
+                        LatentNames {
+                            q_a: a.q_lora_rank.map(|_| (x("q_a_proj"), x("q_a_layernorm"))),
+                            q_b: x(if a.q_lora_rank.is_some() {
+                                "q_b_proj"
+                            } else {
+                                "q_proj"
+                            }),
+                            kv_a: x("kv_a_proj_with_mqa"),
+                            kv_a_norm: x("kv_a_layernorm"),
+                            kv_b: x("kv_b_proj"),
+                        }
+                    }),
                     attn_out: w("self_attn.o_proj", b.o),
                     ffn: match self.moe.as_ref().filter(|m| m.has_experts(i)) {
                         Some(m) => {
@@ -124,14 +155,21 @@ impl ModelConfig {
                                 Family::Mixtral => ["w1", "w3", "w2"],
                                 _ => ["gate_proj", "up_proj", "down_proj"],
                             };
+                            let deepseek = self.family() == Family::DeepseekV3;
                             let shared = (m.shared_expert_size > 0).then(|| {
-                                let x = |w: &str| format!("{p}.mlp.shared_expert.{w}.weight");
+                                let module = if deepseek {
+                                    "shared_experts"
+                                } else {
+                                    "shared_expert"
+                                };
+                                let x = |w: &str| format!("{p}.mlp.{module}.{w}.weight");
                                 let names = ExpertNames {
                                     gate: x("gate_proj"),
                                     up: x("up_proj"),
                                     down: x("down_proj"),
                                 };
-                                (names, format!("{p}.mlp.shared_expert_gate.weight"))
+                                let gate = format!("{p}.mlp.shared_expert_gate.weight");
+                                (names, (!deepseek).then_some(gate))
                             });
                             FfnNames::Experts {
                                 shared,
@@ -179,6 +217,7 @@ impl ModelConfig {
                         mlp_out: wb("mlp.c_proj"),
                     },
                     qk_norm: None,
+                    latent: None,
                 }
             }
         }
@@ -227,10 +266,40 @@ impl ModelConfig {
                             push(b.clone(), vec![out], WeightLayout::Other);
                         }
                     };
-                    linear(&mut push, &n.qkv[0], q, h);
-                    linear(&mut push, &n.qkv[1], kv, h);
-                    linear(&mut push, &n.qkv[2], kv, h);
-                    linear(&mut push, &n.attn_out, h, q);
+                    match (&n.latent, self.latent_attention) {
+                        (Some(l), Some(a)) => {
+                            let mut matrix = |name: &String, out: usize, inp: usize| {
+                                push(name.clone(), vec![out, inp], WeightLayout::OutIn)
+                            };
+                            let q_in = match (&l.q_a, a.q_lora_rank) {
+                                (Some((q_a, norm)), Some(rank)) => {
+                                    matrix(q_a, rank, h);
+                                    push(norm.clone(), vec![rank], WeightLayout::Other);
+                                    rank
+                                }
+                                _ => h,
+                            };
+                            let (heads, nope) =
+                                (self.num_heads, self.head_dim - a.qk_rope_head_dim);
+                            push(l.q_b.clone(), vec![q, q_in], WeightLayout::OutIn);
+                            let kv_a = vec![a.kv_lora_rank + a.qk_rope_head_dim, h];
+                            push(l.kv_a.clone(), kv_a, WeightLayout::OutIn);
+                            push(
+                                l.kv_a_norm.clone(),
+                                vec![a.kv_lora_rank],
+                                WeightLayout::Other,
+                            );
+                            let kv_b = vec![heads * (nope + a.v_head_dim), a.kv_lora_rank];
+                            push(l.kv_b.clone(), kv_b, WeightLayout::OutIn);
+                            linear(&mut push, &n.attn_out, h, self.attn_out_dim());
+                        }
+                        _ => {
+                            linear(&mut push, &n.qkv[0], q, h);
+                            linear(&mut push, &n.qkv[1], kv, h);
+                            linear(&mut push, &n.qkv[2], kv, h);
+                            linear(&mut push, &n.attn_out, h, q);
+                        }
+                    }
                     if let Some((qn, kn)) = &n.qk_norm {
                         push(qn.clone(), vec![self.head_dim], WeightLayout::Other);
                         push(kn.clone(), vec![self.head_dim], WeightLayout::Other);
@@ -248,12 +317,23 @@ impl ModelConfig {
                             shared,
                         } => {
                             let moe = self.moe.as_ref().expect("experts have a configuration");
-                            if let Some((e, gate)) = shared {
-                                let s = moe.shared_expert_size;
-                                push(e.gate.clone(), vec![s, h], WeightLayout::OutIn);
-                                push(e.up.clone(), vec![s, h], WeightLayout::OutIn);
-                                push(e.down.clone(), vec![h, s], WeightLayout::OutIn);
-                                push(gate.clone(), vec![1, h], WeightLayout::OutIn);
+                            let shared_specs =
+                                |push: &mut dyn FnMut(String, Vec<usize>, WeightLayout)| {
+                                    if let Some((e, gate)) = shared {
+                                        let s = moe.shared_expert_size;
+                                        push(e.gate.clone(), vec![s, h], WeightLayout::OutIn);
+                                        push(e.up.clone(), vec![s, h], WeightLayout::OutIn);
+                                        push(e.down.clone(), vec![h, s], WeightLayout::OutIn);
+                                        if let Some(gate) = gate {
+                                            push(gate.clone(), vec![1, h], WeightLayout::OutIn);
+                                        }
+                                    }
+                                };
+                            // The checkpoint's order: Qwen2-MoE's shared expert first,
+                            // DeepSeek's shared experts after the routed ones.
+                            let deepseek = self.family() == Family::DeepseekV3;
+                            if !deepseek {
+                                shared_specs(&mut push);
                             }
                             let f = moe.expert_size;
                             push(
@@ -272,6 +352,9 @@ impl ModelConfig {
                                     push(e.up.clone(), vec![f, h], WeightLayout::OutIn);
                                     push(e.down.clone(), vec![h, f], WeightLayout::OutIn);
                                 }
+                            }
+                            if deepseek {
+                                shared_specs(&mut push);
                             }
                         }
                     }
@@ -366,10 +449,23 @@ impl ModelConfig {
     /// expert or its gate), told by its name alone (asked for every tensor: no names are built).
     pub fn is_expert_param(&self, name: &str) -> bool {
         self.expert_block_part(name).is_some_and(|inner| {
-            ["gate.", "experts.", "shared_expert.", "shared_expert_gate."]
-                .iter()
-                .any(|p| inner.starts_with(p))
+            [
+                "gate.",
+                "experts.",
+                "shared_expert.",
+                "shared_experts.",
+                "shared_expert_gate.",
+            ]
+            .iter()
+            .any(|p| inner.starts_with(p))
         })
+    }
+
+    /// Whether a block's shared expert has a gate (Qwen2-MoE's sigmoid of the token; DeepSeek's
+    /// shared experts have none).
+    pub fn has_shared_expert_gate(&self) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.shared_expert_size > 0)
+            && self.family() != Family::DeepseekV3
     }
 
     /// Whether parameter `name` is a mixture of experts' router or its shared expert's gate: the
@@ -417,13 +513,45 @@ impl ModelConfig {
         n
     }
 
+    /// The forward FLOPs of one query against one key, every head: QKᵀ over the query/key width
+    /// and PV over the value width, 2·(q_dim + attn_out_dim) (4·q_dim where they are equal).
+    pub fn attention_score_flops_per_key(&self) -> f64 {
+        2.0 * (self.q_dim() + self.attn_out_dim()) as f64
+    }
+
+    /// The projections' parameters of one block's attention (full, unsharded): q, k, v and o, or
+    /// latent attention's down- and up-projections and o.
+    pub fn attention_matmul_params(&self) -> f64 {
+        let h = self.hidden_size as f64;
+        match self.latent_attention {
+            Some(a) => {
+                let (q, out) = (self.q_dim() as f64, self.attn_out_dim() as f64);
+                let query = match a.q_lora_rank {
+                    Some(r) => h * r as f64 + r as f64 * q,
+                    None => h * q,
+                };
+                let kv_b_out = self.num_heads * (self.head_dim - a.qk_rope_head_dim + a.v_head_dim);
+                query
+                    + h * (a.kv_lora_rank + a.qk_rope_head_dim) as f64
+                    + (a.kv_lora_rank * kv_b_out) as f64
+                    + out * h
+            }
+            None => 2.0 * h * self.q_dim() as f64 + 2.0 * h * self.kv_dim() as f64,
+        }
+    }
+
     /// Training FLOPs of one step over `batch` sequences of `seq` tokens: 6·N·tokens for the matmuls
-    /// (forward 2N, backward 4N) plus 12·layers·q_dim·seq·tokens for QKᵀ and PV (full, not causal-halved).
+    /// (forward 2N, backward 4N) plus 3 × the score FLOPs per key (12·layers·q_dim·seq·tokens for
+    /// QKᵀ and PV where heads are as wide as values; full, not causal-halved).
     /// The same model as `shared/bench/torch_train_bench.py`, so GFLOP/s figures compare.
     pub fn train_flops(&self, batch: usize, seq: usize) -> f64 {
         let tokens = (batch * seq) as f64;
         let dense = 6.0 * self.matmul_params() as f64 * tokens;
-        let attn = 12.0 * self.num_layers as f64 * self.q_dim() as f64 * seq as f64 * tokens;
+        let attn = 3.0
+            * self.num_layers as f64
+            * self.attention_score_flops_per_key()
+            * seq as f64
+            * tokens;
         dense + attn
     }
 }

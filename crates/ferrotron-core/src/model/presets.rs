@@ -19,6 +19,7 @@ pub const PRESET_NAMES: &[&str] = &[
     "mixtral-bench",
     "mixtral-8x7b",
     "qwen3-30b-a3b",
+    "deepseek-v3",
 ];
 
 /// The published `config.json` of each real checkpoint preset, as its model card gives it: a
@@ -80,6 +81,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
                 capacity_factor: None,
             },
         ),
+        "deepseek-v3" => deepseek_v3(),
         other => {
             return Err(ConfigError::Invalid(format!(
                 "unknown model preset `{other}` (known: {})",
@@ -87,6 +89,48 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             )))
         }
     })
+}
+
+/// DeepSeek-V3 as its published `config.json` (deepseek-ai/DeepSeek-V3) describes it: 61 blocks of
+/// multi-head latent attention, the first three with a dense MLP, the others with 256 routed
+/// experts (eight per token) and one shared expert. Built here rather than read, as ferrotron reads
+/// no `deepseek_v3` config yet; its routing (group-limited sigmoid scores, `routed_scaling_factor`)
+/// changes no count or cost the planner prices, and the engine refuses the model
+/// ([`ModelConfig::engine_refusal`]). The multi-token-prediction module (`num_nextn_predict_layers`)
+/// is not part of the 671B.
+fn deepseek_v3() -> ModelConfig {
+    let mut cfg = ModelConfig::llama(129280, 7168, 18432, 61, 128, 128, 163840, 10000.0)
+        .with_experts(super::MoeConfig {
+            num_experts: 256,
+            top_k: 8,
+            norm_topk_prob: true,
+            aux_loss_coef: 0.001,
+            expert_size: 2048,
+            sparse_step: 1,
+            dense_layers: vec![0, 1, 2],
+            shared_expert_size: 2048,
+            held: Default::default(),
+            capacity_factor: None,
+        });
+    cfg.family = Some(super::Family::DeepseekV3);
+    cfg.head_dim = 128 + 64; // qk_nope_head_dim + qk_rope_head_dim
+    cfg.norm_eps = 1e-6;
+    cfg.latent_attention = Some(super::LatentAttention {
+        q_lora_rank: Some(1536),
+        kv_lora_rank: 512,
+        qk_rope_head_dim: 64,
+        v_head_dim: 128,
+    });
+    // YaRN ×40 from 4096 positions; mscale = mscale_all_dim = 1 leave the attention factor at 1.
+    cfg.rope_scaling = super::RopeScaling::Yarn {
+        factor: 40.0,
+        original_max_position_embeddings: 4096.0,
+        attention_factor: 1.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+    };
+    cfg
 }
 
 #[cfg(test)]
@@ -126,6 +170,17 @@ mod tests {
         assert_eq!(
             preset("llama3.1-8b").unwrap().num_active_params(),
             8_030_261_248
+        );
+        // DeepSeek-V3's "671B total parameters with 37B activated" (its technical report): the
+        // count transformers' DeepseekV3ForCausalLM gives its default (V3's) config, buffers
+        // (`e_score_correction_bias`) and the prediction module apart. Less its input embedding
+        // (0.93B), the activated count is the model card's "36.6B".
+        let deepseek = preset("deepseek-v3").unwrap();
+        assert_eq!(deepseek.num_params(), 671_026_404_352);
+        assert_eq!(deepseek.num_active_params(), 37_552_282_624);
+        assert_eq!(
+            deepseek.num_active_params() - 129280 * 7168,
+            36_625_603_584 // 36.6B
         );
     }
 

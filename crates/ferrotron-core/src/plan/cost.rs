@@ -31,8 +31,10 @@ pub fn step_flops(
     let passes = if frozen_base { 2.0 } else { 3.0 };
     let model = passes * (layers + head);
     // Attention's two forward products (QKᵀ and PV) over every layer and sequence.
-    let attention_forward =
-        4.0 * (seq * seq) as f64 * cfg.q_dim() as f64 * cfg.num_layers as f64 * global_batch as f64;
+    let attention_forward = (seq * seq) as f64
+        * cfg.attention_score_flops_per_key()
+        * cfg.num_layers as f64
+        * global_batch as f64;
     let flash = attention == AttentionKernel::Flash;
     let extra = match (l.recompute, flash) {
         (Recompute::Full, _) => layers,
@@ -194,6 +196,25 @@ pub fn gemm_time(c: &Cluster, m: f64, n: f64, k: f64) -> f64 {
 pub fn layer_gemm_shapes(cfg: &ModelConfig, t: f64) -> Vec<(f64, f64)> {
     let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
     match cfg.arch {
+        Arch::Llama if cfg.latent_attention.is_some() => {
+            // Latent attention: the down-projections whole, the up-projections and o by heads.
+            let a = cfg.latent_attention.expect("checked");
+            let w = cfg.attention_widths(t as usize);
+            let kv_b = cfg.num_heads as f64 * (cfg.head_dim - a.qk_rope_head_dim) as f64 / t + w.v;
+            let mut shapes = match a.q_lora_rank {
+                Some(r) => vec![(r as f64, h), (w.q, r as f64)],
+                None => vec![(w.q, h)],
+            };
+            shapes.extend([
+                ((a.kv_lora_rank + a.qk_rope_head_dim) as f64, h),
+                (kv_b, a.kv_lora_rank as f64),
+                (h, w.out),
+                (f / t, h),
+                (f / t, h),
+                (h, f / t),
+            ]);
+            shapes
+        }
         Arch::Llama => {
             let (q, kv) = (cfg.q_dim() as f64, cfg.kv_dim() as f64);
             vec![
@@ -216,7 +237,10 @@ pub fn layer_gemm_shapes(cfg: &ModelConfig, t: f64) -> Vec<(f64, f64)> {
 pub fn layer_elementwise_bytes_per_token(cfg: &ModelConfig, t: f64, act_bytes: f64) -> f64 {
     let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64);
     let per_token = match cfg.arch {
-        Arch::Llama => 10.0 * h + 2.0 * (cfg.q_dim() + cfg.kv_dim()) as f64 / t + 3.0 * f / t,
+        Arch::Llama => {
+            let w = cfg.attention_widths(t as usize);
+            10.0 * h + 2.0 * (w.q + w.k) + 3.0 * f / t
+        }
         Arch::Gpt2 => 10.0 * h + 2.0 * (3.0 * h + f) / t + 2.0 * f / t,
     };
     per_token * act_bytes
@@ -732,11 +756,10 @@ fn context_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) 
             bytes_per_layer: 0.0,
         };
     }
-    let (t, n) = (l.tp as f64, l.cp as f64);
+    let n = l.cp as f64;
     let eff = input.cluster.calibration.link_efficiency;
     let tok = (l.micro_batch_size * super::local_seq(input, l)) as f64;
-    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
-    let qd = cfg.q_dim() as f64 / t;
+    let w = cfg.attention_widths(l.tp);
     let send = |bytes: f64| bytes / (link.bandwidth_bytes_per_s * eff) + link.latency_s;
     let recomputes = if l.recompute == Recompute::Full {
         1.0
@@ -745,7 +768,7 @@ fn context_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) 
     };
     match l.cp_comm {
         crate::layout::CpComm::Ring => {
-            let block = 4.0 * tok * 2.0 * kvd;
+            let block = 4.0 * tok * (w.k + w.v);
             let attention = attention_time(input, cfg, l);
             let fwd_step = attention / n;
             // Flash backward: five products to the forward's two.
@@ -763,8 +786,8 @@ fn context_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) 
         }
         crate::layout::CpComm::A2a => {
             let share = (n - 1.0) / n * 4.0 * tok;
-            let forward_bytes = share * (2.0 * qd + 2.0 * kvd);
-            let backward_bytes = share * (4.0 * qd + 4.0 * kvd);
+            let forward_bytes = share * (w.q + w.k + w.v + w.out);
+            let backward_bytes = 2.0 * forward_bytes;
             let forward = send(forward_bytes);
             ContextCosts {
                 forward,
@@ -781,7 +804,7 @@ fn context_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) 
 fn attention_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
     let c = &input.cluster;
     let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
-    4.0 * tokens * input.seq as f64 * cfg.q_dim() as f64
+    tokens * input.seq as f64 * cfg.attention_score_flops_per_key()
         / l.tp as f64
         / (c.peak_flops * c.calibration.attention_efficiency)
 }

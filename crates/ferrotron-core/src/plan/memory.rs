@@ -59,7 +59,6 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
         cfg.intermediate_size as f64,
         l.tp as f64,
     );
-    let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
     // A mixture of experts: this device's share of the routed experts (and of their columns under
     // tensor parallelism), the router (whole on every device) and its share of the shared expert
     // in its blocks, the dense MLP in the others (a block on average).
@@ -69,19 +68,39 @@ fn layer_params_on_device(cfg: &ModelConfig, l: &Layout) -> f64 {
             let sparse = m.expert_layers(cfg.num_layers) as f64;
             let rest = m.num_experts as f64 * h
                 + 3.0 * h * m.shared_expert_size as f64 / t
-                + if m.shared_expert_size > 0 { h } else { 0.0 };
+                + if cfg.has_shared_expert_gate() { h } else { 0.0 };
             routed_expert_params(cfg, l)
                 + (sparse * rest + (layers - sparse) * 3.0 * h * f / t) / layers
         }
         None => 3.0 * h * f / t,
     };
     match cfg.arch {
-        Arch::Llama => {
-            let qd = cfg.q_dim() as f64;
-            2.0 * h * qd / t + 2.0 * h * cfg.head_dim as f64 * kv_per_dev + mlp + 2.0 * h
-        }
+        Arch::Llama => attention_params_on_device(cfg, t) + mlp + 2.0 * h,
         Arch::Gpt2 => {
             (3.0 * h * h + 3.0 * h) / t + h * h / t + h + (h * f + f) / t + f * h / t + h + 4.0 * h
+        }
+    }
+}
+
+/// One block's attention parameters on one device of a tensor-parallel group of `t`: its heads' q,
+/// k, v and o projections (KV heads fewer than the devices replicated); under latent attention the
+/// down-projections and their norms whole (as Megatron-Core's MLA keeps them) and the
+/// up-projections and o by heads.
+fn attention_params_on_device(cfg: &ModelConfig, t: f64) -> f64 {
+    let h = cfg.hidden_size as f64;
+    match cfg.latent_attention {
+        Some(a) => {
+            let q_down = a.q_lora_rank.map_or(0.0, |r| (h + 1.0) * r as f64);
+            let kv_down = h * (a.kv_lora_rank + a.qk_rope_head_dim) as f64;
+            let whole = q_down + kv_down + a.kv_lora_rank as f64;
+            let by_heads = cfg.attention_matmul_params() - q_down
+                + a.q_lora_rank.map_or(0.0, |r| r as f64)
+                - kv_down;
+            whole + by_heads / t
+        }
+        None => {
+            let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
+            2.0 * h * cfg.q_dim() as f64 / t + 2.0 * h * cfg.head_dim as f64 * kv_per_dev
         }
     }
 }
@@ -156,9 +175,7 @@ pub fn layer_activation_bytes(
             if l.recompute == Recompute::Full {
                 return hidden_sized * act_bytes; // the layer input only
             }
-            let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
-            let qd = cfg.q_dim() as f64 / t;
-            let kvd = cfg.head_dim as f64 * kv_per_dev;
+            let w = cfg.attention_widths(l.tp);
             let f = cfg.intermediate_size as f64 / t;
             // Materialised attention keeps each head's T×T probabilities (dropped under selective
             // recompute); the memory-efficient kernel keeps one f32 log-sum-exp per query and head.
@@ -188,10 +205,10 @@ pub fn layer_activation_bytes(
                 (Arch::Llama, None) => (3.0 * tok * f, 0.0),
                 (Arch::Gpt2, _) => (2.0 * tok * f, 0.0),
             };
-            // x_in, norm1 out + stats, q, k, v, probs or log-sum-exp, attention out, x_mid, norm2
-            // out + stats, MLP.
-            let elems =
-                4.0 * hidden_sized + 2.0 * stats + tok * (2.0 * qd + 2.0 * kvd) + probs + mlp;
+            // x_in, norm1 out + stats, q, k, v (latent attention's latents), probs or
+            // log-sum-exp, attention out, x_mid, norm2 out + stats, MLP.
+            let attention = w.q + w.k + w.v + w.out + w.latent;
+            let elems = 4.0 * hidden_sized + 2.0 * stats + tok * attention + probs + mlp;
             elems * act_bytes + lse_bytes + router_bytes
         }
     }
@@ -230,8 +247,8 @@ fn backward_working_set(
     let local = seq / l.cp.max(1);
     let tok = (l.micro_batch_size * local) as f64;
     let (h, f) = (cfg.hidden_size as f64, cfg.intermediate_size as f64 / t);
-    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
-    let qd = cfg.q_dim() as f64 / t;
+    let w = cfg.attention_widths(l.tp);
+    let qkvo = w.q + w.k + w.v + w.out;
     let mlp = match cfg.arch {
         Arch::Llama => tok * (3.0 * f + h),
         Arch::Gpt2 => tok * (2.0 * f + h),
@@ -244,7 +261,7 @@ fn backward_working_set(
     } else {
         0.0
     };
-    let attention = tok * (2.0 * qd + 2.0 * kvd + h) + probs;
+    let attention = tok * (qkvo + h) + probs;
     // A 16-bit stash is widened to f32 as each backward half reads it: the MLP's pre-activations
     // and its norm's output; attention's output, q, k and v (kept in f32 they are read in place).
     let (mlp_widened, attention_widened) = if act_bytes < 4.0 {
@@ -252,7 +269,7 @@ fn backward_working_set(
             Arch::Llama => 2.0 * f,
             Arch::Gpt2 => f,
         };
-        (tok * (pre + h), tok * (2.0 * qd + 2.0 * kvd))
+        (tok * (pre + h), tok * qkvo)
     } else {
         (0.0, 0.0)
     };
@@ -280,15 +297,13 @@ fn context_buffers(cfg: &ModelConfig, l: &Layout, local: usize) -> (f64, f64) {
     if l.cp <= 1 {
         return (0.0, 0.0);
     }
-    let t = l.tp as f64;
     let tok = (l.micro_batch_size * local) as f64;
-    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
-    let qd = cfg.q_dim() as f64 / t;
+    let w = cfg.attention_widths(l.tp);
     let messages = match l.cp_comm {
-        crate::layout::CpComm::Ring => 5.0 * 2.0 * kvd,
-        crate::layout::CpComm::A2a => 3.0 * qd + 2.0 * kvd,
+        crate::layout::CpComm::Ring => 5.0 * (w.k + w.v),
+        crate::layout::CpComm::A2a => w.q + w.k + w.v + 2.0 * w.out,
     };
-    (4.0 * tok * (2.0 * kvd + qd), 4.0 * tok * messages)
+    (4.0 * tok * (w.k + w.v + w.out), 4.0 * tok * messages)
 }
 
 /// One layer's stash for one micro-batch on one device, and the layers of this stage's largest
@@ -462,14 +477,14 @@ fn layer_weight_job_bytes(cfg: &ModelConfig, l: &Layout, seq: usize) -> f64 {
     let t = l.tp as f64;
     let tok = (l.micro_batch_size * seq / l.cp.max(1)) as f64;
     let h = cfg.hidden_size as f64;
-    let (qd, f) = (cfg.q_dim() as f64 / t, cfg.intermediate_size as f64 / t);
-    let kvd = cfg.head_dim as f64 * (cfg.num_kv_heads as f64 / t).max(1.0);
+    let f = cfg.intermediate_size as f64 / t;
+    let w = cfg.attention_widths(l.tp);
     // Each linear's input (whole rows) and output gradient.
     let linears = match cfg.arch {
         // q, k, v and gate, up read the norms' outputs; o the attention's; down the activation.
-        Arch::Llama => (5.0 * h + qd + f) + (qd + 2.0 * kvd + 2.0 * h + 2.0 * f),
+        Arch::Llama => (5.0 * h + w.out + f) + (w.q + w.k + w.v + 2.0 * h + 2.0 * f),
         // The fused qkv and fc read the norms' outputs; proj the activation.
-        Arch::Gpt2 => (2.0 * h + qd + f) + (3.0 * qd + 2.0 * h + f),
+        Arch::Gpt2 => (2.0 * h + w.out + f) + (3.0 * w.q + 2.0 * h + f),
     };
     // Two norms, each its input and output gradient, on this device's rows.
     let rows_here = if l.sequence_parallel && l.tp > 1 {

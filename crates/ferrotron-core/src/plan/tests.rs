@@ -857,3 +857,44 @@ fn expert_parallelism_divides_the_experts_and_is_searched() {
         "{e}"
     );
 }
+
+/// DeepSeek-V3 is priced as it is built: latent attention's down-projections whole on every
+/// tensor-parallel device and its up-projections by heads, its shared expert (no gate) beside
+/// the routed ones, attention's products over 192-wide queries and keys and 128-wide values; and
+/// the search finds where it fits.
+#[test]
+fn deepseek_v3_is_priced_with_latent_attention_and_its_experts() {
+    let input = PlanInput::new(
+        PlanModel::parse("deepseek-v3").unwrap(),
+        Cluster::parse("dgx-h100-80g,nodes=32").unwrap(),
+        4096,
+        512,
+    );
+    let PlanModel::Shape(cfg) = &input.model else {
+        unreachable!()
+    };
+    let layout = |spec: &str| crate::layout::LayoutSpec::parse(spec).unwrap().layout;
+    // One device, one stage: every parameter.
+    let whole = params_on_device(cfg, &layout("dp=1"), 0);
+    assert!(
+        (whole / cfg.num_params() as f64 - 1.0).abs() < 1e-12,
+        "{whole}"
+    );
+    // tp=8 divides q_b, kv_b and o by heads and keeps q_a, kv_a and their norms whole (a block's
+    // attention), and divides every expert's columns.
+    let (h, t) = (7168.0, 8.0);
+    let down = h * 1536.0 + 1536.0 + h * 576.0 + 512.0;
+    let by_heads = 1536.0 * 128.0 * 192.0 + 512.0 * 128.0 * 256.0 + 128.0 * 128.0 * h;
+    let attention = |t: f64| down + by_heads / t;
+    let shed =
+        params_on_device(cfg, &layout("dp=1"), 0) - params_on_device(cfg, &layout("tp=8"), 0);
+    let mlp = 3.0 * 18432.0 * h * 3.0 + 58.0 * (257.0 * 3.0 * 2048.0 * h);
+    let embeddings = 2.0 * 129280.0 * h;
+    let want = 61.0 * (attention(1.0) - attention(t)) + (mlp + embeddings) * (1.0 - 1.0 / t);
+    assert!((shed / want - 1.0).abs() < 1e-9, "{shed} vs {want}");
+    // QKᵀ over 128 heads of 192, PV over 128 of 128: 2·(24576 + 16384) FLOPs per query and key.
+    assert_eq!(cfg.attention_score_flops_per_key(), 81920.0);
+    let plans = search(&input).unwrap();
+    assert!(plans[0].fits, "{}", plans[0].layout);
+    assert!(plans[0].layout.ep > 1, "{}", plans[0].layout);
+}

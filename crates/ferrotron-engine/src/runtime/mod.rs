@@ -20,7 +20,7 @@ mod training_run;
 mod world;
 
 pub use crate::memory::MemoryTerms;
-pub use crate::model_source::{resolve_model, ModelSource};
+pub use crate::model_source::{engine_preset, resolve_model, ModelSource};
 pub use config::{parse_bytes, TrainConfig};
 pub use delayed::DelayedReference;
 pub use metrics::{keep_steps_up_to, DeviceSummary, StepReport};

@@ -132,6 +132,9 @@ impl LayerIds {
                                 up: plain(&e.up, h, s),
                                 down: plain(&e.down, s, h),
                             };
+                            let gate = gate.as_ref().expect(
+                                "the engine's shared experts are gated (DeepSeek's are refused)",
+                            );
                             (expert, plain(gate, h, 1))
                         }),
                         config: (**moe).clone(),

@@ -1,10 +1,10 @@
 use crate::machine::peak::{KERNEL_REPS, PEAK_REPS};
 use anyhow::Result;
 use clap::{Args, Subcommand};
-use ferrotron_core::model::preset;
 use ferrotron_core::precision::{MixedPrecision, Products};
 use ferrotron_engine::comm::ThreadWorld;
 use ferrotron_engine::kernels::CpuBackend;
+use ferrotron_engine::runtime::engine_preset;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch};
 
 use super::{device_count, positive};
@@ -297,7 +297,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 /// time runs on, which a virtual machine's stolen time does not move).
 fn kernels(b: KernelBench) -> Result<()> {
     use crate::machine::kernel_bench::{self, Peaks};
-    let cfg = preset(&b.model)?;
+    let cfg = engine_preset(&b.model)?;
     let be = if b.threads == 0 {
         CpuBackend::default()
     } else {

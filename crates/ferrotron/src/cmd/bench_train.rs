@@ -4,11 +4,11 @@
 use super::positive;
 use anyhow::Result;
 use clap::Args;
-use ferrotron_core::model::preset;
 use ferrotron_core::precision::MixedPrecision;
 use ferrotron_engine::comm::ThreadWorld;
 use ferrotron_engine::kernels::CpuBackend;
 use ferrotron_engine::optim::{AdamW, AdamWConfig};
+use ferrotron_engine::runtime::engine_preset;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch, Transformer};
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
@@ -41,7 +41,7 @@ pub struct TrainBench {
 }
 
 pub fn run(b: TrainBench) -> Result<()> {
-    let cfg = preset(&b.model)?;
+    let cfg = engine_preset(&b.model)?;
     let be = if b.threads == 0 {
         CpuBackend::default()
     } else {

@@ -4,11 +4,11 @@
 
 use anyhow::Result;
 use ferrotron_core::layout::Layout;
-use ferrotron_core::model::preset;
 use ferrotron_core::schedule::StagePartition;
 use ferrotron_core::topology::Link;
 use ferrotron_engine::comm::{LinkModel, ThreadWorld};
 use ferrotron_engine::parallel::MeshStep;
+use ferrotron_engine::runtime::engine_preset;
 use ferrotron_engine::transformer::{ParamStore, TokenBatch};
 use std::time::Duration;
 
@@ -64,7 +64,7 @@ pub fn run(model: &str, dps: &[usize], link_gb_s: f64, batch: usize, seq: usize)
         link_gb_s.is_finite() && link_gb_s > 0.0,
         "--link-gb-s {link_gb_s}: the link's bandwidth must be a positive number of GB/s"
     );
-    let cfg = preset(model)?;
+    let cfg = engine_preset(model)?;
     let params = ParamStore::init_random(&cfg, 0);
     let tokens = TokenBatch {
         ids: (0..batch * seq)

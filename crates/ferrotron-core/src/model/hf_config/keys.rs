@@ -94,6 +94,8 @@ pub(super) const LLAMA_SHAPE: &[&str] = &[
 /// Keys a family implements beyond [`LLAMA_SHAPE`], and keys it carries that change nothing.
 pub(super) fn family_keys(f: Family) -> (&'static [&'static str], &'static [&'static str]) {
     match f {
+        // Not read from a `config.json` (not in [`FAMILIES`]): the `deepseek-v3` preset only.
+        Family::DeepseekV3 => (&[], &[]),
         // pretraining_tp > 1 splits the same products into slices: the same function.
         Family::Llama => (&["attention_bias", "mlp_bias"], &["pretraining_tp"]),
         // transformers warns about and ignores Mistral's layer_types.
