@@ -224,6 +224,12 @@ pub struct Layout {
     /// (dp·cp), which exchange tokens with all-to-alls (see [`crate::rank::RankGrid::expert_ranks`]).
     #[serde(default = "one")]
     pub ep: usize,
+    /// The experts' tensor-parallel split (Megatron-Core's expert tensor parallelism): `None`, every
+    /// expert's columns over the tp group as the dense MLP's; `Some(1)` (`etp=1`), every expert
+    /// whole on one device of the group, which divides the experts instead (see
+    /// [`Layout::expert_blocks`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etp: Option<usize>,
     pub vpp: usize,
     pub zero: u8,
     pub micro_batch_size: usize,
@@ -249,6 +255,7 @@ impl Default for Layout {
             cp: 1,
             cp_comm: CpComm::Ring,
             ep: 1,
+            etp: None,
             vpp: 1,
             zero: 0,
             micro_batch_size: 1,
@@ -282,6 +289,7 @@ pub const LAYOUT_KEYS: &[&str] = &[
     "cp",
     "cp_comm",
     "ep",
+    "etp",
     "vpp",
     "zero",
     "mbs",
@@ -382,6 +390,7 @@ impl LayoutSpec {
                 "pp" => l.pp = positive(value)?,
                 "cp" => l.cp = positive(value)?,
                 "ep" => l.ep = positive(value)?,
+                "etp" => l.etp = Some(positive(value)?),
                 "cp_comm" => {
                     l.cp_comm = CpComm::parse(value)
                         .ok_or_else(|| bad(key, format!("`{value}` is not ring or a2a")))?
@@ -447,6 +456,14 @@ impl LayoutSpec {
                 return refuse(format!("ep={} carves the expert-parallel group from the dp·cp = {replicas} replicas, and {} does not divide {replicas}: give a dp that ep divides", l.ep, l.ep));
             }
         }
+        if let Some(etp) = l.etp.filter(|_| fixed("etp") && fixed("tp")) {
+            if etp != 1 && etp != l.tp {
+                return refuse(format!("etp={etp}: the experts are split over all of the tp={} devices (the default, etp={}) or over none of them (etp=1, each expert whole on one device, the tp group dividing the experts)", l.tp, l.tp));
+            }
+            if etp == 1 && l.tp == 1 {
+                return refuse("etp=1 with tp=1 changes nothing (the experts are whole without tensor parallelism): drop etp, or give tp ≥ 2".into());
+            }
+        }
         if given("zero") && l.zero > 0 && l.dp * l.cp == 1 && fixed("dp") && fixed("cp") {
             return refuse(format!("zero={} with one replica (dp×cp = 1) has nothing to shard over: drop zero, or give dp ≥ 2", l.zero));
         }
@@ -490,6 +507,16 @@ impl Layout {
     pub fn replicas(&self) -> usize {
         self.dp.max(1).saturating_mul(self.cp.max(1))
     }
+    /// How many blocks the tensor-parallel group divides every layer's routed experts into: tp
+    /// under `etp=1` (device t of the group holds the t-th block, each expert whole, and its
+    /// expert-parallel group divides that block), 1 otherwise (every device some columns of each).
+    pub fn expert_blocks(&self) -> usize {
+        match self.etp {
+            Some(1) => self.tp.max(1),
+            _ => 1,
+        }
+    }
+
     /// True when the layout runs on one device, unsplit.
     pub fn is_single_device(&self) -> bool {
         self.world_size() == 1 && self.vpp == 1
@@ -516,6 +543,9 @@ impl fmt::Display for Layout {
         }
         if self.ep > 1 {
             write!(f, ",ep={}", self.ep)?;
+        }
+        if let Some(etp) = self.etp {
+            write!(f, ",etp={etp}")?;
         }
         match &self.stages {
             Some(st) => write!(f, ",stages={st}"),
@@ -557,6 +587,31 @@ mod tests {
         assert_eq!(serde_json::from_value::<Layout>(old).unwrap().ep, 1);
         let e = LayoutSpec::parse("dp=3,ep=2").unwrap_err().to_string();
         assert!(e.contains("ep=2") && e.contains("does not divide 3"), "{e}");
+        // etp=1: each expert whole, the tp group dividing the experts; etp=tp is the default.
+        let s = LayoutSpec::parse("dp=2,tp=2,ep=2,etp=1").unwrap();
+        assert_eq!((s.layout.expert_blocks(), s.layout.world_size()), (2, 4));
+        assert!(s.layout.to_string().ends_with(",ep=2,etp=1"));
+        assert_eq!(
+            LayoutSpec::parse(&s.layout.to_string()).unwrap().layout,
+            s.layout
+        );
+        assert_eq!(
+            LayoutSpec::parse("tp=2,etp=2")
+                .unwrap()
+                .layout
+                .expert_blocks(),
+            1
+        );
+        for (spec, want) in [
+            (
+                "tp=4,etp=2",
+                "etp=2: the experts are split over all of the tp=4",
+            ),
+            ("etp=1", "etp=1 with tp=1 changes nothing"),
+        ] {
+            let e = LayoutSpec::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(want), "{spec}: {e}");
+        }
     }
 
     #[test]

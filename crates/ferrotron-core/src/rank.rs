@@ -8,6 +8,7 @@
 //! node `r / devices_per_node`.
 
 use crate::error::{ConfigError, Result};
+use crate::model::ExpertShard;
 
 /// A parallel dimension of the grid, fastest-varying first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -153,6 +154,20 @@ impl RankGrid {
         let ep = ep.max(1);
         let first = d / ep * ep;
         (replicas[first..first + ep].to_vec(), d % ep)
+    }
+
+    /// The share of every block's routed experts device `rank` holds under expert parallelism
+    /// over `ep`, its tensor-parallel group cutting them into `blocks` blocks first
+    /// ([`crate::layout::Layout::expert_blocks`]: tp under `etp=1`, else 1): block = its tp
+    /// coordinate, index = its place in its expert-parallel group.
+    pub fn expert_shard(&self, rank: usize, ep: usize, blocks: usize) -> ExpertShard {
+        let block = if blocks > 1 { self.coords(rank).tp } else { 0 };
+        ExpertShard {
+            index: self.expert_ranks(rank, ep).1,
+            size: ep.max(1),
+            block,
+            blocks: blocks.max(1),
+        }
     }
 
     /// The replicas that hold the same experts as `rank` under expert parallelism over `ep`

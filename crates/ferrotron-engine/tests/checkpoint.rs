@@ -170,6 +170,24 @@ fn resume_experts_split_over_replicas_on_one_device_and_back() {
     check_pair_with(&moe, "moe", "dp=4,ep=2,zero=3", "mbs=4");
 }
 
+/// Each expert whole on one device of a tensor-parallel pair (`etp=1`), the experts over
+/// replicas too, resumed with each expert's columns over the pair instead, and back.
+#[test]
+fn resume_whole_experts_over_tp_on_column_split_experts_and_back() {
+    let moe = |tag: &str, layout: &str| {
+        let mut c = config(tag, layout);
+        c.input.model = "mixtral-tiny".into();
+        c.optimizer.batch_size = 4;
+        c
+    };
+    check_pair_with(
+        &moe,
+        "moe-etp",
+        "dp=2,ep=2,tp=2,etp=1,mbs=2,zero=3",
+        "tp=2,mbs=4",
+    );
+}
+
 #[test]
 fn resume_3d_on_one_device_and_back() {
     check_pair("3d", "dp=2,tp=2,pp=2", "");

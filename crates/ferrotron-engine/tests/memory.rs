@@ -188,7 +188,11 @@ fn lora_memory_matches_the_planner_on_a_mid_sized_model() {
 fn lora_on_experts_memory_matches_the_planner() {
     assert_lora_memory_near(
         mid_sized_mixtral(),
-        &["dp=4,ep=2,zero=3,mbs=2", "dp=2,ep=2,tp=2,zero=1,mbs=4"],
+        &[
+            "dp=4,ep=2,zero=3,mbs=2",
+            "dp=2,ep=2,tp=2,zero=1,mbs=4",
+            "dp=2,ep=2,tp=2,etp=1,zero=1,mbs=4",
+        ],
     );
 }
 
@@ -474,6 +478,9 @@ fn expert_parallel_memory_matches_the_planner() {
         // sequence parallelism (the experts see the gathered rows).
         "dp=2,cp=2,ep=2,zero=1,mbs=4",
         "tp=2,sp=true,mbs=8",
+        // Each expert whole on one device of the tp pair (etp=1): a quarter of the experts each,
+        // its block's places only.
+        "dp=2,ep=2,tp=2,etp=1,zero=1,mbs=4",
     ] {
         let l = LayoutSpec::parse(spec).unwrap().layout;
         let part = StagePartition::for_model(&cfg, 1).unwrap();

@@ -224,6 +224,16 @@ fn expert_parallel_layouts_equal_transformers_on_the_whole_batch() {
         ("qwen3_moe", "cp=2,ep=2,zero=1,mbs=2"),
         ("qwen2_moe", "cp=2,tp=2,sp=true,mbs=2"),
         ("mixtral", "cp=2,ep=2,pp=2,mbs=4,schedule=zbh1"),
+        // etp=1: each expert whole on one device of the tp group, which divides the experts (the
+        // router replicated; a block's output summed over the group as the columns' were).
+        ("mixtral", "tp=2,etp=1,mbs=4"),
+        ("mixtral", "tp=4,etp=1,mbs=4"),
+        ("qwen2_moe", "tp=2,etp=1,mbs=2"),
+        ("mixtral", "dp=2,ep=2,tp=2,etp=1,mbs=2,zero=1"),
+        ("qwen3_moe", "dp=2,ep=2,tp=2,etp=1,zero=3"),
+        ("mixtral", "dp=2,ep=2,tp=2,etp=1,sp=true,mbs=2,zero=2"),
+        ("mixtral", "dp=2,ep=2,tp=2,etp=1,pp=2,mbs=2,zero=3"),
+        ("mixtral", "cp=2,ep=2,tp=2,etp=1,mbs=4"),
     ] {
         assert_equals_transformers(name, spec);
     }
@@ -248,6 +258,8 @@ fn lora_on_experts_and_attention_equals_the_references() {
                 "dp=4,ep=4,zero=1",
                 "tp=2,mbs=4",
                 "dp=2,ep=2,tp=2,mbs=2,zero=2",
+                "tp=2,etp=1,mbs=4",
+                "dp=2,ep=2,tp=2,etp=1,mbs=2,zero=2",
                 "pp=2,mbs=4",
                 "dp=2,ep=2,pp=2,mbs=2,schedule=zbh1,zero=3",
             ][..],
@@ -258,6 +270,7 @@ fn lora_on_experts_and_attention_equals_the_references() {
                 "mbs=2",
                 "dp=2,ep=2,zero=3",
                 "tp=2,mbs=2",
+                "tp=2,etp=1,mbs=2",
                 "dp=2,ep=2,pp=2,zero=2",
             ][..],
         ),
@@ -365,63 +378,78 @@ fn compare(
 
 /// The bytes each device sends in the all-to-alls are the planner's formula exactly, given where
 /// the unsplit model routes each replica's tokens (recomputed here, one sequence at a time).
+/// Every device's all-to-all bytes equal the planner's formula for the places its tokens sent to
+/// other devices' experts and the places it received, counted on the unsplit model: with its
+/// experts over replicas (dp4·ep2), and under `etp=1` (dp2·ep2·tp2), where a device sends only
+/// its tensor-parallel block's places and holds a quarter of the experts.
 #[test]
 fn expert_all_to_all_bytes_are_the_planners() {
     let (cfg, params, reference) = load();
-    let layout = LayoutSpec::parse("dp=4,ep=2").unwrap().layout;
-    let r = step_on(&cfg, &params, &reference, &layout).unwrap();
     let moe = cfg.moe.clone().unwrap();
-    let per_device = moe.num_experts / layout.ep;
-    let owner = |e: usize| e / per_device;
-    // Each replica's places per expert, over the blocks with experts, by the unsplit model.
     let model = Transformer::new(&cfg, &params);
     let be = CpuBackend::single_threaded();
     let seq = reference.batch.seq;
-    let routed: Vec<Vec<Vec<f64>>> = (0..4)
-        .map(|d| {
-            let one = TokenBatch {
-                ids: reference.batch.ids[d * seq..(d + 1) * seq].to_vec(),
-                batch: 1,
-                seq,
-            };
-            let state = model.forward(&be, &params, &one);
-            state
-                .expert_tokens()
-                .iter()
-                .map(|(_, t)| t.clone())
-                .collect()
-        })
-        .collect();
     let layers = moe.expert_layers(cfg.num_layers) as f64;
-    for (rank, stats) in r.stats.iter().enumerate() {
-        let (d, me) = (rank, rank % layout.ep);
-        let group: Vec<usize> = (0..4).filter(|g| g / layout.ep == d / layout.ep).collect();
-        let mut out = 0.0;
-        let mut into = 0.0;
-        for (layer, counts) in routed[d].iter().enumerate() {
-            out += (0..moe.num_experts)
-                .filter(|&e| owner(e) != me)
-                .map(|e| counts[e])
-                .sum::<f64>();
-            for &src in group.iter().filter(|&&g| g != d) {
-                into += (0..moe.num_experts)
-                    .filter(|&e| owner(e) == me)
-                    .map(|e| routed[src][layer][e])
+    for spec in ["dp=4,ep=2", "dp=2,ep=2,tp=2,etp=1,mbs=2"] {
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        let r = step_on(&cfg, &params, &reference, &layout).unwrap();
+        let (tp, ep, blocks) = (layout.tp, layout.ep, layout.expert_blocks());
+        // Each replica's places per expert, over the blocks with experts (one micro-batch each).
+        let per_replica = reference.batch.batch / layout.dp;
+        let routed: Vec<Vec<Vec<f64>>> = (0..layout.dp)
+            .map(|d| {
+                let ids = &reference.batch.ids[d * per_replica * seq..(d + 1) * per_replica * seq];
+                let one = TokenBatch {
+                    ids: ids.to_vec(),
+                    batch: per_replica,
+                    seq,
+                };
+                let state = model.forward(&be, &params, &one);
+                state
+                    .expert_tokens()
+                    .iter()
+                    .map(|(_, t)| t.clone())
+                    .collect()
+            })
+            .collect();
+        for (rank, stats) in r.stats.iter().enumerate() {
+            let (t, d) = (rank % tp, rank / tp);
+            // This device's group runs block `t` of the experts (all of them without etp=1),
+            // `ep` of them to a device.
+            let per_block = moe.num_experts / blocks;
+            let block = if blocks > 1 { t } else { 0 } * per_block..;
+            let block = block.start..block.start + per_block;
+            let owner = |e: usize| (e - block.start) / (per_block / ep);
+            let me = d % ep;
+            let group: Vec<usize> = (0..layout.dp).filter(|g| g / ep == d / ep).collect();
+            let (mut out, mut into) = (0.0, 0.0);
+            for (layer, counts) in routed[d].iter().enumerate() {
+                out += block
+                    .clone()
+                    .filter(|&e| owner(e) != me)
+                    .map(|e| counts[e])
                     .sum::<f64>();
+                for &src in group.iter().filter(|&&g| g != d) {
+                    into += block
+                        .clone()
+                        .filter(|&e| owner(e) == me)
+                        .map(|e| routed[src][layer][e])
+                        .sum::<f64>();
+                }
             }
+            let want = ferrotron_core::plan::expert_all_to_all_bytes(
+                &cfg,
+                &layout,
+                4.0,
+                layers,
+                (out, into),
+            );
+            assert_eq!(
+                stats.bytes_sent_by_group("ep") as f64,
+                want,
+                "{spec} device {rank}: {out} places out, {into} in"
+            );
         }
-        let want = ferrotron_core::plan::expert_all_to_all_bytes(
-            &cfg,
-            layout.ep,
-            4.0,
-            layers,
-            (out, into),
-        );
-        assert_eq!(
-            stats.bytes_sent_by_group("ep") as f64,
-            want,
-            "device {rank}: {out} places out, {into} in"
-        );
     }
 }
 
@@ -463,6 +491,19 @@ fn an_expert_split_that_cannot_be_made_is_refused_by_name() {
         .expect("ep on a dense model")
         .to_string();
     assert!(e.contains("ep=2") && e.contains("has none"), "{e}");
+    let layout = LayoutSpec::parse("tp=2,etp=1").unwrap().layout;
+    let e = step_on(&dense, &dense_params, &reference, &layout)
+        .err()
+        .expect("etp on a dense model")
+        .to_string();
+    assert!(e.contains("etp=1") && e.contains("has none"), "{e}");
+    // 4 experts over tp·ep = 8 devices under etp=1.
+    let layout = LayoutSpec::parse("dp=4,ep=4,tp=2,etp=1").unwrap().layout;
+    let e = step_on(&cfg, &params, &reference, &layout)
+        .err()
+        .expect("4 experts over tp·ep = 8")
+        .to_string();
+    assert!(e.contains("etp=1") && e.contains("tp·ep = 8"), "{e}");
 }
 
 #[test]
@@ -760,6 +801,7 @@ fn mixed_precision_steps_equal_transformers_f64_within_their_rounding() {
             ("dp=2,ep=2,pp=2,schedule=zbh1,zero=3,mbs=1", "mbs=2"),
             ("tp=2,sp=true,mbs=4", "mbs=4"),
             ("cp=2,ep=2,zero=3,mbs=4", "mbs=4"),
+            ("dp=2,ep=2,tp=2,etp=1,zero=2,mbs=2", "mbs=4"),
         ] {
             let l = LayoutSpec::parse(spec).unwrap().layout;
             let base = if l.dp > 1 && l.micro_batch_size * l.dp < batch.batch {
@@ -786,7 +828,7 @@ fn mixed_precision_all_to_alls_send_16_bit_rows() {
     let spec = "dp=2,ep=2,mbs=2";
     let l = LayoutSpec::parse(spec).unwrap().layout;
     let layers = cfg.moe.as_ref().unwrap().expert_layers(cfg.num_layers) as f64;
-    let counts = ferrotron_core::plan::expert_all_to_all_bytes(&cfg, l.ep, 0.0, layers, (0.0, 0.0));
+    let counts = ferrotron_core::plan::expert_all_to_all_bytes(&cfg, &l, 0.0, layers, (0.0, 0.0));
     let f32_run = mixed_step(&cfg, &params, &reference.batch, spec, MixedPrecision::F32);
     for precision in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
         let run = mixed_step(&cfg, &params, &reference.batch, spec, precision);

@@ -434,6 +434,9 @@ fn verify_explains_a_mixture_of_experts_micro_batches() {
     // Its experts' columns over a tensor-parallel group, beside expert parallelism.
     let o = verify("dp=2,tp=2,mbs=4,ep=2");
     assert!(o.status.success(), "{}", stderr(&o));
+    // Each expert whole on one device of the tensor-parallel pair (etp=1).
+    let o = verify("dp=2,tp=2,mbs=4,ep=2,etp=1");
+    assert!(o.status.success(), "{}", stderr(&o));
     // Its sequences cut over a context-parallel pair, which is also its expert-parallel group.
     let o = verify("cp=2,ep=2,mbs=8");
     assert!(o.status.success(), "{}", stderr(&o));

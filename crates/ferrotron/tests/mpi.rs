@@ -251,6 +251,30 @@ fn a_bf16_mixture_of_experts_over_cp_and_ep_trains_as_on_threads() {
     assert_eq!(losses_on_mpi_and_threads(4, &root, &args).len(), 3);
 }
 
+/// A mixture of experts whose tensor-parallel pairs each hold half the experts whole (`etp=1`),
+/// expert parallelism dividing each half over the replicas: the same losses as the threads backend.
+#[test]
+fn a_mixture_of_experts_with_whole_experts_over_tp_trains_as_on_threads() {
+    let root = std::env::temp_dir().join(format!("ferrotron-mpi-etp-{}", std::process::id()));
+    let args = |backend: &str, out: &std::path::Path| {
+        train_args_of(
+            "mixtral-tiny",
+            out,
+            &[
+                "--layout",
+                "dp=2,tp=2,ep=2,etp=1,zero=3,mbs=2",
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--backend",
+                backend,
+            ],
+        )
+    };
+    assert_eq!(losses_on_mpi_and_threads(4, &root, &args).len(), 3);
+}
+
 /// Runs `args(backend, out)` under `mpirun -np np` into `root/mpi` and on the threads backend into
 /// `root/threads`; asserts every step's loss agrees within 1e-6 and returns the MPI run's.
 fn losses_on_mpi_and_threads(

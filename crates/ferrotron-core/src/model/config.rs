@@ -159,30 +159,46 @@ pub struct MoeConfig {
     pub capacity_factor: Option<f64>,
 }
 
-/// One device's share of every block's routed experts under expert parallelism: the `index`-th of
-/// `size` contiguous, equal ranges (the whole model: index 0 of 1).
+/// One device's share of every block's routed experts: the experts are cut into `blocks` equal,
+/// contiguous blocks (under `etp=1` one per device of the tensor-parallel group, else one), and
+/// block `block` into `size` equal ranges over an expert-parallel group, of which this device holds
+/// the `index`-th (the whole model: index 0 of 1 of block 0 of 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertShard {
     pub index: usize,
     pub size: usize,
+    pub block: usize,
+    pub blocks: usize,
 }
 
 impl Default for ExpertShard {
     fn default() -> Self {
-        Self { index: 0, size: 1 }
+        Self::new(0, 1)
     }
 }
 
 impl ExpertShard {
-    /// The experts (of `num_experts`) this share holds.
-    pub fn held(&self, num_experts: usize) -> std::ops::Range<usize> {
-        let n = num_experts / self.size.max(1);
-        self.index * n..(self.index + 1) * n
+    /// The `index`-th of `size` shares of all the experts (one block).
+    pub fn new(index: usize, size: usize) -> Self {
+        Self {
+            index,
+            size,
+            block: 0,
+            blocks: 1,
+        }
     }
 
-    /// The share that holds expert `e` (of `num_experts`).
-    pub fn owner(&self, e: usize, num_experts: usize) -> usize {
-        e / (num_experts / self.size.max(1)).max(1)
+    /// The experts (of `num_experts`) this device's expert-parallel group divides: its block.
+    pub fn group_experts(&self, num_experts: usize) -> std::ops::Range<usize> {
+        let n = num_experts / self.blocks.max(1);
+        self.block * n..(self.block + 1) * n
+    }
+
+    /// The experts (of `num_experts`) this share holds.
+    pub fn held(&self, num_experts: usize) -> std::ops::Range<usize> {
+        let group = self.group_experts(num_experts);
+        let n = group.len() / self.size.max(1);
+        group.start + self.index * n..group.start + (self.index + 1) * n
     }
 }
 
@@ -498,14 +514,24 @@ impl ModelConfig {
     /// router statistics are summed over both), pipeline stages (its router statistics travel with
     /// each micro-batch) and tensor-parallel groups with or without sequence parallelism (each
     /// expert's columns split, the rows gathered before the block as for a dense MLP), its experts
-    /// divided over an expert-parallel group carved from the replicas. The one statement of the
-    /// rule: the planner and the engine both ask it.
+    /// divided over an expert-parallel group carved from the replicas; under `etp=1` the tp group
+    /// first divides the experts into `blocks` (= tp) blocks, each expert whole. The one statement
+    /// of the rule: the planner and the engine both ask it.
     pub fn experts_split(
         &self,
         ep: usize,
         replicas: usize,
+        blocks: usize,
     ) -> std::result::Result<(), (&'static str, String)> {
         let Some(m) = &self.moe else {
+            if blocks > 1 {
+                return Err((
+                    "etp",
+                    "etp=1 keeps a mixture of experts' experts whole over the tp group, and \
+                     this model has none: drop etp"
+                        .into(),
+                ));
+            }
             return match ep {
                 0 | 1 => Ok(()),
                 _ => Err((
@@ -517,6 +543,19 @@ impl ModelConfig {
                 )),
             };
         };
+        if blocks > 1 && !m.num_experts.is_multiple_of(blocks * ep.max(1)) {
+            return Err((
+                "etp",
+                format!(
+                    "etp=1 gives each of the tp={blocks} devices num_experts / tp experts, which \
+                     ep={} divides further, and the model's {} experts do not divide by tp·ep = \
+                     {}: use the default (each expert's columns over tp)",
+                    ep.max(1),
+                    m.num_experts,
+                    blocks * ep.max(1)
+                ),
+            ));
+        }
         if ep > 1 && !replicas.is_multiple_of(ep) {
             return Err((
                 "ep",
@@ -540,12 +579,12 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// This model as the `index`-th of `size` devices of an expert-parallel group holds it: every
-    /// block's routed experts in that device's range only (the rest of the model whole).
-    pub fn expert_shard(&self, index: usize, size: usize) -> ModelConfig {
+    /// This model as a device holding `shard` of the experts holds it: every block's routed
+    /// experts in that device's range only (the rest of the model whole).
+    pub fn expert_shard(&self, shard: ExpertShard) -> ModelConfig {
         let mut out = self.clone();
         if let Some(m) = &mut out.moe {
-            m.held = ExpertShard { index, size };
+            m.held = shard;
         }
         out
     }

@@ -131,32 +131,39 @@ pub struct Traffic {
     pub ep: f64,
 }
 
-/// Bytes one device sends in expert parallelism's all-to-alls over `exchanges` (block with
-/// experts, micro-batch) pairs, for `places_out` of its tokens' top-k places routed to other
-/// devices' experts and `places_in` places it received from them, summed over those pairs: each
-/// pair exchanges the routed rows' counts (one 8-byte count per expert a device holds, to each
-/// other device), then sends the rows out and their results back (`hidden` wide, `value_bytes`
-/// each: the activations' wire format), and the backward sends their gradients the same two ways.
-/// The engine sends exactly this; the plan prices it at the balanced load ([`balanced_places`]).
+/// Bytes one device of layout `l` sends in expert parallelism's all-to-alls over `exchanges`
+/// (block with experts, micro-batch) pairs, for `places_out` of its tokens' top-k places routed to
+/// other devices' experts and `places_in` places it received from them, summed over those pairs:
+/// each pair exchanges the routed rows' counts (one 8-byte count per expert a device holds, to
+/// each other device of its group), then sends the rows out and their results back (`hidden`
+/// wide, `value_bytes` each: the activations' wire format), and the backward sends their gradients
+/// the same two ways. The engine sends exactly this; the plan prices it at the balanced load
+/// ([`balanced_places`]).
 pub fn expert_all_to_all_bytes(
     cfg: &ModelConfig,
-    ep: usize,
+    l: &Layout,
     value_bytes: f64,
     exchanges: f64,
     (places_out, places_in): (f64, f64),
 ) -> f64 {
+    let ep = l.ep;
     let Some(m) = cfg.moe.as_ref().filter(|_| ep > 1) else {
         return 0.0;
     };
-    let counts = exchanges * (ep - 1) as f64 * (m.num_experts / ep) as f64 * 8.0;
+    let held = m.num_experts / (ep * l.expert_blocks());
+    let counts = exchanges * (ep - 1) as f64 * held as f64 * 8.0;
     counts + 2.0 * (places_out + places_in) * cfg.hidden_size as f64 * value_bytes
 }
 
-/// The top-k places a device of an expert-parallel group of `ep` sends to other devices' experts
-/// (and receives) for `tokens` of its tokens, when the router spreads them evenly over the experts.
-pub fn balanced_places(cfg: &ModelConfig, ep: usize, tokens: f64) -> f64 {
+/// The top-k places a device of layout `l` sends to other devices' experts (and receives) for
+/// `tokens` of its tokens, when the router spreads them evenly over the experts: under `etp=1`
+/// only its tensor-parallel block's places travel (the others are its tp group's).
+pub fn balanced_places(cfg: &ModelConfig, l: &Layout, tokens: f64) -> f64 {
     match &cfg.moe {
-        Some(m) => tokens * m.top_k as f64 * (ep - 1) as f64 / ep as f64,
+        Some(m) => {
+            let ep = l.ep.max(1) as f64;
+            tokens * m.top_k as f64 / l.expert_blocks() as f64 * (ep - 1.0) / ep
+        }
         None => 0.0,
     }
 }
@@ -347,19 +354,21 @@ pub fn tp_bytes_per_device(input: &PlanInput, cfg: &ModelConfig, l: &Layout, sta
         // `A`, a row-parallel base's `B`) is a partial sum on every device, summed over the group;
         // a shared KV head's `B` over the devices sharing it.
         let r = lora.rank as f64;
-        let over_layers = |per: &dyn Fn(&crate::model::LoraTarget) -> f64| {
+        let over_layers = |per: &dyn Fn(&crate::model::LoraTarget, usize) -> f64| {
             super::memory::sum_over_stage_layers(cfg, l, stage, &|i| {
-                let (dense, experts) = super::memory::lora_layer_sum(cfg, lora, l.ep, i, per);
+                let (dense, experts) = super::memory::lora_layer_sum(cfg, lora, l, i, per);
                 dense + experts
             })
         };
-        let whole = over_layers(&|m| match m.split {
-            crate::model::TargetSplit::Column => r * m.in_dim as f64,
-            crate::model::TargetSplit::Row => r * m.out_dim as f64,
+        // (A routed expert's adapters under etp=1 are whole on one device: nothing to sum.)
+        let whole = over_layers(&|m, t| match (m.split, t) {
+            (_, 1) => 0.0,
+            (crate::model::TargetSplit::Column, _) => r * m.in_dim as f64,
+            (crate::model::TargetSplit::Row, _) => r * m.out_dim as f64,
         });
         after += 2.0 * ring * whole * grad;
         if cfg.num_kv_heads < l.tp {
-            let kv_b = over_layers(&|m| {
+            let kv_b = over_layers(&|m, _| {
                 if matches!(m.short.as_str(), "k_proj" | "v_proj") {
                     r * cfg.head_dim as f64
                 } else {
@@ -718,9 +727,9 @@ fn expert_costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, link: &Link) -
         .max()
         .unwrap_or(0) as f64;
     let tokens = (l.micro_batch_size * super::local_seq(input, l)) as f64;
-    let places = balanced_places(cfg, l.ep, tokens);
+    let places = balanced_places(cfg, l, tokens);
     let act = input.precision.weights.bytes();
-    let bytes = expert_all_to_all_bytes(cfg, l.ep, act, layers, (layers * places, layers * places));
+    let bytes = expert_all_to_all_bytes(cfg, l, act, layers, (layers * places, layers * places));
     let eff = input.cluster.calibration.link_efficiency;
     // Two all-to-alls each way per block with experts, each ep − 1 messages; spread over the
     // stage's blocks (the actions price a block on average).

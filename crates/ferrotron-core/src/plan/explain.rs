@@ -131,18 +131,29 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
     }
     if let super::PlanModel::Shape(cfg) = &input.model {
         if let Some(m) = &cfg.moe {
+            let blocks = l.expert_blocks();
+            let tp_split = if blocks > 1 {
+                format!(
+                    "etp=1: the tp={} devices divide every block's experts, each expert whole on one of them (its rows already there, its output summed with the group's), ",
+                    l.tp
+                )
+            } else if l.tp > 1 {
+                format!("each expert's columns split over tp={}, ", l.tp)
+            } else {
+                String::new()
+            };
             let held = if l.ep > 1 {
                 format!(
-                    "expert parallel ep={}: each device holds {} of the {} experts of every block, ZeRO shards them over the {} replicas holding the same ones; tokens travel to their experts and back in four all-to-alls per block, {} per step per device at a balanced load on the {} link",
+                    "{tp_split}expert parallel ep={}: each device holds {} of the {} experts of every block, ZeRO shards them over the {} replicas holding the same ones; tokens travel to their experts and back in four all-to-alls per block, {} per step per device at a balanced load on the {} link",
                     l.ep,
-                    m.num_experts / l.ep,
+                    m.num_experts / (l.ep * blocks),
                     m.num_experts,
                     (l.replicas() / l.ep).max(1),
                     gb(p.comm_bytes_per_step.ep),
                     link_name(lk.ep.bandwidth_bytes_per_s)
                 )
             } else {
-                "every expert's weights, gradients and optimizer state are on every replica (sharded only by ZeRO; ep=N divides the experts over N replicas)".into()
+                format!("{tp_split}every expert's weights, gradients and optimizer state are on every replica (sharded only by ZeRO; ep=N divides the experts over N replicas)")
             };
             out.push(format!(
                 "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): {held}; compute follows the active parameters",

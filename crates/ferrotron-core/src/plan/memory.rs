@@ -106,15 +106,17 @@ fn attention_params_on_device(cfg: &ModelConfig, t: f64) -> f64 {
 }
 
 /// One block's routed-expert parameters on a device (a block on average): its `num_experts / ep`
-/// experts' MLPs (their columns / tp) in the blocks with experts. ZeRO shards them over the
-/// dp·cp / ep replicas that hold the same experts, where it shards the rest over all dp·cp.
+/// experts' MLPs (their columns / tp) in the blocks with experts, or under `etp=1` its
+/// `num_experts / (tp·ep)` experts whole. ZeRO shards them over the dp·cp / ep replicas that hold
+/// the same experts, where it shards the rest over all dp·cp.
 pub fn routed_expert_params(cfg: &ModelConfig, l: &Layout) -> f64 {
     match &cfg.moe {
         Some(m) => {
             let share = m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
-            let per_device = (m.num_experts / l.ep.max(1)) as f64;
-            share * per_device * 3.0 * cfg.hidden_size as f64 * m.expert_size as f64
-                / l.tp.max(1) as f64
+            let blocks = l.expert_blocks();
+            let per_device = (m.num_experts / (l.ep.max(1) * blocks)) as f64;
+            let column_split = (l.tp.max(1) / blocks) as f64;
+            share * per_device * 3.0 * cfg.hidden_size as f64 * m.expert_size as f64 / column_split
         }
         None => 0.0,
     }
@@ -191,10 +193,12 @@ pub fn layer_activation_bytes(
             let (mlp, router_bytes) = match (cfg.arch, &cfg.moe) {
                 (Arch::Llama, Some(m)) => {
                     // A block on average: the blocks with experts, the dense ones.
+                    // Under etp=1 a device keeps its block's places only, their experts whole.
+                    let blocks = l.expert_blocks() as f64;
                     let (k, fe) = (m.top_k as f64, m.expert_size as f64);
                     let share =
                         m.expert_layers(cfg.num_layers) as f64 / cfg.num_layers.max(1) as f64;
-                    let sparse = k * tok * (3.0 * fe / t + 2.0 * h)
+                    let sparse = k * tok / blocks * (3.0 * fe * blocks / t + 2.0 * h)
                         + tok * (3.0 * m.shared_expert_size as f64 / t + h + 1.0);
                     let router = tok * (4.0 * m.num_experts as f64 + 32.0 * k);
                     (
@@ -636,10 +640,8 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
         }
         // With LoRA what trains is the adapters: the routed experts' are theirs.
         (PlanModel::Shape(cfg), Some(lora)) if cfg.moe.is_some() => {
-            let per = |m: &LoraTarget| lora_target_params_on_device(cfg, lora, l.tp, m);
-            sum_over_stage_layers(cfg, l, stage, &|i| {
-                lora_layer_sum(cfg, lora, l.ep, i, &per).1
-            })
+            let per = |m: &LoraTarget, t: usize| lora_target_params_on_device(cfg, lora, t, m);
+            sum_over_stage_layers(cfg, l, stage, &|i| lora_layer_sum(cfg, lora, l, i, &per).1)
         }
         _ => 0.0,
     };
@@ -748,30 +750,33 @@ fn gathered_codes(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
     codes as f64 * (1.0 + 1.0 / l.replicas() as f64)
 }
 
-/// Σ `per(target)` over layer `i`'s adapters on one device, as (dense, routed experts): a routed
-/// expert's counted `num_experts / ep` times (the experts are alike, and expert parallelism leaves a
-/// device its share; only one expert's names are built, however many there are).
+/// Σ `per(target, tp)` over layer `i`'s adapters on one device of layout `l`, as (dense, routed
+/// experts), `tp` the tensor-parallel degree that splits the target (1 for a routed expert's
+/// under `etp=1`): a routed expert's counted `num_experts / ep` times (`/ (tp·ep)` under `etp=1`;
+/// the experts are alike, and expert parallelism leaves a device its share; only one expert's
+/// names are built, however many there are).
 pub fn lora_layer_sum(
     cfg: &ModelConfig,
     lora: &LoraConfig,
-    ep: usize,
+    l: &Layout,
     i: usize,
-    per: &dyn Fn(&LoraTarget) -> f64,
+    per: &dyn Fn(&LoraTarget, usize) -> f64,
 ) -> (f64, f64) {
     let shard;
+    let blocks = l.expert_blocks();
     let (one, routed) = match &cfg.moe {
         Some(m) if m.has_experts(i) => {
-            shard = cfg.expert_shard(0, m.num_experts);
-            (&shard, (m.num_experts / ep.max(1)) as f64)
+            shard = cfg.expert_shard(crate::model::ExpertShard::new(0, m.num_experts));
+            (&shard, (m.num_experts / (l.ep.max(1) * blocks)) as f64)
         }
         _ => (cfg, 0.0),
     };
     let (mut dense, mut experts) = (0.0, 0.0);
     for t in lora.layer_modules(one, i) {
         if one.routed_expert_of(&t.weight_name()).is_some() {
-            experts += routed * per(&t);
+            experts += routed * per(&t, l.tp / blocks);
         } else {
-            dense += per(&t);
+            dense += per(&t, l.tp);
         }
     }
     (dense, experts)
@@ -828,11 +833,11 @@ pub fn largest_lora_layer_on_device(
     lora: &LoraConfig,
     l: &Layout,
 ) -> (f64, f64) {
-    let per = |m: &LoraTarget| lora_target_params_on_device(cfg, lora, l.tp, m);
+    let per = |m: &LoraTarget, t: usize| lora_target_params_on_device(cfg, lora, t, m);
     block_kinds(cfg)
         .into_iter()
         .flatten()
-        .map(|i| lora_layer_sum(cfg, lora, l.ep, i, &per))
+        .map(|i| lora_layer_sum(cfg, lora, l, i, &per))
         .fold((0.0, 0.0), |best, x| {
             if x.0 + x.1 > best.0 + best.1 {
                 x
@@ -849,9 +854,9 @@ pub fn lora_params_on_device(
     l: &Layout,
     stage: usize,
 ) -> f64 {
-    let per = |m: &LoraTarget| lora_target_params_on_device(cfg, lora, l.tp, m);
+    let per = |m: &LoraTarget, t: usize| lora_target_params_on_device(cfg, lora, t, m);
     sum_over_stage_layers(cfg, l, stage, &|i| {
-        let (dense, experts) = lora_layer_sum(cfg, lora, l.ep, i, &per);
+        let (dense, experts) = lora_layer_sum(cfg, lora, l, i, &per);
         dense + experts
     })
 }

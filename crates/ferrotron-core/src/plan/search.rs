@@ -19,12 +19,13 @@ fn divisors(n: usize) -> Vec<usize> {
 }
 
 /// All layouts that keep the rules and use every device.
-fn enumerate(input: &PlanInput) -> Vec<Layout> {
+pub(super) fn enumerate(input: &PlanInput) -> Vec<Layout> {
     let world = input.cluster.world_size();
     let layers = match &input.model {
         PlanModel::Shape(cfg) => cfg.num_layers,
         PlanModel::ParamsOnly(_) => world,
     };
+    let moe = matches!(&input.model, PlanModel::Shape(cfg) if cfg.moe.is_some());
     let mut out = Vec::new();
     for tp in divisors(world) {
         // Stages need not divide the layers: an uneven split is priced as the engine runs it.
@@ -87,11 +88,22 @@ fn enumerate(input: &PlanInput) -> Vec<Layout> {
                                             cp,
                                             cp_comm,
                                             ep,
+                                            etp: None,
                                         };
                                         let split_ok =
                                             cp == 1 || (mbs == 1 && recompute != Recompute::Full);
                                         if split_ok && check_layout(input, &l).is_ok() {
                                             out.push(l);
+                                        }
+                                        // A mixture of experts over a tp group: also each
+                                        // expert whole, the group dividing the experts.
+                                        let whole = Layout { etp: Some(1), ..l };
+                                        if split_ok
+                                            && tp > 1
+                                            && moe
+                                            && check_layout(input, &whole).is_ok()
+                                        {
+                                            out.push(whole);
                                         }
                                     }
                                 }

@@ -811,7 +811,29 @@ fn expert_parallelism_divides_the_experts_and_is_searched() {
     let c = &input.cluster;
     assert_eq!(links(c, &split).ep, c.intra_node);
     assert_eq!(links(c, &layout("dp=8,tp=2,ep=8")).ep, c.inter_node);
-    // The search prices expert-parallel candidates beside the others.
+    // etp=1 over tp=2: each device holds 1 of the 8 experts whole (the same bytes as 2 experts'
+    // halves), and sends only its tensor-parallel block's places (half the rows), one count per
+    // expert it holds to each of its 3 peers.
+    let (columns, experts_whole) = (
+        layout("dp=8,tp=2,ep=4,zero=1,mbs=1"),
+        layout("dp=8,tp=2,ep=4,etp=1,zero=1,mbs=1"),
+    );
+    assert_eq!(
+        params_on_device(cfg, &columns, 0),
+        params_on_device(cfg, &experts_whole, 0)
+    );
+    let places = 4096.0 * m.top_k as f64 / 2.0 * 3.0 / 4.0;
+    let per_micro_batch = 32.0 * (2.0 * 2.0 * places * 4096.0 * 2.0 + 3.0 * 1.0 * 8.0);
+    let plan = evaluate(&input, &experts_whole).unwrap();
+    assert_eq!(plan.comm_bytes_per_step.ep, 64.0 / 8.0 * per_micro_batch);
+    assert!(plan
+        .explain
+        .iter()
+        .any(|l| l.contains("etp=1: the tp=2 devices")));
+    // The search prices expert-parallel candidates beside the others, etp=1 among them.
+    assert!(super::search::enumerate(&input)
+        .iter()
+        .any(|l| l.etp == Some(1) && l.ep > 1));
     let plans = search(&input).unwrap();
     assert!(
         plans.iter().any(|p| p.layout.ep > 1 && p.fits),

@@ -66,7 +66,7 @@ pub fn rank_holdings(
     layout: &Layout,
     rank: usize,
 ) -> Result<Vec<Holding>> {
-    let (tp, pp, vpp) = (layout.tp.max(1), layout.pp.max(1), layout.vpp.max(1));
+    let (pp, vpp) = (layout.pp.max(1), layout.vpp.max(1));
     let world = layout.world_size();
     if rank >= world {
         return Err(EngineError::Invalid(format!(
@@ -84,10 +84,11 @@ pub fn rank_holdings(
     let ranges: Vec<Range<usize>> = (0..vpp)
         .map(|k| partition.layers[k * pp + s].clone())
         .collect();
-    let shard = TpShard::new(cfg, tp, t, false)?;
-    let local = shard
-        .local_config(cfg)
-        .expert_shard(grid.expert_ranks(rank, ep).1, ep);
+    let shard = TpShard::of_layout(cfg, layout, t)?;
+    let local =
+        shard
+            .local_config(cfg)
+            .expert_shard(grid.expert_shard(rank, ep, layout.expert_blocks()));
     let (global, mine) = match lora {
         Some(l) => (l.adapter_specs(cfg), l.adapter_specs(&local)),
         None => (cfg.param_specs(), local.param_specs()),

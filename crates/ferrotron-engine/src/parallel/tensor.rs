@@ -25,6 +25,7 @@ use crate::half_storage::Wire;
 use crate::kernels::nf4::Nf4Matrix;
 use crate::kernels::{AttnGradInputs, AttnShape, Backend, Qkv, QkvGrads};
 use crate::transformer::{ParamStore, ShardCollectives, VocabSlice};
+use ferrotron_core::layout::Layout;
 use ferrotron_core::model::{
     adapter_parts, projection_split, AdapterHalf, Arch, ModelConfig, ParamSpec, TargetSplit,
     WeightLayout,
@@ -39,6 +40,9 @@ pub struct TpShard {
     pub size: usize,
     pub rank: usize,
     pub sequence_parallel: bool,
+    /// `etp=1`: each routed expert whole on the one device of the group whose block of the
+    /// experts holds it (`ExpertShard::block`), not cut by columns.
+    pub experts_whole: bool,
 }
 
 /// `len` split into `parts` nearly equal pieces (the first `len % parts` one longer); piece `i`.
@@ -75,7 +79,21 @@ impl TpShard {
             size,
             rank,
             sequence_parallel: sequence_parallel && size > 1,
+            experts_whole: false,
         })
+    }
+
+    /// Device `rank` of `layout`'s tensor-parallel group: its sequence parallelism and its
+    /// experts' split (`etp`) as the layout says.
+    pub fn of_layout(cfg: &ModelConfig, layout: &Layout, rank: usize) -> Result<Self> {
+        let mut shard = Self::new(cfg, layout.tp.max(1), rank, layout.sequence_parallel)?;
+        shard.experts_whole = layout.expert_blocks() > 1;
+        Ok(shard)
+    }
+
+    /// Whether `name` is a routed expert's tensor (or adapter) that this device holds whole.
+    fn is_whole_expert(&self, cfg: &ModelConfig, name: &str) -> bool {
+        self.experts_whole && cfg.routed_expert_of(name).is_some()
     }
 
     /// KV heads this device holds and the first of them.
@@ -120,8 +138,13 @@ impl TpShard {
     /// rows. Its [`ModelConfig::param_specs`] are the shard's tensors, by their Hugging Face names.
     pub fn local_config(&self, cfg: &ModelConfig) -> ModelConfig {
         let moe = cfg.moe.as_ref().map(|m| {
+            let expert_size = if self.experts_whole {
+                m.expert_size
+            } else {
+                piece(m.expert_size, self.size, self.rank).len()
+            };
             Box::new(ferrotron_core::model::MoeConfig {
-                expert_size: piece(m.expert_size, self.size, self.rank).len(),
+                expert_size,
                 shared_expert_size: piece(m.shared_expert_size, self.size, self.rank).len(),
                 ..(**m).clone()
             })
@@ -149,7 +172,11 @@ impl TpShard {
         } else {
             m.expert_size
         };
-        let mine = piece(columns, self.size, self.rank);
+        let mine = if self.is_whole_expert(cfg, name) {
+            0..columns
+        } else {
+            piece(columns, self.size, self.rank)
+        };
         let cut = |dim: usize| Slice {
             dim,
             ranges: one(mine.clone()),
@@ -413,6 +440,11 @@ impl TpShard {
         let Some((module, half)) = adapter_parts(name) else {
             return false;
         };
+        // Under etp=1 a routed expert's adapters are whole on their one device: neither half is
+        // a partial sum there, nor a copy elsewhere.
+        if self.is_whole_expert(cfg, module) {
+            return false;
+        }
         matches!(
             (half, adapter_base(cfg, module).map(|b| b.0)),
             (AdapterHalf::A, Ok(TargetSplit::Column)) | (AdapterHalf::B, Ok(TargetSplit::Row))

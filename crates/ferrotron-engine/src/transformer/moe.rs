@@ -208,10 +208,13 @@ fn top_k(p: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// Where a block's routed experts are: `per_device` experts on each of `devices` devices of the
-/// expert-parallel group (device j holds those from `j · per_device`).
+/// expert-parallel group, which holds the experts from `first` (device j those from
+/// `first + j · per_device`). Under `etp=1` the group holds one tensor-parallel device's block of
+/// the experts; the other blocks' are the other devices' of the tp group.
 struct Placement {
     devices: usize,
     per_device: usize,
+    first: usize,
 }
 
 impl Placement {
@@ -219,12 +222,19 @@ impl Placement {
         Self {
             devices: ids.config.held.size,
             per_device: ids.experts.len(),
+            first: ids.config.held.group_experts(ids.config.num_experts).start,
         }
     }
 
     /// The experts device `j` holds.
     fn of_device(&self, j: usize) -> std::ops::Range<usize> {
-        j * self.per_device..(j + 1) * self.per_device
+        let start = self.first + j * self.per_device;
+        start..start + self.per_device
+    }
+
+    /// The experts the group holds.
+    fn of_group(&self) -> std::ops::Range<usize> {
+        self.first..self.first + self.devices * self.per_device
     }
 }
 
@@ -377,6 +387,14 @@ pub(crate) fn forward(
             places.sort_unstable();
         }
     }
+    // Under etp=1 this device's group runs its tensor-parallel block of the experts only: the
+    // places routed to the others' blocks are theirs (the same rows, routed alike), and the output,
+    // summed over the group as below, takes them from there.
+    for (e, places) in routes.iter_mut().enumerate() {
+        if !at.of_group().contains(&e) {
+            places.clear();
+        }
+    }
     // Dispatch: every place's row to its expert's device; each held expert learns how many rows
     // each device sent it.
     let counts: Vec<Vec<usize>> = (0..at.devices)
@@ -459,8 +477,9 @@ pub(crate) fn forward(
         }
         (run, Kept::keep(be, y, storage), g)
     });
-    // Under tensor parallelism each device's experts hold some of their columns: the output is a
-    // partial sum, reduced over the group (as the dense MLP's down projection).
+    // Under tensor parallelism each device's experts hold some of their columns (or under etp=1
+    // some of the experts): the output is a partial sum, reduced over the group (as the dense
+    // MLP's down projection).
     let out = coll.reduce(out);
     let acts = MoeActs {
         probs,
@@ -569,8 +588,9 @@ pub(crate) fn backward(
                 .sum();
         }
     }
-    // Under tensor parallelism the outputs kept are partial sums over the group's columns: so are
-    // these products.
+    // Under tensor parallelism the outputs kept are partial sums over the group's columns (under
+    // etp=1 each place's whole output is on one device, zero on the others): so are these
+    // products.
     sum_over_group(coll, &mut dweight);
     // Each place's output gradient (times its routing weight) to its expert's device.
     let chosen = &a.chosen;

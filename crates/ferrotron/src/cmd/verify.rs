@@ -201,7 +201,7 @@ fn describe_split(
         println!("pipeline chunks, split by compute: {}", stages.join(", "));
     }
     if layout.tp > 1 {
-        println!("tensor parallel: {}", describe_tp_split(cfg, layout.tp)?);
+        println!("tensor parallel: {}", describe_tp_split(cfg, layout)?);
     }
     if backend == CommBackend::Mpi {
         println!(
@@ -301,8 +301,12 @@ fn verify_async(
 }
 
 /// What each device of a tensor-parallel group holds, in words.
-fn describe_tp_split(cfg: &ferrotron_core::model::ModelConfig, tp: usize) -> Result<String> {
-    let first = TpShard::new(cfg, tp, 0, false)?.local_config(cfg);
+fn describe_tp_split(
+    cfg: &ferrotron_core::model::ModelConfig,
+    layout: &ferrotron_core::layout::Layout,
+) -> Result<String> {
+    let tp = layout.tp;
+    let first = TpShard::of_layout(cfg, layout, 0)?.local_config(cfg);
     let kv = if cfg.num_kv_heads < tp {
         format!(
             "1 KV head (each replicated on {} devices)",
@@ -320,9 +324,31 @@ fn describe_tp_split(cfg: &ferrotron_core::model::ModelConfig, tp: usize) -> Res
             first.vocab_size, cfg.vocab_size
         )
     };
+    // A mixture of experts: each expert's columns split, or under etp=1 the experts divided.
+    let mlp = match &first.moe {
+        Some(m) if layout.expert_blocks() > 1 => format!(
+            "{} of every block's {} experts whole (etp=1; ep divides them further)",
+            m.num_experts / tp,
+            m.num_experts
+        ),
+        Some(m) => format!("{} columns of each expert", m.expert_size),
+        None => format!("{} MLP columns", first.intermediate_size),
+    };
+    let dense_blocks = first
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.expert_layers(cfg.num_layers) < cfg.num_layers);
+    let mlp = if dense_blocks {
+        format!(
+            "{mlp}, {} MLP columns of each dense block",
+            first.intermediate_size
+        )
+    } else {
+        mlp
+    };
     Ok(format!(
-        "each of {tp} devices holds {} heads, {kv}, {} MLP columns, {vocab}",
-        first.num_heads, first.intermediate_size
+        "each of {tp} devices holds {} heads, {kv}, {mlp}, {vocab}",
+        first.num_heads
     ))
 }
 

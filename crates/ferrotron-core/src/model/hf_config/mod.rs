@@ -656,7 +656,7 @@ mod tests {
             names.contains(&"model.layers.0.block_sparse_moe.experts.7.w2.lora_B.weight".into())
         );
         // Under expert parallelism a device's adapters are its experts'.
-        let held = lora.adapter_specs(&m.expert_shard(1, 2));
+        let held = lora.adapter_specs(&m.expert_shard(crate::model::ExpertShard::new(1, 2)));
         assert!(held.iter().all(|s| m
             .routed_expert_of(&s.name)
             .is_none_or(|e| (4..8).contains(&e))));
@@ -664,18 +664,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("`gate`") && e.contains("router"), "{e}");
-        assert!(m.experts_split(1, 1).is_ok());
-        assert!(m.experts_split(4, 8).is_ok());
+        assert!(m.experts_split(1, 1, 1).is_ok());
+        assert!(m.experts_split(4, 8, 1).is_ok());
         // The router and the shared expert's gate, told by name.
         assert!(m.is_router_param("model.layers.3.block_sparse_moe.gate.weight"));
         assert!(!m.is_router_param("model.layers.3.block_sparse_moe.experts.0.w1.weight"));
         // ep divides the replicas and the experts (8 of them here).
-        let (key, why) = m.experts_split(4, 6).unwrap_err();
+        let (key, why) = m.experts_split(4, 6, 1).unwrap_err();
         assert!(key == "ep" && why.contains("does not divide 6"), "{why}");
-        let (key, why) = m.experts_split(3, 3).unwrap_err();
+        let (key, why) = m.experts_split(3, 3, 1).unwrap_err();
         assert!(key == "ep" && why.contains("8 experts"), "{why}");
         let dense = crate::model::preset("llama-tiny").unwrap();
-        let none = dense.experts_split(2, 2).unwrap_err();
+        let none = dense.experts_split(2, 2, 1).unwrap_err();
         assert!(none.1.contains("has none"));
     }
 

@@ -31,7 +31,8 @@ impl MeshStep<'_> {
 
     /// The model's whole tensors from the stores of the devices that hold first copies
     /// (`store_of(rank)`): each tensor from the first replica holding it, its tensor-parallel
-    /// shards joined.
+    /// shards joined (under `etp=1` a routed expert's from the one device of the group holding
+    /// it whole).
     fn assemble<'s>(&self, store_of: &dyn Fn(usize) -> &'s ParamStore) -> Result<ParamStore> {
         let mut full = ParamStore::zeros(self.params.specs().to_vec());
         let mut done = vec![false; full.specs.len()];
@@ -44,20 +45,26 @@ impl MeshStep<'_> {
                         self.mesh.rank_of(Coords { tp, cp, dp, pp })
                     })
                     .collect();
-                for spec in &store_of(ranks[0]).specs {
-                    let id = full.id(&spec.name).expect("model parameter");
-                    if std::mem::replace(&mut done[id], true) {
-                        continue;
-                    }
-                    let shards: Vec<&[f32]> = ranks
-                        .iter()
-                        .map(|&r| {
+                let whole_experts = self.layout.expert_blocks() > 1;
+                for &holder in &ranks {
+                    for spec in &store_of(holder).specs {
+                        let id = full.id(&spec.name).expect("model parameter");
+                        if std::mem::replace(&mut done[id], true) {
+                            continue;
+                        }
+                        let held = |r: usize| {
                             store_of(r)
                                 .get(&spec.name)
                                 .expect("a stage's devices hold its parameters")
-                        })
-                        .collect();
-                    full.tensors[id] = gather_tensor(self.cfg, &full.specs[id], &shards)?;
+                        };
+                        let shards: Vec<&[f32]> =
+                            if whole_experts && self.cfg.routed_expert_of(&spec.name).is_some() {
+                                vec![held(holder)]
+                            } else {
+                                ranks.iter().map(|&r| held(r)).collect()
+                            };
+                        full.tensors[id] = gather_tensor(self.cfg, &full.specs[id], &shards)?;
+                    }
                 }
             }
         }

@@ -302,16 +302,16 @@ impl<'a> MeshStep<'a> {
     /// The model as device `rank` holds it: its tensor-parallel shard's shape, with its share of
     /// the experts under expert parallelism.
     fn local_config(&self, rank: usize, shard: &TpShard) -> ModelConfig {
-        let (_, index) = self.mesh.expert_group(rank, self.layout.ep.max(1));
+        let l = self.layout;
         shard
             .local_config(self.cfg)
-            .expert_shard(index, self.layout.ep.max(1))
+            .expert_shard(self.mesh.expert_shard(rank, l.ep, l.expert_blocks()))
     }
 
     /// The parameters device `rank` holds, as its shard names and shapes them (in store order).
     pub fn device_specs(&self, rank: usize) -> Result<Vec<ParamSpec>> {
         let t = self.mesh.coords(rank).tp;
-        let local = self.local_config(rank, &TpShard::new(self.cfg, self.mesh.tp, t, false)?);
+        let local = self.local_config(rank, &TpShard::of_layout(self.cfg, self.layout, t)?);
         let ranges = self.ranges(rank);
         let specs = match self.frozen {
             Some((_, lora)) => lora.adapter_specs(&local),
@@ -328,7 +328,10 @@ impl<'a> MeshStep<'a> {
     fn check_experts(&self) -> Result<()> {
         let l = self.layout;
         let refuse = |why: String| Err(EngineError::Invalid(format!("layout `{l}`: {why}")));
-        if let Err((_, why)) = self.cfg.experts_split(l.ep.max(1), l.replicas()) {
+        if let Err((_, why)) = self
+            .cfg
+            .experts_split(l.ep.max(1), l.replicas(), l.expert_blocks())
+        {
             return refuse(why);
         }
         if self.cfg.moe.is_none() {
@@ -349,7 +352,7 @@ impl<'a> MeshStep<'a> {
         self.check_experts()?;
         let (cfg, layout) = (self.cfg, self.layout);
         let t = self.mesh.coords(rank).tp;
-        let shard = TpShard::new(cfg, self.mesh.tp, t, layout.sequence_parallel)?;
+        let shard = TpShard::of_layout(cfg, layout, t)?;
         let local = self.local_config(rank, &shard);
         let ranges = self.ranges(rank);
         {
