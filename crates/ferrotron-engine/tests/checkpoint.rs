@@ -161,27 +161,23 @@ fn check_pair_with(config: &dyn Fn(&str, &str) -> TrainConfig, tag: &str, a: &st
 /// Four sequences per step, one per replica (or one micro-batch of four): the same function.
 #[test]
 fn resume_experts_split_over_replicas_on_one_device_and_back() {
-    let moe = |tag: &str, layout: &str| {
-        let mut c = config(tag, layout);
-        c.input.model = "mixtral-tiny".into();
-        c.optimizer.batch_size = 4;
-        c
-    };
-    check_pair_with(&moe, "moe", "dp=4,ep=2,zero=3", "mbs=4");
+    check_pair_with(&mixtral_tiny, "moe", "dp=4,ep=2,zero=3", "mbs=4");
+}
+
+/// `mixtral-tiny`, four sequences a step, on `layout`.
+fn mixtral_tiny(tag: &str, layout: &str) -> TrainConfig {
+    let mut c = config(tag, layout);
+    c.input.model = "mixtral-tiny".into();
+    c.optimizer.batch_size = 4;
+    c
 }
 
 /// Each expert whole on one device of a tensor-parallel pair (`etp=1`), the experts over
 /// replicas too, resumed with each expert's columns over the pair instead, and back.
 #[test]
 fn resume_whole_experts_over_tp_on_column_split_experts_and_back() {
-    let moe = |tag: &str, layout: &str| {
-        let mut c = config(tag, layout);
-        c.input.model = "mixtral-tiny".into();
-        c.optimizer.batch_size = 4;
-        c
-    };
     check_pair_with(
-        &moe,
+        &mixtral_tiny,
         "moe-etp",
         "dp=2,ep=2,tp=2,etp=1,mbs=2,zero=3",
         "tp=2,mbs=4",

@@ -476,33 +476,24 @@ fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
 #[test]
 fn an_expert_split_that_cannot_be_made_is_refused_by_name() {
     let (cfg, params, reference) = load();
-    let layout = LayoutSpec::parse("dp=4,ep=4").unwrap().layout;
+    let refusal = |cfg: &ModelConfig, params: &ParamStore, spec: &str| {
+        let layout = LayoutSpec::parse(spec).unwrap().layout;
+        step_on(cfg, params, &reference, &layout)
+            .err()
+            .unwrap_or_else(|| panic!("{spec} ran"))
+            .to_string()
+    };
     let mut three = cfg.clone();
     three.moe.as_mut().unwrap().num_experts = 3;
-    let e = step_on(&three, &params, &reference, &layout)
-        .err()
-        .expect("3 experts over ep=4")
-        .to_string();
+    let e = refusal(&three, &params, "dp=4,ep=4");
     assert!(e.contains("ep=4") && e.contains("3 experts"), "{e}");
     let (dense, dense_params) = hf::load_model(&fixture("llama_tiny")).unwrap();
-    let layout = LayoutSpec::parse("dp=2,ep=2").unwrap().layout;
-    let e = step_on(&dense, &dense_params, &reference, &layout)
-        .err()
-        .expect("ep on a dense model")
-        .to_string();
+    let e = refusal(&dense, &dense_params, "dp=2,ep=2");
     assert!(e.contains("ep=2") && e.contains("has none"), "{e}");
-    let layout = LayoutSpec::parse("tp=2,etp=1").unwrap().layout;
-    let e = step_on(&dense, &dense_params, &reference, &layout)
-        .err()
-        .expect("etp on a dense model")
-        .to_string();
+    let e = refusal(&dense, &dense_params, "tp=2,etp=1");
     assert!(e.contains("etp=1") && e.contains("has none"), "{e}");
     // 4 experts over tp·ep = 8 devices under etp=1.
-    let layout = LayoutSpec::parse("dp=4,ep=4,tp=2,etp=1").unwrap().layout;
-    let e = step_on(&cfg, &params, &reference, &layout)
-        .err()
-        .expect("4 experts over tp·ep = 8")
-        .to_string();
+    let e = refusal(&cfg, &params, "dp=4,ep=4,tp=2,etp=1");
     assert!(e.contains("etp=1") && e.contains("tp·ep = 8"), "{e}");
 }
 

@@ -229,48 +229,29 @@ fn training_under_mpi_matches_the_threads_backend_step_by_step() {
 /// backend, step by step.
 #[test]
 fn a_bf16_mixture_of_experts_over_cp_and_ep_trains_as_on_threads() {
-    let root = std::env::temp_dir().join(format!("ferrotron-mpi-moe-{}", std::process::id()));
-    let args = |backend: &str, out: &std::path::Path| {
-        train_args_of(
-            "mixtral-tiny",
-            out,
-            &[
-                "--layout",
-                "dp=2,cp=2,ep=2,zero=2,mbs=2",
-                "--precision",
-                "bf16",
-                "--steps",
-                "3",
-                "--batch-size",
-                "4",
-                "--backend",
-                backend,
-            ],
-        )
-    };
-    assert_eq!(losses_on_mpi_and_threads(4, &root, &args).len(), 3);
+    mixtral_tiny_trains_as_on_threads(
+        "moe",
+        "dp=2,cp=2,ep=2,zero=2,mbs=2",
+        &["--precision", "bf16"],
+    );
 }
 
 /// A mixture of experts whose tensor-parallel pairs each hold half the experts whole (`etp=1`),
 /// expert parallelism dividing each half over the replicas: the same losses as the threads backend.
 #[test]
 fn a_mixture_of_experts_with_whole_experts_over_tp_trains_as_on_threads() {
-    let root = std::env::temp_dir().join(format!("ferrotron-mpi-etp-{}", std::process::id()));
+    mixtral_tiny_trains_as_on_threads("etp", "dp=2,tp=2,ep=2,etp=1,zero=3,mbs=2", &[]);
+}
+
+/// Three steps of `mixtral-tiny` (four sequences each) on `layout` over four MPI ranks and on the
+/// threads backend: the same losses, step by step.
+fn mixtral_tiny_trains_as_on_threads(tag: &str, layout: &str, extra: &[&str]) {
+    let root = std::env::temp_dir().join(format!("ferrotron-mpi-{tag}-{}", std::process::id()));
     let args = |backend: &str, out: &std::path::Path| {
-        train_args_of(
-            "mixtral-tiny",
-            out,
-            &[
-                "--layout",
-                "dp=2,tp=2,ep=2,etp=1,zero=3,mbs=2",
-                "--steps",
-                "3",
-                "--batch-size",
-                "4",
-                "--backend",
-                backend,
-            ],
-        )
+        let mut flags = vec!["--layout", layout, "--steps", "3", "--batch-size", "4"];
+        flags.extend_from_slice(extra);
+        flags.extend_from_slice(&["--backend", backend]);
+        train_args_of("mixtral-tiny", out, &flags)
     };
     assert_eq!(losses_on_mpi_and_threads(4, &root, &args).len(), 3);
 }
