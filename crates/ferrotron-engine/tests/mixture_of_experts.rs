@@ -457,8 +457,11 @@ fn expert_all_to_all_bytes_are_the_planners() {
 fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
     let (cfg, params, reference) = load();
     for (spec, key) in [
-        ("pp=2,schedule=2bw", "schedule=2bw"),
-        ("pp=2,schedule=pipedream", "schedule=pipedream"),
+        ("dp=2,ep=2,pp=2,schedule=2bw", "schedule=2bw with ep=2"),
+        (
+            "dp=2,ep=2,pp=2,schedule=pipedream",
+            "schedule=pipedream with ep=2",
+        ),
     ] {
         let layout = LayoutSpec::parse(spec).unwrap().layout;
         let e = step_on(&cfg, &params, &reference, &layout)

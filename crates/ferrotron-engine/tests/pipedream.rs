@@ -168,6 +168,21 @@ fn asynchronous_pipelines_compose_with_tensor_and_data_parallelism() {
     }
 }
 
+/// A mixture of experts (the Mixtral fixture) on the asynchronous schedules: its router statistics
+/// travel with each micro-batch as on the synchronous ones (summed over the replicas' i-th
+/// micro-batches, whose load-balancing loss the reference takes over all of them at once).
+#[test]
+fn asynchronous_pipelines_of_a_mixture_of_experts_equal_the_delayed_update_reference() {
+    for spec in [
+        "pp=2,schedule=2bw",
+        "pp=2,schedule=pipedream",
+        "pp=2,dp=2,zero=1,schedule=2bw",
+        "pp=2,tp=2,etp=1,schedule=pipedream",
+    ] {
+        check("variants/mixtral", spec, 0.5, &|_| false);
+    }
+}
+
 #[test]
 fn a_drain_restarts_the_delays_the_same_way_in_pipeline_and_reference() {
     // A checkpoint or an evaluation after step 2 drains the pipeline: the next step starts from

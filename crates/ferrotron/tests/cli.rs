@@ -440,21 +440,26 @@ fn verify_explains_a_mixture_of_experts_micro_batches() {
     // Its sequences cut over a context-parallel pair, which is also its expert-parallel group.
     let o = verify("cp=2,ep=2,mbs=8");
     assert!(o.status.success(), "{}", stderr(&o));
-    // A split of the experts not built yet is refused by name (an asynchronous schedule is
-    // verified by training).
-    let o = ferrotron(&[
-        "verify",
-        "--model",
-        model.to_str().unwrap(),
-        "--layout",
-        "pp=2,schedule=2bw,mbs=4",
-        "--steps",
-        "2",
-    ]);
+    // An asynchronous schedule, verified by training against its delayed-update reference; with
+    // expert parallelism it is refused by name.
+    let verify_async = |layout: &str| {
+        ferrotron(&[
+            "verify",
+            "--model",
+            model.to_str().unwrap(),
+            "--layout",
+            layout,
+            "--steps",
+            "2",
+        ])
+    };
+    let o = verify_async("pp=2,schedule=2bw,mbs=4");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = verify_async("dp=2,ep=2,pp=2,schedule=2bw,mbs=2");
     assert!(
         !o.status.success()
             && stderr(&o).contains("mixture of experts")
-            && stderr(&o).contains("schedule=2bw")
+            && stderr(&o).contains("schedule=2bw with ep=2")
             && stderr(&o).contains("so far"),
         "{}",
         stderr(&o)

@@ -397,7 +397,7 @@ fn check_model_rules(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> Result
     if let Err(why) = cfg.tensor_parallel_split(l.tp) {
         return Err(rule("tp", format!("tp={}: {why}", l.tp)));
     }
-    if let Err((key, why)) = cfg.experts_split(l.ep, l.replicas(), l.expert_blocks()) {
+    if let Err((key, why)) = l.experts_fit(cfg) {
         return Err(rule(key, why));
     }
     if l.cp > 1 && l.cp_comm == crate::layout::CpComm::A2a {

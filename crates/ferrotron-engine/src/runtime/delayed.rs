@@ -109,11 +109,22 @@ impl DelayedReference<'_> {
                     weights = weights.bf16_compute_copy();
                 }
                 let tf = Transformer::new(&untied, &weights);
-                for d in 0..dp {
+                let replica = |d: usize| {
                     let at = (d * m + i) * mbs * batch.seq;
+                    &batch.ids[at..at + mbs * batch.seq]
+                };
+                // A mixture of experts takes its load-balancing loss over the replicas' i-th
+                // micro-batches together (the pipeline sums their router statistics): one pass
+                // over all of them. A dense model's loss is a sum over tokens either way.
+                let passes: Vec<Vec<u32>> = if cfg.moe.is_some() {
+                    vec![(0..dp).flat_map(|d| replica(d).to_vec()).collect()]
+                } else {
+                    (0..dp).map(|d| replica(d).to_vec()).collect()
+                };
+                for ids in passes {
                     let micro = TokenBatch {
-                        ids: batch.ids[at..at + mbs * batch.seq].to_vec(),
-                        batch: mbs,
+                        batch: ids.len() / batch.seq,
+                        ids,
                         seq: batch.seq,
                     };
                     let state = tf.forward(&be, &weights, &micro);

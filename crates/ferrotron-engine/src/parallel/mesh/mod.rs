@@ -323,28 +323,11 @@ impl<'a> MeshStep<'a> {
             .collect())
     }
 
-    /// A mixture-of-experts model runs on the splits [`ModelConfig::experts_split`] allows, on the
-    /// synchronous schedules only so far.
+    /// A mixture-of-experts model runs on the layouts [`Layout::experts_fit`] allows.
     fn check_experts(&self) -> Result<()> {
         let l = self.layout;
-        let refuse = |why: String| Err(EngineError::Invalid(format!("layout `{l}`: {why}")));
-        if let Err((_, why)) = self
-            .cfg
-            .experts_split(l.ep.max(1), l.replicas(), l.expert_blocks())
-        {
-            return refuse(why);
-        }
-        if self.cfg.moe.is_none() {
-            return Ok(());
-        }
-        if l.schedule.is_async() {
-            return refuse(format!(
-                "schedule={}: a mixture of experts runs on the synchronous schedules only so far \
-                 (its router statistics travel with each micro-batch of a step)",
-                l.schedule.name()
-            ));
-        }
-        Ok(())
+        l.experts_fit(self.cfg)
+            .map_err(|(_, why)| EngineError::Invalid(format!("layout `{l}`: {why}")))
     }
 
     /// Builds device `rank`: its shard of `self.params`, its chunks, its ZeRO state.

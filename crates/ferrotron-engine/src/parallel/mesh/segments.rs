@@ -105,6 +105,8 @@ impl MeshStep<'_> {
             / if dev.shard.sequence_parallel { tp } else { 1 };
         let lr_of = |u: usize| t.lr.lr(start + u * per_update / m) as f32;
         let tp_group = self.mesh.group_of(dev.rank, Dim::Tp);
+        let replicas = self.mesh.replica_group(dev.rank);
+        let router_group = (self.cfg.moe.is_some() && replicas.size() > 1).then_some(replicas);
         let seg = SegmentRun {
             run: StageRun {
                 schedule: &schedule,
@@ -121,8 +123,9 @@ impl MeshStep<'_> {
                 extra_compute_s: self.extra_compute_s(dev.rank),
                 precision: self.precision,
                 threads: self.kernel_threads,
-                // An asynchronous pipeline has stages, which a mixture of experts refuses.
-                router_group: None,
+                // A mixture of experts: each micro-batch's router statistics summed over the
+                // replicas, as on the synchronous schedules.
+                router_group: router_group.as_ref(),
             },
             mesh: self,
             cfg: self.cfg,
