@@ -165,6 +165,19 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
                 cfg.num_layers
             ));
         }
+        if let Some(a) = cfg.latent_attention {
+            out.push(format!(
+                "multi-head latent attention: queries through a rank-{} bottleneck, keys and values from a {}-wide latent per token; each device keeps the down-projections whole and its heads' up-projections and output rows; QKᵀ over {}-wide heads, PV over {}-wide ones",
+                a.q_lora_rank.map_or("full".to_string(), |r| r.to_string()),
+                a.kv_lora_rank,
+                cfg.head_dim,
+                a.v_head_dim
+            ));
+        }
+        // What `plan` prices but `train` does not run is said, not left to the launch.
+        if let Some(why) = cfg.engine_refusal() {
+            out.push(format!("priced only: {why}"));
+        }
     }
     out
 }

@@ -925,4 +925,10 @@ fn deepseek_v3_is_priced_with_latent_attention_and_its_experts() {
     let plans = search(&input).unwrap();
     assert!(plans[0].fits, "{}", plans[0].layout);
     assert!(plans[0].layout.ep > 1, "{}", plans[0].layout);
+    // The plan says what it priced and that the engine does not train it.
+    let said = |what: &str| plans[0].explain.iter().any(|l| l.contains(what));
+    assert!(said(
+        "multi-head latent attention: queries through a rank-1536 bottleneck"
+    ));
+    assert!(said("priced only: a deepseek_v3 model"));
 }
