@@ -411,14 +411,11 @@ fn verify_passes_for_every_parallel_layout_and_refuses_what_does_not_split() {
 #[test]
 fn verify_explains_a_mixture_of_experts_micro_batches() {
     let model = fixture("variants").join("mixtral");
-    let verify = |layout: &str| {
-        ferrotron(&[
-            "verify",
-            "--model",
-            model.to_str().unwrap(),
-            "--layout",
-            layout,
-        ])
+    // `verify --layout` followed by `layout_and_flags` (the layout, then any flags).
+    let verify = |layout_and_flags: &str| {
+        let mut args = vec!["verify", "--model", model.to_str().unwrap(), "--layout"];
+        args.extend(layout_and_flags.split_whitespace());
+        ferrotron(&args)
     };
     let o = verify("dp=2,mbs=4");
     assert!(o.status.success(), "{}", stderr(&o));
@@ -442,20 +439,9 @@ fn verify_explains_a_mixture_of_experts_micro_batches() {
     assert!(o.status.success(), "{}", stderr(&o));
     // An asynchronous schedule, verified by training against its delayed-update reference; with
     // expert parallelism it is refused by name.
-    let verify_async = |layout: &str| {
-        ferrotron(&[
-            "verify",
-            "--model",
-            model.to_str().unwrap(),
-            "--layout",
-            layout,
-            "--steps",
-            "2",
-        ])
-    };
-    let o = verify_async("pp=2,schedule=2bw,mbs=4");
+    let o = verify("pp=2,schedule=2bw,mbs=4 --steps 2");
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = verify_async("dp=2,ep=2,pp=2,schedule=2bw,mbs=2");
+    let o = verify("dp=2,ep=2,pp=2,schedule=2bw,mbs=2 --steps 2");
     assert!(
         !o.status.success()
             && stderr(&o).contains("mixture of experts")

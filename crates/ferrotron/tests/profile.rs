@@ -206,6 +206,10 @@ fn an_injected_slow_device_is_named_in_the_verdict() {
             "8",
             "--slow-device",
             "5",
+            // Far above what a busy 2-core machine's noise adds to a device (10 ms per action
+            // was once outdone by another device's stolen time).
+            "--slow-device-ms",
+            "40",
         ],
         &out,
     );

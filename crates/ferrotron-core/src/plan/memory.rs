@@ -90,13 +90,11 @@ fn attention_params_on_device(cfg: &ModelConfig, t: f64) -> f64 {
     let h = cfg.hidden_size as f64;
     match cfg.latent_attention {
         Some(a) => {
-            let q_down = a.q_lora_rank.map_or(0.0, |r| (h + 1.0) * r as f64);
+            let q_down = a.q_lora_rank.map_or(0.0, |r| h * r as f64);
             let kv_down = h * (a.kv_lora_rank + a.qk_rope_head_dim) as f64;
-            let whole = q_down + kv_down + a.kv_lora_rank as f64;
-            let by_heads = cfg.attention_matmul_params() - q_down
-                + a.q_lora_rank.map_or(0.0, |r| r as f64)
-                - kv_down;
-            whole + by_heads / t
+            let norms = (a.q_lora_rank.unwrap_or(0) + a.kv_lora_rank) as f64;
+            let by_heads = cfg.attention_matmul_params() - q_down - kv_down;
+            q_down + kv_down + norms + by_heads / t
         }
         None => {
             let kv_per_dev = (cfg.num_kv_heads as f64 / t).max(1.0);
