@@ -328,6 +328,32 @@ impl LayoutSpec {
         !self.auto_keys.is_empty()
     }
 
+    /// Whether layout `l` (a planner's candidate) agrees with every key given explicitly (not
+    /// `auto`): what `plan` and `train` keep of the search when some keys are given. Named
+    /// stages are the search's to split by compute and are not compared.
+    pub fn admits(&self, l: &Layout) -> bool {
+        let want = &self.layout;
+        self.given_keys
+            .iter()
+            .filter(|k| !self.auto_keys.contains(k))
+            .all(|k| match k.as_str() {
+                "dp" => l.dp == want.dp,
+                "tp" => l.tp == want.tp,
+                "pp" => l.pp == want.pp,
+                "cp" => l.cp == want.cp,
+                "cp_comm" => l.cp <= 1 || l.cp_comm == want.cp_comm,
+                "ep" => l.ep == want.ep,
+                "etp" => (l.etp == Some(1)) == (want.etp == Some(1)),
+                "vpp" => l.vpp == want.vpp,
+                "zero" => l.zero == want.zero,
+                "mbs" => l.micro_batch_size == want.micro_batch_size,
+                "schedule" => l.schedule == want.schedule,
+                "sp" => l.sequence_parallel == want.sequence_parallel,
+                "recompute" => l.recompute == want.recompute,
+                _ => true,
+            })
+    }
+
     /// Parses `dp=2,tp=2,pp=2,cp=1,cp_comm=ring,ep=1,vpp=1,zero=1,mbs=1,schedule=1f1b,sp=false,
     /// recompute=none` (any subset),
     /// optionally `stages=5+6+…` (layers per virtual stage), or `auto`.
@@ -613,6 +639,12 @@ mod tests {
         assert_eq!(serde_json::from_value::<Layout>(old).unwrap().ep, 1);
         let e = LayoutSpec::parse("dp=3,ep=2").unwrap_err().to_string();
         assert!(e.contains("ep=2") && e.contains("does not divide 3"), "{e}");
+        // A candidate keeps the keys given beside `auto`, etp among them.
+        let partial = LayoutSpec::parse("dp=auto,tp=2,ep=2,etp=1").unwrap();
+        let candidate = |spec: &str| LayoutSpec::parse(spec).unwrap().layout;
+        assert!(partial.admits(&candidate("dp=4,tp=2,ep=2,etp=1")));
+        assert!(!partial.admits(&candidate("dp=4,tp=2,ep=2")));
+        assert!(!partial.admits(&candidate("dp=4,tp=2,ep=4,etp=1")));
         // etp=1: each expert whole, the tp group dividing the experts; etp=tp is the default.
         let s = LayoutSpec::parse("dp=2,tp=2,ep=2,etp=1").unwrap();
         assert_eq!((s.layout.expert_blocks(), s.layout.world_size()), (2, 4));

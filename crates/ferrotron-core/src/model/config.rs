@@ -515,8 +515,8 @@ impl ModelConfig {
     /// each micro-batch) and tensor-parallel groups with or without sequence parallelism (each
     /// expert's columns split, the rows gathered before the block as for a dense MLP), its experts
     /// divided over an expert-parallel group carved from the replicas; under `etp=1` the tp group
-    /// first divides the experts into `blocks` (= tp) blocks, each expert whole. The one statement
-    /// of the rule: the planner and the engine both ask it.
+    /// first divides the experts into `blocks` (= tp) blocks, each expert whole. The planner and
+    /// the engine ask it through [`crate::layout::Layout::experts_fit`].
     pub fn experts_split(
         &self,
         ep: usize,

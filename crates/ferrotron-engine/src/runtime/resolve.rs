@@ -74,8 +74,18 @@ pub fn resolve_layout(spec: &LayoutSpec, input: &PlanInput) -> Result<Vec<Plan>>
         return Ok(vec![evaluate(input, &spec.layout)?]);
     }
     let devices = input.cluster.world_size();
-    let candidates =
+    let mut candidates =
         search(input).map_err(|e| EngineError::Invalid(format!("layout auto: {e}")))?;
+    // The keys given beside `auto` hold: only candidates that keep them.
+    let fitting = candidates.len();
+    candidates.retain(|p| spec.admits(&p.layout));
+    if candidates.is_empty() && fitting > 0 {
+        return Err(EngineError::Invalid(format!(
+            "layout `{}`: none of the {fitting} layouts that fit the job's {devices} devices keeps \
+             the keys given beside `auto`; give fewer keys, or `auto` alone",
+            spec.text
+        )));
+    }
     if candidates.is_empty() {
         let reasons = why_no_layout(input);
         return Err(EngineError::Invalid(format!(

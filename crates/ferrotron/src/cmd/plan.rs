@@ -1,7 +1,7 @@
 use crate::report::plan::PlanPage;
 use anyhow::Result;
 use clap::Args;
-use ferrotron_core::layout::{Layout, LayoutSpec};
+use ferrotron_core::layout::LayoutSpec;
 use ferrotron_core::plan::{
     self, search_notes, ActivationModel, AttentionKernel, OptimizerKind, Plan, PlanInput,
     PlanModel, StateDtypes,
@@ -218,26 +218,6 @@ fn print_plan(p: &Plan) {
     }
 }
 
-/// True when `l` agrees with every key the user gave explicitly (not `auto`).
-fn matches_given(spec: &LayoutSpec, l: &Layout) -> bool {
-    let want = &spec.layout;
-    spec.given_keys
-        .iter()
-        .filter(|k| !spec.auto_keys.contains(k))
-        .all(|k| match k.as_str() {
-            "dp" => l.dp == want.dp,
-            "tp" => l.tp == want.tp,
-            "pp" => l.pp == want.pp,
-            "vpp" => l.vpp == want.vpp,
-            "zero" => l.zero == want.zero,
-            "mbs" => l.micro_batch_size == want.micro_batch_size,
-            "schedule" => l.schedule == want.schedule,
-            "sp" => l.sequence_parallel == want.sequence_parallel,
-            "recompute" => l.recompute == want.recompute,
-            _ => true,
-        })
-}
-
 pub fn input_from(
     model: &str,
     cluster: &str,
@@ -347,7 +327,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         spec => {
             let mut plans = plan::search(&input)?;
             if let Some(spec) = &spec {
-                plans.retain(|p| matches_given(spec, &p.layout));
+                plans.retain(|p| spec.admits(&p.layout));
             }
             let notes = search_notes(&input, plans.first());
             if a.json {
