@@ -546,27 +546,12 @@ impl Layout {
 
     /// Whether `cfg` (with or without experts) runs on this layout's split of the experts, or the
     /// key at fault and why: [`ModelConfig::experts_split`] at this layout's ep, replicas and
-    /// expert blocks, and expert parallelism on the synchronous schedules only so far. The one
-    /// statement of the rule: the planner and the engine both ask it.
+    /// expert blocks. The one statement of the rule: the planner and the engine both ask it.
     pub fn experts_fit(
         &self,
         cfg: &ModelConfig,
     ) -> std::result::Result<(), (&'static str, String)> {
-        cfg.experts_split(self.ep.max(1), self.replicas(), self.expert_blocks())?;
-        if cfg.moe.is_some() && self.schedule.is_async() && self.ep > 1 {
-            return Err((
-                "ep",
-                format!(
-                    "a mixture of experts on schedule={} with ep={}: weight stashing over the \
-                     expert-parallel groups' two sets of tensors is not implemented so far (drop \
-                     ep: ZeRO-1 shards the experts' optimizer state over dp; or use a synchronous \
-                     schedule)",
-                    self.schedule.name(),
-                    self.ep
-                ),
-            ));
-        }
-        Ok(())
+        cfg.experts_split(self.ep.max(1), self.replicas(), self.expert_blocks())
     }
 
     /// True when the layout runs on one device, unsplit.

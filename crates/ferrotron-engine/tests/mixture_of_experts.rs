@@ -453,28 +453,6 @@ fn expert_all_to_all_bytes_are_the_planners() {
     }
 }
 
-#[test]
-fn splits_of_the_experts_not_built_yet_are_refused_by_name() {
-    let (cfg, params, reference) = load();
-    for (spec, key) in [
-        ("dp=2,ep=2,pp=2,schedule=2bw", "schedule=2bw with ep=2"),
-        (
-            "dp=2,ep=2,pp=2,schedule=pipedream",
-            "schedule=pipedream with ep=2",
-        ),
-    ] {
-        let layout = LayoutSpec::parse(spec).unwrap().layout;
-        let e = step_on(&cfg, &params, &reference, &layout)
-            .err()
-            .unwrap_or_else(|| panic!("{spec} ran"))
-            .to_string();
-        assert!(
-            e.contains("mixture of experts") && e.contains(key) && e.contains("so far"),
-            "{spec}: {e}"
-        );
-    }
-}
-
 /// `ep` on a model without experts, or one that does not divide the experts, is refused naming it.
 #[test]
 fn an_expert_split_that_cannot_be_made_is_refused_by_name() {

@@ -243,6 +243,14 @@ fn a_mixture_of_experts_with_whole_experts_over_tp_trains_as_on_threads() {
     mixtral_tiny_trains_as_on_threads("etp", "dp=2,tp=2,ep=2,etp=1,zero=3,mbs=2", &[]);
 }
 
+/// Expert parallelism on an asynchronous pipeline (2BW): each device keeps the weight versions of
+/// its two states (dense tensors over dp, its experts over dp/ep): the same losses as the threads
+/// backend.
+#[test]
+fn a_mixture_of_experts_on_2bw_with_ep_trains_as_on_threads() {
+    mixtral_tiny_trains_as_on_threads("2bw", "dp=2,ep=2,pp=2,schedule=2bw,mbs=1", &[]);
+}
+
 /// Three steps of `mixtral-tiny` (four sequences each) on `layout` over four MPI ranks and on the
 /// threads backend: the same losses, step by step.
 fn mixtral_tiny_trains_as_on_threads(tag: &str, layout: &str, extra: &[&str]) {

@@ -11,7 +11,7 @@
 //! global norm is sent to every device. At the update those messages are received — clipping uses
 //! the global norm of the (delayed) gradients across every stage — and the optimizer steps.
 
-use super::data::{UpdateGrads, ZeroState};
+use super::data::{GroupedUpdateGrads, GroupedZero};
 use super::mesh::{Device, MeshStep};
 use super::pipeline::{clocks, Pass, StageOutcome, StageRun};
 use super::tensor::{finish_grads, TpGroup};
@@ -55,6 +55,9 @@ pub(crate) struct SegmentOutcome {
     pub step_loss: Vec<f64>,
     /// Per update: the global gradient norm before clipping (NaN when not clipping).
     pub update_norm: Vec<f64>,
+    /// A mixture of experts: per step of the segment, this device's expert counts of its
+    /// micro-batches (as [`StageOutcome::expert_tokens`]).
+    pub step_expert_tokens: Vec<Vec<Vec<f64>>>,
 }
 
 /// The weight versions of this device: the newest in the optimizer's state, older ones stashed
@@ -81,7 +84,7 @@ impl Versions {
         }
     }
 
-    fn params<'z>(&'z self, zero: &'z ZeroState, v: usize) -> Result<&'z ParamStore> {
+    fn params<'z>(&'z self, zero: &'z GroupedZero, v: usize) -> Result<&'z ParamStore> {
         if v == self.current {
             return Ok(zero.current_params());
         }
@@ -91,11 +94,17 @@ impl Versions {
     }
 
     /// Before an update at action `at`: keeps the current version if anything after reads it.
-    fn stash_current(&mut self, zero: &ZeroState, at: usize) {
+    fn stash_current(&mut self, zero: &GroupedZero, at: usize) {
         if self.last_use.get(&self.current).is_some_and(|&i| i > at) {
+            let current = zero.current_params();
+            // The bookkeeping outside the account: the version's weights are its tensors (and
+            // under bf16 the compute copies it keeps alive, counted when an update copies them).
+            let mut version = ParamStore::empty(current.specs.clone());
+            version.bf16 = current.bf16.clone();
+            version.nf4 = current.nf4.clone();
             let _weights = memory::scope(Term::Weights);
-            self.stash
-                .insert(self.current, zero.current_params().clone());
+            version.tensors = current.tensors.clone();
+            self.stash.insert(self.current, version);
         }
     }
 
@@ -139,12 +148,12 @@ impl SegmentRun<'_> {
         }
         // The state's own whole-gradient store goes unused (each update accumulates in a store of
         // its own, swapped in for its reductions and its step): freed.
-        let mut own = dev.zero.single_mut().no_update_grads();
-        dev.zero.single_mut().swap_update_grads(&mut own);
+        let mut own = dev.zero.no_update_grads();
+        dev.zero.swap_update_grads(&mut own);
         drop(own);
-        dev.zero.single_mut().begin_versions(&mut **tpg.comm())?;
+        dev.zero.begin_versions(&mut **tpg.comm())?;
         let result = self.run_list(tpg, dev, chunks, &be, &mut left);
-        dev.zero.single_mut().end_versions();
+        dev.zero.end_versions();
         result
     }
 
@@ -163,12 +172,13 @@ impl SegmentRun<'_> {
         let updates = left.len();
         let steps = sched.micro_batches / self.micro_per_step;
         let mut vers = Versions::of(list, versions);
-        let mut open: HashMap<usize, UpdateGrads> = HashMap::new();
-        let mut closed: HashMap<usize, (UpdateGrads, f64)> = HashMap::new();
+        let mut open: HashMap<usize, GroupedUpdateGrads> = HashMap::new();
+        let mut closed: HashMap<usize, (GroupedUpdateGrads, f64)> = HashMap::new();
         let mut out = SegmentOutcome {
             outcome: StageOutcome::default(),
             step_loss: vec![0.0; steps],
             update_norm: vec![f64::NAN; updates],
+            step_expert_tokens: vec![Vec::new(); steps],
         };
         let mut pass = Pass::default();
         let now = tpg.comm().device_time();
@@ -178,16 +188,22 @@ impl SegmentRun<'_> {
             run.check_capacity(&mut pass.out.over_capacity);
             match action {
                 Action::Forward { mb, .. } => {
-                    let mut res = Resident::new(vers.params(dev.zero.single(), v)?);
+                    let mut res = Resident::new(vers.params(&dev.zero, v)?);
                     run.forward(tpg, &mut res, be, &chunks[0], &mut pass, (mb, 0))?;
+                    // Each micro-batch's expert counts go to its step.
+                    let counts = std::mem::take(&mut pass.out.expert_tokens);
+                    let step = &mut out.step_expert_tokens[mb / self.micro_per_step];
+                    step.resize(step.len().max(counts.len()), Vec::new());
+                    for (row, add) in step.iter_mut().zip(counts) {
+                        row.resize(row.len().max(add.len()), 0.0);
+                        row.iter_mut().zip(add).for_each(|(a, b)| *a += b);
+                    }
                 }
                 Action::Backward { mb, .. } => {
                     let u = sched.update_of(mb);
-                    let grads = open
-                        .entry(u)
-                        .or_insert_with(|| dev.zero.single_mut().update_grads());
+                    let grads = open.entry(u).or_insert_with(|| dev.zero.update_grads());
                     let before = pass.out.loss;
-                    let zero = dev.zero.single();
+                    let zero = &dev.zero;
                     let mut res = zero.accumulating(vers.params(zero, v)?, grads);
                     run.backward(tpg, &mut res, be, &chunks[0], &mut pass, (mb, 0), false)?;
                     out.step_loss[mb / self.micro_per_step] += pass.out.loss - before;
@@ -206,7 +222,7 @@ impl SegmentRun<'_> {
                             run.stage
                         ))
                     })?;
-                    vers.stash_current(dev.zero.single(), i);
+                    vers.stash_current(&dev.zero, i);
                     out.update_norm[u] = self.apply(tpg, dev, u, g, partial)?;
                     vers.current += 1;
                     run.computed(tpg, action, started, &mut pass)?;
@@ -238,16 +254,16 @@ impl SegmentRun<'_> {
         tpg: &TpGroup<'_, C>,
         dev: &mut Device,
         u: usize,
-        mut g: UpdateGrads,
-    ) -> Result<(UpdateGrads, f64)> {
+        mut g: GroupedUpdateGrads,
+    ) -> Result<(GroupedUpdateGrads, f64)> {
         let run = &self.run;
         let (s, p) = (run.stage, run.stages);
         let mut c = tpg.comm();
         let c = &mut **c;
         let specs = dev.zero.specs();
-        dev.zero.single_mut().swap_update_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         let reduced = (|| -> Result<f64> {
-            dev.zero.single_mut().reduce_all(c)?;
+            dev.zero.reduce_all(c)?;
             let shard = dev.shard;
             dev.zero.with_grad_view(|grads| -> Result<()> {
                 finish_grads(c, self.cfg, &shard, &self.tp_group, &specs, grads)?;
@@ -278,7 +294,7 @@ impl SegmentRun<'_> {
             }
             Ok(partial[0])
         })();
-        dev.zero.single_mut().swap_update_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         Ok((g, reduced?))
     }
 
@@ -289,7 +305,7 @@ impl SegmentRun<'_> {
         tpg: &TpGroup<'_, C>,
         dev: &mut Device,
         u: usize,
-        mut g: UpdateGrads,
+        mut g: GroupedUpdateGrads,
         partial: f64,
     ) -> Result<f64> {
         let run = &self.run;
@@ -297,7 +313,7 @@ impl SegmentRun<'_> {
         let mut c = tpg.comm();
         let c = &mut **c;
         let specs = dev.zero.specs();
-        dev.zero.single_mut().swap_update_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         let result = (|| -> Result<f64> {
             if self.tied && p > 1 && s == p - 1 {
                 let id = specs
@@ -327,10 +343,10 @@ impl SegmentRun<'_> {
                     });
                 }
             }
-            dev.zero.single_mut().update_version(c, (self.lr_of)(u))?;
+            dev.zero.update_version(c, (self.lr_of)(u))?;
             Ok(norm)
         })();
-        dev.zero.single_mut().swap_update_grads(&mut g);
+        dev.zero.swap_update_grads(&mut g);
         result
     }
 }

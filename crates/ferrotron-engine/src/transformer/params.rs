@@ -28,6 +28,21 @@ impl ParamStore {
         Self::from_tensors(specs, tensors)
     }
 
+    /// A store of `specs` without storage: the bookkeeping (names, shapes, index) alone, made
+    /// before a memory account's scope so that the scope counts the tensors alone.
+    pub fn empty(specs: Vec<ParamSpec>) -> Self {
+        let n = specs.len();
+        Self::from_tensors(specs, vec![Vec::new(); n])
+    }
+
+    /// Allocates every tensor zeroed and writes it now (its pages in memory before first use).
+    pub fn allocate_zeroed(&mut self) {
+        for (t, s) in self.tensors.iter_mut().zip(&self.specs) {
+            *t = vec![0.0; s.numel()];
+            t.fill(0.0);
+        }
+    }
+
     /// A store of `tensors` named and shaped by `specs` (a shard's pieces may be any length).
     pub fn from_tensors(specs: Vec<ParamSpec>, tensors: Vec<Vec<f32>>) -> Self {
         assert_eq!(specs.len(), tensors.len(), "one tensor per spec");

@@ -7,10 +7,16 @@
 //! copy: its matrices shared as they are (a stashed view keeps the old ones alive, and the next
 //! update writes a copy: copy on write), norm weights and biases widened. Each update's gradients
 //! are summed in 16 bits, as the synchronous steps' micro-batches are.
+//!
+//! Each [`ZeroState`] keeps its own versions; a [`GroupedZero`] (expert parallelism: dense and
+//! routed tensors in two states over two groups) lends its states' current versions to one store
+//! in the shard's order for a segment, takes them back around each update, and splits an update's
+//! gradients by state.
 
+use super::grouped::GroupedZero;
 use super::{HalfStore, ZeroState};
 use crate::comm::{Comm, CommError};
-use crate::half_storage::{Half16, HalfGrads};
+use crate::half_storage::HalfGrads;
 use crate::memory::{self, Term};
 use crate::transformer::{ParamStore, Residency, Unit};
 
@@ -47,15 +53,6 @@ impl ZeroState {
         }
     }
 
-    /// The whole parameters of the current version, which its forwards read and a stash keeps.
-    pub fn current_params(&self) -> &ParamStore {
-        assert!(
-            self.half.is_none() || self.version_view,
-            "the version's view exists between begin_versions and end_versions"
-        );
-        &self.params
-    }
-
     /// One optimizer update, then (mixed precision) the view of the new version rebuilt. The view
     /// is dropped first, so that only a version a stash still holds is copied on write.
     pub fn update_version<C: Comm>(&mut self, c: &mut C, lr: f32) -> Result<(), CommError> {
@@ -74,8 +71,10 @@ impl ZeroState {
     pub fn update_grads(&self) -> UpdateGrads {
         UpdateGrads(match &self.half {
             None => {
+                let mut g = ParamStore::empty(self.params.specs.clone());
                 let _grads = memory::scope(Term::Gradients);
-                Store::F32(ParamStore::zeros(self.params.specs.clone()))
+                g.allocate_zeroed();
+                Store::F32(g)
             }
             Some(HalfStore::Bf16(p)) => Store::Bf16(p.zeroed_grads()),
             Some(HalfStore::F16(p)) => Store::F16(p.zeroed_grads()),
@@ -86,11 +85,7 @@ impl ZeroState {
     /// accumulates each update in a store of its own).
     pub fn no_update_grads(&self) -> UpdateGrads {
         UpdateGrads(match &self.half {
-            None => {
-                let specs = self.params.specs.clone();
-                let empty = vec![Vec::new(); specs.len()];
-                Store::F32(ParamStore::from_tensors(specs, empty))
-            }
+            None => Store::F32(ParamStore::empty(self.params.specs.clone())),
             Some(HalfStore::Bf16(_)) => Store::Bf16(HalfGrads::none()),
             Some(HalfStore::F16(_)) => Store::F16(HalfGrads::none()),
         })
@@ -122,50 +117,126 @@ impl ZeroState {
         self.start_bucket(c, all)?;
         self.finish_in_flight(c)
     }
+}
 
-    /// The executor's view for a pass on weight version `params`, its weight gradients accumulated
-    /// into `grads`.
+impl UpdateGrads {
+    /// The store itself when the gradients are summed in f32 (a unit's added in place).
+    fn in_f32(&mut self) -> Option<&mut ParamStore> {
+        match &mut self.0 {
+            Store::F32(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// Adds the f32 gradients `ids` of `scratch` (then freed) into the 16-bit sums.
+    fn absorb(&mut self, ids: &[usize], scratch: &mut ParamStore) {
+        match &mut self.0 {
+            Store::Bf16(sums) => sums.absorb(ids, scratch),
+            Store::F16(sums) => sums.absorb(ids, scratch),
+            Store::F32(_) => unreachable!("an f32 store takes a unit's gradients in place"),
+        }
+    }
+}
+
+/// One update's gradients of every state of a [`GroupedZero`], in its states' order.
+pub struct GroupedUpdateGrads(Vec<UpdateGrads>);
+
+impl GroupedZero {
+    /// Starts a segment: each state's view of its current version, lent to one store in the
+    /// shard's order until [`GroupedZero::end_versions`].
+    pub fn begin_versions<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        assert!(!self.versions, "one segment at a time");
+        for p in &mut self.parts {
+            p.state.begin_versions(c)?;
+        }
+        self.lend(false);
+        self.versions = true;
+        Ok(())
+    }
+
+    /// Ends a segment: the current version back in its states, their views dropped.
+    pub fn end_versions(&mut self) {
+        if std::mem::take(&mut self.versions) {
+            self.lend(false);
+        }
+        self.parts.iter_mut().for_each(|p| p.state.end_versions());
+    }
+
+    /// The whole parameters of the current version, which its forwards read and a stash keeps.
+    pub fn current_params(&self) -> &ParamStore {
+        assert!(
+            self.versions,
+            "the version exists between begin_versions and end_versions"
+        );
+        &self.params
+    }
+
+    /// One optimizer update of every state (one after the other), the new version lent again.
+    pub fn update_version<C: Comm>(&mut self, c: &mut C, lr: f32) -> Result<(), CommError> {
+        self.lend(false);
+        let updated = self
+            .parts
+            .iter_mut()
+            .try_for_each(|p| p.state.update_version(c, lr));
+        self.lend(false);
+        updated
+    }
+
+    /// A zeroed store for one update's gradients.
+    pub fn update_grads(&self) -> GroupedUpdateGrads {
+        GroupedUpdateGrads(self.parts.iter().map(|p| p.state.update_grads()).collect())
+    }
+
+    /// A store without storage (see [`ZeroState::no_update_grads`]).
+    pub fn no_update_grads(&self) -> GroupedUpdateGrads {
+        GroupedUpdateGrads(
+            self.parts
+                .iter()
+                .map(|p| p.state.no_update_grads())
+                .collect(),
+        )
+    }
+
+    /// Exchanges the states' gradients with `other` (see [`ZeroState::swap_update_grads`]).
+    pub fn swap_update_grads(&mut self, other: &mut GroupedUpdateGrads) {
+        for (p, g) in self.parts.iter_mut().zip(&mut other.0) {
+            p.state.swap_update_grads(g);
+        }
+    }
+
+    /// Reduces each state's whole gradients over its group, one state after the other.
+    pub fn reduce_all<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        self.parts
+            .iter_mut()
+            .try_for_each(|p| p.state.reduce_all(c))
+    }
+
+    /// The executor's view for a pass on weight version `params` (in the shard's order), its
+    /// weight gradients accumulated into `grads`.
     pub fn accumulating<'a>(
         &'a self,
         params: &'a ParamStore,
-        grads: &'a mut UpdateGrads,
+        grads: &'a mut GroupedUpdateGrads,
     ) -> VersionResidency<'a> {
-        // A 16-bit store's unit gradients form in f32 first; an f32 store takes them directly.
-        let specs = &self.params.specs;
-        let scratch = (!matches!(grads.0, Store::F32(_)))
-            .then(|| ParamStore::from_tensors(specs.clone(), vec![Vec::new(); specs.len()]));
         VersionResidency {
-            state: self,
+            zero: self,
             params,
             grads,
-            scratch,
+            view: ParamStore::empty(self.specs.clone()),
         }
     }
 }
 
 /// A weight version and an update's gradient store, as the executor sees them: every tensor
-/// present; under mixed precision a unit's f32 gradients exist while its backward runs and are then
-/// added into the 16-bit sums.
+/// present, in the shard's order; each state's gradients moved into one view while a unit's
+/// backward runs (f32), or (mixed precision) a unit's f32 gradients formed in the view and then
+/// added into each state's 16-bit sums.
 pub struct VersionResidency<'a> {
-    state: &'a ZeroState,
+    zero: &'a GroupedZero,
     params: &'a ParamStore,
-    grads: &'a mut UpdateGrads,
-    /// Under a 16-bit store: the unit's f32 gradients while its backward runs.
-    scratch: Option<ParamStore>,
-}
-
-impl VersionResidency<'_> {
-    fn accumulate<T: Half16>(
-        ids: &[usize],
-        scratch: &mut ParamStore,
-        params: &ParamStore,
-        sums: &mut HalfGrads<T>,
-        f: &mut dyn FnMut(&ParamStore, &mut ParamStore),
-    ) {
-        super::reduce::open_scratch(scratch, ids);
-        f(params, scratch);
-        sums.absorb(ids, scratch);
-    }
+    grads: &'a mut GroupedUpdateGrads,
+    /// The unit's gradients in the shard's order while its backward runs.
+    view: ParamStore,
 }
 
 impl Residency for VersionResidency<'_> {
@@ -174,19 +245,38 @@ impl Residency for VersionResidency<'_> {
     }
 
     fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
-        let params = self.params;
-        if let Store::F32(g) = &mut self.grads.0 {
-            return f(params, g);
+        let parts = &self.zero.parts;
+        let view = &mut self.view;
+        let stores = &mut self.grads.0;
+        // Moves (no copies) tensor `i` of each state's store to and from the view's `at[i]`.
+        let swap_in_f32 = |view: &mut ParamStore, stores: &mut [UpdateGrads]| {
+            for (p, g) in parts.iter().zip(stores.iter_mut()) {
+                let g = g.in_f32().expect("every state's store alike");
+                for (i, &j) in p.at.iter().enumerate() {
+                    std::mem::swap(&mut view.tensors[j], &mut g.tensors[i]);
+                }
+            }
+        };
+        if stores[0].in_f32().is_some() {
+            swap_in_f32(view, stores);
+            f(self.params, view);
+            swap_in_f32(view, stores);
+            return;
         }
-        let ids = self.state.unit_ids(unit);
-        let scratch = self
-            .scratch
-            .as_mut()
-            .expect("a 16-bit store has its scratch");
-        match &mut self.grads.0 {
-            Store::Bf16(sums) => Self::accumulate(&ids, scratch, params, sums, f),
-            Store::F16(sums) => Self::accumulate(&ids, scratch, params, sums, f),
-            Store::F32(_) => unreachable!("taken above"),
+        let ids: Vec<Vec<usize>> = parts.iter().map(|p| p.state.unit_ids(unit)).collect();
+        let in_view: Vec<usize> = parts
+            .iter()
+            .zip(&ids)
+            .flat_map(|(p, ids)| ids.iter().map(|&i| p.at[i]))
+            .collect();
+        super::reduce::open_scratch(view, &in_view);
+        f(self.params, view);
+        for ((p, ids), g) in parts.iter().zip(&ids).zip(stores.iter_mut()) {
+            let mut scratch = ParamStore::empty(p.state.params.specs.clone());
+            for &i in ids {
+                std::mem::swap(&mut scratch.tensors[i], &mut view.tensors[p.at[i]]);
+            }
+            g.absorb(ids, &mut scratch);
         }
     }
 }

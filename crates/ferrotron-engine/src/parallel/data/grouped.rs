@@ -16,20 +16,23 @@ use ferrotron_core::model::ParamSpec;
 use std::ops::Range;
 
 /// One set of tensors: its state, and where each of its tensors sits in the shard's order.
-struct Part {
-    state: ZeroState,
-    at: Vec<usize>,
+pub(super) struct Part {
+    pub(super) state: ZeroState,
+    pub(super) at: Vec<usize>,
 }
 
 /// The device's state: one [`ZeroState`] over its replicas, or (expert parallelism) one per set
 /// of tensors shared alike.
 pub struct GroupedZero {
-    parts: Vec<Part>,
+    pub(super) parts: Vec<Part>,
     /// The shard's tensors in its order, and the executor's views in that order (tensors moved in
     /// from the parts for a unit's work, then back).
-    specs: Vec<ParamSpec>,
-    params: ParamStore,
+    pub(super) specs: Vec<ParamSpec>,
+    pub(super) params: ParamStore,
     grads: ParamStore,
+    /// An asynchronous segment runs: the parts' current weight version is lent to `params`
+    /// (see `asynchronous.rs`).
+    pub(super) versions: bool,
 }
 
 impl GroupedZero {
@@ -60,26 +63,13 @@ impl GroupedZero {
             // Prefetching would keep one set's gather in flight while the other's runs.
             parts.iter_mut().for_each(|p| p.state.set_prefetch(false));
         }
-        let empty = || ParamStore::from_tensors(specs.clone(), vec![Vec::new(); n]);
         Self {
-            params: empty(),
-            grads: empty(),
+            params: ParamStore::empty(specs.clone()),
+            grads: ParamStore::empty(specs.clone()),
             specs,
             parts,
+            versions: false,
         }
-    }
-
-    /// The state of a device whose tensors are all shared alike (no expert parallelism): what the
-    /// asynchronous schedules work on, which refuse a split of experts before any device is built.
-    pub fn single(&self) -> &ZeroState {
-        assert_eq!(self.parts.len(), 1, "one set of tensors");
-        &self.parts[0].state
-    }
-
-    /// See [`GroupedZero::single`].
-    pub fn single_mut(&mut self) -> &mut ZeroState {
-        assert_eq!(self.parts.len(), 1, "one set of tensors");
-        &mut self.parts[0].state
     }
 
     pub fn set_prefetch(&mut self, on: bool) {
@@ -272,8 +262,9 @@ impl GroupedZero {
         GroupedResidency { zero: self, tpg }
     }
 
-    /// Moves every part's tensors (parameters, and gradients when `grads`) into the views.
-    fn lend(&mut self, grads: bool) {
+    /// Moves every part's tensors (parameters, and gradients when `grads`) into the views, or
+    /// (called again) back.
+    pub(super) fn lend(&mut self, grads: bool) {
         for p in &mut self.parts {
             for (i, &j) in p.at.iter().enumerate() {
                 std::mem::swap(&mut self.params.tensors[j], &mut p.state.params.tensors[i]);

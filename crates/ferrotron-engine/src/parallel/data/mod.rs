@@ -113,7 +113,7 @@ mod residency;
 mod update;
 mod whole;
 
-pub use asynchronous::{UpdateGrads, VersionResidency};
+pub use asynchronous::{GroupedUpdateGrads, VersionResidency};
 pub use grouped::{GroupedResidency, GroupedZero};
 pub use residency::ZeroResidency;
 
@@ -219,15 +219,12 @@ impl ZeroState {
                     param_pieces = pieces(&params);
                     params.tensors.iter_mut().for_each(|t| *t = Vec::new());
                 }
+                let mut grads = ParamStore::empty(params.specs.clone());
                 let _grads_term = memory::scope(Term::Gradients);
-                let grads = if stage >= 2 && dp > 1 {
-                    ParamStore::from_tensors(params.specs.clone(), vec![Vec::new(); n])
-                } else {
-                    let mut g = ParamStore::zeros(params.specs.clone());
-                    // Fault the buffers in now, not in the first backward.
-                    g.tensors.iter_mut().for_each(|t| t.fill(0.0));
-                    g
-                };
+                if stage < 2 || dp == 1 {
+                    // Faulted in now, not in the first backward.
+                    grads.allocate_zeroed();
+                }
                 let grad_pieces = if stage >= 2 && dp > 1 {
                     params
                         .specs

@@ -3,7 +3,7 @@
 //! end); each segment is one list without a flush, warm-up at its start and drain at its end. A
 //! segment starts from the weights at hand, as the run's first step does (`build_async`).
 
-use super::train::{StepReport, Training};
+use super::train::{expert_counts_flat, expert_counts_rows, StepReport, Training};
 use super::{micro_batches, Device, MeshStep};
 use crate::comm::{Comm, CommStats, Dim, ReduceOp};
 use crate::error::{EngineError, Result};
@@ -137,8 +137,10 @@ impl MeshStep<'_> {
             tied: self.cfg.tie_word_embeddings && self.frozen.is_none(),
         };
         memory::reset_peaks(account);
-        let from = c.stats().clone();
+        // The clock first: it accrues the compute since its last reading (the previous step's
+        // reporting) into the stats, which this segment must not count as its own.
         let (started, wall) = (c.device_time(), std::time::Instant::now());
+        let from = c.stats().clone();
         let chunks = std::mem::take(&mut dev.chunks);
         let out = {
             let tpg = self.shard_group(c, dev);
@@ -154,7 +156,16 @@ impl MeshStep<'_> {
         l.push(over as u8 as f64);
         // Asked to stop: the segment ends drained, so its last step is where all devices stop.
         l.push((t.stop)() as u8 as f64);
+        // A mixture of experts: each step's expert counts, summed over the devices.
+        for counts in &out.step_expert_tokens {
+            l.extend(expert_counts_flat(self.cfg, counts));
+        }
         c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
+        let per_step = expert_counts_flat(self.cfg, &[]).len();
+        let step_expert_tokens = |k: usize| {
+            let at = steps + 2 + k * per_step;
+            expert_counts_rows(self.cfg, &l[at..at + per_step])
+        };
         if let Some(e) = out.outcome.over_capacity {
             return Err(e);
         }
@@ -207,8 +218,7 @@ impl MeshStep<'_> {
                     memory_over_step: if last { o.memory.clone() } else { Vec::new() },
                     loss_scale: 1.0,
                     skipped: false,
-                    // An asynchronous pipeline has stages, which a mixture of experts refuses.
-                    expert_tokens: Vec::new(),
+                    expert_tokens: step_expert_tokens(k),
                 }
             })
             .collect())

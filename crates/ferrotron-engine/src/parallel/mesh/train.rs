@@ -8,6 +8,7 @@ use crate::memory;
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::parallel::pipeline::StageOutcome;
 use crate::transformer::TokenBatch;
+use ferrotron_core::model::ModelConfig;
 
 /// Dynamic loss scaling (fp16): the loss is multiplied by `scale` before backward; a step whose
 /// gradients hold an inf or NaN anywhere is skipped and the scale halved; after `growth_interval`
@@ -192,19 +193,14 @@ impl MeshStep<'_> {
         // whether any was asked to stop.
         // A mixture of experts: every device adds its layers' expert counts (the same length on
         // every device: layers × experts, taken then dropped).
-        let experts = 2 * self.cfg.moe.as_ref().map_or(0, |m| m.num_experts);
         let mut l = vec![
             loss,
             over_capacity.is_some() as u8 as f64,
             (t.stop)() as u8 as f64,
         ];
-        for layer in 0..self.cfg.num_layers * usize::from(experts > 0) {
-            let row = expert_tokens.get(layer).filter(|r| r.len() == experts);
-            l.extend((0..experts).map(|e| row.map_or(0.0, |r| r[e])));
-        }
+        l.extend(expert_counts_flat(self.cfg, &expert_tokens));
         c.all_reduce(&self.mesh.world(), &mut l, ReduceOp::Sum)?;
-        let expert_tokens: Vec<Vec<f64>> =
-            l[3..].chunks(experts.max(1)).map(<[f64]>::to_vec).collect();
+        let expert_tokens = expert_counts_rows(self.cfg, &l[3..]);
         if let Some(e) = over_capacity {
             return Err(e);
         }
@@ -314,4 +310,23 @@ impl MeshStep<'_> {
         }
         Ok(false)
     }
+}
+
+/// A mixture of experts: a device's expert counts of a step ([`StageOutcome::expert_tokens`]) as
+/// one row of `layers × 2·experts` numbers, zeros for the layers elsewhere, the same length on
+/// every device (so that a sum over the devices adds them); empty for a dense model.
+pub(super) fn expert_counts_flat(cfg: &ModelConfig, tokens: &[Vec<f64>]) -> Vec<f64> {
+    let experts = 2 * cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    let mut out = Vec::new();
+    for layer in 0..cfg.num_layers * usize::from(experts > 0) {
+        let row = tokens.get(layer).filter(|r| r.len() == experts);
+        out.extend((0..experts).map(|e| row.map_or(0.0, |r| r[e])));
+    }
+    out
+}
+
+/// [`expert_counts_flat`]'s row (summed over the devices) back into one row per layer.
+pub(super) fn expert_counts_rows(cfg: &ModelConfig, flat: &[f64]) -> Vec<Vec<f64>> {
+    let experts = 2 * cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    flat.chunks(experts.max(1)).map(<[f64]>::to_vec).collect()
 }
