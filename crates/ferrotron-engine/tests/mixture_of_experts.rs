@@ -541,8 +541,27 @@ fn each_step_records_the_tokens_each_expert_took() {
         }
         assert!(r["expert_load_max_over_mean"].as_f64().unwrap() >= 1.0);
     }
-    // The first step routes the same tokens through the same weights on either layout.
+    // The first step routes the same tokens through the same weights on either layout, an
+    // asynchronous pipeline over expert-parallel replicas among them (its counts per step too).
     assert_eq!(one[0]["expert_tokens"], two[0]["expert_tokens"]);
+    let pipelined = records("dp=2,ep=2,pp=2,schedule=2bw,mbs=1");
+    assert_eq!(one[0]["expert_tokens"], pipelined[0]["expert_tokens"]);
+    for r in &pipelined {
+        for row in r["expert_tokens"].as_array().unwrap() {
+            let sum: u64 = row
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .sum();
+            assert_eq!(sum, (4 * 32 * moe.top_k) as u64);
+        }
+        // Each device's idle share of the step is a share: its computing fits in its span.
+        for d in r["devices"].as_array().unwrap() {
+            let idle = d["idle_fraction"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&idle), "idle {idle} in {d}");
+        }
+    }
     assert!(
         one[0].get("expert_dropped").is_none(),
         "dropless: nothing to report"
