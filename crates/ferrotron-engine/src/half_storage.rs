@@ -141,6 +141,11 @@ pub struct HalfParts<T: Half16> {
 }
 
 impl<T: Half16> HalfParts<T> {
+    /// Bytes of tensor `i`'s compute weights this rank holds (whole, or its ZeRO-3 piece).
+    pub fn weight_bytes(&self, i: usize) -> usize {
+        self.weights[i].len() * std::mem::size_of::<T>()
+    }
+
     /// Takes the device's f32 shard (then emptied: the executor's view is filled per unit).
     pub fn new(params: &mut ParamStore, stage: u8, dp: usize, rank: usize) -> Self {
         let lens: Vec<usize> = params.tensors.iter().map(Vec::len).collect();

@@ -453,6 +453,49 @@ fn expert_all_to_all_bytes_are_the_planners() {
     }
 }
 
+/// `metrics.jsonl` shows the routed experts' part of each device's weights apart, measured (what
+/// the device holds between steps) beside the planner's, and they are equal to the byte: experts
+/// divided over ep, their columns over tp or whole under `etp=1`, ZeRO-3 pieces over the replicas
+/// holding the same experts, 16-bit compute copies under bf16, an asynchronous pipeline's stage,
+/// and LoRA's frozen experts with their adapters.
+#[test]
+fn the_experts_weights_are_measured_apart_as_the_planner_predicts() {
+    use ferrotron_engine::runtime::{train, TrainConfig};
+    for (spec, precision, lora) in [
+        ("dp=2,ep=2,zero=1", "f32", None),
+        ("dp=4,ep=2,zero=3", "f32", None),
+        ("dp=2,tp=2,ep=2,zero=1", "f32", None),
+        ("dp=2,tp=2,ep=2,etp=1,zero=3", "f32", None),
+        ("dp=2,ep=2,pp=2,schedule=2bw,mbs=1", "f32", None),
+        ("dp=2,ep=2,zero=3", "bf16", None),
+        ("dp=2,ep=2,zero=3", "f32", Some(4)),
+    ] {
+        let mut c = TrainConfig::default();
+        c.input.model = "mixtral-tiny".into();
+        c.optimizer.steps = 1;
+        c.optimizer.batch_size = 4;
+        c.input.seq_len = 32;
+        c.logging.eval_every = 0;
+        c.logging.eval_batches = 1;
+        c.lora.lora_rank = lora;
+        c.numerics.precision = ferrotron_core::precision::MixedPrecision::parse(precision).unwrap();
+        c.parallelism.layout = spec.parse().unwrap();
+        let tag = format!("moe-expert-weights-{spec}-{precision}-{lora:?}");
+        c.checkpointing.out_dir = temp_dir(&tag);
+        train(&c, &mut |_| {}).unwrap();
+        let records = metrics_records(&c.checkpointing.out_dir);
+        for d in records.last().unwrap()["devices"].as_array().unwrap() {
+            let got = d["expert_weight_bytes"].as_u64().unwrap();
+            let want = d["predicted_expert_weight_bytes"].as_u64().unwrap();
+            println!(
+                "{spec} {precision} lora {lora:?} device {}: {got} vs {want}",
+                d["device"]
+            );
+            assert!(got > 0 && got == want, "{spec} {precision} {lora:?}: {d}");
+        }
+    }
+}
+
 /// `ep` on a model without experts, or one that does not divide the experts, is refused naming it.
 #[test]
 fn an_expert_split_that_cannot_be_made_is_refused_by_name() {

@@ -156,13 +156,15 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
                 format!("{tp_split}every expert's weights, gradients and optimizer state are on every replica (sharded only by ZeRO; ep=N divides the experts over N replicas)")
             };
             out.push(format!(
-                "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): {held}; compute follows the active parameters",
+                "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): {held}; the routed experts are {} of the {} of weights on a device of stage 0; compute follows the active parameters",
                 cfg.num_params() as f64 / 1e9,
                 cfg.num_active_params() as f64 / 1e9,
                 m.top_k,
                 m.num_experts,
                 m.expert_layers(cfg.num_layers),
-                cfg.num_layers
+                cfg.num_layers,
+                gb(p.expert_weight_bytes_per_stage[0] as f64),
+                gb(p.memory_bytes_per_stage[0].weights as f64)
             ));
         }
         if let Some(a) = cfg.latent_attention {

@@ -652,15 +652,7 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
             n
         }
     };
-    // Asynchronous schedules stash weight versions for their in-flight micro-batches (PipeDream:
-    // one per micro-batch in flight but the newest; 2BW: the previous one, but on the last stage)
-    // and 2BW holds a step's gradients until its update while the next step's accumulate.
-    let last = stage + 1 == l.pp;
-    let (versions, grad_buffers) = match l.schedule {
-        crate::layout::Schedule::PipeDream => ((l.pp - stage) as f64, 1.0),
-        crate::layout::Schedule::TwoBw => (if last { 1.0 } else { 2.0 }, 2.0),
-        _ => (1.0, 1.0),
-    };
+    let (versions, grad_buffers) = weight_versions(l, stage);
     let weights = if input.lora.is_some() {
         // The frozen base stays whole on every replica (ZeRO shards only what trains) and is never
         // versioned; the adapters' compute copy is sharded like any trained parameter.
@@ -695,6 +687,51 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
         total: 0,
     }
     .with_total()
+}
+
+/// The weight versions a device of `stage` holds, and its gradient stores: asynchronous schedules
+/// stash versions for their in-flight micro-batches (PipeDream: one per micro-batch in flight but
+/// the newest; 2BW: the previous one, but on the last stage) and 2BW holds a step's gradients
+/// until its update while the next step's accumulate.
+fn weight_versions(l: &Layout, stage: usize) -> (f64, f64) {
+    let last = stage + 1 == l.pp;
+    match l.schedule {
+        crate::layout::Schedule::PipeDream => ((l.pp - stage) as f64, 1.0),
+        crate::layout::Schedule::TwoBw => (if last { 1.0 } else { 2.0 }, 2.0),
+        _ => (1.0, 1.0),
+    }
+}
+
+/// The routed experts' weights a device on `stage` holds between steps (0 for a dense model), which
+/// `train` shows apart from the rest of the weights term: its experts' parameters (÷ ep; their
+/// columns ÷ tp, or whole under `etp=1`) in the weights' format, ÷ the replicas holding the same
+/// experts under ZeRO-3; one version (an asynchronous schedule's stashed versions come and go
+/// within its segments). With LoRA, the frozen experts (whole on every replica) and their adapters
+/// (sharded as any trained tensor).
+pub fn expert_weight_bytes(input: &PlanInput, l: &Layout, stage: usize) -> u64 {
+    let PlanModel::Shape(cfg) = &input.model else {
+        return 0;
+    };
+    if cfg.moe.is_none() {
+        return 0;
+    }
+    let bytes = input.precision.weights.bytes();
+    let experts = routed_expert_params(cfg, l) * super::stage_layers(cfg, l, stage) as f64;
+    let (trained, frozen) = match &input.lora {
+        None => (experts, 0.0),
+        Some(lora) => {
+            let per = |m: &LoraTarget, t: usize| lora_target_params_on_device(cfg, lora, t, m);
+            let adapters =
+                sum_over_stage_layers(cfg, l, stage, &|i| lora_layer_sum(cfg, lora, l, i, &per).1);
+            (adapters, experts)
+        }
+    };
+    let holders = if l.zero >= 3 {
+        (l.replicas() / l.ep.max(1)).max(1) as f64
+    } else {
+        1.0
+    };
+    ((frozen + trained / holders) * bytes) as u64
 }
 
 /// One block's projection weights on a device (each `numel / tp`): what QLoRA quantizes.

@@ -190,6 +190,8 @@ pub struct Plan {
     /// The device with the largest total.
     pub memory_bytes: MemoryTerms,
     pub memory_bytes_per_stage: Vec<MemoryTerms>,
+    /// Per stage: the routed experts' part of `weights` (0 for a dense model).
+    pub expert_weight_bytes_per_stage: Vec<u64>,
     /// Per stage: the host memory an asynchronous checkpoint's copy holds while it is written
     /// (`checkpoint_async`; not device memory).
     pub checkpoint_snapshot_bytes: Vec<u64>,
@@ -628,6 +630,9 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         num_micro_batches: m,
         memory_bytes: worst,
         memory_bytes_per_stage: stages,
+        expert_weight_bytes_per_stage: (0..l.pp)
+            .map(|s| memory::expert_weight_bytes(input, l, s))
+            .collect(),
         checkpoint_snapshot_bytes: (0..l.pp)
             .map(|s| memory::checkpoint_snapshot_bytes(input, l, s))
             .collect(),

@@ -854,6 +854,15 @@ fn expert_parallelism_divides_the_experts_and_is_searched() {
             .weights
     };
     let one = weights("dp=8,ep=2,pp=2,zero=1,schedule=1f1b");
+    // The experts' part of the weights, shown apart: halved by ep=2, and divided by ZeRO-3 over
+    // the dp/ep = 4 replicas holding the same experts.
+    let experts = |spec: &str| {
+        evaluate(&input, &layout(spec))
+            .unwrap()
+            .expert_weight_bytes_per_stage[0]
+    };
+    assert_eq!(2 * experts("dp=8,ep=2,zero=1"), experts("dp=8,zero=1"));
+    assert_eq!(4 * experts("dp=8,ep=2,zero=3"), experts("dp=8,ep=2,zero=1"));
     assert_eq!(weights("dp=8,ep=2,pp=2,zero=1,schedule=2bw"), 2 * one);
     assert!(one < weights("dp=8,pp=2,zero=1,schedule=1f1b"));
     // LoRA: the experts' adapters are divided like the experts (dense ones whole), and sharded by

@@ -79,6 +79,7 @@ pub(super) fn run_device<C: Comm>(
     let trained = step.train_built(c, &training, dev, &mut |mesh, c, dev, report| {
         let mut mine = Figures::of(report);
         mine.model_bytes_read = model_bytes_read;
+        mine.expert_weight_bytes = mesh.expert_weight_bytes(dev);
         let eval_started = std::time::Instant::now();
         let val_loss = if run.is_eval(report.step) {
             evaluate(run, mesh, c, dev, account)?

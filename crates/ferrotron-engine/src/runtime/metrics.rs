@@ -74,6 +74,10 @@ pub struct DeviceSummary {
     pub wall_step_time_s: f64,
     /// Bytes read from where the model is stored to build this device's shard.
     pub model_bytes_read: u64,
+    /// A mixture of experts: the routed experts' part of the weights term, measured (what the
+    /// device holds between steps) and predicted (0 for a dense model).
+    pub expert_weight_bytes: u64,
+    pub predicted_expert_weight_bytes: u64,
 }
 
 /// One device's figures for one step, as device 0 receives them.
@@ -96,9 +100,11 @@ pub(super) struct Figures {
     pub checkpoint_stall_s: f64,
     /// Bytes of the copy of the device's state that save took.
     pub checkpoint_snapshot_bytes: u64,
+    /// A mixture of experts: the routed experts' part of the device's weights between steps.
+    pub expert_weight_bytes: u64,
 }
 
-const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 3 + 2;
+const FIGURES: usize = 7 + 7 + 1 + 3 + 4 + 7 + 3 + 2 + 1;
 /// Tag of the figures message (above any pipeline or gathering tag).
 const FIGURES_TAG: u64 = 1 << 59;
 
@@ -120,6 +126,7 @@ impl Figures {
             model_bytes_read: 0,
             checkpoint_stall_s: 0.0,
             checkpoint_snapshot_bytes: 0,
+            expert_weight_bytes: 0,
         }
     }
     fn pack(&self) -> [f64; FIGURES] {
@@ -144,6 +151,7 @@ impl Figures {
         out[31] = self.checkpoint_snapshot_bytes as f64;
         out[32] = self.bytes_cp as f64;
         out[33] = self.bytes_ep as f64;
+        out[34] = self.expert_weight_bytes as f64;
         out
     }
     fn unpack(v: &[f64; FIGURES]) -> Self {
@@ -163,6 +171,7 @@ impl Figures {
         f.checkpoint_stall_s = v[30];
         f.checkpoint_snapshot_bytes = v[31] as u64;
         (f.bytes_cp, f.bytes_ep) = (v[32] as u64, v[33] as u64);
+        f.expert_weight_bytes = v[34] as u64;
         f
     }
 }
@@ -292,6 +301,8 @@ impl<'a> MetricsWriter<'a> {
                 tp_rank: at.tp,
                 peak_memory_bytes: MemoryTerms::default(),
                 predicted_memory_bytes: predicted[at.pp],
+                expert_weight_bytes: 0,
+                predicted_expert_weight_bytes: run.plan.expert_weight_bytes_per_stage[at.pp],
                 idle_fraction: 0.0,
                 bytes_sent_per_step: 0,
                 step_time_s: 0.0,
@@ -516,7 +527,8 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
     sum.step_time_s += f.span_s;
     sum.wall_step_time_s += wall;
     sum.model_bytes_read = f.model_bytes_read;
-    serde_json::json!({
+    sum.expert_weight_bytes = f.expert_weight_bytes;
+    let mut device = serde_json::json!({
         "device": sum.device,
         "stage": sum.stage,
         "dp_rank": sum.dp_rank,
@@ -533,7 +545,16 @@ fn device_json(f: &Figures, sum: &mut DeviceSummary, wall: f64) -> serde_json::V
         },
         "step_time_s": f.span_s,
         "wall_step_time_s": wall,
-    })
+    });
+    if sum.predicted_expert_weight_bytes > 0 || f.expert_weight_bytes > 0 {
+        let obj = device.as_object_mut().expect("an object");
+        obj.insert("expert_weight_bytes".into(), f.expert_weight_bytes.into());
+        obj.insert(
+            "predicted_expert_weight_bytes".into(),
+            sum.predicted_expert_weight_bytes.into(),
+        );
+    }
+    device
 }
 
 /// Keeps the lines of `metrics.jsonl` at `path` for steps up to `step` and drops the rest: the

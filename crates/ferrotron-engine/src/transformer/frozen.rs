@@ -15,7 +15,7 @@ use crate::kernels::nf4::Nf4Matrix;
 use crate::kernels::{bf16_convert, CpuBackend};
 use crate::memory::{self, Term};
 use crate::pieces::{from_gathered, padded_piece};
-use ferrotron_core::model::ModelConfig;
+use ferrotron_core::model::{ModelConfig, ParamSpec};
 use ferrotron_core::precision::Half;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -177,29 +177,33 @@ impl FrozenBase {
 
     /// Bytes the base holds.
     pub fn bytes(&self) -> usize {
-        let sharded: usize = self.sharded.as_ref().map_or(0, |s| {
-            s.pieces
-                .iter()
-                .flatten()
-                .map(|(shell, piece, _)| shell.bytes() + piece.len())
-                .sum()
-        });
-        let quantized: usize = sharded
-            + self
-                .store
-                .nf4
-                .iter()
-                .flatten()
-                .map(|m| m.bytes())
-                .sum::<usize>();
-        quantized
-            + match &self.half {
-                Some(h) => {
-                    let shared: usize = self.matrices.iter().flatten().map(|m| 2 * m.len()).sum();
-                    h.iter().map(Kept::bytes).sum::<usize>() + shared
-                }
-                None => 4 * self.store.numel(),
+        self.bytes_where(&|_| true)
+    }
+
+    /// Bytes the base holds of the tensors `which` selects: a QLoRA projection's quantized form
+    /// (under ZeRO-3 its shell and this rank's piece of the codes), under 16-bit storage each
+    /// tensor's kept form (a bf16 matrix shared with the views), else the f32 tensor.
+    pub fn bytes_where(&self, which: &dyn Fn(&ParamSpec) -> bool) -> usize {
+        let mut total = 0;
+        for (i, _) in self
+            .store
+            .specs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| which(s))
+        {
+            if let Some((shell, piece, _)) =
+                self.sharded.as_ref().and_then(|s| s.pieces[i].as_ref())
+            {
+                total += shell.bytes() + piece.len();
             }
+            total += self.store.nf4[i].as_ref().map_or(0, |m| m.bytes());
+            total += match &self.half {
+                Some(h) => h[i].bytes() + self.matrices[i].as_ref().map_or(0, |m| 2 * m.len()),
+                None => 4 * self.store.tensors[i].len(),
+            };
+        }
+        total
     }
 
     /// Runs `f` with `unit`'s base tensors present in f32 (a unit of sharded codes is gathered

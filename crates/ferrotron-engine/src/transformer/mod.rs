@@ -309,6 +309,11 @@ impl Transformer {
         }
     }
 
+    /// LoRA: the frozen base this chunk reads.
+    pub fn frozen_base(&self) -> Option<&FrozenBase> {
+        self.frozen.as_ref()
+    }
+
     /// LoRA: this chunk's base parameters become `base` (frozen; the chunk must have been built
     /// over `base.names()`), and every projection `lora` targets gets its adapter from `adapters`
     /// (the store a residency will hand the executor, by name).

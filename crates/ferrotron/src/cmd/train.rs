@@ -207,6 +207,12 @@ fn print_devices(summary: &TrainSummary) {
     if summary.devices.is_empty() {
         return;
     }
+    // A mixture of experts: the routed experts' part of the weights, apart.
+    let experts = summary
+        .devices
+        .iter()
+        .any(|d| d.predicted_expert_weight_bytes > 0);
+    let mb = |b: u64| format!("{:.2}", b as f64 / 1e6);
     let rows: Vec<DeviceRow> = summary
         .devices
         .iter()
@@ -219,12 +225,22 @@ fn print_devices(summary: &TrainSummary) {
             measured: d.peak_memory_bytes,
             predicted: d.predicted_memory_bytes,
             idle_fraction: d.idle_fraction,
-            extra: vec![
-                ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
-                format!("{:.4}", d.step_time_s),
-                format!("{:.4}", d.wall_step_time_s),
-                ferrotron_engine::memory::format_bytes(d.model_bytes_read),
-            ],
+            extra: experts
+                .then(|| {
+                    format!(
+                        "{} / {}",
+                        mb(d.expert_weight_bytes),
+                        mb(d.predicted_expert_weight_bytes)
+                    )
+                })
+                .into_iter()
+                .chain([
+                    ferrotron_engine::memory::format_bytes(d.bytes_sent_per_step),
+                    format!("{:.4}", d.step_time_s),
+                    format!("{:.4}", d.wall_step_time_s),
+                    ferrotron_engine::memory::format_bytes(d.model_bytes_read),
+                ])
+                .collect(),
         })
         .collect();
     let caption = format!(
@@ -237,12 +253,16 @@ fn print_devices(summary: &TrainSummary) {
             &caption,
             &rows,
             "idle, mean over the run (%)",
-            &[
-                "sent per step",
-                "step, device time (s)",
-                "step, wall time (s)",
-                "model read at start"
-            ]
+            &experts
+                .then_some("of the weights, the routed experts' (MB), measured / predicted")
+                .into_iter()
+                .chain([
+                    "sent per step",
+                    "step, device time (s)",
+                    "step, wall time (s)",
+                    "model read at start",
+                ])
+                .collect::<Vec<_>>()
         )
         .markdown()
     );

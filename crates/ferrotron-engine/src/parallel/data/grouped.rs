@@ -85,6 +85,19 @@ impl GroupedZero {
             .for_each(|p| p.state.set_threaded_update(threaded));
     }
 
+    /// Bytes of the weights this device holds between steps of the tensors `which` selects.
+    pub fn weight_bytes_where(&self, which: &dyn Fn(&ParamSpec) -> bool) -> usize {
+        let mut total = 0;
+        for p in &self.parts {
+            for (i, spec) in p.state.params.specs.iter().enumerate() {
+                if which(spec) {
+                    total += p.state.weight_bytes(i);
+                }
+            }
+        }
+        total
+    }
+
     /// The shard's parameter specs, in its order.
     pub fn specs(&self) -> Vec<ParamSpec> {
         self.specs.clone()

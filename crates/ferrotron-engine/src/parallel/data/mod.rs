@@ -347,6 +347,19 @@ impl ZeroState {
         }
     }
 
+    /// Bytes of tensor `i`'s weights this device holds between steps (the weights term's): its
+    /// 16-bit compute copy under mixed precision, its ZeRO-3 piece, or the whole f32 tensor.
+    pub fn weight_bytes(&self, i: usize) -> usize {
+        if let Some(h) = &self.half {
+            return with_half!(h, p => p.weight_bytes(i));
+        }
+        if self.stage >= 3 && self.dp > 1 {
+            4 * self.param_pieces[i].len()
+        } else {
+            4 * self.params.tensors[i].len()
+        }
+    }
+
     /// Whether the gradient view holds pieces (a share of each tensor) rather than whole tensors.
     pub fn grads_sharded(&self) -> bool {
         self.sharded()

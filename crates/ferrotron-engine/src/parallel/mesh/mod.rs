@@ -195,6 +195,21 @@ impl<'a> MeshStep<'a> {
         self
     }
 
+    /// The routed experts' part of device `dev`'s weights between steps (what it trains, and
+    /// under LoRA its frozen base's experts): what `train` shows apart from the rest of the weights
+    /// term, beside the planner's `expert_weight_bytes_per_stage`. 0 for a dense model.
+    pub fn expert_weight_bytes(&self, dev: &Device) -> u64 {
+        let routed =
+            |s: &ferrotron_core::model::ParamSpec| self.cfg.routed_expert_of(&s.name).is_some();
+        let frozen: usize = dev
+            .chunks
+            .iter()
+            .filter_map(Transformer::frozen_base)
+            .map(|b| b.bytes_where(&routed))
+            .sum();
+        (dev.zero.weight_bytes_where(&routed) + frozen) as u64
+    }
+
     /// The LoRA configuration, when the step trains adapters on a frozen base.
     pub fn lora(&self) -> Option<&LoraConfig> {
         self.frozen.map(|f| f.1)
