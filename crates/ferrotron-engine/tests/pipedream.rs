@@ -379,18 +379,8 @@ fn the_stashed_versions_take_the_memory_the_planner_predicts() {
             let run = measured(&cfg, &params, &layout, &batch, 4, storage);
             let plan = ferrotron_core::plan::evaluate(&input, &layout).unwrap();
             for (s, got) in run.iter().map(|r| r.2).enumerate() {
-                let want = &plan.memory_bytes_per_stage[s];
-                for (term, a, b) in [
-                    ("weights", got.weights, want.weights),
-                    ("gradients", got.gradients, want.gradients),
-                ] {
-                    let e = (a as f64 / b as f64 - 1.0).abs();
-                    println!("{precision} {schedule} stage {s}: {term} {a} vs {b} ({e:.3})");
-                    assert!(
-                        e <= 0.01,
-                        "{precision} {schedule} stage {s}: {term} measured {a}, predicted {b}"
-                    );
-                }
+                let what = format!("{precision} {schedule} stage {s}");
+                assert_versions_near(&what, &got, &plan.memory_bytes_per_stage[s]);
             }
         }
     }
@@ -411,19 +401,26 @@ fn the_stashed_versions_of_split_experts_take_the_memory_the_planner_predicts() 
         let plan = ferrotron_core::plan::evaluate(&input, &layout).unwrap();
         for (rank, got) in run.iter().map(|r| r.2).enumerate() {
             let s = layout.rank_grid(layout.world_size()).coords(rank).pp;
-            let want = &plan.memory_bytes_per_stage[s];
-            for (term, a, b) in [
-                ("weights", got.weights, want.weights),
-                ("gradients", got.gradients, want.gradients),
-            ] {
-                let e = (a as f64 / b as f64 - 1.0).abs();
-                println!("{spec} device {rank} (stage {s}): {term} {a} vs {b} ({e:.3})");
-                assert!(
-                    e <= 0.01,
-                    "{spec} device {rank}: {term} measured {a}, predicted {b}"
-                );
-            }
+            let what = format!("{spec} device {rank} (stage {s})");
+            assert_versions_near(&what, &got, &plan.memory_bytes_per_stage[s]);
         }
+    }
+}
+
+/// The terms weight versions and update stores live in (weights, gradients), measured within 1%
+/// of the planner's.
+fn assert_versions_near(
+    what: &str,
+    got: &ferrotron_core::plan::MemoryTerms,
+    want: &ferrotron_core::plan::MemoryTerms,
+) {
+    for (term, a, b) in [
+        ("weights", got.weights, want.weights),
+        ("gradients", got.gradients, want.gradients),
+    ] {
+        let e = (a as f64 / b as f64 - 1.0).abs();
+        println!("{what}: {term} {a} vs {b} ({e:.3})");
+        assert!(e <= 0.01, "{what}: {term} measured {a}, predicted {b}");
     }
 }
 
