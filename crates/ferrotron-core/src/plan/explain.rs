@@ -148,7 +148,7 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
                     l.ep,
                     m.num_experts / (l.ep * blocks),
                     m.num_experts,
-                    (l.replicas() / l.ep).max(1),
+                    super::memory::expert_holders(l),
                     gb(p.comm_bytes_per_step.ep),
                     link_name(lk.ep.bandwidth_bytes_per_s)
                 )
@@ -156,7 +156,7 @@ pub fn layout_notes(input: &PlanInput, p: &Plan) -> Vec<String> {
                 format!("{tp_split}every expert's weights, gradients and optimizer state are on every replica (sharded only by ZeRO; ep=N divides the experts over N replicas)")
             };
             out.push(format!(
-                "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): {held}; the routed experts are {} of the {} of weights on a device of stage 0; compute follows the active parameters",
+                "a mixture of experts: {:.2} B parameters, {:.2} B active per token ({} of {} experts in {} of {} blocks): {held}; a device of stage 0 holds {} of routed experts' weights (one version) in its {} weights term; compute follows the active parameters",
                 cfg.num_params() as f64 / 1e9,
                 cfg.num_active_params() as f64 / 1e9,
                 m.top_k,

@@ -632,18 +632,8 @@ pub fn stage_memory(input: &PlanInput, l: &Layout, stage: usize, in_flight: usiz
     let z = l.zero;
     // ZeRO from `stage_min` shards what trains over the replicas; under expert parallelism a
     // routed expert only over those holding it (dp·cp / ep).
-    let experts = match (&input.model, &input.lora) {
-        (PlanModel::Shape(cfg), None) if cfg.moe.is_some() => {
-            routed_expert_params(cfg, l) * super::stage_layers(cfg, l, stage) as f64
-        }
-        // With LoRA what trains is the adapters: the routed experts' are theirs.
-        (PlanModel::Shape(cfg), Some(lora)) if cfg.moe.is_some() => {
-            let per = |m: &LoraTarget, t: usize| lora_target_params_on_device(cfg, lora, t, m);
-            sum_over_stage_layers(cfg, l, stage, &|i| lora_layer_sum(cfg, lora, l, i, &per).1)
-        }
-        _ => 0.0,
-    };
-    let expert_dp = (replicas / l.ep.max(1)).max(1) as f64;
+    let experts = trained_experts(input, l, stage);
+    let expert_dp = expert_holders(l) as f64;
     let sharded = |n: f64, stage_min: u8| {
         if z >= stage_min {
             let e = experts.min(n);
@@ -715,23 +705,33 @@ pub fn expert_weight_bytes(input: &PlanInput, l: &Layout, stage: usize) -> u64 {
     if cfg.moe.is_none() {
         return 0;
     }
-    let bytes = input.precision.weights.bytes();
-    let experts = routed_expert_params(cfg, l) * super::stage_layers(cfg, l, stage) as f64;
-    let (trained, frozen) = match &input.lora {
-        None => (experts, 0.0),
-        Some(lora) => {
-            let per = |m: &LoraTarget, t: usize| lora_target_params_on_device(cfg, lora, t, m);
-            let adapters =
-                sum_over_stage_layers(cfg, l, stage, &|i| lora_layer_sum(cfg, lora, l, i, &per).1);
-            (adapters, experts)
+    let frozen = match input.lora {
+        Some(_) => routed_expert_params(cfg, l) * super::stage_layers(cfg, l, stage) as f64,
+        None => 0.0,
+    };
+    let holders = if l.zero >= 3 { expert_holders(l) } else { 1 };
+    let trained = trained_experts(input, l, stage) / holders as f64;
+    ((frozen + trained) * input.precision.weights.bytes()) as u64
+}
+
+/// The routed experts' parameters that train on a device of `stage` (0 for a dense model): its
+/// experts, or with LoRA their adapters.
+fn trained_experts(input: &PlanInput, l: &Layout, stage: usize) -> f64 {
+    match (&input.model, &input.lora) {
+        (PlanModel::Shape(cfg), None) if cfg.moe.is_some() => {
+            routed_expert_params(cfg, l) * super::stage_layers(cfg, l, stage) as f64
         }
-    };
-    let holders = if l.zero >= 3 {
-        (l.replicas() / l.ep.max(1)).max(1) as f64
-    } else {
-        1.0
-    };
-    ((frozen + trained / holders) * bytes) as u64
+        (PlanModel::Shape(cfg), Some(lora)) if cfg.moe.is_some() => {
+            let per = |m: &LoraTarget, t: usize| lora_target_params_on_device(cfg, lora, t, m);
+            sum_over_stage_layers(cfg, l, stage, &|i| lora_layer_sum(cfg, lora, l, i, &per).1)
+        }
+        _ => 0.0,
+    }
+}
+
+/// The replicas holding the same experts, over which ZeRO shards their state (dp·cp / ep).
+pub(super) fn expert_holders(l: &Layout) -> usize {
+    (l.replicas() / l.ep.max(1)).max(1)
 }
 
 /// One block's projection weights on a device (each `numel / tp`): what QLoRA quantizes.

@@ -13,7 +13,7 @@
 
 use super::data::{GroupedUpdateGrads, GroupedZero};
 use super::mesh::{Device, MeshStep};
-use super::pipeline::{clocks, Pass, StageOutcome, StageRun};
+use super::pipeline::{add_expert_counts, clocks, Pass, StageOutcome, StageRun};
 use super::tensor::{finish_grads, TpGroup};
 use crate::comm::{Comm, Group};
 use crate::error::{EngineError, Result};
@@ -193,10 +193,8 @@ impl SegmentRun<'_> {
                     // Each micro-batch's expert counts go to its step.
                     let counts = std::mem::take(&mut pass.out.expert_tokens);
                     let step = &mut out.step_expert_tokens[mb / self.micro_per_step];
-                    step.resize(step.len().max(counts.len()), Vec::new());
-                    for (row, add) in step.iter_mut().zip(counts) {
-                        row.resize(row.len().max(add.len()), 0.0);
-                        row.iter_mut().zip(add).for_each(|(a, b)| *a += b);
+                    for (layer, row) in counts.iter().enumerate() {
+                        add_expert_counts(step, layer, row);
                     }
                 }
                 Action::Backward { mb, .. } => {

@@ -215,11 +215,19 @@ impl StageOutcome {
         }
         self.expert_tokens.resize(layers, Vec::new());
         for (layer, counts) in tokens {
-            let row = &mut self.expert_tokens[*layer];
-            row.resize(counts.len(), 0.0);
-            row.iter_mut().zip(counts).for_each(|(a, b)| *a += b);
+            add_expert_counts(&mut self.expert_tokens, *layer, counts);
         }
     }
+}
+
+/// Adds `counts` into row `layer` of per-layer expert counts (rows as long as the longest added).
+pub(super) fn add_expert_counts(rows: &mut Vec<Vec<f64>>, layer: usize, counts: &[f64]) {
+    if rows.len() <= layer {
+        rows.resize(layer + 1, Vec::new());
+    }
+    let row = &mut rows[layer];
+    row.resize(row.len().max(counts.len()), 0.0);
+    row.iter_mut().zip(counts).for_each(|(a, b)| *a += b);
 }
 
 /// What a pass over the action list holds between actions: the forward states waiting for their

@@ -138,8 +138,15 @@ impl UpdateGrads {
     }
 }
 
-/// One update's gradients of every state of a [`GroupedZero`], in its states' order.
-pub struct GroupedUpdateGrads(Vec<UpdateGrads>);
+/// One update's gradients of every state of a [`GroupedZero`], in its states' order, and the
+/// bookkeeping every backward of the update reuses: the unit's gradients in the shard's order
+/// (`view`), and under a 16-bit store each state's f32 scratch (tensors present only while a
+/// unit's gradients move from the view into the sums).
+pub struct GroupedUpdateGrads {
+    stores: Vec<UpdateGrads>,
+    view: ParamStore,
+    scratch: Vec<ParamStore>,
+}
 
 impl GroupedZero {
     /// Starts a segment: each state's view of its current version, lent to one store in the
@@ -184,22 +191,44 @@ impl GroupedZero {
 
     /// A zeroed store for one update's gradients.
     pub fn update_grads(&self) -> GroupedUpdateGrads {
-        GroupedUpdateGrads(self.parts.iter().map(|p| p.state.update_grads()).collect())
+        let stores = self.parts.iter().map(|p| p.state.update_grads()).collect();
+        self.grouped(stores)
     }
 
     /// A store without storage (see [`ZeroState::no_update_grads`]).
     pub fn no_update_grads(&self) -> GroupedUpdateGrads {
-        GroupedUpdateGrads(
+        let stores = self
+            .parts
+            .iter()
+            .map(|p| p.state.no_update_grads())
+            .collect();
+        self.grouped(stores)
+    }
+
+    /// `stores` with the bookkeeping its backwards reuse (names and shapes, no tensors: kept out
+    /// of the gradients and activations terms).
+    fn grouped(&self, stores: Vec<UpdateGrads>) -> GroupedUpdateGrads {
+        let _bookkeeping = memory::scope(Term::Other);
+        let half = stores.iter().any(|g| !matches!(g.0, Store::F32(_)));
+        let scratch = if half {
+            let specs = |p: &super::grouped::Part| p.state.params.specs.clone();
             self.parts
                 .iter()
-                .map(|p| p.state.no_update_grads())
-                .collect(),
-        )
+                .map(|p| ParamStore::empty(specs(p)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        GroupedUpdateGrads {
+            stores,
+            view: ParamStore::empty(self.specs.clone()),
+            scratch,
+        }
     }
 
     /// Exchanges the states' gradients with `other` (see [`ZeroState::swap_update_grads`]).
     pub fn swap_update_grads(&mut self, other: &mut GroupedUpdateGrads) {
-        for (p, g) in self.parts.iter_mut().zip(&mut other.0) {
+        for (p, g) in self.parts.iter_mut().zip(&mut other.stores) {
             p.state.swap_update_grads(g);
         }
     }
@@ -222,7 +251,6 @@ impl GroupedZero {
             zero: self,
             params,
             grads,
-            view: ParamStore::empty(self.specs.clone()),
         }
     }
 }
@@ -235,8 +263,6 @@ pub struct VersionResidency<'a> {
     zero: &'a GroupedZero,
     params: &'a ParamStore,
     grads: &'a mut GroupedUpdateGrads,
-    /// The unit's gradients in the shard's order while its backward runs.
-    view: ParamStore,
 }
 
 impl Residency for VersionResidency<'_> {
@@ -246,8 +272,11 @@ impl Residency for VersionResidency<'_> {
 
     fn params_and_grads(&mut self, unit: Unit, f: &mut dyn FnMut(&ParamStore, &mut ParamStore)) {
         let parts = &self.zero.parts;
-        let view = &mut self.view;
-        let stores = &mut self.grads.0;
+        let GroupedUpdateGrads {
+            stores,
+            view,
+            scratch,
+        } = &mut *self.grads;
         // Moves (no copies) tensor `i` of each state's store to and from the view's `at[i]`.
         let swap_in_f32 = |view: &mut ParamStore, stores: &mut [UpdateGrads]| {
             for (p, g) in parts.iter().zip(stores.iter_mut()) {
@@ -271,12 +300,11 @@ impl Residency for VersionResidency<'_> {
             .collect();
         super::reduce::open_scratch(view, &in_view);
         f(self.params, view);
-        for ((p, ids), g) in parts.iter().zip(&ids).zip(stores.iter_mut()) {
-            let mut scratch = ParamStore::empty(p.state.params.specs.clone());
+        for (((p, ids), g), scratch) in parts.iter().zip(&ids).zip(stores).zip(scratch) {
             for &i in ids {
                 std::mem::swap(&mut scratch.tensors[i], &mut view.tensors[p.at[i]]);
             }
-            g.absorb(ids, &mut scratch);
+            g.absorb(ids, scratch);
         }
     }
 }
