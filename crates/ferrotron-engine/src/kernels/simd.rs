@@ -35,26 +35,6 @@ pub fn sum<T: Real>(xs: &[T]) -> T {
     acc.iter().chain(tail).fold(T::ZERO, |s, &x| s + x)
 }
 
-/// xᵢ ← e^(scale·xᵢ − shift) in place (the fused exp), returning Σ of the new xᵢ in 16 independent
-/// lanes: a softmax row's exponentials and their sum in one pass.
-#[inline(always)]
-pub fn exp_affine_sum<T: Real>(xs: &mut [T], scale: T, shift: T) -> T {
-    let mut acc = [T::ZERO; LANES];
-    let mut chunks = xs.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for (a, x) in acc.iter_mut().zip(c) {
-            *x = (*x * scale - shift).exp_fused();
-            *a += *x;
-        }
-    }
-    let mut tail = T::ZERO;
-    for x in chunks.into_remainder() {
-        *x = (*x * scale - shift).exp_fused();
-        tail += *x;
-    }
-    acc.iter().fold(tail, |s, &x| s + x)
-}
-
 /// Σ aᵢ·bᵢ in 16 independent lanes.
 #[inline(always)]
 pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
@@ -151,41 +131,68 @@ mod tests {
     use crate::kernels::float::Real;
 
     super::simd_kernel! {
-        fn exp_all(xs: &mut [f32]) {
-            xs.iter_mut().for_each(|x| *x = x.exp_fused());
+        fn exp2_all(xs: &mut [f32]) {
+            xs.iter_mut().for_each(|x| *x = x.exp2_fused());
         }
     }
 
     /// The AVX2 copy of a kernel (vector FMA) and the baseline one (software FMA, one rounding too)
     /// give the same bits.
     #[test]
-    fn fused_exp_is_the_same_in_both_copies() {
-        let xs: Vec<f32> = (0..4000).map(|i| -90.0 + i as f32 * 0.0449).collect();
+    fn fused_exp2_is_the_same_in_both_copies() {
+        let xs: Vec<f32> = (0..6000).map(|i| -130.0 + i as f32 * 0.0449).collect();
         let mut vector = xs.clone();
-        exp_all(&mut vector);
+        exp2_all(&mut vector);
         let scalar: Vec<f32> = xs
             .iter()
-            .map(|&x| crate::kernels::float::exp_fused(x))
+            .map(|&x| crate::kernels::float::exp2_fused(x))
             .collect();
         assert_eq!(vector, scalar);
     }
+
     #[test]
     fn exp_is_accurate_to_about_one_ulp() {
-        use crate::kernels::float::{exp, exp_fused};
-        for exp in [exp, exp_fused] {
-            let mut worst = 0f64;
-            let mut x = -87.0f32;
-            while x < 88.0 {
-                let want = (x as f64).exp();
-                let got = exp(x) as f64;
-                worst = worst.max(((got - want) / want).abs());
-                x += 0.0137;
-            }
-            assert!(worst < 2.5e-7, "worst relative error {worst:e}");
-            assert_eq!(exp(0.0), 1.0);
-            assert!(exp(-1000.0) < 1e-37);
-            assert!(exp(88.7).is_finite() && exp(88.7) > 3e38);
+        use crate::kernels::float::exp;
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
         }
+        assert!(worst < 2.5e-7, "worst relative error {worst:e}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(-1000.0) < 1e-37);
+        assert!(exp(88.7).is_finite() && exp(88.7) > 3e38);
+    }
+
+    /// 2^x within 1.5 ulp (relative 2^-24 · 1.5) over its range, exact at integers, ~0 below it and
+    /// finite above it.
+    #[test]
+    fn exp2_is_accurate_to_one_and_a_half_ulp() {
+        use crate::kernels::float::exp2_fused;
+        let mut worst = 0f64;
+        let mut x = -125.0f32;
+        while x < 127.0 {
+            let want = (x as f64).exp2();
+            let got = exp2_fused(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.001_37;
+        }
+        assert!(
+            worst < 1.5 * 2f64.powi(-24),
+            "worst relative error {worst:e}"
+        );
+        for n in -125..=127 {
+            assert_eq!(exp2_fused(n as f32), (n as f32).exp2(), "2^{n}");
+        }
+        assert!(exp2_fused(-1000.0) < 3e-38);
+        assert!(exp2_fused(1000.0).is_finite());
+    }
+
+    #[test]
+    fn tanh_reaches_its_limits() {
         let tanh = crate::kernels::float::tanh::<f32>;
         assert!((tanh(20.0) - 1.0).abs() < 1e-7 && (tanh(-20.0) + 1.0).abs() < 1e-7);
     }

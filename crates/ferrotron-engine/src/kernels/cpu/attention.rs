@@ -7,6 +7,7 @@
 //! a query head reads its KV head in place (grouped-query heads share it, nothing is repeated).
 //! Tiles wholly above the causal diagonal, or wholly before a sliding window, are never computed.
 
+use super::exp2_rows;
 use super::small_gemm::{self, Causal};
 use super::threads::SendPtr;
 use super::threads::Threads;
@@ -193,14 +194,16 @@ fn visible(b: &AttnBlock, i: usize, (c0, c1): (usize, usize)) -> (usize, usize) 
 }
 
 simd_kernel! {
-    /// One query row of a forward tile: scales its visible scores `row[lo..hi]`, folds them into
-    /// the running maximum `m` and sum `l` (the output row `acc`, accumulated so far against the old
-    /// maximum, is rescaled to the new one), and leaves the tile's probabilities against the new
-    /// maximum in `row` (0 outside the visible keys, so the product with V adds nothing there).
+    /// One query row of a forward tile: scales its visible scores `row[lo..hi]` (by `scale2`, the
+    /// softmax's scale times log2(e), so that exponentials are powers of two), folds them into the
+    /// running maximum `m` (in the same units) and sum `l` (the output row `acc`, accumulated so far
+    /// against the old maximum, is rescaled to the new one), and leaves the tile's probabilities
+    /// against the new maximum in `row` (0 outside the visible keys, so the product with V adds
+    /// nothing there).
     fn online_softmax_row<T: Real>(
         row: &mut [T],
         seen: (usize, usize),
-        scale: T,
+        scale2: T,
         m: &mut T,
         l: &mut T,
         acc: &mut [T],
@@ -213,15 +216,15 @@ simd_kernel! {
         }
         let seen = &mut row[lo..hi];
         // The scale is positive, so the largest scaled score is the largest score scaled.
-        let tile_max = simd::max(seen) * scale;
+        let tile_max = simd::max(seen) * scale2;
         // The first keys this row sees set its maximum; later ones raise it.
         let new_max = if *l == T::ZERO { tile_max } else { tile_max.max(*m) };
-        let sum = simd::exp_affine_sum(seen, scale, new_max);
+        let sum = exp2_rows::affine_sum(seen, scale2, new_max);
         if *l == T::ZERO {
             // Nothing accumulated yet (acc is zero).
             *l = sum;
         } else {
-            let correction = (*m - new_max).exp();
+            let correction = (*m - new_max).exp2_fused();
             *l = *l * correction + sum;
             acc.iter_mut().for_each(|x| *x *= correction);
         }
@@ -230,13 +233,14 @@ simd_kernel! {
 }
 
 simd_kernel! {
-    /// One query row of a backward tile: the probabilities `exp(scale·s − lse)` of its visible
-    /// scores in place of `s`, 0 elsewhere.
-    fn probabilities_row<T: Real>(s: &mut [T], seen: (usize, usize), scale: T, lse: T) {
+    /// One query row of a backward tile: the probabilities `2^(scale2·s − lse2)` = `exp(scale·s −
+    /// lse)` of its visible scores in place of `s` (`scale2` and `lse2` in units of log2(e)), 0
+    /// elsewhere.
+    fn probabilities_row<T: Real>(s: &mut [T], seen: (usize, usize), scale2: T, lse2: T) {
         let ((lo, hi), n) = (seen, s.len());
         s[..lo].fill(T::ZERO);
         s[hi..n].fill(T::ZERO);
-        simd::exp_affine_sum(&mut s[lo..hi], scale, lse);
+        exp2_rows::affine_sum(&mut s[lo..hi], scale2, lse2);
     }
 }
 
@@ -302,7 +306,7 @@ pub(crate) fn forward<T: Real>(
     check_lengths(&b, q.len(), k.len(), v.len(), out.len(), lse.len());
     let s = b.shape;
     let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
-    let scale = T::ONE / T::of(d as f64).sqrt();
+    let scale2 = T::of(std::f64::consts::LOG2_E / (d as f64).sqrt());
     let (br, bc) = tile(&b);
     let bf16 = products == Products::Bf16;
     let (out_p, lse_p) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
@@ -348,7 +352,7 @@ pub(crate) fn forward<T: Real>(
                     online_softmax_row(
                         &mut w.scores[i * n..(i + 1) * n],
                         visible(&b, r0 + i, (c0, c1)),
-                        scale,
+                        scale2,
                         &mut w.max[i],
                         &mut w.sum[i],
                         &mut w.acc[i * d..(i + 1) * d],
@@ -382,7 +386,9 @@ pub(crate) fn forward<T: Real>(
                     for (o, &a) in o.iter_mut().zip(&w.acc[i * d..(i + 1) * d]) {
                         *o = a * inv;
                     }
-                    *lse_i = w.max[i] + T::of(w.sum[i].to_f64().ln());
+                    // Back to natural units: ln(2^max · sum).
+                    let max = w.max[i].to_f64() * std::f64::consts::LN_2;
+                    *lse_i = T::of(max + w.sum[i].to_f64().ln());
                 }
             }
         }
@@ -444,14 +450,15 @@ pub(crate) fn merge<T: Real>(
     );
 }
 
-/// Per task: a tile of probabilities and one of their gradients, and D = rowsum(dO ⊙ O) of the
-/// query head in hand.
+/// Per task: a tile of probabilities and one of their gradients, and per query row of the head in
+/// hand D = rowsum(dO ⊙ O) and the log-sum-exp in units of log2(e).
 struct BackwardScratch<T> {
     probs: Vec<T>,
     dprobs: Vec<T>,
     /// The row stride of `probs` and `dprobs`: a tile's columns and [`ROW_PAD`].
     stride: usize,
     delta: Vec<T>,
+    lse2: Vec<T>,
 }
 
 /// One block's share of the gradients at Q, K and V, recomputing each tile's probabilities from the
@@ -479,6 +486,7 @@ pub(crate) fn backward_block<T: Real>(
     let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
     let group = s.heads / s.kv_heads;
     let scale = T::ONE / T::of(d as f64).sqrt();
+    let scale2 = T::of(std::f64::consts::LOG2_E / (d as f64).sqrt());
     let (br, bc) = tile(&b);
     let bf16 = products == Products::Bf16;
     let (dq_p, dk_p, dv_p) = (
@@ -492,6 +500,7 @@ pub(crate) fn backward_block<T: Real>(
         dprobs: vec![T::ZERO; br * stride],
         stride,
         delta: vec![T::ZERO; tq],
+        lse2: vec![T::ZERO; tq],
     };
     // One task per (sequence, KV head): the query heads that share a KV head accumulate into its
     // dK/dV one after another, so no two tasks write the same element.
@@ -510,6 +519,9 @@ pub(crate) fn backward_block<T: Real>(
             for (i, delta) in w.delta.iter_mut().enumerate() {
                 let row = qo + i * qw;
                 *delta = simd::dot(&dout[row..row + d], &out[row..row + d]);
+            }
+            for (lse2, &lse) in w.lse2.iter_mut().zip(lse) {
+                *lse2 = T::of(lse.to_f64() * std::f64::consts::LOG2_E);
             }
             let head = HeadViews {
                 q: q[qo..].as_ptr(),
@@ -530,7 +542,7 @@ pub(crate) fn backward_block<T: Real>(
                     // SAFETY: this task alone writes the kvh columns of dK and dV and its query
                     // heads' columns of dQ, for sequence `seq`; the tile's rows lie inside the
                     // checked lengths.
-                    unsafe { backward_tile(&b, w, &head, (r0, r1), keys, lse, (scale, bf16)) };
+                    unsafe { backward_tile(&b, w, &head, (r0, r1), keys, (scale, scale2), bf16) };
                 }
             }
         }
@@ -564,8 +576,8 @@ unsafe fn backward_tile<T: Real>(
     h: &HeadViews<T>,
     (r0, r1): (usize, usize),
     (c0, c1): (usize, usize),
-    lse: &[T],
-    (scale, bf16): (T, bool),
+    (scale, scale2): (T, T),
+    bf16: bool,
 ) {
     let (m, n, d) = (r1 - r0, c1 - c0, b.shape.head_dim);
     let (qw, kw, ps) = (h.qw, h.kw, w.stride);
@@ -586,7 +598,7 @@ unsafe fn backward_tile<T: Real>(
     );
     for i in 0..m {
         let row = &mut w.probs[i * ps..i * ps + n];
-        probabilities_row(row, visible(b, r0 + i, (c0, c1)), scale, lse[r0 + i]);
+        probabilities_row(row, visible(b, r0 + i, (c0, c1)), scale2, w.lse2[r0 + i]);
     }
     let (dv, dk) = (h.dv.add(c0 * kw), h.dk.add(c0 * kw));
     gemm_raw(

@@ -8,6 +8,7 @@ mod attention;
 mod attention_materialized;
 pub mod bf16_gemm;
 mod embedding;
+mod exp2_rows;
 mod f32_gemm;
 #[cfg(test)]
 mod finite_difference;
