@@ -41,9 +41,14 @@ fn affine_sum_f32(xs: &mut [f32], scale: f32, shift: f32) -> f32 {
     if crate::kernels::simd::has_avx2() {
         // SAFETY: the CPU has AVX2 and FMA, checked just above.
         unsafe { avx2::affine_sums(xs, scale, shift, &mut sums) };
-        return sums.iter().fold(0.0, |s, &x| s + x);
+        return total(&sums);
     }
     portable_affine_sums(xs, scale, shift, &mut sums);
+    total(&sums)
+}
+
+/// The lanes of a row's sum added in order (both copies).
+fn total(sums: &[f32; SUMS]) -> f32 {
     sums.iter().fold(0.0, |s, &x| s + x)
 }
 
@@ -152,7 +157,7 @@ mod tests {
             let mut portable = xs.clone();
             let mut sums = [0f32; SUMS];
             portable_affine_sums(&mut portable, scale, shift, &mut sums);
-            let portable_sum = sums.iter().fold(0.0, |s, &x| s + x);
+            let portable_sum = total(&sums);
             assert_eq!(fast, portable, "length {len}");
             assert_eq!(fast_sum.to_bits(), portable_sum.to_bits(), "length {len}");
             for (&x, &y) in xs.iter().zip(&fast) {
