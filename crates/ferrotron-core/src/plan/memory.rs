@@ -2,7 +2,7 @@
 
 use super::spec::{ActivationModel, AttentionKernel, PlanModel};
 use super::{MemoryTerms, PlanInput};
-use crate::layout::{Layout, Recompute};
+use crate::layout::{CpComm, Layout, Recompute};
 use crate::model::{is_projection_weight, Arch, LoraConfig, LoraTarget, ModelConfig, TargetSplit};
 
 /// Parameters one device of stage `stage` holds before any ZeRO sharding: its layers' share under
@@ -235,9 +235,11 @@ fn recompute_working_set(
 /// compute precision), beyond the stash, the larger of its two halves: the MLP's (the input
 /// projections' output gradients and the norm output's gradient, whole rows before their
 /// reduction; the activation's gradient takes the place of the stashed activation, freed once its
-/// weight gradient is formed) and attention's (the output's gradient, q, k and v's, the norm output's; under
-/// selective recompute of materialised attention the recomputed probabilities; the memory-efficient
-/// kernel's tiles are a few kilobytes).
+/// weight gradient is formed) and attention's, which runs after the activation is gone (the
+/// output's gradient, q, k and v's; under selective recompute of materialised attention the
+/// recomputed probabilities; then the memory-efficient kernel's scratch and context parallelism's
+/// blocks, see [`attention_kernel_scratch`] and [`context_buffers`], or once they are gone the
+/// norm output's gradient).
 fn backward_working_set(
     cfg: &ModelConfig,
     l: &Layout,
@@ -255,15 +257,17 @@ fn backward_working_set(
         Arch::Llama => tok * (3.0 * f + h),
         Arch::Gpt2 => tok * (2.0 * f + h),
     };
-    // The stashed activation (in the activation storage) is freed as its gradient forms.
+    // The stashed activation (in the activation storage) is freed as its gradient forms, before
+    // attention's half starts (a dense block's; experts keep theirs in their own stash).
     let freed = tok * f * act_bytes;
+    let freed_before_attention = if cfg.moe.is_none() { freed } else { 0.0 };
     let flash = attention == AttentionKernel::Flash;
     let probs = if l.recompute == Recompute::Selective && !flash {
         l.micro_batch_size as f64 * (cfg.num_heads as f64 / t) * (local * seq) as f64
     } else {
         0.0
     };
-    let attention = tok * (qkvo + h) + probs;
+    let attention = tok * qkvo + probs;
     // A 16-bit stash is widened to f32 as each backward half reads it: the MLP's pre-activations
     // and its norm's output; attention's output, q, k and v (kept in f32 they are read in place).
     let (mlp_widened, attention_widened) = if act_bytes < 4.0 {
@@ -275,23 +279,40 @@ fn backward_working_set(
     } else {
         (0.0, 0.0)
     };
-    // The memory-efficient kernel's scratch on its thread: a tile of probabilities and one of
-    // their gradients (256 queries × 512 keys at most), its head's K and V transposed (rows of both
-    // padded by 16), and the products' packed right operand (a key tile by a head at most).
     let kernel = if flash {
-        let (br, bc) = (local.min(256) as f64, local.min(512) as f64);
-        let d = cfg.head_dim as f64;
-        2.0 * br * (bc + 16.0) + 2.0 * (local as f64 + 16.0) * d + bc * d.max(16.0)
+        attention_kernel_scratch(cfg, l, local)
     } else {
         0.0
     };
-    (4.0 * (mlp + mlp_widened) - freed).max(4.0 * (attention + attention_widened + kernel))
+    // The kernel's scratch and context parallelism's blocks live while attention's gradients
+    // form; the norm output's gradient only after.
+    let during_kernel = kernel + context_buffers(cfg, l, local).0;
+    let attention_half = 4.0 * (attention + attention_widened) + during_kernel.max(4.0 * tok * h);
+    (4.0 * (mlp + mlp_widened) - freed).max(attention_half - freed_before_attention)
+}
+
+/// The memory-efficient kernel's f32 scratch on its thread for the largest block it is given: a
+/// tile of probabilities and one of their gradients (256 queries × 512 keys at most, rows padded
+/// by 16), its KV head's K and V transposed (rows padded by 16), and the products' packed right
+/// operand (a key tile by a head at most). The block is the device's whole sequence without
+/// context parallelism; the ring's load-balanced blocks are chunks (half a device's tokens);
+/// all-to-all's attention sees whole sequences.
+fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
+    let keys = match (l.cp > 1, l.cp_comm) {
+        (false, _) => local,
+        (true, CpComm::Ring) => (local / 2).max(1),
+        (true, CpComm::A2a) => local * l.cp,
+    };
+    let (br, bc) = (keys.min(256) as f64, keys.min(512) as f64);
+    let d = cfg.head_dim as f64;
+    4.0 * (2.0 * br * (bc + 16.0) + 2.0 * (keys as f64 + 16.0) * d + bc * d.max(16.0))
 }
 
 /// Context parallelism's f32 buffers on one device for `local` tokens per sequence, as measured at
-/// the device's peak: (working, messages). Working, on top of the stash while a layer's attention
-/// runs: a K/V block (the ring's in hand; all-to-all's head-split K and V) and an output-sized
-/// buffer (a block's output before it merges; the head-split output). Messages in flight (the
+/// the device's peak: (working, messages). Working, beside attention's backward: the ring's K/V
+/// block in hand, the dK/dV it adds to and the one passing through; all-to-all's head-split Q, K,
+/// V, output, output gradient and the three input gradients, over whole sequences (a device's KV
+/// heads at least one: replicated where there are fewer than the group). Messages in flight (the
 /// copies sends keep until they are taken): the ring's K/V blocks and dK/dV sums passing through,
 /// about five blocks at the backward's peak; all-to-all's shares of Q, K, V, the output and its
 /// gradient.
@@ -301,11 +322,15 @@ fn context_buffers(cfg: &ModelConfig, l: &Layout, local: usize) -> (f64, f64) {
     }
     let tok = (l.micro_batch_size * local) as f64;
     let w = cfg.attention_widths(l.tp);
-    let messages = match l.cp_comm {
-        crate::layout::CpComm::Ring => 5.0 * (w.k + w.v),
-        crate::layout::CpComm::A2a => w.q + w.k + w.v + 2.0 * w.out,
+    let (working, messages) = match l.cp_comm {
+        CpComm::Ring => (3.0 * (w.k + w.v), 5.0 * (w.k + w.v)),
+        CpComm::A2a => {
+            let one_head = (l.cp * cfg.head_dim) as f64;
+            let (k, v) = (w.k.max(one_head), w.v.max(one_head));
+            (2.0 * (w.q + k + v + w.out), w.q + w.k + w.v + 2.0 * w.out)
+        }
     };
-    (4.0 * tok * (w.k + w.v + w.out), 4.0 * tok * messages)
+    (4.0 * tok * working, 4.0 * tok * messages)
 }
 
 /// One layer's stash for one micro-batch on one device, and the layers of this stage's largest
@@ -339,9 +364,7 @@ fn block_working_set(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
     let act_bytes = input.precision.weights.bytes();
     let local = super::local_seq(input, l);
     let boundary = (l.micro_batch_size * local * cfg.hidden_size) as f64 * act_bytes;
-    backward_working_set(cfg, l, input.seq, input.attention, act_bytes)
-        + 2.0 * boundary
-        + context_buffers(cfg, l, local).0
+    backward_working_set(cfg, l, input.seq, input.attention, act_bytes) + 2.0 * boundary
 }
 
 /// The activations one device of `stage` stashes for backward at its peak, holding `in_flight`
