@@ -293,8 +293,9 @@ fn backward_working_set(
 
 /// The memory-efficient kernel's f32 scratch on its thread for the largest block it is given: a
 /// tile of probabilities and one of their gradients (256 queries × 512 keys at most, rows padded
-/// by 16), its KV head's K and V transposed (rows padded by 16), and the products' packed right
-/// operand (a key tile by a head at most). The block is the device's whole sequence without
+/// by 16), each query row's D and log-sum-exp, and the products' right operands packed in panels
+/// of 16 columns: its KV head's Kᵀ, Vᵀ and K, and a row tile's Q and dO. The block is the device's
+/// whole sequence without
 /// context parallelism; the ring's load-balanced blocks are chunks (half a device's tokens);
 /// all-to-all's attention sees whole sequences.
 fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
@@ -304,8 +305,10 @@ fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 
         (true, CpComm::A2a) => local * l.cp,
     };
     let (br, bc) = (keys.min(256) as f64, keys.min(512) as f64);
-    let d = cfg.head_dim as f64;
-    4.0 * (2.0 * br * (bc + 16.0) + 2.0 * (keys as f64 + 16.0) * d + bc * d.max(16.0))
+    let panels = |n: usize| n.div_ceil(16) as f64 * 16.0;
+    let (d, d16, keys16) = (cfg.head_dim as f64, panels(cfg.head_dim), panels(keys));
+    let operands = 2.0 * keys16 * d + keys as f64 * d16 + 2.0 * br * d16;
+    4.0 * (2.0 * br * (bc + 16.0) + 2.0 * keys as f64 + operands)
 }
 
 /// Context parallelism's f32 buffers on one device for `local` tokens per sequence, as measured at

@@ -83,13 +83,7 @@ pub(super) unsafe fn gemm_raw<T: Real>(
 /// Head columns `[off, off + d)` of the `t` token rows of `x` (row stride `width`), transposed to
 /// `d` rows of `t` (row stride `t +` [`ROW_PAD`]): Kᵀ and Vᵀ as right operands with contiguous
 /// rows.
-pub(super) fn transposed_head<T: Real>(
-    x: &[T],
-    off: usize,
-    width: usize,
-    t: usize,
-    d: usize,
-) -> Vec<T> {
+fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usize) -> Vec<T> {
     // In blocks of 16 tokens, so that each output row is written 16 contiguous elements at a time
     // while the block's 16 input rows stay in L1.
     const BLOCK: usize = 16;
@@ -119,18 +113,144 @@ pub(super) fn bf16_reads_heads_in_place<T: Real>(products: Products) -> bool {
         && super::bf16_gemm::best_path() != super::bf16_gemm::Path::F32Gemm
 }
 
-/// Kᵀ (or Vᵀ) of the head at columns `off..` as a right operand: the transposed copy `xt` where
-/// one was made, else the head itself through strides.
-pub(super) fn head_transposed_view<T: Real>(
-    xt: &Option<Vec<T>>,
-    x: &[T],
-    off: usize,
-    width: usize,
-    t: usize,
-) -> (*const T, usize, usize) {
-    match xt {
-        Some(xt) => (xt.as_ptr(), t + ROW_PAD, 1),
-        None => (x[off..].as_ptr(), 1, width),
+/// How one call's products run, chosen once: the bf16 GEMM reading heads in place, the f32
+/// register-tile kernel on operands packed once per head, or the `gemm` crate on transposed copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ProductPath {
+    Bf16InPlace,
+    #[cfg(target_arch = "x86_64")]
+    Packed(small_gemm::Kernel),
+    Copied,
+}
+
+pub(super) fn product_path<T: Real>(products: Products) -> ProductPath {
+    if bf16_reads_heads_in_place::<T>(products) {
+        return ProductPath::Bf16InPlace;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+        if let Some(kernel) = small_gemm::best() {
+            return ProductPath::Packed(kernel);
+        }
+    }
+    ProductPath::Copied
+}
+
+/// One head's rows (`t × d`, token-major inside a wider tensor) of K, V, Q or dO, or their
+/// transpose (`d × t`), as the right operand of the tiles' products: made once per head (or row
+/// tile) and read by every tile.
+pub(super) enum HeadOperand<T> {
+    /// Element `(p, j)` at `ptr + p·rs + j·cs`: the head itself.
+    Strided(*const T, usize, usize),
+    /// A transposed copy and its row stride.
+    Copied(Vec<T>, usize),
+    #[cfg(target_arch = "x86_64")]
+    Packed(small_gemm::Packed),
+}
+
+impl<T: Real> HeadOperand<T> {
+    pub(super) fn empty() -> Self {
+        HeadOperand::Strided(std::ptr::null(), 0, 0)
+    }
+
+    /// Makes this operand the head at columns `off..off + d` of the `t` rows of `x` (row stride
+    /// `width`), transposed or not, reusing its packed buffer.
+    pub(super) fn set(
+        &mut self,
+        path: ProductPath,
+        x: &[T],
+        (off, width): (usize, usize),
+        (t, d): (usize, usize),
+        transposed: bool,
+    ) {
+        assert!(
+            t == 0 || off + (t - 1) * width + d <= x.len(),
+            "attention: a head outside its tensor"
+        );
+        let head = x[off..].as_ptr();
+        *self = match path {
+            #[cfg(target_arch = "x86_64")]
+            ProductPath::Packed(kernel) => {
+                let mut packed = match std::mem::replace(self, HeadOperand::empty()) {
+                    HeadOperand::Packed(p) => p,
+                    _ => small_gemm::Packed::new(kernel),
+                };
+                let (shape, view) = if transposed {
+                    ((d, t), (head.cast(), 1, width))
+                } else {
+                    ((t, d), (head.cast(), width, 1))
+                };
+                // SAFETY: the head's elements lie inside `x` (asserted); T is f32 on this path.
+                unsafe { packed.pack(shape, view) };
+                HeadOperand::Packed(packed)
+            }
+            ProductPath::Copied if transposed => {
+                HeadOperand::Copied(transposed_head(x, off, width, t, d), t + ROW_PAD)
+            }
+            _ if transposed => HeadOperand::Strided(head, 1, width),
+            _ => HeadOperand::Strided(head, width, 1),
+        };
+    }
+
+    /// The operand from row `row0` and column `col0` on.
+    pub(super) fn at(&self, row0: usize, col0: usize) -> Right<'_, T> {
+        match self {
+            // SAFETY (both): offsets inside the operand, which the products' shapes respect.
+            HeadOperand::Strided(ptr, rs, cs) => {
+                Right::Strided(unsafe { ptr.add(row0 * rs + col0 * cs) }, *rs, *cs)
+            }
+            HeadOperand::Copied(xt, rs) => {
+                Right::Strided(unsafe { xt.as_ptr().add(row0 * rs + col0) }, *rs, 1)
+            }
+            #[cfg(target_arch = "x86_64")]
+            HeadOperand::Packed(p) => Right::Packed(p, row0, col0),
+        }
+    }
+}
+
+/// A product's right operand: through strides, or packed.
+#[derive(Clone, Copy)]
+pub(super) enum Right<'a, T> {
+    Strided(*const T, usize, usize),
+    #[cfg(target_arch = "x86_64")]
+    Packed(&'a small_gemm::Packed, usize, usize),
+    #[cfg(not(target_arch = "x86_64"))]
+    #[allow(dead_code)]
+    Never(std::marker::PhantomData<&'a T>),
+}
+
+/// [`gemm_raw`] with the right operand a [`Right`].
+///
+/// # Safety
+/// As [`gemm_raw`].
+pub(super) unsafe fn product<T: Real>(
+    mnk: (usize, usize, usize),
+    a: (*const T, usize, usize),
+    b: Right<'_, T>,
+    c: (*mut T, usize, usize),
+    accumulate: bool,
+    mask: Causal,
+    bf16: bool,
+) {
+    match b {
+        Right::Strided(ptr, rs, cs) => gemm_raw(mnk, a, (ptr, rs, cs), c, accumulate, mask, bf16),
+        #[cfg(target_arch = "x86_64")]
+        Right::Packed(packed, row0, col0) => {
+            assert!(
+                c.2 == 1,
+                "attention: a packed product's output rows are contiguous"
+            );
+            small_gemm::gemm_f32_packed(
+                mnk,
+                (a.0.cast(), a.1, a.2),
+                (packed, row0, col0),
+                (c.0.cast(), c.1),
+                accumulate,
+                mask,
+            )
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Right::Never(_) => unreachable!(),
     }
 }
 
@@ -282,13 +402,15 @@ fn check_lengths(b: &AttnBlock, q: usize, k: usize, v: usize, out: usize, lse: u
     );
 }
 
-/// Per task: a tile of scores, the output rows being accumulated, and each row's running maximum
-/// and sum.
+/// Per task: a tile of scores, the output rows being accumulated, each row's running maximum and
+/// sum, and the head's Kᵀ and V as right operands.
 struct ForwardScratch<T> {
     scores: Vec<T>,
     acc: Vec<T>,
     max: Vec<T>,
     sum: Vec<T>,
+    kt: HeadOperand<T>,
+    v: HeadOperand<T>,
 }
 
 /// One block of attention: its output rows (normalised over the block's keys) and, per (sequence,
@@ -308,13 +430,15 @@ pub(crate) fn forward<T: Real>(
     let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
     let scale2 = T::of(std::f64::consts::LOG2_E / (d as f64).sqrt());
     let (br, bc) = tile(&b);
-    let bf16 = products == Products::Bf16;
+    let (bf16, path) = (products == Products::Bf16, product_path::<T>(products));
     let (out_p, lse_p) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
     let scratch = || ForwardScratch {
         scores: vec![T::ZERO; br * bc],
         acc: vec![T::ZERO; br * d],
         max: vec![T::ZERO; br],
         sum: vec![T::ZERO; br],
+        kt: HeadOperand::empty(),
+        v: HeadOperand::empty(),
     };
     threads.for_tasks_with(s.batch * s.heads, scratch, |w, task| {
         let (seq, h) = (task / s.heads, task % s.heads);
@@ -322,9 +446,8 @@ pub(crate) fn forward<T: Real>(
         let qo = (seq * b.q.rows + b.q.first) * qw + h * d;
         let ko = (seq * b.k.rows + b.k.first) * kw + kvh * d;
         let lo = (seq * s.heads + h) * b.q.rows + b.q.first;
-        let kt =
-            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, tk, d));
-        let kt_view = head_transposed_view(&kt, k, ko, kw, tk);
+        w.kt.set(path, k, (ko, kw), (tk, d), true);
+        w.v.set(path, v, (ko, kw), (tk, d), false);
         for r0 in (0..tq).step_by(br) {
             let r1 = (r0 + br).min(tq);
             let m = r1 - r0;
@@ -338,10 +461,10 @@ pub(crate) fn forward<T: Real>(
                 // checked above); scores and acc are this task's scratch.
                 unsafe {
                     // S = Q·Kᵀ over the tile.
-                    gemm_raw(
+                    product(
                         (m, n, d),
                         (q.as_ptr().add(qo + r0 * qw), qw, 1),
-                        (kt_view.0.add(c0 * kt_view.2), kt_view.1, kt_view.2),
+                        w.kt.at(0, c0),
                         (w.scores.as_mut_ptr(), n, 1),
                         false,
                         columns,
@@ -360,10 +483,10 @@ pub(crate) fn forward<T: Real>(
                 }
                 unsafe {
                     // O += P·V over the tile.
-                    gemm_raw(
+                    product(
                         (m, d, n),
                         (w.scores.as_ptr(), n, 1),
-                        (v.as_ptr().add(ko + c0 * kw), kw, 1),
+                        w.v.at(c0, 0),
                         (w.acc.as_mut_ptr(), d, 1),
                         true,
                         depth_up_to,
@@ -450,8 +573,8 @@ pub(crate) fn merge<T: Real>(
     );
 }
 
-/// Per task: a tile of probabilities and one of their gradients, and per query row of the head in
-/// hand D = rowsum(dO ⊙ O) and the log-sum-exp in units of log2(e).
+/// Per task: a tile of probabilities and one of their gradients, per query row of the head in hand
+/// D = rowsum(dO ⊙ O) and the log-sum-exp in units of log2(e), and the right operands.
 struct BackwardScratch<T> {
     probs: Vec<T>,
     dprobs: Vec<T>,
@@ -459,6 +582,12 @@ struct BackwardScratch<T> {
     stride: usize,
     delta: Vec<T>,
     lse2: Vec<T>,
+    /// The KV head's Kᵀ, Vᵀ and K, and the row tile's Q and dO, as right operands.
+    kt: HeadOperand<T>,
+    vt: HeadOperand<T>,
+    k: HeadOperand<T>,
+    q_rows: HeadOperand<T>,
+    dout_rows: HeadOperand<T>,
 }
 
 /// One block's share of the gradients at Q, K and V, recomputing each tile's probabilities from the
@@ -488,7 +617,7 @@ pub(crate) fn backward_block<T: Real>(
     let scale = T::ONE / T::of(d as f64).sqrt();
     let scale2 = T::of(std::f64::consts::LOG2_E / (d as f64).sqrt());
     let (br, bc) = tile(&b);
-    let bf16 = products == Products::Bf16;
+    let (bf16, path) = (products == Products::Bf16, product_path::<T>(products));
     let (dq_p, dk_p, dv_p) = (
         SendPtr(dq.as_mut_ptr()),
         SendPtr(dk.as_mut_ptr()),
@@ -501,17 +630,20 @@ pub(crate) fn backward_block<T: Real>(
         stride,
         delta: vec![T::ZERO; tq],
         lse2: vec![T::ZERO; tq],
+        kt: HeadOperand::empty(),
+        vt: HeadOperand::empty(),
+        k: HeadOperand::empty(),
+        q_rows: HeadOperand::empty(),
+        dout_rows: HeadOperand::empty(),
     };
     // One task per (sequence, KV head): the query heads that share a KV head accumulate into its
     // dK/dV one after another, so no two tasks write the same element.
     threads.for_tasks_with(s.batch * s.kv_heads, scratch, |w, task| {
         let (seq, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let ko = (seq * b.k.rows + b.k.first) * kw + kvh * d;
-        let in_place = bf16_reads_heads_in_place::<T>(products);
-        let kt = (!in_place).then(|| transposed_head(k, ko, kw, tk, d));
-        let kt_view = head_transposed_view(&kt, k, ko, kw, tk);
-        let vt = (!in_place).then(|| transposed_head(v, ko, kw, tk, d));
-        let vt_view = head_transposed_view(&vt, v, ko, kw, tk);
+        w.kt.set(path, k, (ko, kw), (tk, d), true);
+        w.vt.set(path, v, (ko, kw), (tk, d), true);
+        w.k.set(path, k, (ko, kw), (tk, d), false);
         for j in 0..group {
             let h = kvh * group + j;
             let qo = (seq * b.q.rows + b.q.first) * qw + h * d;
@@ -527,9 +659,6 @@ pub(crate) fn backward_block<T: Real>(
                 q: q[qo..].as_ptr(),
                 dout: dout[qo..].as_ptr(),
                 qw,
-                k: k[ko..].as_ptr(),
-                kt: kt_view,
-                vt: vt_view,
                 kw,
                 // SAFETY: offsets inside the checked lengths.
                 dq: unsafe { dq_p.get().add(qo) },
@@ -538,6 +667,9 @@ pub(crate) fn backward_block<T: Real>(
             };
             for r0 in (0..tq).step_by(br) {
                 let r1 = (r0 + br).min(tq);
+                let rows = (qo + r0 * qw, qw);
+                w.q_rows.set(path, q, rows, (r1 - r0, d), false);
+                w.dout_rows.set(path, dout, rows, (r1 - r0, d), false);
                 for keys in key_tiles(&b, (r0, r1), bc) {
                     // SAFETY: this task alone writes the kvh columns of dK and dV and its query
                     // heads' columns of dQ, for sequence `seq`; the tile's rows lie inside the
@@ -549,15 +681,12 @@ pub(crate) fn backward_block<T: Real>(
     });
 }
 
-/// One head of a backward task: its query-side rows (from row 0 of the block, row stride `qw`) and
-/// key-side rows (stride `kw`), Kᵀ and Vᵀ as right operands, and where its gradients go.
+/// One head of a backward task: its query-side rows (from row 0 of the block, row stride `qw`), the
+/// key-side row stride `kw`, and where its gradients go.
 struct HeadViews<T> {
     q: *const T,
     dout: *const T,
     qw: usize,
-    k: *const T,
-    kt: (*const T, usize, usize),
-    vt: (*const T, usize, usize),
     kw: usize,
     dq: *mut T,
     dk: *mut T,
@@ -583,14 +712,10 @@ unsafe fn backward_tile<T: Real>(
     let (qw, kw, ps) = (h.qw, h.kw, w.stride);
     let (dor, qr) = (h.dout.add(r0 * qw), h.q.add(r0 * qw));
     let [columns, depth_up_to, depth_from] = tile_masks(b, r0, c0);
-    let (kt, vt) = (
-        (h.kt.0.add(c0 * h.kt.2), h.kt.1, h.kt.2),
-        (h.vt.0.add(c0 * h.vt.2), h.vt.1, h.vt.2),
-    );
-    gemm_raw(
+    product(
         (m, n, d),
         (qr, qw, 1),
-        kt,
+        w.kt.at(0, c0),
         (w.probs.as_mut_ptr(), ps, 1),
         false,
         columns,
@@ -601,19 +726,19 @@ unsafe fn backward_tile<T: Real>(
         probabilities_row(row, visible(b, r0 + i, (c0, c1)), scale2, w.lse2[r0 + i]);
     }
     let (dv, dk) = (h.dv.add(c0 * kw), h.dk.add(c0 * kw));
-    gemm_raw(
+    product(
         (n, d, m),
         (w.probs.as_ptr(), 1, ps),
-        (dor, qw, 1),
+        w.dout_rows.at(0, 0),
         (dv, kw, 1),
         true,
         depth_from,
         bf16,
     );
-    gemm_raw(
+    product(
         (m, n, d),
         (dor, qw, 1),
-        vt,
+        w.vt.at(0, c0),
         (w.dprobs.as_mut_ptr(), ps, 1),
         false,
         columns,
@@ -624,20 +749,20 @@ unsafe fn backward_tile<T: Real>(
         let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
         score_gradient_row(dp, p, visible(b, r0 + i, (c0, c1)), w.delta[r0 + i], scale);
     }
-    let (ds, k) = (w.dprobs.as_ptr(), (h.k.add(c0 * kw), kw, 1));
-    gemm_raw(
+    let ds = w.dprobs.as_ptr();
+    product(
         (m, d, n),
         (ds, ps, 1),
-        k,
+        w.k.at(c0, 0),
         (h.dq.add(r0 * qw), qw, 1),
         true,
         depth_up_to,
         bf16,
     );
-    gemm_raw(
+    product(
         (n, d, m),
         (ds, 1, ps),
-        (qr, qw, 1),
+        w.q_rows.at(0, 0),
         (dk, kw, 1),
         true,
         depth_from,

@@ -2,9 +2,7 @@
 //! every head's T×T probabilities, which backward reads. Kept only as the tests' reference for
 //! [`super::attention`].
 
-use super::attention::{
-    bf16_reads_heads_in_place, gemm_raw, head_transposed_view, transposed_head,
-};
+use super::attention::{bf16_reads_heads_in_place, gemm_raw, product, product_path, HeadOperand};
 use super::small_gemm::Causal;
 use super::threads::SendPtr;
 use super::threads::Threads;
@@ -90,19 +88,18 @@ pub(crate) fn forward<T: Real>(
         let (qo, ko) = (b * t * qw + h * d, b * t * kw + kvh * d);
         // SAFETY: each task owns head h of sequence b: its T×T block of `probs` and its column
         // block of `out`; lengths were checked above.
-        let kt =
-            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(k, ko, kw, t, d));
-        let kt_view = head_transposed_view(&kt, k, ko, kw, t);
+        let mut kt = HeadOperand::empty();
+        kt.set(product_path::<T>(products), k, (ko, kw), (t, d), true);
         unsafe {
             let p = probs_p.get().add(task * t * t);
             // Row block [r0, r1) attends to keys [0, r1): the masked upper triangle is skipped.
             for (r0, r1) in row_blocks::<T>(products, t) {
                 let (m, pb) = (r1 - r0, p.add(r0 * t));
                 // S = Q·Kᵀ, then softmax, then O = P·V
-                gemm_raw(
+                product(
                     (m, r1, d),
                     (q.as_ptr().add(qo + r0 * qw), qw, 1),
-                    kt_view,
+                    kt.at(0, 0),
                     (pb, t, 1),
                     false,
                     Causal::Columns(r0),
@@ -162,9 +159,8 @@ pub(crate) fn backward<T: Real>(
     threads.for_tasks_with(s.batch * s.kv_heads, scratch, |ds, task| {
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let ko = b * t * kw + kvh * d;
-        let vt =
-            (!bf16_reads_heads_in_place::<T>(products)).then(|| transposed_head(v, ko, kw, t, d));
-        let vt_view = head_transposed_view(&vt, v, ko, kw, t);
+        let mut vt = HeadOperand::empty();
+        vt.set(product_path::<T>(products), v, (ko, kw), (t, d), true);
         // The first block writes dK and dV at its keys; with several blocks, later ones reach
         // keys it did not: those start from zero.
         let one_block = row_blocks::<T>(products, t).nth(1).is_none();
@@ -189,10 +185,10 @@ pub(crate) fn backward<T: Real>(
                 // blocks of dk and dv for sequence b. Rows [r0, r1) involve keys [0, r1) only.
                 unsafe {
                     // dP = dO·Vᵀ ;  dV += Pᵀ·dO
-                    gemm_raw(
+                    product(
                         (m, r1, d),
                         (dor, qw, 1),
-                        vt_view,
+                        vt.at(0, 0),
                         (dsb.as_mut_ptr(), t, 1),
                         false,
                         Causal::Columns(r0),

@@ -2,7 +2,8 @@
 //! × 16 columns (12 accumulators, two vectors of `b` and a broadcast of `a`): reading a 16-column
 //! strip of `b` in place would walk rows 2–16 KiB apart, which alias in L1 and miss; so `b` is
 //! packed once per product into 16-column panels, each row of a panel 64 contiguous bytes, zero
-//! beyond `n`. `a` is read in place through its strides (six rows stay in L1 across panels).
+//! beyond `n` (or once for many products: [`super::Packed`]). `a` is read in place through its
+//! strides (six rows stay in L1 across panels).
 
 use super::Causal;
 use std::arch::x86_64::*;
@@ -19,7 +20,8 @@ thread_local! {
     static PANELS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// [`super::gemm_f32`] on AVX2+FMA.
+/// [`super::gemm_f32`] on AVX2+FMA: `b` packed into this thread's panels, then
+/// [`gemm_panels`].
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(
     (m, n, k): (usize, usize, usize),
@@ -34,41 +36,62 @@ pub(super) unsafe fn gemm(
     }
     PANELS.with(|panels| {
         let mut panels = panels.borrow_mut();
-        pack(&mut panels, (n, k), b);
-        let mut i0 = 0;
-        while i0 < m {
-            let rows = (m - i0).min(MR);
-            let (n, depth) = mask.needed(i0, MR, n, k);
-            let a_tile = (a.0.add(i0 * a.1 + depth.start * a.2), a.1, a.2);
-            let mut j0 = 0;
-            while j0 < n {
-                let tile = Tile {
-                    k: depth.len(),
-                    a: a_tile,
-                    b: panels.as_ptr().add(j0 * k + depth.start * NR),
-                    c: (c.0.add(i0 * c.1 + j0), c.1),
-                    cols: (n - j0).min(NR),
-                    accumulate,
-                };
-                match rows {
-                    6 => tile.run::<6>(),
-                    5 => tile.run::<5>(),
-                    4 => tile.run::<4>(),
-                    3 => tile.run::<3>(),
-                    2 => tile.run::<2>(),
-                    _ => tile.run::<1>(),
-                }
-                j0 += NR;
-            }
-            i0 += MR;
-        }
+        pack(&mut panels, (k, n), (b.0, b.1, 1));
+        gemm_panels((m, n, k), a, (panels.as_ptr(), k * NR), c, accumulate, mask);
     });
 }
 
-/// `b[k×n]` (row stride `b.1`) into `panels`: panel `j` holds columns `[16j, 16j + 16)`, row by
-/// row, zeros past `n`.
+/// `c (+)= a·b` with `b` already packed by [`pack`]: `b.0` at the product's first row and first
+/// panel, `b.1` elements from one panel to the next.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack(panels: &mut Vec<f32>, (n, k): (usize, usize), b: (*const f32, usize)) {
+pub(super) unsafe fn gemm_panels(
+    (m, n, k): (usize, usize, usize),
+    a: (*const f32, usize, usize),
+    b: (*const f32, usize),
+    c: (*mut f32, usize),
+    accumulate: bool,
+    mask: Causal,
+) {
+    let mut i0 = 0;
+    while i0 < m {
+        let rows = (m - i0).min(MR);
+        let (n, depth) = mask.needed(i0, MR, n, k);
+        let a_tile = (a.0.add(i0 * a.1 + depth.start * a.2), a.1, a.2);
+        let mut j0 = 0;
+        while j0 < n {
+            let tile = Tile {
+                k: depth.len(),
+                a: a_tile,
+                b: b.0.add(j0 / NR * b.1 + depth.start * NR),
+                c: (c.0.add(i0 * c.1 + j0), c.1),
+                cols: (n - j0).min(NR),
+                accumulate,
+            };
+            match rows {
+                6 => tile.run::<6>(),
+                5 => tile.run::<5>(),
+                4 => tile.run::<4>(),
+                3 => tile.run::<3>(),
+                2 => tile.run::<2>(),
+                _ => tile.run::<1>(),
+            }
+            j0 += NR;
+        }
+        i0 += MR;
+    }
+}
+
+/// The columns of a panel.
+pub(super) const PANEL: usize = NR;
+
+/// `b[k×n]` (element `(p, j)` at `b.0 + p·b.1 + j·b.2`) into `panels`: panel `j` holds columns
+/// `[16j, 16j + 16)`, row by row, zeros past `n`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn pack(
+    panels: &mut Vec<f32>,
+    (k, n): (usize, usize),
+    b: (*const f32, usize, usize),
+) {
     let count = n.div_ceil(NR);
     if panels.len() < count * k * NR {
         panels.resize(count * k * NR, 0.0);
@@ -76,6 +99,20 @@ unsafe fn pack(panels: &mut Vec<f32>, (n, k): (usize, usize), b: (*const f32, us
     for j in 0..count {
         let (j0, cols) = (j * NR, (n - j * NR).min(NR));
         let panel = &mut panels[j * k * NR..(j + 1) * k * NR];
+        if b.2 != 1 {
+            // Columns apart (a transposed view): each column's elements down the panel, the
+            // source read along its contiguous rows where it has them.
+            for col in 0..NR {
+                for (p, row) in panel.chunks_exact_mut(NR).enumerate() {
+                    row[col] = if col < cols {
+                        *b.0.add(p * b.1 + (j0 + col) * b.2)
+                    } else {
+                        0.0
+                    };
+                }
+            }
+            continue;
+        }
         for (p, row) in panel.chunks_exact_mut(NR).enumerate() {
             let src = b.0.add(p * b.1 + j0);
             if cols == NR {

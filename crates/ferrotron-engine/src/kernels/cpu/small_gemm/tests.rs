@@ -159,3 +159,61 @@ fn kernels() -> Vec<Kernel> {
     }
     k
 }
+
+/// A product reading a packed operand (from a row-major or a transposed view, from any row and any
+/// 16th column) gives the bits of the same product packing `b` itself, masks included.
+#[test]
+fn a_packed_operand_gives_the_same_bits() {
+    for kernel in kernels() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let (rows, cols) = (70, 53);
+        let b: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        // The same matrix stored transposed: element (p, j) at p + j·rows.
+        let mut bt = vec![0f32; rows * cols];
+        for p in 0..rows {
+            for j in 0..cols {
+                bt[p + j * rows] = b[p * cols + j];
+            }
+        }
+        let mut packed = super::Packed::new(kernel);
+        for transposed in [false, true] {
+            let view = if transposed {
+                (bt.as_ptr(), 1, rows)
+            } else {
+                (b.as_ptr(), cols, 1)
+            };
+            unsafe { packed.pack((rows, cols), view) };
+            for &(m, n, k, row0, col0) in
+                &[(9, 53, 70, 0, 0), (13, 21, 40, 30, 32), (6, 5, 1, 69, 48)]
+            {
+                let a: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                for mask in [Causal::None, Causal::Columns(2), Causal::DepthUpTo(3)] {
+                    let (mut want, mut got) = (vec![0.5f32; m * n], vec![0.5f32; m * n]);
+                    unsafe {
+                        super::gemm_f32_on(
+                            kernel,
+                            (m, n, k),
+                            (a.as_ptr(), k, 1),
+                            (b.as_ptr().add(row0 * cols + col0), cols),
+                            (want.as_mut_ptr(), n),
+                            true,
+                            mask,
+                        );
+                        super::gemm_f32_packed(
+                            (m, n, k),
+                            (a.as_ptr(), k, 1),
+                            (&packed, row0, col0),
+                            (got.as_mut_ptr(), n),
+                            true,
+                            mask,
+                        );
+                    }
+                    assert_eq!(
+                        want, got,
+                        "{kernel:?} {m}x{n}x{k} at ({row0}, {col0}) {mask:?}"
+                    );
+                }
+            }
+        }
+    }
+}
