@@ -295,9 +295,8 @@ fn backward_working_set(
 /// tile of probabilities and one of their gradients (256 queries × 512 keys at most, rows padded
 /// by 16), each query row's D and log-sum-exp, and the products' right operands packed in panels
 /// of 16 columns: its KV head's Kᵀ, Vᵀ and K, and a row tile's Q and dO. The block is the device's
-/// whole sequence without
-/// context parallelism; the ring's load-balanced blocks are chunks (half a device's tokens);
-/// all-to-all's attention sees whole sequences.
+/// whole sequence without context parallelism; the ring's load-balanced blocks are chunks (half a
+/// device's tokens); all-to-all's attention sees whole sequences.
 fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
     let keys = match (l.cp > 1, l.cp_comm) {
         (false, _) => local,
