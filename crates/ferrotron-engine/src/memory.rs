@@ -189,25 +189,29 @@ unsafe impl GlobalAlloc for TrackingAllocator {
 #[global_allocator]
 static GLOBAL: TrackingAllocator = TrackingAllocator;
 
-/// Moves `v`'s allocation to `term`, on the device it is charged to: a buffer idle in a cache (the
-/// threads backend's message pools) is `other`, reserved and not in use, as a caching allocator's
-/// reserve is; taken out again, it counts where it is used.
-pub fn retag<T>(v: &Vec<T>, term: Term) {
+/// Moves `v`'s allocation to `term` on the calling thread's device (or on the device it is
+/// charged to, from a thread of none): a buffer that passes between devices counts where it is now
+/// held. The threads backend's pooled message buffers: a sender's communication buffer while they
+/// carry its message; idle in a receiver's pool, that receiver's `other`, reserved and not in use,
+/// as a caching allocator's reserve is.
+pub fn charge_to_this_device<T>(v: &Vec<T>, term: Term) {
     let bytes = v.capacity() * std::mem::size_of::<T>();
     if bytes == 0 {
         return;
     }
+    let here = CURRENT.try_with(Cell::get).map_or(NO_DEVICE, |(d, _)| d);
     // SAFETY: a vector with capacity owns an allocation of exactly `bytes` from the global
     // allocator, which is this module's: its header (device, term) lies in front of the data. The
     // caller owns `v`, so nothing frees it meanwhile.
     unsafe {
         let p = v.as_ptr() as *mut u8;
-        let device = (p.sub(4) as *const u16).read_unaligned();
-        let old = p.sub(2).read();
-        if old == term as u8 {
+        let (old_device, old_term) = ((p.sub(4) as *const u16).read_unaligned(), p.sub(2).read());
+        let device = if here == NO_DEVICE { old_device } else { here };
+        if (old_device, old_term) == (device, term as u8) {
             return;
         }
-        charge(device, old, -(bytes as i64));
+        charge(old_device, old_term, -(bytes as i64));
+        (p.sub(4) as *mut u16).write_unaligned(device);
         p.sub(2).write(term as u8);
         charge(device, term as u8, bytes as i64);
     }
@@ -498,17 +502,31 @@ mod tests {
             let m = device_memory(d);
             assert_eq!(m.live[0] - before.live[0], 1 << 20);
             assert!(m.live[4] - before.live[4] >= 400_000);
-            // A buffer moved to another term (a pooled message idle in its cache) counts there,
-            // and is freed from there.
+            // A buffer moved to another term (a pooled message idle in its cache) counts there;
+            // taken up on another device's thread (a sender's message), it counts on that
+            // device, and is freed from there, whichever thread frees it.
             let pooled = {
                 let _g = scope(Term::CommBuffers);
                 vec![0u64; 1000]
             };
-            retag(&pooled, Term::Other);
+            charge_to_this_device(&pooled, Term::Other);
             let m = device_memory(d);
             assert_eq!(m.live[5], before.live[5]);
             assert_eq!(m.live[6] - before.live[6], 8000);
+            let other = MAX_DEVICES - 2;
+            let other_before = device_memory(other);
+            let pooled = std::thread::spawn(move || {
+                set_device(other);
+                charge_to_this_device(&pooled, Term::CommBuffers);
+                clear_device();
+                pooled
+            })
+            .join()
+            .unwrap();
+            assert_eq!(device_memory(d).live[6], before.live[6]);
+            assert_eq!(device_memory(other).live[5] - other_before.live[5], 8000);
             drop(pooled);
+            assert_eq!(device_memory(other).live, other_before.live);
             drop(w);
             drop(a);
             let after = device_memory(d);

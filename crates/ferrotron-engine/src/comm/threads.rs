@@ -78,7 +78,7 @@ fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
         match fits {
             Some(i) => {
                 let v = free.swap_remove(i);
-                crate::memory::retag(&v, crate::memory::Term::CommBuffers);
+                crate::memory::charge_to_this_device(&v, crate::memory::Term::CommBuffers);
                 v
             }
             None => {
@@ -283,8 +283,9 @@ impl ThreadComm {
         t.s.time_blocked_s += wait - moving;
         t.s.bytes_received += msg.bytes as u64;
         let result = consume(view::<T>(&msg.payload, msg.len));
-        // Idle in the pool, the buffer is reserve (`other`) until a message takes it again.
-        crate::memory::retag(&msg.payload, crate::memory::Term::Other);
+        // Idle in this receiver's pool, the buffer is its reserve (`other`) until a sender takes
+        // it again.
+        crate::memory::charge_to_this_device(&msg.payload, crate::memory::Term::Other);
         self.pools[self.rank]
             .lock()
             .expect("pool lock")
