@@ -65,8 +65,8 @@ type Pool = Arc<Mutex<Vec<Vec<u64>>>>;
 
 /// Copies `data` into a buffer from `pool` (the smallest that holds it), or a new one. When none
 /// holds it, the pool's largest is freed first: a buffer too small for the messages now passing
-/// would only linger. A pooled buffer counts as `other` (reserve) while idle and as a
-/// communication buffer while it carries a message.
+/// would only linger. A pooled buffer counts as its receiver's `other` (reserve) while idle and as
+/// the sender's communication buffer while it carries a message.
 fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
     let bytes = std::mem::size_of_val(data);
     let words = bytes.div_ceil(8);
