@@ -154,7 +154,9 @@ impl<T: Real> HeadOperand<T> {
     }
 
     /// Makes this operand the head at columns `off..off + d` of the `t` rows of `x` (row stride
-    /// `width`), transposed or not, reusing its packed buffer.
+    /// `width`), transposed or not, reusing its packed buffer. The inputs of one kernel call do not
+    /// change, and the operand lives in that call's scratch: the head it already holds (the next
+    /// query head of a grouped KV head) is not packed again.
     pub(super) fn set(
         &mut self,
         path: ProductPath,
@@ -180,8 +182,10 @@ impl<T: Real> HeadOperand<T> {
                 } else {
                     ((t, d), (head.cast(), width, 1))
                 };
-                // SAFETY: the head's elements lie inside `x` (asserted); T is f32 on this path.
-                unsafe { packed.pack(shape, view) };
+                if !packed.holds(shape, view) {
+                    // SAFETY: the head's elements lie inside `x` (asserted); T is f32 here.
+                    unsafe { packed.pack(shape, view) };
+                }
                 HeadOperand::Packed(packed)
             }
             ProductPath::Copied if transposed => {

@@ -96,7 +96,13 @@ pub(crate) struct Packed {
     data: Vec<f32>,
     k: usize,
     n: usize,
+    /// The view last laid out: shape, then pointer and strides.
+    source: Option<PackedView>,
 }
+
+/// What [`Packed::pack`] laid out: `(k, n)` and `(address, row stride, column stride)`.
+#[cfg(target_arch = "x86_64")]
+type PackedView = ((usize, usize), (usize, usize, usize));
 
 #[cfg(target_arch = "x86_64")]
 impl Packed {
@@ -107,7 +113,14 @@ impl Packed {
             data: Vec::new(),
             k: 0,
             n: 0,
+            source: None,
         }
+    }
+
+    /// Whether the last [`Packed::pack`] laid out this very view (same shape, address and
+    /// strides): a caller whose source has not changed since need not pack it again.
+    pub(crate) fn holds(&self, (k, n): (usize, usize), b: (*const f32, usize, usize)) -> bool {
+        self.source == Some(((k, n), (b.0 as usize, b.1, b.2)))
     }
 
     /// Lays out `b[k×n]`, element `(p, j)` at `b.0 + p·b.1 + j·b.2` (a transposed view is
@@ -117,6 +130,7 @@ impl Packed {
     /// Every element the view names lies inside its allocation; the CPU runs the kernel.
     pub(crate) unsafe fn pack(&mut self, (k, n): (usize, usize), b: (*const f32, usize, usize)) {
         (self.k, self.n) = (k, n);
+        self.source = Some(((k, n), (b.0 as usize, b.1, b.2)));
         match self.kernel {
             Kernel::Avx2 => avx2::pack(&mut self.data, (k, n), b),
             Kernel::Avx512 => {
