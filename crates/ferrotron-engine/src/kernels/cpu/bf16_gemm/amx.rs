@@ -159,6 +159,7 @@ impl Tiles for Amx {
     unsafe fn micro(
         kp: usize,
         a: *const u32,
+        _: super::APanel,
         b: *const u32,
         c: *mut f32,
         c_rs: usize,

@@ -1,8 +1,8 @@
 //! The AVX512_BF16 path (Zen 4/5, Cooper Lake and later Xeons): its blocking and its `MR × NR`
 //! micro-kernel of `vdpbf16ps`, 28 accumulators held in registers down k.
 
-use super::pack::pack;
-use super::{Operand, Tiles};
+use super::pack::{pack, pack_rows};
+use super::{APanel, Operand, Tiles};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -38,6 +38,16 @@ impl Tiles for Avx512 {
     fn block_pairs(kpairs: usize) -> usize {
         kpairs.div_ceil(kpairs.div_ceil(MAX_KC_PAIRS))
     }
+    /// Row by row where k is contiguous (activations, attention's probabilities and scores: each
+    /// row rounded in place of a 16 × 16 transposition per 32 values, the micro-kernel's
+    /// broadcasts reading 14 rows' runs instead of one), pair by pair otherwise.
+    fn a_panel(a: Operand, kp: usize) -> APanel {
+        if a.strides().1 == 1 {
+            APanel { row: kp, pair: 1 }
+        } else {
+            APanel { row: 1, pair: MR }
+        }
+    }
     fn pack_a(
         a: Operand,
         t0: usize,
@@ -49,7 +59,11 @@ impl Tiles for Avx512 {
         out: &mut [u32],
     ) {
         let (rs, cs) = a.strides();
-        pack(a, rs, cs, t0, rows, tn, k0, kn, kp, MR, out);
+        if Self::a_panel(a, kp).pair == 1 {
+            pack_rows(a, rs, t0, rows, tn, k0, kn, kp, out);
+        } else {
+            pack(a, rs, cs, t0, rows, tn, k0, kn, kp, MR, out);
+        }
     }
     /// Masked stores: attention's blocks of 64 rows end in a part panel every time.
     const PART_BLOCKS: bool = true;
@@ -61,6 +75,7 @@ impl Tiles for Avx512 {
     unsafe fn micro(
         kp: usize,
         a: *const u32,
+        a_panel: APanel,
         b: *const u32,
         c: *mut f32,
         c_rs: usize,
@@ -68,18 +83,23 @@ impl Tiles for Avx512 {
         rows: usize,
         cols: usize,
     ) {
-        micro_kernel(kp, a, b, c, c_rs, add, rows, cols)
+        if a_panel.pair == 1 {
+            micro_kernel::<true>(kp, (a, a_panel.row), b, c, c_rs, add, rows, cols)
+        } else {
+            micro_kernel::<false>(kp, (a, 0), b, c, c_rs, add, rows, cols)
+        }
     }
 }
 
 /// `c[MR×NR] (+)= a_panel · b_panel` over `kp` k-pairs, of which the first `rows × cols` are
-/// stored (masked stores: nothing outside them is touched).
+/// stored (masked stores: nothing outside them is touched). The panel of `a` is row by row
+/// (`ROWS`: row `r` from `a + r·a_rs`) or pair by pair (`[pair][MR]`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn micro_kernel(
+pub(super) unsafe fn micro_kernel<const ROWS: bool>(
     kp: usize,
-    a: *const u32,
+    (a, a_rs): (*const u32, usize),
     b: *const u32,
     c: *mut f32,
     c_rs: usize,
@@ -100,7 +120,12 @@ pub(super) unsafe fn micro_kernel(
         let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
         let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
         for (r, acc) in acc.iter_mut().enumerate() {
-            let pair: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + r) as i32));
+            let at = if ROWS {
+                a.add(r * a_rs + p)
+            } else {
+                a.add(p * MR + r)
+            };
+            let pair: __m512bh = std::mem::transmute(_mm512_set1_epi32(*at as i32));
             acc[0] = _mm512_dpbf16_ps(acc[0], pair, b0);
             acc[1] = _mm512_dpbf16_ps(acc[1], pair, b1);
         }
@@ -126,9 +151,9 @@ pub(super) unsafe fn micro_kernel(
 
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn micro_kernel(
+pub(super) unsafe fn micro_kernel<const ROWS: bool>(
     _: usize,
-    _: *const u32,
+    _: (*const u32, usize),
     _: *const u32,
     _: *mut f32,
     _: usize,

@@ -277,13 +277,17 @@ pub(super) unsafe fn rows_against<P: Tiles>(
                     continue;
                 }
                 let bp = pb.as_ptr().add((jn * kp + pairs.start) * nr);
+                // The panel's pairs from the first needed: packed alone (depth-masked: a run of
+                // `pairs.len()`), or the panel whole (from pair 0).
                 let ap = pa.as_ptr().add((im * kp + pairs.start) * mr);
+                let layout = P::a_panel(a, if depth_masked { pairs.len() } else { kp });
                 let dst = c.add(i * c_rs + j);
                 if (rows == mr && cols == nr) || P::PART_BLOCKS {
-                    P::micro(pairs.len(), ap, bp, dst, c_rs, add, rows, cols);
+                    P::micro(pairs.len(), ap, layout, bp, dst, c_rs, add, rows, cols);
                 } else {
                     let tile = tile.get_or_insert_with(|| Box::new(EdgeTile([0.0; 32 * 32])));
-                    P::micro(pairs.len(), ap, bp, tile.0.as_mut_ptr(), nr, false, mr, nr);
+                    let edge = tile.0.as_mut_ptr();
+                    P::micro(pairs.len(), ap, layout, bp, edge, nr, false, mr, nr);
                     for r in 0..rows {
                         for q in 0..cols {
                             let d = dst.add(r * c_rs + q);

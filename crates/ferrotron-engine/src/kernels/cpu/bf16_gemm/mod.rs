@@ -67,6 +67,7 @@ mod amx {
         unsafe fn micro(
             _: usize,
             _: *const u32,
+            _: super::APanel,
             _: *const u32,
             _: *mut f32,
             _: usize,
@@ -438,6 +439,14 @@ pub(super) trait Tiles {
         kp: usize,
         out: &mut [u32],
     );
+    /// Where [`Tiles::pack_a`] puts pair `p` of row `r` of a panel `kp` pairs deep of `a` (pair by
+    /// pair unless a path lays some operands out otherwise).
+    fn a_panel(_a: Operand, _kp: usize) -> APanel {
+        APanel {
+            row: 1,
+            pair: Self::MR,
+        }
+    }
     /// Before and after a thread's blocks (the tiles' configuration).
     ///
     /// # Safety
@@ -454,7 +463,8 @@ pub(super) trait Tiles {
     /// such a block goes through a scratch tile, and `micro` only ever sees whole ones.
     const PART_BLOCKS: bool = false;
     /// `c (+)= a_panel · b_panel` over `kp` k-pairs, the first `rows × cols` of the `MR × NR`
-    /// block stored (all of it unless [`Tiles::PART_BLOCKS`]).
+    /// block stored (all of it unless [`Tiles::PART_BLOCKS`]); `a_panel` says where the panel of
+    /// `a` holds each pair ([`Tiles::a_panel`]).
     ///
     /// # Safety
     /// The panels hold `kp` pairs of `MR` rows and `NR` columns; `c` holds the `rows × cols` part.
@@ -462,6 +472,7 @@ pub(super) trait Tiles {
     unsafe fn micro(
         kp: usize,
         a: *const u32,
+        a_panel: APanel,
         b: *const u32,
         c: *mut f32,
         c_rs: usize,
@@ -469,6 +480,16 @@ pub(super) trait Tiles {
         rows: usize,
         cols: usize,
     );
+}
+
+/// Where a packed panel of `a` holds pair `p` of its row `r`: `r·row + p·pair` (in pairs) from the
+/// panel's start. Pair by pair (`[pair][MR]`: row 1, pair `MR`) suits the micro-kernels' reading
+/// order; row by row (`[MR][kp]`: row `kp`, pair 1) makes packing a k-contiguous operand a plain
+/// rounding of each row, with no transposition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct APanel {
+    pub row: usize,
+    pub pair: usize,
 }
 
 /// Without the instruction: the operands rounded to bf16, multiplied by the f32 GEMM.

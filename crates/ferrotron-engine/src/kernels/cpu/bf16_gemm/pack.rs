@@ -60,6 +60,64 @@ pub(super) fn pack(
     zero_padding(o, rows.div_ceil(w) * w, tmax, kp, kmax.div_ceil(2), at);
 }
 
+/// Writes the panels of rows `t0..t0 + rows` of an operand whose k is contiguous (row stride `ts`)
+/// over all of `o` (panels of rows, the last one zero-padded), each `kp` k-pairs deep and laid
+/// out row by row (`[rows][kp]`): pair `p` of row `t` of a panel at `t·kp + p` holds `x(t, k0 + 2p)`
+/// (low half) and `x(t, k0 + 2p + 1)`; zero beyond `tn` and `kn`. Each row is 32 values rounded
+/// and stored at a time, nothing transposed.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pack_rows(
+    x: Operand,
+    ts: usize,
+    t0: usize,
+    rows: usize,
+    tn: usize,
+    k0: usize,
+    kn: usize,
+    kp: usize,
+    o: &mut [u32],
+) {
+    if kp == 0 {
+        return;
+    }
+    // Panels of rows one after the other are rows one after the other: row `t` at `t·kp`.
+    let padded_rows = o.len() / kp;
+    assert!(
+        o.len() == padded_rows * kp && padded_rows >= rows,
+        "bf16 gemm: packed block's size"
+    );
+    let tmax = tn.saturating_sub(t0).min(rows);
+    let kmax = kn.saturating_sub(k0).min(2 * kp);
+    let pairs = kmax.div_ceil(2);
+    for t in 0..padded_rows {
+        let row = &mut o[t * kp..(t + 1) * kp];
+        if t >= tmax {
+            row.fill(0);
+            continue;
+        }
+        // SAFETY: the caller checked the view; `available()` holds on this path.
+        unsafe { round_row(x, (t0 + t) * ts + k0, kmax, &mut row[..pairs]) };
+        row[pairs..].fill(0);
+    }
+}
+
+/// `kmax` consecutive values from `start`, rounded to bf16, as `kmax.div_ceil(2)` pairs over all of
+/// `o` (a last odd value pairs with zero).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn round_row(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
+    for (i, run) in o.chunks_mut(16).enumerate() {
+        let values = (kmax - 32 * i).min(32);
+        let v = load_pairs(x, start + 32 * i, values);
+        let mask = ((1u32 << run.len()) - 1) as __mmask16;
+        _mm512_mask_storeu_epi32(run.as_mut_ptr().cast(), mask, v);
+    }
+}
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn round_row(_: Operand, _: usize, _: usize, _: &mut [u32]) {
+    unreachable!("available() is false off x86_64")
+}
+
 /// Zeroes what a packing leaves unwritten in a block of `rows` padded rows × `kp` pairs, pair `p` of
 /// row `t` at `at(p, t)`: the rows from `tmax` on and the pairs from `pairs` on (the buffers are
 /// reused, not cleared: zero pairs add nothing, and the padded rows' results are never stored).

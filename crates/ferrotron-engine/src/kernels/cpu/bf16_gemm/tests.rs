@@ -1,4 +1,4 @@
-use super::pack::pack;
+use super::pack::{pack, pack_rows};
 use super::*;
 use rand::{Rng, SeedableRng};
 
@@ -98,6 +98,59 @@ fn packed_panels_hold_exactly_the_operand_s_pairs() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Row-by-row panels (the AVX512_BF16 path's `a` where k is contiguous): pair `p` of row `t` at
+/// `t·kp + p`, with rows and k cut short by the operand's edge, odd k, depths padded past the data,
+/// a depth of zero, f32 and bf16 operands; nothing written outside the block. Exact equality.
+#[test]
+fn row_panels_hold_exactly_the_operand_s_pairs() {
+    if !available() {
+        eprintln!("no AVX512_BF16 here: the packing routines are not used");
+        return;
+    }
+    let (rows_all, cols_all) = (83, 157);
+    let (xf, xb) = random_operand(rows_all * cols_all, 12);
+    for &(t0, rows, k0, kp, padded) in &[
+        (0, 64, 0, 40, 70),
+        (5, 45, 3, 70, 56),
+        (60, 40, 100, 35, 42),
+        (0, 1, 0, 1, 14),
+        (3, 14, 9, 0, 14),
+    ] {
+        for x in [
+            Operand::F32(&xf, cols_all, 1),
+            Operand::Bf16(&xb, cols_all, 1),
+        ] {
+            let size = padded * kp;
+            let mut got = vec![0xdead_beef_u32; size + 6];
+            pack_rows(
+                x,
+                cols_all,
+                t0,
+                rows,
+                rows_all,
+                k0,
+                cols_all,
+                kp,
+                &mut got[3..size + 3],
+            );
+            let mut want = vec![0u32; size];
+            for t in 0..rows.min(rows_all - t0) {
+                for p in 0..kp {
+                    let at = |kk: usize| (t0 + t) * cols_all + kk;
+                    want[t * kp + p] = pair_bits(x, at, k0 + 2 * p, cols_all);
+                }
+            }
+            let around = [&got[..3], &got[size + 3..]];
+            assert!(around == [[0xdead_beef; 3]; 2], "written outside its block");
+            assert!(
+                got[3..size + 3] == want[..],
+                "t0 {t0} rows {rows} k0 {k0} kp {kp}: first difference at {:?}",
+                got[3..].iter().zip(&want).position(|(a, b)| a != b)
+            );
         }
     }
 }
