@@ -347,8 +347,11 @@ mod tests {
         let scratch = memory::device_memory(dev).peak_other() - before;
         memory::clear_device();
         assert!(scratch > 0, "the panel is counted");
+        // A copy of the matrix would be 8 MB in f32 (4 MB in bf16). What is allowed is the panel
+        // and the f32 GEMM's own packing buffers, which the `gemm` crate sizes from the CPU's
+        // caches: under 1.05 MB on a 512 KiB-L2 Zen 1, 1.31 MB on a 1 MiB-L2 Zen 4.
         assert!(
-            (scratch as usize) <= f32_bytes / 8,
+            (scratch as usize) <= f32_bytes / 4,
             "{scratch} bytes of scratch for a {f32_bytes}-byte f32 matrix"
         );
     }
