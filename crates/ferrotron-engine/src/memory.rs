@@ -298,6 +298,11 @@ impl DeviceMemory {
     pub fn peak_other(&self) -> u64 {
         self.peak[6]
     }
+    /// What of the peak total was the kernels' workspace (`other`), held at that moment: the part
+    /// of the total no plan counts (its own peak may come at another moment and be larger).
+    pub fn other_at_peak(&self) -> u64 {
+        self.at_peak[6]
+    }
 }
 
 /// What device `device` holds now and has held at most since the last [`reset_peaks`].

@@ -102,7 +102,8 @@ fn mid_sized_llama() -> (
 /// Prints measured and predicted peaks per term, and checks the weights, gradients, optimizer
 /// state, activations and total within 10% (communication buffers printed only: pooled message
 /// buffers grow with how many messages happen to be in flight). `unplanned` bytes of the measured
-/// total are left out of the comparison (the kernels' workspace, which follows this CPU's caches).
+/// total are left out of the comparison (the kernels' workspace held at the peak, which follows
+/// this CPU's caches).
 fn assert_terms_near(
     what: &str,
     got: &ferrotron_core::plan::MemoryTerms,
@@ -230,14 +231,14 @@ fn assert_lora_memory_near(
                 &format!("LoRA {spec} device {d}"),
                 &m.peak_terms(),
                 &plan.memory_bytes_per_stage[d / (l.tp * l.dp)],
-                m.peak_other(),
+                m.other_at_peak(),
             );
         }
     }
 }
 
 /// Each device's peaks per term over two whole training steps of `l` in `precision` (the update
-/// included), and what it held beyond the terms (`other`: the kernels' workspace).
+/// included), and what it held beyond the terms at its peak (`other`: the kernels' workspace).
 fn trained_peaks(
     cfg: &ferrotron_core::model::ModelConfig,
     params: &ferrotron_engine::transformer::ParamStore,
@@ -275,7 +276,7 @@ fn trained_peaks(
                     stop: &|| false,
                 },
                 &mut |_, _, _, r| {
-                    last = Some((r.memory.peak_terms(), r.memory.peak_other()));
+                    last = Some((r.memory.peak_terms(), r.memory.other_at_peak()));
                     Ok(())
                 },
             )?;

@@ -113,10 +113,12 @@ pub(super) fn bf16_reads_heads_in_place<T: Real>(products: Products) -> bool {
         && super::bf16_gemm::best_path() != super::bf16_gemm::Path::F32Gemm
 }
 
-/// How one call's products run, chosen once: the bf16 GEMM reading heads in place, the f32
-/// register-tile kernel on operands packed once per head, or the `gemm` crate on transposed copies.
+/// How one call's products run, chosen once: the bf16 GEMM on right operands packed once per head
+/// (AVX512_BF16) or reading heads in place (AMX, which packs per product), the f32 register-tile
+/// kernel on operands packed once per head, or the `gemm` crate on transposed copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ProductPath {
+    Bf16Packed,
     Bf16InPlace,
     #[cfg(target_arch = "x86_64")]
     Packed(small_gemm::Kernel),
@@ -125,6 +127,9 @@ pub(super) enum ProductPath {
 
 pub(super) fn product_path<T: Real>(products: Products) -> ProductPath {
     if bf16_reads_heads_in_place::<T>(products) {
+        if super::bf16_gemm::PackedB::available() {
+            return ProductPath::Bf16Packed;
+        }
         return ProductPath::Bf16InPlace;
     }
     #[cfg(target_arch = "x86_64")]
@@ -146,6 +151,8 @@ pub(super) enum HeadOperand<T> {
     Copied(Vec<T>, usize),
     #[cfg(target_arch = "x86_64")]
     Packed(small_gemm::Packed),
+    /// Rounded to bf16 and packed for the bf16 GEMM.
+    PackedBf16(super::bf16_gemm::PackedB),
 }
 
 impl<T: Real> HeadOperand<T> {
@@ -188,6 +195,23 @@ impl<T: Real> HeadOperand<T> {
                 }
                 HeadOperand::Packed(packed)
             }
+            ProductPath::Bf16Packed => {
+                let mut packed = match std::mem::replace(self, HeadOperand::empty()) {
+                    HeadOperand::PackedBf16(p) => p,
+                    _ => super::bf16_gemm::PackedB::new(),
+                };
+                let (shape, view) = if transposed {
+                    ((d, t), (head.cast(), 1, width))
+                } else {
+                    ((t, d), (head.cast(), width, 1))
+                };
+                if !packed.holds(shape, view) {
+                    // SAFETY: the head's elements lie inside `x` (asserted); T is f32 on the bf16
+                    // path, which runs here.
+                    unsafe { packed.pack(shape, view) };
+                }
+                HeadOperand::PackedBf16(packed)
+            }
             ProductPath::Copied if transposed => {
                 HeadOperand::Copied(transposed_head(x, off, width, t, d), t + ROW_PAD)
             }
@@ -208,6 +232,7 @@ impl<T: Real> HeadOperand<T> {
             }
             #[cfg(target_arch = "x86_64")]
             HeadOperand::Packed(p) => Right::Packed(p, row0, col0),
+            HeadOperand::PackedBf16(p) => Right::PackedBf16(p, row0, col0),
         }
     }
 }
@@ -218,6 +243,7 @@ pub(super) enum Right<'a, T> {
     Strided(*const T, usize, usize),
     #[cfg(target_arch = "x86_64")]
     Packed(&'a small_gemm::Packed, usize, usize),
+    PackedBf16(&'a super::bf16_gemm::PackedB, usize, usize),
     #[cfg(not(target_arch = "x86_64"))]
     #[allow(dead_code)]
     Never(std::marker::PhantomData<&'a T>),
@@ -252,6 +278,22 @@ pub(super) unsafe fn product<T: Real>(
                 accumulate,
                 mask,
             )
+        }
+        Right::PackedBf16(packed, row0, col0) => {
+            use super::bf16_gemm::{gemm_packed_b, Operand};
+            assert!(
+                c.2 == 1,
+                "attention: a packed product's output rows are contiguous"
+            );
+            let (m, _, k) = mnk;
+            let av = std::slice::from_raw_parts(a.0.cast::<f32>(), extent(m, k, a.1, a.2));
+            let a_f32 = Operand::F32(av, a.1, a.2);
+            let b = (packed, row0, col0);
+            if !gemm_packed_b(mnk, a_f32, b, c.0.cast(), c.1, accumulate, mask) {
+                // Not on its panels' edges: the view itself.
+                let (ptr, rs, cs) = packed.view_at(row0, col0);
+                gemm_raw(mnk, a, (ptr.cast(), rs, cs), c, accumulate, mask, bf16);
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         Right::Never(_) => unreachable!(),

@@ -150,8 +150,11 @@ pub(super) unsafe fn blocked<P: Tiles>(
                             std::hint::spin_loop();
                         }
                     }
-                    // SAFETY: every panel is written (above) and no longer written.
-                    let pb = std::slice::from_raw_parts(pb_ptr.get(), panels * panel);
+                    // Every panel is written (above) and no longer written.
+                    let pb = BPanels {
+                        at: pb_ptr.get(),
+                        pairs: kp,
+                    };
                     // SAFETY: the threads write disjoint rows of `c`, all inside it.
                     while let Some(rows) = claim_rows(&next_row, m, mr, parts) {
                         rows_against::<P>(
@@ -221,6 +224,15 @@ pub(super) fn needed<P: Tiles>(
     }
 }
 
+/// Packed panels of `b`, `NR` columns each: panel `j`'s pair `p` from `at + (j·pairs + p)·NR`. A
+/// block packed for one product, or a part of an operand packed once for many
+/// ([`super::PackedB`]), whose panels are deeper than the product.
+#[derive(Clone, Copy)]
+pub(super) struct BPanels {
+    pub at: *const u32,
+    pub pairs: usize,
+}
+
 /// `c[rows, jc..jc + nc] (+)= a[rows, pairs] · b-block` on this thread: `pb` is the block of `b`
 /// packed (`kp` pairs from pair `pc`, of `k` values), the rows' blocks of `a` packed here. Under a
 /// causal `mask`, the micro-tiles past its edge are skipped, and those along it run over the pairs
@@ -234,7 +246,7 @@ pub(super) unsafe fn rows_against<P: Tiles>(
     rows: std::ops::Range<usize>,
     m: usize,
     (pc, kp, k): (usize, usize, usize),
-    pb: &[u32],
+    pb: BPanels,
     (jc, nc, n): (usize, usize, usize),
     c: *mut f32,
     c_rs: usize,
@@ -276,7 +288,7 @@ pub(super) unsafe fn rows_against<P: Tiles>(
                 if j >= columns || (pairs.is_empty() && add) {
                     continue;
                 }
-                let bp = pb.as_ptr().add((jn * kp + pairs.start) * nr);
+                let bp = pb.at.add((jn * pb.pairs + pairs.start) * nr);
                 // The panel's pairs from the first needed: packed alone (depth-masked: a run of
                 // `pairs.len()`), or the panel whole (from pair 0).
                 let ap = pa.as_ptr().add((im * kp + pairs.start) * mr);

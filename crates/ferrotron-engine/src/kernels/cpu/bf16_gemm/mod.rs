@@ -21,11 +21,13 @@
 //!
 //! This file is the entry (operands, the path chosen, the products' calls, the fallback) and the
 //! contract a path keeps ([`Tiles`]); `blocked.rs` the blocking, the threads of one product and
-//! their claims on `c`; `pack.rs` the packing; `avx512.rs` and `amx.rs` the two paths.
+//! their claims on `c`; `pack.rs` the packing; `packed.rs` a right operand packed once for many
+//! products; `avx512.rs` and `amx.rs` the two paths.
 
 mod avx512;
 mod blocked;
 mod pack;
+mod packed;
 #[cfg(test)]
 mod tests;
 
@@ -33,6 +35,7 @@ use super::small_gemm::Causal;
 use avx512::Avx512;
 use blocked::blocked;
 use half::bf16;
+pub(crate) use packed::{gemm_packed_b, PackedB};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 

@@ -100,9 +100,9 @@ pub(crate) struct Packed {
     source: Option<PackedView>,
 }
 
-/// What [`Packed::pack`] laid out: `(k, n)` and `(address, row stride, column stride)`.
-#[cfg(target_arch = "x86_64")]
-type PackedView = ((usize, usize), (usize, usize, usize));
+/// What a packed operand laid out: `(k, n)` and `(address, row stride, column stride)` (this
+/// kernel's [`Packed`], and the bf16 GEMM's).
+pub(crate) type PackedView = ((usize, usize), (usize, usize, usize));
 
 #[cfg(target_arch = "x86_64")]
 impl Packed {
