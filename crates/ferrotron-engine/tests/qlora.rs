@@ -16,6 +16,8 @@ use ferrotron_engine::memory;
 use ferrotron_engine::storage::Location;
 
 fn case(model: &str) -> LoraCase {
+    // The references' PyTorch summed in 8 lanes (an AVX2 machine; tests/fixtures/README.md).
+    ferrotron_engine::kernels::nf4::reproduce_torch_lanes(8);
     let cfg = hf::read_config(&fixture(model)).unwrap();
     let base = hf::load_params_as(
         &Location::Local(fixture(model)),

@@ -18,6 +18,7 @@ fn mpirun(np: usize, args: &[&str]) -> (bool, String) {
             env!("CARGO_BIN_EXE_ferrotron"),
         ])
         .args(args)
+        .env("ATEN_CPU_CAPABILITY", common::REFERENCE_TORCH)
         .output()
         .expect("mpirun runs (install openmpi-bin)");
     let text = format!(

@@ -144,9 +144,30 @@ fn quantize_blocks(v: &[f32], block: usize, code: &[f32]) -> (Vec<u8>, Vec<f32>)
     (q, absmax)
 }
 
+/// The f32 lanes of the PyTorch whose sums NF4 quantization reproduces, where set
+/// ([`reproduce_torch_lanes`]); 0: the PyTorch this machine runs.
+static TORCH_LANES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Makes NF4 quantization in this process reproduce a PyTorch that sums in `lanes` f32 lanes (8: an
+/// AVX2 machine or build, 16: AVX-512), whatever this machine would run. The double
+/// quantization's offset is a mean, and PyTorch's CPU sum orders its additions by its vector width:
+/// a base quantized by bitsandbytes on another machine agrees bit for bit only at that machine's
+/// width (`ATEN_CPU_CAPABILITY=avx2` in the environment does the same for a whole run).
+pub fn reproduce_torch_lanes(lanes: usize) {
+    assert!(
+        lanes == 8 || lanes == 16,
+        "nf4: PyTorch sums in 8 (AVX2) or 16 (AVX-512) f32 lanes, not {lanes}"
+    );
+    TORCH_LANES.store(lanes, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Which vector width PyTorch's CPU kernels use here (its `ATEN_CPU_CAPABILITY`): 16 f32 lanes
-/// with AVX-512 (F, BW, VL, DQ), 8 otherwise.
+/// with AVX-512 (F, BW, VL, DQ), 8 otherwise; or the width [`reproduce_torch_lanes`] set.
 fn torch_lanes() -> usize {
+    match TORCH_LANES.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => {}
+        lanes => return lanes,
+    }
     match std::env::var("ATEN_CPU_CAPABILITY").as_deref() {
         Ok("default") | Ok("avx2") | Ok("AVX2") => return 8,
         _ => {}

@@ -21,9 +21,14 @@ pub fn path(p: &Path) -> &str {
 pub fn ferrotron(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ferrotron"))
         .args(args)
+        .env("ATEN_CPU_CAPABILITY", REFERENCE_TORCH)
         .output()
         .expect("runs")
 }
+
+/// The PyTorch CPU capability the QLoRA references were made with (an AVX2 machine, whose sums
+/// run in 8 lanes; tests/fixtures/README.md): NF4 quantization reproduces its sums' order.
+pub const REFERENCE_TORCH: &str = "avx2";
 
 /// A command's standard error as text.
 pub fn stderr(o: &Output) -> String {
