@@ -177,17 +177,18 @@ impl<T: Real> HeadOperand<T> {
             "attention: a head outside its tensor"
         );
         let head = x[off..].as_ptr();
+        // The packed paths' view of the head (T is f32 on them).
+        let (shape, view) = if transposed {
+            ((d, t), (head.cast::<f32>(), 1, width))
+        } else {
+            ((t, d), (head.cast::<f32>(), width, 1))
+        };
         *self = match path {
             #[cfg(target_arch = "x86_64")]
             ProductPath::Packed(kernel) => {
                 let mut packed = match std::mem::replace(self, HeadOperand::empty()) {
                     HeadOperand::Packed(p) => p,
                     _ => small_gemm::Packed::new(kernel),
-                };
-                let (shape, view) = if transposed {
-                    ((d, t), (head.cast(), 1, width))
-                } else {
-                    ((t, d), (head.cast(), width, 1))
                 };
                 if !packed.holds(shape, view) {
                     // SAFETY: the head's elements lie inside `x` (asserted); T is f32 here.
@@ -200,14 +201,8 @@ impl<T: Real> HeadOperand<T> {
                     HeadOperand::PackedBf16(p) => p,
                     _ => super::bf16_gemm::PackedB::new(),
                 };
-                let (shape, view) = if transposed {
-                    ((d, t), (head.cast(), 1, width))
-                } else {
-                    ((t, d), (head.cast(), width, 1))
-                };
                 if !packed.holds(shape, view) {
-                    // SAFETY: the head's elements lie inside `x` (asserted); T is f32 on the bf16
-                    // path, which runs here.
+                    // SAFETY: as above; the bf16 path runs here.
                     unsafe { packed.pack(shape, view) };
                 }
                 HeadOperand::PackedBf16(packed)

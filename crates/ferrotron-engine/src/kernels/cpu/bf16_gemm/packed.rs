@@ -8,15 +8,15 @@ use super::avx512::{Avx512, NR};
 use super::blocked::{aligned, rows_against, BPanels};
 use super::pack::pack;
 use super::{best_path, Operand, Path};
-use crate::kernels::cpu::small_gemm::{Causal, PackedView};
+use crate::kernels::cpu::small_gemm::{Causal, PackedFrom};
 
 /// `b[k×n]` packed for the AVX512_BF16 micro-kernel; see the module's doc.
 pub(crate) struct PackedB {
     data: Vec<u32>,
     k: usize,
     n: usize,
-    /// The view last laid out: shape, then pointer and strides.
-    source: Option<PackedView>,
+    /// The view last laid out.
+    source: PackedFrom,
 }
 
 impl PackedB {
@@ -31,20 +31,19 @@ impl PackedB {
             data: Vec::new(),
             k: 0,
             n: 0,
-            source: None,
+            source: PackedFrom(None),
         }
     }
 
-    /// Whether the last [`PackedB::pack`] laid out this very view (same shape, address and
-    /// strides): a caller whose source has not changed since need not pack it again.
-    pub(crate) fn holds(&self, (k, n): (usize, usize), b: (*const f32, usize, usize)) -> bool {
-        self.source == Some(((k, n), (b.0 as usize, b.1, b.2)))
+    /// Whether the last [`PackedB::pack`] laid out this very view ([`PackedFrom::holds`]).
+    pub(crate) fn holds(&self, shape: (usize, usize), b: (*const f32, usize, usize)) -> bool {
+        self.source.holds(shape, b)
     }
 
     /// The view last laid out, from row `row0` and column `col0` on: `(pointer, row stride,
     /// column stride)`, for a product its panels cannot serve.
     pub(crate) fn view_at(&self, row0: usize, col0: usize) -> (*const f32, usize, usize) {
-        let (_, (at, rs, cs)) = self.source.expect("bf16 gemm: an empty packed operand");
+        let (_, (at, rs, cs)) = self.source.0.expect("bf16 gemm: an empty packed operand");
         (
             (at as *const f32).wrapping_add(row0 * rs + col0 * cs),
             rs,
@@ -59,7 +58,7 @@ impl PackedB {
     /// Every element the view names lies inside its allocation; [`PackedB::available`] holds.
     pub(crate) unsafe fn pack(&mut self, (k, n): (usize, usize), b: (*const f32, usize, usize)) {
         (self.k, self.n) = (k, n);
-        self.source = Some(((k, n), (b.0 as usize, b.1, b.2)));
+        self.source.set((k, n), b);
         let kp = k.div_ceil(2);
         let len = n.div_ceil(NR) * kp * NR;
         let values = std::slice::from_raw_parts(b.0, crate::kernels::extent(k, n, b.1, b.2));

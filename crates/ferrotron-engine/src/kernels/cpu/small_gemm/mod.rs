@@ -96,13 +96,28 @@ pub(crate) struct Packed {
     data: Vec<f32>,
     k: usize,
     n: usize,
-    /// The view last laid out: shape, then pointer and strides.
-    source: Option<PackedView>,
+    /// The view last laid out.
+    source: PackedFrom,
 }
 
-/// What a packed operand laid out: `(k, n)` and `(address, row stride, column stride)` (this
-/// kernel's [`Packed`], and the bf16 GEMM's).
+/// The view a packed operand was last laid out from, if any: `(k, n)`, then `(address, row stride,
+/// column stride)` (this kernel's [`Packed`], and the bf16 GEMM's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PackedFrom(pub Option<PackedView>);
+
+/// `(k, n)`, then `(address, row stride, column stride)`.
 pub(crate) type PackedView = ((usize, usize), (usize, usize, usize));
+
+impl PackedFrom {
+    /// Whether it is this very view (same shape, address and strides): a caller whose source has
+    /// not changed since need not pack it again.
+    pub(crate) fn holds(&self, (k, n): (usize, usize), b: (*const f32, usize, usize)) -> bool {
+        self.0 == Some(((k, n), (b.0 as usize, b.1, b.2)))
+    }
+    pub(crate) fn set(&mut self, (k, n): (usize, usize), b: (*const f32, usize, usize)) {
+        self.0 = Some(((k, n), (b.0 as usize, b.1, b.2)));
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 impl Packed {
@@ -113,14 +128,13 @@ impl Packed {
             data: Vec::new(),
             k: 0,
             n: 0,
-            source: None,
+            source: PackedFrom(None),
         }
     }
 
-    /// Whether the last [`Packed::pack`] laid out this very view (same shape, address and
-    /// strides): a caller whose source has not changed since need not pack it again.
-    pub(crate) fn holds(&self, (k, n): (usize, usize), b: (*const f32, usize, usize)) -> bool {
-        self.source == Some(((k, n), (b.0 as usize, b.1, b.2)))
+    /// Whether the last [`Packed::pack`] laid out this very view ([`PackedFrom::holds`]).
+    pub(crate) fn holds(&self, shape: (usize, usize), b: (*const f32, usize, usize)) -> bool {
+        self.source.holds(shape, b)
     }
 
     /// Lays out `b[k×n]`, element `(p, j)` at `b.0 + p·b.1 + j·b.2` (a transposed view is
@@ -130,7 +144,7 @@ impl Packed {
     /// Every element the view names lies inside its allocation; the CPU runs the kernel.
     pub(crate) unsafe fn pack(&mut self, (k, n): (usize, usize), b: (*const f32, usize, usize)) {
         (self.k, self.n) = (k, n);
-        self.source = Some(((k, n), (b.0 as usize, b.1, b.2)));
+        self.source.set((k, n), b);
         match self.kernel {
             Kernel::Avx2 => avx2::pack(&mut self.data, (k, n), b),
             Kernel::Avx512 => {
