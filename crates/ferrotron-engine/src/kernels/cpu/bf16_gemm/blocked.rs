@@ -233,8 +233,9 @@ pub(super) struct BPanels {
     pub pairs: usize,
 }
 
-/// `c[rows, jc..jc + nc] (+)= a[rows, pairs] · b-block` on this thread: `pb` is the block of `b`
-/// packed (`kp` pairs from pair `pc`, of `k` values), the rows' blocks of `a` packed here. Under a
+/// `c[rows, jc..jc + nc] (+)= a[rows, pairs] · b-block` on this thread: `pb` holds the block of `b`
+/// packed (`kp` pairs from pair `pc`, of `k` values, in panels `pb.pairs` deep: `kp` for a block
+/// packed for this product), the rows' blocks of `a` packed here. Under a
 /// causal `mask`, the micro-tiles past its edge are skipped, and those along it run over the pairs
 /// they need (packed alone, panel by panel).
 ///
