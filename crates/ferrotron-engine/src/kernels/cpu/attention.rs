@@ -105,9 +105,10 @@ fn transposed_head<T: Real>(x: &[T], off: usize, width: usize, t: usize, d: usiz
 /// every row would fall in the same cache set and evict the one before.
 pub(super) const ROW_PAD: usize = 16;
 
-/// Whether attention's products run on the bf16 GEMM, which reads a head of K or V in place as
-/// the transposed right operand (its packing transposes anyway): then no transposed copy is made.
-pub(super) fn bf16_reads_heads_in_place<T: Real>(products: Products) -> bool {
+/// Whether attention's products run on the bf16 GEMM (bf16 products on a CPU with bf16
+/// instructions): it takes a head of K or V as a transposed view (its packing transposes anyway),
+/// so no transposed copy is made.
+pub(super) fn on_bf16_gemm<T: Real>(products: Products) -> bool {
     products == Products::Bf16
         && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
         && super::bf16_gemm::best_path() != super::bf16_gemm::Path::F32Gemm
@@ -126,7 +127,7 @@ pub(super) enum ProductPath {
 }
 
 pub(super) fn product_path<T: Real>(products: Products) -> ProductPath {
-    if bf16_reads_heads_in_place::<T>(products) {
+    if on_bf16_gemm::<T>(products) {
         if super::bf16_gemm::PackedB::available() {
             return ProductPath::Bf16Packed;
         }

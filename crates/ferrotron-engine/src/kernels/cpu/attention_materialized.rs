@@ -2,7 +2,7 @@
 //! every head's T×T probabilities, which backward reads. Kept only as the tests' reference for
 //! [`super::attention`].
 
-use super::attention::{bf16_reads_heads_in_place, gemm_raw, product, product_path, HeadOperand};
+use super::attention::{gemm_raw, on_bf16_gemm, product, product_path, HeadOperand};
 use super::small_gemm::Causal;
 use super::threads::SendPtr;
 use super::threads::Threads;
@@ -15,7 +15,7 @@ use ferrotron_core::precision::Products;
 /// the blocks of keys past their last query; on the bf16 GEMM, which skips them tile by tile (and
 /// packs each operand once per product), one block of all `t`.
 fn row_blocks<T: Real>(products: Products, t: usize) -> impl Iterator<Item = (usize, usize)> {
-    let block = if bf16_reads_heads_in_place::<T>(products) {
+    let block = if on_bf16_gemm::<T>(products) {
         t.max(1)
     } else {
         64
