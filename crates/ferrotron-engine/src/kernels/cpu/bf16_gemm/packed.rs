@@ -13,6 +13,8 @@ use crate::kernels::cpu::small_gemm::{Causal, PackedFrom};
 /// `b[k×n]` packed for the AVX512_BF16 micro-kernel; see the module's doc.
 pub(crate) struct PackedB {
     data: Vec<u32>,
+    /// Where in `data` the panels start (its first cache line, as [`aligned`] gave it).
+    start: usize,
     k: usize,
     n: usize,
     /// The view last laid out.
@@ -29,6 +31,7 @@ impl PackedB {
     pub(crate) fn new() -> Self {
         Self {
             data: Vec::new(),
+            start: 0,
             k: 0,
             n: 0,
             source: PackedFrom(None),
@@ -63,27 +66,15 @@ impl PackedB {
         let len = n.div_ceil(NR) * kp * NR;
         let values = std::slice::from_raw_parts(b.0, crate::kernels::extent(k, n, b.1, b.2));
         let x = Operand::F32(values, b.1, b.2);
-        pack(
-            x,
-            b.2,
-            b.1,
-            0,
-            n,
-            n,
-            0,
-            k,
-            kp,
-            NR,
-            aligned(&mut self.data, len),
-        );
+        let o = aligned(&mut self.data, len);
+        let start = o.as_ptr() as usize;
+        pack(x, b.2, b.1, 0, n, n, 0, k, kp, NR, o);
+        self.start = (start - self.data.as_ptr() as usize) / std::mem::size_of::<u32>();
     }
 
     fn panels(&self) -> BPanels {
-        let mut data = self.data.as_ptr();
-        // The panels start where `aligned` put them: the buffer's first cache line.
-        data = data.wrapping_add((64 - data as usize % 64) % 64 / 4);
         BPanels {
-            at: data,
+            at: self.data[self.start..].as_ptr(),
             pairs: self.k.div_ceil(2),
         }
     }
