@@ -300,6 +300,53 @@ fn a_started_all_gather_completes_during_compute_without_polling() {
     );
 }
 
+/// Data parallelism starts a bucket's ring all-reduce and computes the next layer's backward
+/// without polling it: the ring must move on its own (each step leaving when the previous one's
+/// chunk is in, as a device's communication engine would move it), not one step per poll.
+#[test]
+fn a_started_ring_all_reduce_completes_during_compute_without_polling() {
+    let _cores = alone();
+    let gbs = Link {
+        bandwidth_bytes_per_s: 1e9,
+        latency_s: 10e-6,
+    };
+    let world = ThreadWorld::new(4).link(LinkModel {
+        intra: gbs,
+        inter: gbs,
+        devices_per_node: 4,
+    });
+    let run = |overlap: bool| {
+        world
+            .run(|c| {
+                let g = Group::new("dp", vec![0, 1, 2, 3]);
+                // 32 MiB: each rank sends 2 × 3/4 of it in six ring steps, 50 ms on the link.
+                let grads = vec![c.rank() as f32; 8 << 20];
+                let t0 = c.device_time();
+                let sum = if overlap {
+                    let p = c.start_all_reduce(&g, grads, ReduceOp::Sum).unwrap();
+                    std::hint::black_box(busy(20_000_000));
+                    c.wait(p).unwrap()
+                } else {
+                    let mut sum = grads;
+                    c.all_reduce(&g, &mut sum, ReduceOp::Sum).unwrap();
+                    std::hint::black_box(busy(20_000_000));
+                    sum
+                };
+                assert!(sum.iter().all(|&x| x == 6.0));
+                c.device_time() - t0
+            })
+            .into_iter()
+            .map(|r| r.unwrap())
+            .fold(0.0, f64::max)
+    };
+    let (serial, overlapped) = median_of_alternated_runs(3, run);
+    println!("device time: blocking {serial:.4} s, started before compute {overlapped:.4} s");
+    assert!(
+        overlapped < serial - 0.035,
+        "the all-reduce was not hidden: {overlapped} vs {serial}"
+    );
+}
+
 /// A device's clock counts its thread's CPU time, never time spent waiting for a core: eight
 /// devices on one core keep the clocks they have on two, while the wall time doubles.
 #[test]

@@ -18,6 +18,13 @@ pub(crate) struct Tally {
     pub s: OpStats,
     /// A started (asynchronous) operation: its sends do not stop the device's clock.
     pub overlapped: bool,
+    /// A started operation progresses on its own, as a device's communication engine moves it
+    /// while the device computes: the device time at which what it sends next is ready (its start,
+    /// then the latest arrival of what it received), and that arrival's transfer time. Backends
+    /// that time messages in device time depart its sends from here, not from when the device
+    /// next polls it.
+    pub ready: f64,
+    pub ready_transfer: f64,
     /// Its record in the device's flight recorder.
     pub flight: u64,
 }
@@ -62,6 +69,9 @@ pub(crate) trait Transport {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<bool>;
+    /// A started operation's last message is in: the device waits (in device time) until the
+    /// operation's progress on its own finished it.
+    fn settle(&mut self, t: &mut Tally);
     /// Reusable working storage.
     fn scratch(&mut self) -> &mut Vec<u64>;
     /// The device's flight recorder.
@@ -72,6 +82,8 @@ pub(crate) trait Transport {
         self.resume();
         let flight = self.flight().started(kind, op, group);
         Tally {
+            ready: self.clock(),
+            ready_transfer: 0.0,
             flight,
             kind,
             op,
@@ -664,7 +676,8 @@ impl<X: Transport> Comm for X {
         let _buffers = memory::scope(Term::CommBuffers);
         self.resume();
         advance(self, &mut p, true)?;
-        let t = p.tally.take().expect("tally present until completion");
+        let mut t = p.tally.take().expect("tally present until completion");
+        self.settle(&mut t);
         self.end(t);
         let n = p.group.size();
         let mut out = p.buf;

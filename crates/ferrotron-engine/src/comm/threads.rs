@@ -3,7 +3,10 @@
 //! over point-to-point transfers, so each device sends the textbook byte count. Each device keeps a
 //! virtual clock: its thread's CPU time while computing, and on every receive the later of its own
 //! clock and the message's arrival (sender's clock + the modelled transfer cost), so timelines mean on
-//! 2 cores what they would on N real devices.
+//! 2 cores what they would on N real devices. A started collective moves on its own, as a device's
+//! communication engine moves it beside its compute: each send departs when its data is in (the
+//! start, or the arrival it forwards), and the device waits only for what is still in flight when
+//! it needs the result.
 
 use super::clock::{ClockSource, DeviceClock};
 use super::ring::{check_received, Received, Tally, Transport};
@@ -176,7 +179,6 @@ impl ThreadWorld {
                 link: self.link,
                 clock: DeviceClock::start(self.clock),
                 link_free: 0.0,
-                early: (0..n).map(|_| None).collect(),
                 held: (0..n).map(|_| Vec::new()).collect(),
                 stats: CommStats {
                     rank,
@@ -238,8 +240,6 @@ pub struct ThreadComm {
     clock: DeviceClock,
     /// Device time at which this device's outgoing link is free again.
     link_free: f64,
-    /// Per source: a message already received that, in device time, has not arrived yet.
-    early: Vec<Option<Msg>>,
     /// Per source: point-to-point messages that arrived before the receive that wants them (matched
     /// by tag, as MPI matches).
     held: Vec<Vec<Msg>>,
@@ -276,11 +276,21 @@ impl ThreadComm {
             elem: msg.elem,
         };
         check_received(t, self.rank, from, tag, total_len, T::NAME, &got)?;
-        // Waiting for the arrival: the transfer's own duration is moving data, the rest is blocked.
-        let wait = self.clock.wait_until(msg.depart + msg.cost);
-        let moving = wait.min(msg.cost);
-        t.s.time_transfer_s += moving;
-        t.s.time_blocked_s += wait - moving;
+        let arrival = msg.depart + msg.cost;
+        if t.overlapped {
+            // A started operation's message is taken in by the operation, not by the device:
+            // its next sends leave from here, and the device waits only when it completes.
+            if arrival > t.ready {
+                (t.ready, t.ready_transfer) = (arrival, msg.cost);
+            }
+        } else {
+            // Waiting for the arrival: the transfer's own duration is moving data, the rest is
+            // blocked.
+            let wait = self.clock.wait_until(arrival);
+            let moving = wait.min(msg.cost);
+            t.s.time_transfer_s += moving;
+            t.s.time_blocked_s += wait - moving;
+        }
         t.s.bytes_received += msg.bytes as u64;
         let result = consume(view::<T>(&msg.payload, msg.len));
         // Idle in this receiver's pool, the buffer is its reserve (`other`) until a sender takes
@@ -306,10 +316,16 @@ impl Transport for ThreadComm {
         let bytes = std::mem::size_of_val(data);
         let cost = self.link.map_or(0.0, |l| l.cost(bytes, self.rank, to));
         let payload = pack(&self.pools[to], data);
-        // The link is a resource of its own: a transfer starts when both the device and the link are
-        // free. A blocking send holds the device until the transfer is done; a started (overlapped)
-        // operation's sends leave the device computing.
-        let depart = self.clock.now.max(self.link_free);
+        // The link is a resource of its own: a transfer starts when both its data and the link are
+        // ready. A blocking send holds the device until the transfer is done; a started
+        // (overlapped) operation's sends leave the device computing, and leave when the operation
+        // has their data (its start, or the arrival they forward), however late the device polls.
+        let ready = if t.overlapped {
+            t.ready
+        } else {
+            self.clock.now
+        };
+        let depart = ready.max(self.link_free);
         self.link_free = depart + cost;
         let msg = Msg {
             tag,
@@ -345,17 +361,13 @@ impl Transport for ThreadComm {
         // later one, or one after the collective this receive is part of) waits in `held`, and so
         // does a collective's message that arrives first (an overlapped reduction between the same
         // two devices, as context parallelism's ring runs beside the replicas' gradient
-        // reduction). A collective takes its messages in order: the one it left early, then those
-        // held, then the channel's.
+        // reduction). A collective takes its messages in order: those held, then the channel's.
         let p2p = t.op == "send";
         let held = if p2p {
             self.held[from]
                 .iter()
                 .position(|m| m.op == "send" && m.tag == tag)
         } else {
-            if let Some(msg) = self.early[from].take() {
-                return self.accept(t, from, msg, tag, total_len, consume);
-            }
             self.held[from].iter().position(|m| m.op != "send")
         };
         if let Some(i) = held {
@@ -400,11 +412,11 @@ impl Transport for ThreadComm {
         total_len: usize,
         consume: impl FnOnce(&[T]) -> CommResult<()>,
     ) -> CommResult<bool> {
-        let held = self.held[from].iter().position(|m| m.op != "send");
-        let msg = match (self.early[from].take(), held) {
-            (Some(m), _) => Ok(m),
-            (None, Some(i)) => Ok(self.held[from].remove(i)),
-            (None, None) => loop {
+        // A started operation takes in what is here, whenever in device time it arrives (see
+        // `accept`).
+        let msg = match self.held[from].iter().position(|m| m.op != "send") {
+            Some(i) => Ok(self.held[from].remove(i)),
+            None => loop {
                 // A point-to-point message is not this collective's: it waits for its receive.
                 match self.from[from].try_recv() {
                     Ok(m) if not_for_this(t.op == "send", tag, &m) => self.held[from].push(m),
@@ -413,11 +425,6 @@ impl Transport for ThreadComm {
             },
         };
         match msg {
-            // Received, but in device time still on the wire: not yet.
-            Ok(msg) if msg.depart + msg.cost > self.clock.now => {
-                self.early[from] = Some(msg);
-                Ok(false)
-            }
             Ok(msg) => self
                 .accept(t, from, msg, tag, total_len, consume)
                 .map(|_| true),
@@ -452,6 +459,12 @@ impl Transport for ThreadComm {
     }
     fn record(&mut self, t: Tally) {
         self.clock.record(&mut self.stats, t);
+    }
+    fn settle(&mut self, t: &mut Tally) {
+        let wait = self.clock.wait_until(t.ready);
+        let moving = wait.min(t.ready_transfer);
+        t.s.time_transfer_s += moving;
+        t.s.time_blocked_s += wait - moving;
     }
     fn scratch(&mut self) -> &mut Vec<u64> {
         &mut self.scratch

@@ -11,6 +11,7 @@
 use super::{OwnedState, ZeroState};
 use crate::comm::{Comm, CommError};
 use crate::parallel::tensor::TpGroup;
+use crate::pieces::owned;
 use crate::transformer::{FrozenBase, ParamStore, Residency, Unit};
 use ferrotron_core::model::ParamSpec;
 use std::ops::Range;
@@ -131,25 +132,38 @@ impl GroupedZero {
         self.with_counted_grad_view(|g, _| f(g))
     }
 
-    /// [`GroupedZero::with_grad_view`], with whether this device counts each tensor in a global
-    /// sum over devices (its own piece, or the first replica's copy of a whole one).
+    /// [`GroupedZero::with_grad_view`], with the part of each tensor's view this device counts in a
+    /// global sum over devices: its own piece whole when the replicas shard the state, else the
+    /// `dp_rank`-th of `dp` equal parts of the whole tensor every replica holds, so that the
+    /// replicas share a sum's work evenly (one of them counting every replicated tensor would keep
+    /// the others waiting for it).
     pub fn with_counted_grad_view<R>(
         &mut self,
-        f: impl FnOnce(&mut [&mut [f32]], &[bool]) -> R,
+        f: impl FnOnce(&mut [&mut [f32]], &[Range<usize>]) -> R,
     ) -> R {
         let n = self.specs.len();
-        let counts = |parts: &[Part]| {
-            let mut out = vec![false; n];
-            for p in parts {
-                let counted = p.state.sharded() || p.state.dp_rank == 0;
-                p.at.iter().for_each(|&j| out[j] = counted);
-            }
-            out
+        // Per tensor: `None` counted whole, or the (dp, dp_rank) of the replicas splitting it.
+        let mut split: Vec<Option<(usize, usize)>> = vec![None; n];
+        for p in &self.parts {
+            let s = &p.state;
+            let share = (!s.sharded()).then_some((s.dp, s.dp_rank));
+            p.at.iter().for_each(|&j| split[j] = share);
+        }
+        let counted = |view: &[&mut [f32]]| -> Vec<Range<usize>> {
+            view.iter()
+                .zip(&split)
+                .map(|(g, share)| match *share {
+                    None => 0..g.len(),
+                    Some((dp, rank)) => owned(g.len(), dp, rank),
+                })
+                .collect()
         };
-        let counted = counts(&self.parts);
         match self.parts.as_mut_slice() {
             // Built by `whole`: the shard's order is the state's.
-            [one] => one.state.with_grad_view(|g| f(g, &counted)),
+            [one] => one.state.with_grad_view(|g| {
+                let c = counted(g);
+                f(g, &c)
+            }),
             [a, b] => a.state.with_grad_view(|ga| {
                 b.state.with_grad_view(|gb| {
                     let mut view: Vec<&mut [f32]> = Vec::with_capacity(n);
@@ -160,7 +174,8 @@ impl GroupedZero {
                     for (&j, g) in b.at.iter().zip(gb.iter_mut()) {
                         view[j] = &mut **g;
                     }
-                    f(&mut view, &counted)
+                    let c = counted(&view);
+                    f(&mut view, &c)
                 })
             }),
             _ => unreachable!("a shard's tensors are shared in one or two ways"),

@@ -523,18 +523,17 @@ impl<'a> MeshStep<'a> {
         let s = self.mesh.coords(dev.rank).pp;
         let specs = dev.zero.specs();
         let tied_copy = self.cfg.tie_word_embeddings && self.mesh.pp > 1 && s == self.mesh.pp - 1;
-        // An identical replica's copy is counted by the first replica holding it.
+        // Identical replicas' copies are counted a part on each (every replica sums its share).
         dev.zero.with_counted_grad_view(|grads, counted| {
             specs
                 .iter()
                 .zip(grads.iter())
                 .zip(counted)
-                .filter(|((sp, _), &counted)| {
-                    counted
-                        && dev.shard.counts_in_norm(self.cfg, &sp.name)
+                .filter(|((sp, _), _)| {
+                    dev.shard.counts_in_norm(self.cfg, &sp.name)
                         && !(tied_copy && sp.name == self.cfg.embedding_name())
                 })
-                .map(|((_, g), _)| sum_of_squares(g, self.kernel_threads))
+                .map(|((_, g), part)| sum_of_squares(&g[part.clone()], self.kernel_threads))
                 .sum()
         })
     }
