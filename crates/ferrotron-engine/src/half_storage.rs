@@ -16,7 +16,7 @@
 use crate::comm::{Comm, CommError, Element, Group, ReduceOp};
 use crate::kernels::bf16_convert;
 use crate::memory::{self, Term};
-use crate::pieces::{from_gathered, owned as own, padded_piece, piece};
+use crate::pieces::{from_gathered, owned as own, padded_piece, piece, push_padded_piece};
 use crate::transformer::ParamStore;
 use std::sync::Arc;
 
@@ -332,9 +332,9 @@ impl<T: Half16> HalfParts<T> {
         } else if self.dp > 1 && self.stage == 1 {
             let _buffers = memory::scope(Term::CommBuffers);
             for g in self.grads.iter_mut() {
-                let mut buf: Vec<T> = Vec::new();
+                let mut buf: Vec<T> = Vec::with_capacity(g.len().div_ceil(self.dp) * self.dp);
                 for k in 0..self.dp {
-                    buf.extend(padded_piece(g, self.dp, k));
+                    push_padded_piece(&mut buf, g, self.dp, k);
                 }
                 let mut mine = vec![T::default(); buf.len() / self.dp];
                 c.reduce_scatter(group, &buf, &mut mine, ReduceOp::Sum)?;

@@ -19,9 +19,22 @@ pub(crate) fn owned(len: usize, dp: usize, rank: usize) -> Range<usize> {
 
 /// A rank's padded piece of `t` (what it keeps and sends; zeros past the end of the tensor).
 pub(crate) fn padded_piece<T: Copy + Default>(t: &[T], dp: usize, rank: usize) -> Vec<T> {
-    let mut p = t[owned(t.len(), dp, rank)].to_vec();
-    p.resize(piece(t.len(), dp, rank).len(), T::default());
+    let mut p = Vec::with_capacity(piece(t.len(), dp, rank).len());
+    push_padded_piece(&mut p, t, dp, rank);
     p
+}
+
+/// Appends a rank's padded piece of `t` to `out` (buffers of several tensors' pieces, sized once).
+pub(crate) fn push_padded_piece<T: Copy + Default>(
+    out: &mut Vec<T>,
+    t: &[T],
+    dp: usize,
+    rank: usize,
+) {
+    let own = owned(t.len(), dp, rank);
+    let pad = piece(t.len(), dp, rank).len() - own.len();
+    out.extend_from_slice(&t[own]);
+    out.resize(out.len() + pad, T::default());
 }
 
 /// A tensor of `len` elements out of an all-gather whose every rank contributed a block of `block`

@@ -178,6 +178,9 @@ pub struct Costs {
     pub dp_time: f64,
     /// The optimizer step after the reduction.
     pub optimizer_time: f64,
+    /// Memory work on the gradients outside every action, per step: zeroing them before the
+    /// first micro-batch, and reading this device's share of them for the global norm.
+    pub grad_upkeep_time: f64,
 }
 
 /// Compute time of one transformer layer on one device for one micro-batch, in seconds.
@@ -455,6 +458,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     );
     let stage_layers = super::stage_layers(cfg, l, 0).max(1) as f64;
     let zero3 = |layers: f64| zero3_costs(input, l, trainable * layers / stage_layers);
+    let (bucket_work, grad_upkeep_time) = gradient_upkeep(input, l, trainable);
     let action_comm: Vec<(f64, f64)> = (0..nv)
         .map(|vs| {
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
@@ -480,6 +484,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
             let mut fwd = layers * (lt.forward + 2.0 * ar_time + cp.forward + ep.per_layer)
                 + gather_fwd.0
                 + gather_fwd.1;
+            // The reduction buckets' copies happen in the last micro-batch's backward; spread
+            // over the micro-batches, they add up to the step's.
             let mut bwd = layers
                 * (lt.backward
                     + lt.recompute
@@ -487,7 +493,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
                     + cp.backward
                     + ep.per_layer)
                 + gather_bwd.0
-                + gather_bwd.1;
+                + gather_bwd.1
+                + bucket_work * layers / stage_layers / m as f64;
             if vs == 0 {
                 fwd += embed_comm.0;
                 bwd += embed_comm.1;
@@ -528,6 +535,7 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let optimizer_time = optimizer_time(input, l, trainable);
     Costs {
         optimizer_time,
+        grad_upkeep_time,
         traffic: Traffic {
             tp: tp_bytes,
             pp: pp_bytes,
@@ -576,8 +584,12 @@ fn zero3_costs(input: &PlanInput, l: &Layout, p: f64) -> [(f64, f64); 2] {
     let hidden = 1.0 - cal.dp_overlap;
     let link = |bytes: f64| ring_time(ring * bytes, replicas - 1, &dp_link, cal.link_efficiency);
     let bw = c.memory_bandwidth_bytes_per_s;
-    let gather = (link(p * w_b) * hidden, 2.0 * p * w_b / bw);
-    let scatter = (link(p * grad_b) * hidden, 3.0 * p * grad_b / bw);
+    // The bytes the engine moves: a gather copies this device's pieces out (read and write p/d),
+    // zeroes the gathered buffer (p) and assembles the tensors from it (read and write p); a
+    // scatter zeroes the unit's gradients (p), interleaves them into one buffer (read and write
+    // p) and adds this device's block into its pieces (read 2p/d, write p/d).
+    let gather = (link(p * w_b) * hidden, (3.0 + 2.0 / d) * p * w_b / bw);
+    let scatter = (link(p * grad_b) * hidden, (3.0 + 3.0 / d) * p * grad_b / bw);
     [gather, (gather.0 + scatter.0, gather.1 + scatter.1)]
 }
 
@@ -683,6 +695,28 @@ fn dp_bytes(l: &Layout, m: usize, (trainable, experts): (f64, f64), grad_b: f64,
         // for its backward.
         _ => m * ring * trainable * grad_b + 2.0 * m * ring * trainable * w_b,
     }
+}
+
+/// The memory work on a device's gradients that the layers' costs do not hold, per step, as (inside
+/// the backward: the replicas' reduction buckets assembled and their results filed back; outside
+/// every action: the gradients zeroed before the first micro-batch and this device's share read
+/// for the global norm). ZeRO-3's per-unit work is in [`zero3_costs`].
+fn gradient_upkeep(input: &PlanInput, l: &Layout, trainable: f64) -> (f64, f64) {
+    let bw = input.cluster.memory_bandwidth_bytes_per_s;
+    let grads = trainable * input.precision.grads.bytes();
+    let d = l.replicas() as f64;
+    let buckets = match (l.replicas() > 1, l.zero) {
+        (false, _) | (true, 3..) => 0.0,
+        // Each bucket concatenated (read and write) and its sums copied back (read and write).
+        (true, 0) => 4.0 * grads,
+        // Interleaved into one buffer, and this device's pieces filed back.
+        (true, 1) => 2.0 * grads + 2.0 * grads / d,
+        // Per unit: zeroed, interleaved, and this device's block added into its pieces.
+        (true, _) => (3.0 + 3.0 / d) * grads,
+    };
+    // ZeRO-2/3 hold only their pieces between units (zeroed at the start); below, whole gradients.
+    let zeroed = if l.zero >= 2 { grads / d } else { grads };
+    (buckets / bw, (zeroed + grads / d) / bw)
 }
 
 /// AdamW reads each trainable parameter's gradient, master copy and two moments and writes all but

@@ -26,9 +26,12 @@ impl ZeroState {
 
     /// This rank's pieces of tensors `ids`, concatenated (what it contributes to their gather).
     pub(super) fn own_param_pieces(&self, ids: &[usize]) -> Vec<f32> {
+        // Sized once (a collected flat_map would grow by doubling, copying itself).
+        let n = ids.iter().map(|&i| self.param_pieces[i].len()).sum();
+        let mut out = Vec::with_capacity(n);
         ids.iter()
-            .flat_map(|&i| self.param_pieces[i].iter().copied())
-            .collect()
+            .for_each(|&i| out.extend_from_slice(&self.param_pieces[i]));
+        out
     }
 
     /// Files an all-gather of `ids`' pieces (one block per rank) as whole tensors.

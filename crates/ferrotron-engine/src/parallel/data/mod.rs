@@ -26,15 +26,18 @@ use std::ops::Range;
 
 pub use crate::transformer::units_of;
 
-use crate::pieces::padded_piece;
+use crate::pieces::push_padded_piece;
 pub(crate) use crate::pieces::{owned, piece};
 
 /// Rank `rank`'s piece of each tensor, padded, concatenated.
 fn own_pieces(tensors: &[&[f32]], dp: usize, rank: usize) -> Vec<f32> {
+    // Sized once (a collected flat_map would grow by doubling, copying itself).
+    let n = tensors.iter().map(|t| piece(t.len(), dp, rank).len()).sum();
+    let mut out = Vec::with_capacity(n);
     tensors
         .iter()
-        .flat_map(|t| padded_piece(t, dp, rank))
-        .collect()
+        .for_each(|t| push_padded_piece(&mut out, t, dp, rank));
+    out
 }
 
 /// What a rank owns of one tensor of its shard: the range of the flattened tensor, and there the f32

@@ -4,42 +4,25 @@
 use super::{owned, piece, ZeroState};
 use crate::comm::{Comm, CommError, ReduceOp};
 use crate::memory::{self, Term};
+use crate::pieces::push_padded_piece;
 use crate::transformer::{ParamStore, Unit};
 
 impl ZeroState {
     /// Lays out `ids`' tensors as dp blocks, block k holding piece k of each tensor in turn (so that a
     /// reduce-scatter hands each rank its pieces, and an all-gather of pieces rebuilds the tensors).
     pub(super) fn interleave(&self, tensors: &[&[f32]]) -> Vec<f32> {
-        let mut out = Vec::new();
+        // Sized once: grown by doubling it would copy itself and fault fresh pages in every step.
+        let block: usize = tensors
+            .iter()
+            .map(|t| piece(t.len(), self.dp, 0).len())
+            .sum();
+        let mut out = Vec::with_capacity(self.dp * block);
         for k in 0..self.dp {
-            for t in tensors {
-                let r = piece(t.len(), self.dp, k);
-                let end = r.end.min(t.len());
-                let start = r.start.min(end);
-                out.extend_from_slice(&t[start..end]);
-                out.resize(out.len() + r.len() - (end - start), 0.0);
-            }
+            tensors
+                .iter()
+                .for_each(|t| push_padded_piece(&mut out, t, self.dp, k));
         }
         out
-    }
-
-    /// Splits this rank's block of an interleaved buffer back into per-tensor pieces.
-    pub(super) fn split_pieces(
-        &self,
-        ids: &[usize],
-        lens: &[usize],
-        block: &[f32],
-    ) -> Vec<(usize, Vec<f32>)> {
-        let mut at = 0;
-        ids.iter()
-            .zip(lens)
-            .map(|(&id, &len)| {
-                let n = piece(len, self.dp, 0).len();
-                let p = block[at..at + n].to_vec();
-                at += n;
-                (id, p)
-            })
-            .collect()
     }
 
     /// Reduce-scatters whole gradients `ids` into this rank's pieces and frees them (ZeRO-2/3).
@@ -60,11 +43,15 @@ impl ZeroState {
         let mut mine = vec![0f32; buf.len() / self.dp];
         c.reduce_scatter(&self.dp_group, &buf, &mut mine, ReduceOp::Sum)?;
         drop(buf);
-        for (id, p) in self.split_pieces(ids, &lens, &mine) {
+        // This rank's block holds its piece of each tensor in turn: added where it belongs.
+        let mut at = 0;
+        for (&id, &len) in ids.iter().zip(&lens) {
+            let n = piece(len, self.dp, 0).len();
             self.grad_pieces[id]
                 .iter_mut()
-                .zip(&p)
+                .zip(&mine[at..at + n])
                 .for_each(|(a, b)| *a += b);
+            at += n;
         }
         for &i in ids {
             self.grads.tensors[i] = Vec::new();
