@@ -95,6 +95,8 @@ fn plan_json(p: &Plan) -> serde_json::Value {
         "bubble_fraction": p.bubble_fraction,
         "compute_time_s": p.compute_time_s,
         "dp_comm_time_s": p.dp_comm_time_s,
+        "optimizer_time_s": p.optimizer_time_s,
+        "grad_upkeep_time_s": p.grad_upkeep_time_s,
         "step_time_s": p.step_time_s,
         "tokens_per_s": p.tokens_per_s,
         "tflops_per_device": p.tflops_per_device,
