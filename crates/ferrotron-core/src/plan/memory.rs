@@ -435,9 +435,10 @@ fn comm_buffers(
     let local = super::local_seq(input, l);
     if input.activation_model == ActivationModel::Ferrotron {
         // The engine's buffers: the pooled messages of TP collectives; a DP bucket is one
-        // unit's gradients (the buffer in flight and the ring's working copy; under ZeRO-2/3
-        // also the unit's whole gradient and its interleaved copy), and ZeRO-3 gathers one
-        // unit at a time (its pieces and the gathered whole).
+        // unit's gradients (ZeRO 0–1: the buffer in flight and the ring's working copy; ZeRO-2/3:
+        // the unit's whole gradient, its interleaved copy, and the pieces sent to their owners
+        // with this device's own), and ZeRO-3 gathers one unit at a time (its pieces and the
+        // gathered whole).
         // What one unit's reductions and gathers move: its trainable parameters (with LoRA
         // one layer's adapters; the frozen base never moves).
         let lora_unit = input
@@ -462,7 +463,7 @@ fn comm_buffers(
         let dp_buf = match (replicas > 1, l.zero) {
             (false, _) => 0.0,
             (true, 0 | 1) => 2.0 * reduced * pr.grads.bytes(),
-            (true, _) => 4.0 * reduced * pr.grads.bytes(),
+            (true, _) => 3.0 * reduced * pr.grads.bytes(),
         };
         // ZeRO-3 holds the unit in use and the next one prefetched; under expert parallelism
         // nothing is prefetched (the dense and the expert sets gather in turn, one collective at

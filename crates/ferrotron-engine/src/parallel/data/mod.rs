@@ -89,6 +89,10 @@ pub struct ZeroState {
     pass: std::collections::VecDeque<Unit>,
     prefetch: Option<(Unit, Pending<f32>)>,
     present: Option<Unit>,
+    /// ZeRO-2/3: the unit gradients whose pieces are on their way to their owners (see
+    /// `reduce.rs::scatter_grads`), and how many such reductions this device has started.
+    scatter: Option<reduce::ScatterInFlight>,
+    scatters_started: u64,
 }
 
 /// The 16-bit state, in its format.
@@ -262,6 +266,8 @@ impl ZeroState {
             pass: Default::default(),
             prefetch: None,
             present: None,
+            scatter: None,
+            scatters_started: 0,
         }
     }
 

@@ -7,6 +7,21 @@ use crate::memory::{self, Term};
 use crate::pieces::push_padded_piece;
 use crate::transformer::{ParamStore, Unit};
 
+/// The point-to-point tags of the replicas' gradient reductions (ZeRO-2/3): this bit, and the
+/// reduction's sequence number in the low bits (the same on every replica: each starts them in
+/// the same order).
+const SCATTER_TAG: u64 = 3 << 62 | 1 << 45;
+const SCATTER_SEQ: u64 = (1 << 40) - 1;
+
+/// A reduction of unit gradients started by `scatter_grads`: its tensors, their lengths, this
+/// replica's own block, and its tag.
+pub(super) struct ScatterInFlight {
+    ids: Vec<usize>,
+    lens: Vec<usize>,
+    own: Vec<f32>,
+    tag: u64,
+}
+
 impl ZeroState {
     /// Lays out `ids`' tensors as dp blocks, block k holding piece k of each tensor in turn (so that a
     /// reduce-scatter hands each rank its pieces, and an all-gather of pieces rebuilds the tensors).
@@ -25,36 +40,74 @@ impl ZeroState {
         out
     }
 
-    /// Reduce-scatters whole gradients `ids` into this rank's pieces and frees them (ZeRO-2/3).
+    /// Reduces whole gradients `ids` over the replicas into each owner's pieces and frees them
+    /// (ZeRO-2/3). Each replica sends every other its piece straight away and goes on computing;
+    /// the pieces addressed to this replica are taken in and summed before its next such reduction
+    /// (or at the end of the step), so that replicas computing at slightly different speeds do
+    /// not wait for the slowest at every unit, as a blocking ring made them. The bytes each sends
+    /// are the ring's, (dp − 1)/dp of the unit; the sum runs over the replicas in rank order.
     pub(super) fn scatter_grads<C: Comm>(
         &mut self,
         c: &mut C,
         ids: &[usize],
     ) -> Result<(), CommError> {
+        self.finish_scatter(c)?;
         let _buffers = memory::scope(Term::CommBuffers);
-        let (buf, lens) = {
+        let lens: Vec<usize> = ids.iter().map(|&i| self.grads.tensors[i].len()).collect();
+        let buf = {
             let g = &self.grads;
             let ts: Vec<&[f32]> = ids.iter().map(|&i| g.tensors[i].as_slice()).collect();
-            (
-                self.interleave(&ts),
-                ts.iter().map(|t| t.len()).collect::<Vec<_>>(),
-            )
+            self.interleave(&ts)
         };
-        let mut mine = vec![0f32; buf.len() / self.dp];
-        c.reduce_scatter(&self.dp_group, &buf, &mut mine, ReduceOp::Sum)?;
+        let block = buf.len() / self.dp;
+        let tag = SCATTER_TAG | (self.scatters_started & SCATTER_SEQ);
+        self.scatters_started += 1;
+        for k in (0..self.dp).filter(|&k| k != self.dp_rank) {
+            let to = self.dp_group.ranks[k];
+            c.send_overlapped("dp", to, &buf[k * block..(k + 1) * block], tag)?;
+        }
+        let own = buf[self.dp_rank * block..(self.dp_rank + 1) * block].to_vec();
         drop(buf);
+        for &i in ids {
+            self.grads.tensors[i] = Vec::new();
+        }
+        self.scatter = Some(ScatterInFlight {
+            ids: ids.to_vec(),
+            lens,
+            own,
+            tag,
+        });
+        Ok(())
+    }
+
+    /// Takes in the pieces of the reduction in flight, if any, and adds their sum (over the
+    /// replicas, in rank order) into this replica's gradient pieces.
+    pub(super) fn finish_scatter<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
+        let Some(s) = self.scatter.take() else {
+            return Ok(());
+        };
+        let _buffers = memory::scope(Term::CommBuffers);
+        let block = s.own.len();
+        let mut sum = vec![0f32; block];
+        let mut theirs = vec![0f32; block];
+        for k in 0..self.dp {
+            let piece = if k == self.dp_rank {
+                &s.own
+            } else {
+                c.recv_as("dp", self.dp_group.ranks[k], &mut theirs, s.tag)?;
+                &theirs
+            };
+            sum.iter_mut().zip(piece).for_each(|(a, b)| *a += b);
+        }
         // This rank's block holds its piece of each tensor in turn: added where it belongs.
         let mut at = 0;
-        for (&id, &len) in ids.iter().zip(&lens) {
+        for (&id, &len) in s.ids.iter().zip(&s.lens) {
             let n = piece(len, self.dp, 0).len();
             self.grad_pieces[id]
                 .iter_mut()
-                .zip(&mine[at..at + n])
+                .zip(&sum[at..at + n])
                 .for_each(|(a, b)| *a += b);
             at += n;
-        }
-        for &i in ids {
-            self.grads.tensors[i] = Vec::new();
         }
         Ok(())
     }
@@ -214,8 +267,11 @@ impl ZeroState {
         if let Some(h) = &mut self.half {
             return with_half!(h, p => p.reduce(c, &self.dp_group));
         }
-        if self.dp == 1 || self.stage >= 2 {
+        if self.dp == 1 {
             return Ok(());
+        }
+        if self.stage >= 2 {
+            return self.finish_scatter(c);
         }
         let rest: Vec<usize> = self
             .reduced

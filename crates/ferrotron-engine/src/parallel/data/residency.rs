@@ -68,7 +68,7 @@ impl ZeroState {
         }
         self.close_params(unit);
         if self.stage >= 2 && self.dp > 1 {
-            // One collective at a time on the group: the prefetch completes first.
+            // The prefetch completes first (the gathered unit is needed next anyway).
             self.finish_prefetch(c)?;
             self.scatter_grads(c, ids)
         } else {
@@ -80,6 +80,7 @@ impl ZeroState {
     /// state's collectives on another group may start (a device runs one at a time).
     pub(super) fn settle<C: Comm>(&mut self, c: &mut C) -> Result<(), CommError> {
         self.finish_prefetch(c)?;
+        self.finish_scatter(c)?;
         self.finish_in_flight(c)
     }
 }
