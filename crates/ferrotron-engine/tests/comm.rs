@@ -4,7 +4,7 @@
 use ferrotron_core::rank::RankGrid;
 use ferrotron_core::topology::Link;
 use ferrotron_engine::comm::{
-    selftest, Comm, DeviceMesh, Element, Group, LinkModel, ReduceOp, ThreadWorld,
+    selftest, Comm, DeviceMesh, Element, Group, LinkModel, ReduceOp, ThreadComm, ThreadWorld,
 };
 use std::time::Duration;
 
@@ -253,12 +253,12 @@ fn compute_between_start_and_wait_hides_the_transfer() {
     );
 }
 
-/// ZeRO-3's prefetch starts a unit's all-gather and computes the current unit without polling: the
-/// gather must finish during that compute for any group size, not only the first of its n − 1 ring
-/// steps (which is all a ring can do without being polled).
-#[test]
-fn a_started_all_gather_completes_during_compute_without_polling() {
-    let _cores = alone();
+/// The slowest device's time (median of alternated runs) for `op` over a 4-device group on a
+/// simulated 1 GB/s link, blocking then computing (`false`) and started before the same compute
+/// and waited for after it, without polling (`true`): (blocking, started).
+fn blocking_and_started_on_4_devices(
+    op: impl Fn(&mut ThreadComm, &Group, bool) + Sync,
+) -> (f64, f64) {
     let gbs = Link {
         bandwidth_bytes_per_s: 1e9,
         latency_s: 10e-6,
@@ -268,24 +268,12 @@ fn a_started_all_gather_completes_during_compute_without_polling() {
         inter: gbs,
         devices_per_node: 4,
     });
-    let run = |overlap: bool| {
+    let run = |started: bool| {
         world
             .run(|c| {
                 let g = Group::new("dp", vec![0, 1, 2, 3]);
-                // 32 MiB per rank: each sends 3 × 32 MiB, 101 ms on the link; a ring hides a third.
-                let mine = vec![c.rank() as f32; 8 << 20];
                 let t0 = c.device_time();
-                let all = if overlap {
-                    let p = c.start_all_gather(&g, &mine).unwrap();
-                    std::hint::black_box(busy(20_000_000));
-                    c.wait(p).unwrap()
-                } else {
-                    let mut all = vec![0f32; 32 << 20];
-                    c.all_gather(&g, &mine, &mut all).unwrap();
-                    std::hint::black_box(busy(20_000_000));
-                    all
-                };
-                assert!((0..4).all(|r| all[r * (8 << 20)] == r as f32));
+                op(c, &g, started);
                 c.device_time() - t0
             })
             .into_iter()
@@ -294,6 +282,30 @@ fn a_started_all_gather_completes_during_compute_without_polling() {
     };
     let (serial, overlapped) = median_of_alternated_runs(3, run);
     println!("device time: blocking {serial:.4} s, started before compute {overlapped:.4} s");
+    (serial, overlapped)
+}
+
+/// ZeRO-3's prefetch starts a unit's all-gather and computes the current unit without polling: the
+/// gather must finish during that compute for any group size, not only the first of its n − 1 ring
+/// steps (which is all a ring can do without being polled).
+#[test]
+fn a_started_all_gather_completes_during_compute_without_polling() {
+    let _cores = alone();
+    let (serial, overlapped) = blocking_and_started_on_4_devices(|c, g, started| {
+        // 32 MiB per rank: each sends 3 × 32 MiB, 101 ms on the link; a ring hides a third.
+        let mine = vec![c.rank() as f32; 8 << 20];
+        let all = if started {
+            let p = c.start_all_gather(g, &mine).unwrap();
+            std::hint::black_box(busy(20_000_000));
+            c.wait(p).unwrap()
+        } else {
+            let mut all = vec![0f32; 32 << 20];
+            c.all_gather(g, &mine, &mut all).unwrap();
+            std::hint::black_box(busy(20_000_000));
+            all
+        };
+        assert!((0..4).all(|r| all[r * (8 << 20)] == r as f32));
+    });
     assert!(
         overlapped < serial - 0.07,
         "the gather was not hidden: {overlapped} vs {serial}"
@@ -306,41 +318,21 @@ fn a_started_all_gather_completes_during_compute_without_polling() {
 #[test]
 fn a_started_ring_all_reduce_completes_during_compute_without_polling() {
     let _cores = alone();
-    let gbs = Link {
-        bandwidth_bytes_per_s: 1e9,
-        latency_s: 10e-6,
-    };
-    let world = ThreadWorld::new(4).link(LinkModel {
-        intra: gbs,
-        inter: gbs,
-        devices_per_node: 4,
+    let (serial, overlapped) = blocking_and_started_on_4_devices(|c, g, started| {
+        // 32 MiB: each rank sends 2 × 3/4 of it in six ring steps, 50 ms on the link.
+        let grads = vec![c.rank() as f32; 8 << 20];
+        let sum = if started {
+            let p = c.start_all_reduce(g, grads, ReduceOp::Sum).unwrap();
+            std::hint::black_box(busy(20_000_000));
+            c.wait(p).unwrap()
+        } else {
+            let mut sum = grads;
+            c.all_reduce(g, &mut sum, ReduceOp::Sum).unwrap();
+            std::hint::black_box(busy(20_000_000));
+            sum
+        };
+        assert!(sum.iter().all(|&x| x == 6.0));
     });
-    let run = |overlap: bool| {
-        world
-            .run(|c| {
-                let g = Group::new("dp", vec![0, 1, 2, 3]);
-                // 32 MiB: each rank sends 2 × 3/4 of it in six ring steps, 50 ms on the link.
-                let grads = vec![c.rank() as f32; 8 << 20];
-                let t0 = c.device_time();
-                let sum = if overlap {
-                    let p = c.start_all_reduce(&g, grads, ReduceOp::Sum).unwrap();
-                    std::hint::black_box(busy(20_000_000));
-                    c.wait(p).unwrap()
-                } else {
-                    let mut sum = grads;
-                    c.all_reduce(&g, &mut sum, ReduceOp::Sum).unwrap();
-                    std::hint::black_box(busy(20_000_000));
-                    sum
-                };
-                assert!(sum.iter().all(|&x| x == 6.0));
-                c.device_time() - t0
-            })
-            .into_iter()
-            .map(|r| r.unwrap())
-            .fold(0.0, f64::max)
-    };
-    let (serial, overlapped) = median_of_alternated_runs(3, run);
-    println!("device time: blocking {serial:.4} s, started before compute {overlapped:.4} s");
     assert!(
         overlapped < serial - 0.035,
         "the all-reduce was not hidden: {overlapped} vs {serial}"
