@@ -26,8 +26,25 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXE = os.path.join(ROOT, "target", "release", "ferrotron")
-STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 12
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+
+
+def count_arg(i, default, least, what):
+    """Positional argument `i` as a whole number of at least `least`, or a clear exit."""
+    if len(sys.argv) <= i:
+        return default
+    try:
+        n = int(sys.argv[i])
+    except ValueError:
+        n = least - 1
+    if n < least:
+        sys.exit(f"{what}: `{sys.argv[i]}` is not a whole number of at least {least} "
+                 f"(usage: scripts/plan_vs_train.py [STEPS] [ROUNDS])")
+    return n
+
+
+# The median is taken over the steps after the first two: at least one must remain.
+STEPS = count_arg(1, 12, 3, "STEPS")
+ROUNDS = count_arg(2, 3, 1, "ROUNDS")
 SEQ, BATCH = 128, 8
 LAYOUTS = [
     "dp=8,mbs=1",

@@ -179,8 +179,18 @@ pub struct Costs {
     /// The optimizer step after the reduction.
     pub optimizer_time: f64,
     /// Memory work on the gradients outside every action, per step: zeroing them before the
-    /// first micro-batch, and reading this device's share of them for the global norm.
-    pub grad_upkeep_time: f64,
+    /// first micro-batch, and reading this device's share of them for the global norm after the
+    /// reduction.
+    pub grad_zeroing_time: f64,
+    pub grad_norm_time: f64,
+}
+
+impl Costs {
+    /// What a step adds to its schedule's actions, on every device: the gradients zeroed, the
+    /// replicas' reduction as far as it is exposed, the norm's read and the optimizer step.
+    pub fn per_step_time(&self) -> f64 {
+        self.grad_zeroing_time + self.dp_time + self.grad_norm_time + self.optimizer_time
+    }
 }
 
 /// Compute time of one transformer layer on one device for one micro-batch, in seconds.
@@ -458,7 +468,11 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     );
     let stage_layers = super::stage_layers(cfg, l, 0).max(1) as f64;
     let zero3 = |layers: f64| zero3_costs(input, l, trainable * layers / stage_layers);
-    let (bucket_work, grad_upkeep_time) = gradient_upkeep(input, l, trainable);
+    let GradientUpkeep {
+        buckets: bucket_work,
+        zeroing: grad_zeroing_time,
+        norm: grad_norm_time,
+    } = gradient_upkeep(input, l, trainable);
     let action_comm: Vec<(f64, f64)> = (0..nv)
         .map(|vs| {
             let layers = chunk_layers.get(vs).copied().unwrap_or(0) as f64;
@@ -535,7 +549,8 @@ pub fn costs(input: &PlanInput, cfg: &ModelConfig, l: &Layout, params_per_device
     let optimizer_time = optimizer_time(input, l, trainable);
     Costs {
         optimizer_time,
-        grad_upkeep_time,
+        grad_zeroing_time,
+        grad_norm_time,
         traffic: Traffic {
             tp: tp_bytes,
             pp: pp_bytes,
@@ -697,11 +712,18 @@ fn dp_bytes(l: &Layout, m: usize, (trainable, experts): (f64, f64), grad_b: f64,
     }
 }
 
-/// The memory work on a device's gradients that the layers' costs do not hold, per step, as (inside
-/// the backward: the replicas' reduction buckets assembled and their results filed back; outside
-/// every action: the gradients zeroed before the first micro-batch and this device's share read
-/// for the global norm). ZeRO-3's per-unit work is in [`zero3_costs`].
-fn gradient_upkeep(input: &PlanInput, l: &Layout, trainable: f64) -> (f64, f64) {
+/// The memory work on a device's gradients that the layers' costs do not hold, per step, in
+/// seconds. ZeRO-3's per-unit work is in [`zero3_costs`].
+struct GradientUpkeep {
+    /// Inside the backward: the replicas' reduction buckets assembled and their results filed back.
+    buckets: f64,
+    /// Before the first micro-batch: the gradients zeroed.
+    zeroing: f64,
+    /// After the reduction: this device's share read for the global norm.
+    norm: f64,
+}
+
+fn gradient_upkeep(input: &PlanInput, l: &Layout, trainable: f64) -> GradientUpkeep {
     let bw = input.cluster.memory_bandwidth_bytes_per_s;
     let grads = trainable * input.precision.grads.bytes();
     let d = l.replicas() as f64;
@@ -716,7 +738,11 @@ fn gradient_upkeep(input: &PlanInput, l: &Layout, trainable: f64) -> (f64, f64) 
     };
     // ZeRO-2/3 hold only their pieces between units (zeroed at the start); below, whole gradients.
     let zeroed = if l.zero >= 2 { grads / d } else { grads };
-    (buckets / bw, (zeroed + grads / d) / bw)
+    GradientUpkeep {
+        buckets: buckets / bw,
+        zeroing: zeroed / bw,
+        norm: grads / d / bw,
+    }
 }
 
 /// AdamW reads each trainable parameter's gradient, master copy and two moments and writes all but

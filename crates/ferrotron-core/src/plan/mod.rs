@@ -211,9 +211,10 @@ pub struct Plan {
     pub action_comm_time_s: (f64, f64),
     /// The optimizer step (memory-bound) after the gradient reduction.
     pub optimizer_time_s: f64,
-    /// Memory work on the gradients outside the actions: zeroed before the first micro-batch, this
-    /// device's share read for the global norm.
-    pub grad_upkeep_time_s: f64,
+    /// Memory work on the gradients outside the actions: zeroed before the first micro-batch, and
+    /// this device's share read for the global norm after the reduction.
+    pub grad_zeroing_time_s: f64,
+    pub grad_norm_time_s: f64,
     pub bubble_fraction: f64,
     pub step_time_s: f64,
     pub tokens_per_s: f64,
@@ -569,7 +570,7 @@ fn simulated(input: &PlanInput, l: &Layout) -> Result<Option<Simulated>> {
         .actions
         .iter()
         .map(|a| crate::schedule::ActionCosts {
-            update: costs.dp_time + costs.optimizer_time + costs.grad_upkeep_time,
+            update: costs.per_step_time(),
             ..*a
         })
         .collect();
@@ -652,7 +653,8 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         dp_comm_time_s: 0.0,
         action_comm_time_s: (0.0, 0.0),
         optimizer_time_s: 0.0,
-        grad_upkeep_time_s: 0.0,
+        grad_zeroing_time_s: 0.0,
+        grad_norm_time_s: 0.0,
         bubble_fraction: 0.0,
         step_time_s: 0.0,
         tokens_per_s: 0.0,
@@ -668,7 +670,7 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         let step = if l.schedule.is_async() {
             sim.step_s
         } else {
-            sim.step_s + costs.dp_time + costs.optimizer_time + costs.grad_upkeep_time
+            sim.step_s + costs.per_step_time()
         };
         let frozen = input.lora.is_some();
         let (model_flops, hw_flops) = step_flops(
@@ -686,7 +688,8 @@ pub fn evaluate(input: &PlanInput, l: &Layout) -> Result<Plan> {
         };
         plan.action_comm_time_s = (per_device(|c| c.0), per_device(|c| c.1));
         plan.optimizer_time_s = costs.optimizer_time;
-        plan.grad_upkeep_time_s = costs.grad_upkeep_time;
+        plan.grad_zeroing_time_s = costs.grad_zeroing_time;
+        plan.grad_norm_time_s = costs.grad_norm_time;
         let idle = |s: usize| (1.0 - busy[s] / sim.step_s.max(f64::MIN_POSITIVE)).max(0.0);
         plan.bubble_fraction_per_stage = (0..l.pp).map(idle).collect();
         plan.bubble_fraction = plan

@@ -283,7 +283,7 @@ fn estimate(input: &PlanInput, l: &Layout) -> (bool, f64, u64) {
     };
     (
         fits,
-        m as f64 * per_stage_max + fill + c.dp_time + c.optimizer_time + c.grad_upkeep_time,
+        m as f64 * per_stage_max + fill + c.per_step_time(),
         worst.total,
     )
 }

@@ -104,8 +104,8 @@ impl StepTimes {
                     .map(|m| &m.report)
                     .max_by(|a, b| a.reduce_s.0.total_cmp(&b.reduce_s.0))
                     .map_or(0.0, |r| r.reduce_s.1 - r.reduce_s.0),
-                // The interval holds the global norm too (its read priced with the zeroing).
-                predicted: plan.dp_comm_time_s + plan.grad_upkeep_time_s,
+                // The interval holds the global norm too.
+                predicted: plan.dp_comm_time_s + plan.grad_norm_time_s,
             },
             optimizer: Pair {
                 measured: longest(&|r| r.update_s.1 - r.update_s.0),

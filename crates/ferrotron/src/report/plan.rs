@@ -37,25 +37,32 @@ pub fn memory_picture(p: &Plan, title: &str) -> String {
 
 /// The simulated schedule of one whole step, stages × time: every action, then (where the schedule
 /// does not hold them in its lists) each stage's gradient reduction and optimizer step, as the
-/// planner prices them after the last action.
+/// planner prices them after the last action. The actions start once the gradients are zeroed,
+/// as the measured step's do.
 pub fn predicted_panel(input: &PlanInput, p: &Plan) -> anyhow::Result<Option<Panel>> {
     let l = p.layout;
     Ok(simulated_timeline(input, &l)?.map(|tl| {
+        let zeroed = if l.schedule.is_async() {
+            0.0 // the lists hold it with each update
+        } else {
+            p.grad_zeroing_time_s
+        };
         let mut tracks: Vec<Vec<Span>> = (0..l.pp).map(|_| Vec::new()).collect();
         for e in &tl.events {
             tracks[e.stage].push(Span {
                 kind: SpanKind::Action(e.action),
-                start: e.start,
-                end: e.end,
+                start: zeroed + e.start,
+                end: zeroed + e.end,
             });
         }
         if !l.schedule.is_async() {
-            // The norm's read (and the gradients' zeroing, priced with it) beside the reduction,
-            // as the measured timeline's "gradient reductions + global norm" holds it.
-            let reduced = tl.makespan + p.dp_comm_time_s + p.grad_upkeep_time_s;
+            // The norm's read beside the reduction, as the measured timeline's "gradient
+            // reductions + global norm" holds it.
+            let last = zeroed + tl.makespan;
+            let reduced = last + p.dp_comm_time_s + p.grad_norm_time_s;
             for track in &mut tracks {
                 for (kind, start, end) in [
-                    (SpanKind::Reduce, tl.makespan, reduced),
+                    (SpanKind::Reduce, last, reduced),
                     (SpanKind::Update, reduced, reduced + p.optimizer_time_s),
                 ] {
                     if end > start {
@@ -294,8 +301,9 @@ mod tests {
     use ferrotron_core::plan::{evaluate, PlanModel};
     use ferrotron_core::topology::Cluster;
 
-    /// The predicted timeline is the whole step the planner prices: its actions, the reduction and
-    /// the optimizer step, ending at the predicted step time.
+    /// The predicted timeline is the whole step the planner prices: its actions (after the
+    /// gradients are zeroed), the reduction and the optimizer step, ending at the predicted step
+    /// time.
     #[test]
     fn the_predicted_timeline_ends_where_the_predicted_step_does() {
         for (cluster, layout) in [
@@ -311,12 +319,16 @@ mod tests {
             let l = LayoutSpec::parse(layout).unwrap().layout;
             let p = evaluate(&input, &l).unwrap();
             let panel = predicted_panel(&input, &p).unwrap().expect("a timeline");
-            let rel = (panel.length() - p.step_time_s).abs() / p.step_time_s;
+            let spans = || panel.tracks.iter().flatten();
+            let end = spans().map(|s| s.end).fold(0.0, f64::max);
+            let start = spans().map(|s| s.start).fold(f64::INFINITY, f64::min);
+            let rel = (end - p.step_time_s).abs() / p.step_time_s;
+            assert!(rel < 1e-9, "{layout}: {end} vs {}", p.step_time_s);
+            assert!(p.grad_zeroing_time_s > 0.0, "{layout}");
             assert!(
-                rel < 1e-9,
-                "{layout}: {} vs {}",
-                panel.length(),
-                p.step_time_s
+                (start - p.grad_zeroing_time_s).abs() < 1e-12,
+                "{layout}: the first action at {start}, the gradients zeroed at {}",
+                p.grad_zeroing_time_s
             );
             let kinds: Vec<SpanKind> = panel.tracks[0].iter().map(|s| s.kind).collect();
             assert!(kinds.contains(&SpanKind::Update), "{layout}");
