@@ -75,10 +75,13 @@ case "${1:-}" in
   up) up "${2:?up N}" ;;
   down) down ;;
   mpirun)
+    # The hosts share this machine's cores: each host's daemon would bind its first rank to core 0,
+    # so ranks on different hosts would share one core; --bind-to none leaves placement to the kernel.
     shift
     exec ip netns exec $HEAD mpirun --allow-run-as-root --oversubscribe \
       --mca plm_rsh_agent "$HERE exec" \
       --mca pml ob1 --mca btl tcp,self \
+      --bind-to none \
       --mca btl_tcp_if_include $NET.0/24 --mca oob_tcp_if_include $NET.0/24 \
       --mca btl_tcp_port_min_v4 $BTL_PORT --mca btl_tcp_port_range_v4 $BTL_RANGE \
       --mca mpi_yield_when_idle 1 \
