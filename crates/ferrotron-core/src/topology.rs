@@ -125,6 +125,38 @@ impl Cluster {
         rank / self.devices_per_node
     }
 
+    /// This machine before `calibrate --this-machine` has measured it: one 2-core VM's figures (one
+    /// core's f32 GEMM speed, ~100 GFLOP/s; shared memory as the link, ~10 GB/s memcpy). Its links
+    /// are also the interconnect the calibration measures the threads backend against, whatever an
+    /// earlier calibration found (measuring against a measured latency would add the overhead again
+    /// at every calibration).
+    pub fn this_machine_uncalibrated() -> Cluster {
+        Cluster {
+            name: "this-machine".into(),
+            nodes: 1,
+            devices_per_node: 8,
+            device_memory_bytes: 3 * GIB,
+            peak_flops: 100e9,
+            memory_bandwidth_bytes_per_s: 10.0 * GB,
+            intra_node: Link {
+                bandwidth_bytes_per_s: 10.0 * GB,
+                latency_s: 2e-6,
+            },
+            inter_node: Link {
+                bandwidth_bytes_per_s: 1.0 * GB,
+                latency_s: 50e-6,
+            },
+            calibration: Calibration {
+                gemm_efficiency_max: 0.9,
+                gemm_half_width: 32.0,
+                link_efficiency: 1.0,
+                dp_overlap: 0.0,
+                attention_efficiency: 0.5,
+                step_time_error: None,
+            },
+        }
+    }
+
     /// A named machine (one node unless `nodes` is overridden).
     pub fn preset(name: &str) -> Result<Self> {
         Ok(match name {
@@ -187,37 +219,12 @@ impl Cluster {
                     step_time_error: None,
                 },
             },
-            // This machine running ferrotron's threads backend: 8 virtual devices, each a thread. What
+            // This machine running ferrotron's threads backend: 8 virtual devices, each a thread; what
             // `ferrotron calibrate --this-machine` measured on this CPU when it has run (cached per
-            // CPU); before that, one 2-core VM's figures: one core's f32 GEMM speed (~100 GFLOP/s),
-            // shared memory as the link (~10 GB/s memcpy; the threads backend charges transfers by it).
-            "this-machine" => match this_machine_calibrated() {
-                Some(c) => c,
-                None => Cluster {
-                    name: name.into(),
-                    nodes: 1,
-                    devices_per_node: 8,
-                    device_memory_bytes: 3 * GIB,
-                    peak_flops: 100e9,
-                    memory_bandwidth_bytes_per_s: 10.0 * GB,
-                    intra_node: Link {
-                        bandwidth_bytes_per_s: 10.0 * GB,
-                        latency_s: 2e-6,
-                    },
-                    inter_node: Link {
-                        bandwidth_bytes_per_s: 1.0 * GB,
-                        latency_s: 50e-6,
-                    },
-                    calibration: Calibration {
-                        gemm_efficiency_max: 0.9,
-                        gemm_half_width: 32.0,
-                        link_efficiency: 1.0,
-                        dp_overlap: 0.0,
-                        attention_efficiency: 0.5,
-                        step_time_error: None,
-                    },
-                },
-            },
+            // CPU), the uncalibrated figures before that.
+            "this-machine" => {
+                this_machine_calibrated().unwrap_or_else(Cluster::this_machine_uncalibrated)
+            }
             other => {
                 return Err(ConfigError::Field {
                     file: "--cluster".into(),

@@ -223,6 +223,36 @@ fn this_machine_is_measured_and_profiles_fit_and_judge_step_time() {
         std::fs::read_dir(cache.join("ferrotron")).unwrap().count() == 1,
         "the calibration is cached for this CPU"
     );
+    // A calibration measures the links against the threads backend's fixed interconnect, not
+    // against the cached one: starting from an earlier calibration's latency (which already holds
+    // the overhead measured) would raise it at every run. A cached latency of a second must not
+    // come back.
+    let cached = std::fs::read_dir(cache.join("ferrotron"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let intra_latency = |path: &Path| -> f64 {
+        let v: toml::Value = toml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["intra_node"]["latency_s"].as_float().unwrap()
+    };
+    let mut slow: toml::Value = toml::from_str(&std::fs::read_to_string(&cached).unwrap()).unwrap();
+    slow["intra_node"]["latency_s"] = toml::Value::Float(1.0);
+    std::fs::write(&cached, toml::to_string(&slow).unwrap()).unwrap();
+    let again = dir.join("again.toml");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["calibrate", "--this-machine", "--out"])
+        .arg(&again)
+        .env("XDG_CACHE_HOME", &cache)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (first, second) = (intra_latency(&file), intra_latency(&again));
+    assert!(
+        second < 1e-3 && intra_latency(&cached) == second,
+        "latency per message {first} s, then {second} s after a cached 1 s"
+    );
     // profile --json: one object with the step time measured and predicted, and profile.json.
     let out = dir.join("profile");
     let cluster = file.to_str().unwrap();

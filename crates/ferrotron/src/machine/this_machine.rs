@@ -166,8 +166,12 @@ pub fn run(base: Cluster, out: &Path) -> Result<()> {
     let (gemm_max, gemm_half) = gemm_curve(&be, peak);
     let attention_efficiency = attention_efficiency(&be, peak);
     let bandwidth = memory_bound_bandwidth(&be);
-    let (link_efficiency, latency) = links(&base)?;
+    // Measured against the fixed modelled interconnect, not against `base`'s links, which may be an
+    // earlier calibration's (its latency already holds the overhead measured here).
+    let interconnect = Cluster::this_machine_uncalibrated();
+    let (link_efficiency, latency) = links(&interconnect)?;
     let mut c = base;
+    c.intra_node.bandwidth_bytes_per_s = interconnect.intra_node.bandwidth_bytes_per_s;
     c.name = "this-machine".into();
     c.peak_flops = peak;
     c.memory_bandwidth_bytes_per_s = bandwidth;
