@@ -281,11 +281,16 @@ pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime
         .map(|(n, k)| gemm_time(c, tokens, n, k))
         .sum();
     let attention = attention_time(input, cfg, l);
+    let flash = input.attention == AttentionKernel::Flash;
     let elementwise = tokens
-        * layer_elementwise_bytes_per_token(cfg, t, input.precision.weights.bytes())
+        * (layer_elementwise_bytes_per_token(cfg, t, input.precision.weights.bytes())
+            + if flash {
+                0.0
+            } else {
+                materialized_score_bytes_per_token(input, cfg, l)
+            })
         / c.memory_bandwidth_bytes_per_s;
     let forward = gemms + attention + elementwise;
-    let flash = input.attention == AttentionKernel::Flash;
     let recompute = match (l.recompute, flash) {
         (Recompute::Full, _) => forward,
         (Recompute::Selective, false) => attention,
@@ -304,6 +309,15 @@ pub fn layer_time(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> LayerTime
         backward,
         recompute,
     }
+}
+
+/// Bytes the softmax moves per query token of one layer's forward on one device when attention
+/// materialises its scores: every score of this device's heads (the whole sequence's keys: the
+/// masked half is computed and masked) read, and its probability written. The memory-efficient
+/// kernel keeps them in registers and caches instead.
+fn materialized_score_bytes_per_token(input: &PlanInput, cfg: &ModelConfig, l: &Layout) -> f64 {
+    let heads = cfg.num_heads as f64 / l.tp as f64;
+    2.0 * heads * input.seq as f64 * input.precision.weights.bytes()
 }
 
 /// Forward time of the output layer and the loss on one device: the vocab-parallel GEMM, and the
