@@ -54,9 +54,18 @@ fn narayanan_table1_left_out_runs_are_predicted_within_5_percent() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = stdout(&o);
+    // Fitted to nine runs (every constant), each left-out run is predicted within 6%, and the ten
+    // within 3% mean: the published simulators' accuracy on their own tables.
     let loo = percent_after(&text, "leave-one-out: mean |error|");
-    assert!(loo <= 5.0, "leave-one-out mean |error| {loo}%:\n{text}");
-    // The cluster file carries that error, and the preset the same table's.
+    let loo_max = percent_after(
+        &text,
+        &format!("leave-one-out: mean |error| {loo:.2}% (max"),
+    );
+    assert!(
+        loo <= 3.0 && loo_max <= 6.0,
+        "leave-one-out mean |error| {loo}%, max {loo_max}%:\n{text}"
+    );
+    // The cluster file carries that error; the preset carries its own constants' on the table.
     let carried: toml::Value = toml::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let err = carried["calibration"]["step_time_error"]
         .as_float()
@@ -64,9 +73,10 @@ fn narayanan_table1_left_out_runs_are_predicted_within_5_percent() {
     assert!((100.0 * err - loo).abs() < 0.01, "{err} vs {loo}%");
     let preset = ferrotron_core::topology::Cluster::parse("dgx-a100-80g").unwrap();
     let preset_err = preset.calibration.step_time_error.unwrap();
+    let before = percent_after(&text, "mean |error| before");
     assert!(
-        (100.0 * preset_err - loo).abs() < 0.05,
-        "the preset's {preset_err} vs {loo}%"
+        (100.0 * preset_err - before).abs() < 0.005,
+        "the preset's {preset_err} vs {before}% measured with its constants"
     );
     // The cluster file is taken wherever a cluster is, with overrides after it.
     let spec = format!("{},nodes=4", file.display());
