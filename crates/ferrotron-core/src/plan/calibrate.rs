@@ -136,13 +136,17 @@ impl FitParam {
         }
     }
 
-    /// Sets the constant, kept in its valid range (fractions in (0, 1], the rest positive).
+    /// Sets the constant, kept in its valid range (fractions in (0, 1], attention's efficiency in
+    /// (0, 2], the rest positive).
     pub fn set(self, c: &mut Cluster, v: f64) {
         let fraction = v.clamp(1e-4, 1.0);
         match self {
             FitParam::GemmEfficiency => c.calibration.gemm_efficiency_max = fraction,
             FitParam::GemmHalfWidth => c.calibration.gemm_half_width = v.max(1e-3),
-            FitParam::AttentionEfficiency => c.calibration.attention_efficiency = fraction,
+            FitParam::AttentionEfficiency => {
+                c.calibration.attention_efficiency =
+                    v.clamp(1e-4, crate::topology::MAX_ATTENTION_EFFICIENCY)
+            }
             FitParam::LinkEfficiency => c.calibration.link_efficiency = fraction,
             FitParam::DpOverlap => c.calibration.dp_overlap = v.clamp(0.0, 1.0),
             FitParam::MemoryBandwidth => c.memory_bandwidth_bytes_per_s = v.max(1.0),
