@@ -30,11 +30,14 @@ pub struct CalibrateArgs {
     #[arg(long)]
     this_machine: bool,
     /// The cluster whose constants are the starting point (default: dgx-a100-80g for --runs, the
-    /// profiles' own cluster for --profile, this-machine for --this-machine).
+    /// profiles' own cluster for --profile, this-machine for --this-machine, whose links are
+    /// measured against the threads backend's fixed interconnect whatever this names).
     #[arg(long)]
     cluster: Option<String>,
-    /// The constants to fit, comma-separated (default: gemm_efficiency_max, gemm_half_width,
-    /// link_efficiency).
+    /// The constants to fit, comma-separated (default: every one, in the order gemm_efficiency_max,
+    /// gemm_half_width, attention_efficiency, link_efficiency, dp_overlap,
+    /// memory_bandwidth_bytes_per_s, intra_node.latency_s, inter_node.latency_s; n runs move the
+    /// first n − 1).
     #[arg(long, value_delimiter = ',')]
     fit: Vec<String>,
     /// Where the cluster file goes.
