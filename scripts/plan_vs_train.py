@@ -45,7 +45,7 @@ def count_arg(i, default, least, what):
 # The median is taken over the steps after the first two: at least one must remain.
 STEPS = count_arg(1, 12, 3, "STEPS")
 ROUNDS = count_arg(2, 3, 1, "ROUNDS")
-SEQ, BATCH = 128, 8
+SEQ, BATCH, PRECISION = 128, 8, "f32"
 LAYOUTS = [
     "dp=8,mbs=1",
     "tp=4,dp=2,mbs=2",
@@ -87,11 +87,14 @@ def one_round(work, k):
     run(["calibrate", "--this-machine", "--out", cluster])
     rows = []
     for layout in LAYOUTS:
+        # The same run on both sides: `plan` prices mixed bf16 unless told (GPU runs), `train`
+        # trains in f32 unless told.
         plan = json.loads(run(["plan", "--model", "llama-small", "--cluster", cluster, "--seq", str(SEQ),
-                               "--global-batch", str(BATCH), "--layout", layout, "--json"]))
+                               "--global-batch", str(BATCH), "--layout", layout, "--precision", PRECISION,
+                               "--json"]))
         out = os.path.join(work, f"{k}-" + layout.replace(",", "_").replace("=", ""))
         run(["train", "--steps", str(STEPS), "--batch-size", str(BATCH), "--seq-len", str(SEQ),
-             "--layout", layout, "--cluster", cluster, "--out-dir", out])
+             "--layout", layout, "--precision", PRECISION, "--cluster", cluster, "--out-dir", out])
         lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if l.strip()]
         # Device time: what a step takes one device of the cluster the plan prices (the threads
         # backend's clock); wall time here is 8 devices sharing this machine's cores.
@@ -112,7 +115,7 @@ def main():
         worst = max((r[3] for r in mine), key=lambda w: abs(w[0]))
         spread = ", ".join(f"{r[2] / r[1]:.2f}" for r in mine)
         rows.append((layout, p, m, ratio, spread, worst))
-    print(f"plan against train on this machine (`calibrate --this-machine`), llama-small, "
+    print(f"plan against train on this machine (`calibrate --this-machine`), llama-small in {PRECISION}, "
           f"{BATCH} x {SEQ} tokens, median of steps 3-{STEPS}; {ROUNDS} rounds of calibrate + train, "
           f"medians\n")
     print("| layout | plan (ms) | train (ms) | train / plan | each round | within 10% "
