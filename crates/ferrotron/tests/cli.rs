@@ -282,6 +282,32 @@ fn plan_json_has_the_stable_fields() {
         .unwrap()
         .iter()
         .all(|p| p["layout"]["tp"] == 2));
+
+    // The text says first what it priced: `plan` defaults to mixed bf16, `train` to f32.
+    for (flags, priced) in [
+        (
+            &[][..],
+            "priced in weights bf16, gradients bf16, master fp32",
+        ),
+        (
+            &["--precision", "f32"][..],
+            "priced in weights fp32, gradients fp32, master none",
+        ),
+    ] {
+        let mut args = vec!["plan", "--model", "llama-small", "--global-batch", "8"];
+        args.extend_from_slice(flags);
+        let o = ferrotron(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(text.starts_with(priced), "{text}");
+        assert!(
+            text.lines()
+                .next()
+                .unwrap()
+                .contains("`train` trains in f32"),
+            "{text}"
+        );
+    }
 }
 
 #[test]

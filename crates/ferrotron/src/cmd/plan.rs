@@ -304,6 +304,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     input.force_cross_node_tp = a.force_cross_node_tp;
     input.allow_async = a.allow_async;
     let spec = a.layout.as_deref().map(LayoutSpec::parse).transpose()?;
+    if !a.json {
+        println!("{}", precision_note(&input.precision));
+    }
     match spec {
         Some(spec) if spec.auto_keys.is_empty() => {
             let p = plan::evaluate(&input, &spec.layout)?;
@@ -386,6 +389,24 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// What the plan is priced in, and what `train` runs unless told: the two defaults differ (a GPU
+/// run is planned in mixed bf16; ferrotron trains in f32), so that a prediction for `train` needs
+/// the same `--precision` on both.
+fn precision_note(p: &ferrotron_core::precision::StateDtypes) -> String {
+    format!(
+        "priced in weights {}, gradients {}, master {}, optimizer {} (`--precision`; `train` trains \
+         in f32 unless its own `--precision` says otherwise)",
+        p.weights.name(),
+        p.grads.name(),
+        if p.master_bytes() > 0.0 {
+            p.master.name()
+        } else {
+            "none"
+        },
+        p.optimizer.name()
+    )
 }
 
 /// The predicted pictures and a report page of the chosen layout (with the candidates compared),
