@@ -3,7 +3,8 @@
 
 Calibrates this machine (`calibrate --this-machine`), then for each llama-small layout (8 devices, or
 fewer where the layout has fewer, batch 8 x 128) prices it with `plan --json` on that cluster file and
-trains it with `train` for STEPS steps on the same cluster. Prints one markdown table of step time
+trains it with `train` for STEPS steps on the same cluster, both in f32 (`plan` would price mixed bf16
+unless told). Prints one markdown table of step time
 (the median over the steps after the first two of the slowest device's `step_time_s` in
 `metrics.jsonl` — device time, what one device of the priced cluster takes; the wall time on a small
 machine is every device sharing its cores — against `plan`'s `step_time_s`) and, per layout, the worst memory term of at least 5% of a device's total (measured
