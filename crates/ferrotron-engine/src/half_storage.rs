@@ -298,7 +298,12 @@ impl<T: Half16> HalfParts<T> {
             return Ok(());
         }
         let _buffers = memory::scope(Term::CommBuffers);
-        let mut buf: Vec<T> = Vec::new();
+        // Sized once: grown by doubling it would hold up to twice the unit.
+        let block: usize = ids
+            .iter()
+            .map(|&i| piece(scratch.tensors[i].len(), self.dp, 0).len())
+            .sum();
+        let mut buf: Vec<T> = Vec::with_capacity(block * self.dp);
         for k in 0..self.dp {
             for &i in ids {
                 let p = padded_piece(&scratch.tensors[i], self.dp, k);

@@ -100,10 +100,10 @@ fn mid_sized_llama() -> (
 }
 
 /// Prints measured and predicted peaks per term, and checks the weights, gradients, optimizer
-/// state, activations and total within 10% (communication buffers printed only: pooled message
-/// buffers grow with how many messages happen to be in flight). `unplanned` bytes of the measured
-/// total are left out of the comparison (the kernels' workspace held at the peak, which follows
-/// this CPU's caches).
+/// state, activations and total within 10%, and the communication buffers within 10% wherever
+/// they are at least 5% of the device's total (below that they are a few loss and norm
+/// reductions, priced as nothing). `unplanned` bytes of the measured total are left out of the
+/// comparison (the kernels' workspace held at the peak, which follows this CPU's caches).
 fn assert_terms_near(
     what: &str,
     got: &ferrotron_core::plan::MemoryTerms,
@@ -143,11 +143,23 @@ fn assert_terms_near(
         let e = (a as f64 / b as f64 - 1.0).abs();
         assert!(e <= 0.10, "{what}: {term} measured {a} vs predicted {b}");
     }
+    assert_comm_near(what, got.comm_buffers, want.comm_buffers, got.total);
+}
+
+/// Communication buffers within 10% of the planner's where either is at least 5% of the device's
+/// `total`.
+fn assert_comm_near(what: &str, got: u64, want: u64, total: u64) {
+    if got.max(want) as f64 >= 0.05 * total as f64 {
+        let e = (got as f64 / want.max(1) as f64 - 1.0).abs();
+        assert!(
+            e <= 0.10,
+            "{what}: comm_buffers measured {got} vs predicted {want}"
+        );
+    }
 }
 
 /// Measured peaks per term against the planner's prediction (ferrotron activation model, f32) on a
-/// mid-sized Llama (hidden 256, 8 layers, seq 128) over dp2·tp2·pp2. Communication buffers are
-/// printed, not checked: pooled message buffers grow with how many messages happen to be in flight.
+/// mid-sized Llama (hidden 256, 8 layers, seq 128) over dp2·tp2·pp2.
 #[test]
 fn measured_memory_matches_the_planner_on_a_mid_sized_model() {
     use ferrotron_core::plan::evaluate;
@@ -339,8 +351,8 @@ fn pipeline_stages_activations_match_the_planner_under_1f1b_gpipe_and_zbh1_in_f3
 
 /// bf16 mixed precision: measured peaks per term over whole training steps (the update included)
 /// against the planner's prediction for `weights=bf16,grads=bf16,master=fp32,optimizer=fp32`, on
-/// one device and over dp2·tp2·pp2 (ZeRO 0 and 2), within 10%. Communication buffers are checked
-/// on one device, where there are none: the bf16 compute copy is read as it is, never widened.
+/// one device and over dp2·tp2·pp2 (ZeRO 0 and 2), within 10% (on one device there are no
+/// communication buffers: the bf16 compute copy is read as it is, never widened).
 #[test]
 fn bf16_memory_matches_the_planner_on_one_device_and_the_3d_mesh() {
     use ferrotron_core::plan::{evaluate, StateDtypes};
@@ -400,14 +412,12 @@ fn bf16_memory_matches_the_planner_on_one_device_and_the_3d_mesh() {
                 got.total,
                 want.total
             );
-            if l.world_size() == 1 {
-                assert!(
-                    got.comm_buffers <= want.comm_buffers + (got.total / 100),
-                    "{spec}: comm buffers {} vs predicted {}",
-                    got.comm_buffers,
-                    want.comm_buffers
-                );
-            }
+            assert_comm_near(
+                &format!("{spec} device {d}"),
+                got.comm_buffers,
+                want.comm_buffers,
+                got.total,
+            );
         }
     }
 }
@@ -463,8 +473,7 @@ fn activations_grow_linearly_with_the_sequence_and_match_the_planner() {
 /// (each device holds num_experts / ep experts of every block, ZeRO shards them over the replicas
 /// holding the same ones and the rest over all), on a mid-sized Mixtral (hidden 256, 8 experts of
 /// 352 columns, two per token, 4 blocks, seq 128). The router's load is not balanced, so each
-/// device's activations differ from the planner's balanced ones by its load; comm buffers are
-/// printed, not checked (see above).
+/// device's activations differ from the planner's balanced ones by its load.
 #[test]
 fn expert_parallel_memory_matches_the_planner() {
     use ferrotron_core::plan::evaluate;

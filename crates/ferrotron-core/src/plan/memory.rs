@@ -286,7 +286,7 @@ fn backward_working_set(
     };
     // The kernel's scratch and context parallelism's blocks live while attention's gradients
     // form; the norm output's gradient only after.
-    let during_kernel = kernel + context_buffers(cfg, l, local).0;
+    let during_kernel = kernel + context_buffers(cfg, l, local);
     let attention_half = 4.0 * (attention + attention_widened) + during_kernel.max(4.0 * tok * h);
     (4.0 * (mlp + mlp_widened) - freed).max(attention_half - freed_before_attention)
 }
@@ -310,29 +310,26 @@ fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 
     4.0 * (2.0 * br * (bc + 16.0) + 2.0 * keys as f64 + operands)
 }
 
-/// Context parallelism's f32 buffers on one device for `local` tokens per sequence, as measured at
-/// the device's peak: (working, messages). Working, beside attention's backward: the ring's K/V
-/// block in hand, the dK/dV it adds to and the one passing through; all-to-all's head-split Q, K,
-/// V, output, output gradient and the three input gradients, over whole sequences (a device's KV
-/// heads at least one: replicated where there are fewer than the group). Messages in flight (the
-/// copies sends keep until they are taken): the ring's K/V blocks and dK/dV sums passing through,
-/// about five blocks at the backward's peak; all-to-all's shares of Q, K, V, the output and its
-/// gradient.
-fn context_buffers(cfg: &ModelConfig, l: &Layout, local: usize) -> (f64, f64) {
+/// Context parallelism's f32 working buffers on one device for `local` tokens per sequence, beside
+/// attention's backward: the ring's K/V block in hand, the dK/dV it adds to and the one passing
+/// through; all-to-all's head-split Q, K, V, output, output gradient and the three input
+/// gradients, over whole sequences (a device's KV heads at least one: replicated where there are
+/// fewer than the group). (The messages themselves are the link's: see [`comm_buffers`].)
+fn context_buffers(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
     if l.cp <= 1 {
-        return (0.0, 0.0);
+        return 0.0;
     }
     let tok = (l.micro_batch_size * local) as f64;
     let w = cfg.attention_widths(l.tp);
-    let (working, messages) = match l.cp_comm {
-        CpComm::Ring => (3.0 * (w.k + w.v), 5.0 * (w.k + w.v)),
+    let working = match l.cp_comm {
+        CpComm::Ring => 3.0 * (w.k + w.v),
         CpComm::A2a => {
             let one_head = (l.cp * cfg.head_dim) as f64;
             let (k, v) = (w.k.max(one_head), w.v.max(one_head));
-            (2.0 * (w.q + k + v + w.out), w.q + w.k + w.v + 2.0 * w.out)
+            2.0 * (w.q + k + v + w.out)
         }
     };
-    (4.0 * tok * working, 4.0 * tok * messages)
+    4.0 * tok * working
 }
 
 /// One layer's stash for one micro-batch on one device, and the layers of this stage's largest
@@ -432,53 +429,8 @@ fn comm_buffers(
 ) -> f64 {
     let pr = &input.precision;
     let replicas = l.replicas();
-    let local = super::local_seq(input, l);
     if input.activation_model == ActivationModel::Ferrotron {
-        // The engine's buffers: the pooled messages of TP collectives; a DP bucket is one
-        // unit's gradients (ZeRO 0–1: the buffer in flight and the ring's working copy; ZeRO-2/3:
-        // the unit's whole gradient, its interleaved copy, and the pieces sent to their owners
-        // with this device's own), and ZeRO-3 gathers one unit at a time (its pieces and the
-        // gathered whole).
-        // What one unit's reductions and gathers move: its trainable parameters (with LoRA
-        // one layer's adapters; the frozen base never moves).
-        let lora_unit = input
-            .lora
-            .as_ref()
-            .map(|lora| largest_lora_layer_on_device(cfg, lora, l));
-        let unit = match lora_unit {
-            Some((dense, experts)) => dense + experts,
-            None => largest_unit_params(cfg, l, stage),
-        };
-        let tp_buf = if l.tp > 1 { 2.0 * boundary } else { 0.0 };
-        // Under expert parallelism a unit's dense and routed-expert tensors reduce over different
-        // groups, one set after the other: the buffers of the larger set at a time.
-        let reduced = match lora_unit {
-            _ if l.ep == 1 => unit,
-            None => {
-                let experts = routed_expert_params(cfg, l).min(unit);
-                experts.max(unit - experts)
-            }
-            Some((dense, experts)) => dense.max(experts),
-        };
-        let dp_buf = match (replicas > 1, l.zero) {
-            (false, _) => 0.0,
-            (true, 0 | 1) => 2.0 * reduced * pr.grads.bytes(),
-            (true, _) => 3.0 * reduced * pr.grads.bytes(),
-        };
-        // ZeRO-3 holds the unit in use and the next one prefetched; under expert parallelism
-        // nothing is prefetched (the dense and the expert sets gather in turn, one collective at
-        // a time).
-        let prefetched = if l.ep > 1 && cfg.moe.is_some() {
-            1.0
-        } else {
-            2.0
-        };
-        let z3_buf = if l.zero == 3 && replicas > 1 {
-            prefetched * unit * pr.weights.bytes()
-        } else {
-            0.0
-        };
-        tp_buf + dp_buf + z3_buf + gathered_codes(input, cfg, l) + context_buffers(cfg, l, local).1
+        engine_comm_buffers(input, cfg, l, stage, boundary)
     } else {
         // Megatron/DeepSpeed: a TP collective's output, a 25M-element DP gradient bucket,
         // and under ZeRO-3 one layer's gathered parameters (twice, to prefetch the next).
@@ -495,6 +447,168 @@ fn comm_buffers(
         };
         tp_buf + dp_buf + z3_buf
     }
+}
+
+/// The engine's communication buffers on one device of `stage`: what its collectives allocate
+/// beside the tensors they move, at the worst moment of a step. Messages are not among them: in
+/// flight they are the link's (`memory::on_the_link` in the engine; a GPU's collective library
+/// stages through fixed buffers of its own). Per unit of `reduced` gradients R and gathered
+/// parameters P (one block's, the largest on the device; with LoRA one layer's adapters), over n
+/// replicas, f32 (parameters and gradients their own format):
+/// - ZeRO-0: the bucket being all-reduced, R (it is reduced in place);
+/// - ZeRO-1: the interleaved bucket and this replica's piece of it, R(1 + 1/n); after the update,
+///   a unit's pieces and their gather, P(1 + 1/n);
+/// - ZeRO-2: the unit's whole gradients, their interleaved copy and this replica's piece,
+///   R(2 + 1/n);
+/// - ZeRO-3: that, beside the unit prefetched next (P), or the unit in use and the one prefetched
+///   beside the gradients and a piece (2P + R(1 + 1/n)), or, forward, 2P + P/n.
+///
+/// In 16 bits (mixed precision) nothing is bucketed: ZeRO-0 all-reduces each gradient in place;
+/// ZeRO-1 reduce-scatters and re-gathers one tensor T at a time, T(1 + 1/n); ZeRO-2/3 reduce-
+/// scatter a unit's gradients as the backward finishes it, R(1 + 1/n), and ZeRO-3 gathers a unit's
+/// weights, P(2 + 1/n) with the pieces and the gathered copy. Beside all of these stays the blocking
+/// reduce-scatter's working copy, as large as its largest input: sequence parallelism's rows (a
+/// boundary) and the 16-bit gradients' (T or R).
+fn engine_comm_buffers(
+    input: &PlanInput,
+    cfg: &ModelConfig,
+    l: &Layout,
+    stage: usize,
+    boundary: f64,
+) -> f64 {
+    let pr = &input.precision;
+    let (g, w) = (pr.grads.bytes(), pr.weights.bytes());
+    let half = w < 4.0;
+    // What one unit's reductions and gathers move: its trainable parameters (with LoRA one
+    // layer's adapters; the frozen base never moves).
+    let lora_unit = input
+        .lora
+        .as_ref()
+        .map(|lora| largest_lora_layer_on_device(cfg, lora, l));
+    let unit = match lora_unit {
+        Some((dense, experts)) => dense + experts,
+        None => largest_unit_params(cfg, l, stage),
+    };
+    // Under expert parallelism a unit's dense and routed-expert tensors reduce over different
+    // groups, one set after the other (see `grouped_f32_buffers`); in 16 bits, and for the
+    // largest tensor, the larger set bounds them.
+    let reduced = match lora_unit {
+        _ if l.ep == 1 => unit,
+        None => {
+            let experts = routed_expert_params(cfg, l).min(unit);
+            experts.max(unit - experts)
+        }
+        Some((dense, experts)) => dense.max(experts),
+    };
+    let n = l.replicas() as f64;
+    let (r, p) = (reduced * g, unit * w);
+    // The largest single tensor reduced in 16 bits under ZeRO-1 (a LoRA unit's adapters are small:
+    // their unit bounds it).
+    let tensor = match lora_unit {
+        Some(_) => reduced,
+        None => largest_tensor_params(cfg, l, stage).min(unit),
+    };
+    let grouped = l.ep > 1 && cfg.moe.is_some() && lora_unit.is_none();
+    let data_parallel = match (l.replicas() > 1, l.zero, half) {
+        (false, _, _) => 0.0,
+        (true, _, false) if grouped => {
+            // A block's dense tensors, then its experts; the embedding and the output layer are
+            // dense alone.
+            let experts = routed_expert_params(cfg, l);
+            let block = layer_params_on_device(cfg, l);
+            let table = if stage == 0 || stage + 1 == l.pp {
+                padded_vocab(cfg, l.tp) as f64 * cfg.hidden_size as f64 / l.tp as f64
+            } else {
+                0.0
+            };
+            let holders = expert_holders(l) as f64;
+            let sets = |dense: f64, experts: f64| [(dense, n), (experts, holders)];
+            grouped_f32_buffers(&sets(block - experts, experts), l.zero, (g, w))
+                .max(grouped_f32_buffers(&sets(table, 0.0), l.zero, (g, w)))
+        }
+        (true, 0, false) => r,
+        (true, 1, false) => r.max(p) * (1.0 + 1.0 / n),
+        (true, 2, false) => r * (2.0 + 1.0 / n),
+        // ZeRO-3 prefetches the next unit: the unit's gradients, their interleaved copy and a
+        // piece beside the next unit; the unit in use and the one prefetched (its gather, filed
+        // into tensors) beside the gradients and a piece; forward, a unit in use, the next one
+        // gathering and this replica's pieces of it.
+        (true, _, false) => (r * (2.0 + 1.0 / n) + p)
+            .max(2.0 * p + r * (1.0 + 1.0 / n))
+            .max(p * (2.0 + 1.0 / n)),
+        (true, 0, true) => 0.0,
+        (true, 1, true) => tensor * g.max(w) * (1.0 + 1.0 / n),
+        (true, 2, true) => (r * (1.0 + 1.0 / n)).max(tensor * w * (1.0 + 1.0 / n)),
+        (true, _, true) => (r * (1.0 + 1.0 / n)).max(p * (2.0 + 1.0 / n)),
+    };
+    let sp_rows = if l.tp > 1 && l.sequence_parallel {
+        boundary
+    } else {
+        0.0
+    };
+    let half_grads = match (l.replicas() > 1 && half, l.zero) {
+        (true, 1) => tensor * g,
+        (true, 2..) => r,
+        _ => 0.0,
+    };
+    data_parallel + sp_rows.max(half_grads) + gathered_codes(input, cfg, l)
+}
+
+/// The f32 buffers of a unit whose tensors form `sets` (elements, replicas they reduce over),
+/// reduced and gathered one set after the other, each set's collectives completed before the
+/// next's start (no prefetch), under ZeRO `zero`, `(g, w)` bytes per gradient and weight:
+/// - ZeRO-0: one set's bucket at a time; ZeRO-1: its interleaved bucket and piece, or after the
+///   update its pieces and their gather;
+/// - ZeRO-2: opening, every set's gradients; closing set i, the sets after it still open beside
+///   its gradients, their interleaved copy and a piece;
+/// - ZeRO-3: opening set i, the sets before it (parameters and gradients) beside its gather (this
+///   replica's pieces, the gathered block, the tensors filed from it); closing as ZeRO-2, the later
+///   sets' parameters open too.
+fn grouped_f32_buffers(sets: &[(f64, f64)], zero: u8, (g, w): (f64, f64)) -> f64 {
+    // A set held by one replica alone (experts no other replica holds) is never reduced.
+    let sets: Vec<(f64, f64)> = sets.iter().copied().filter(|&(_, n)| n > 1.0).collect();
+    let mut worst: f64 = 0.0;
+    let open = |&(x, _): &(f64, f64)| x * (g + if zero == 3 { w } else { 0.0 });
+    for (i, &(x, n)) in sets.iter().enumerate() {
+        let (r, p) = (x * g, x * w);
+        let before: f64 = sets[..i].iter().map(open).sum();
+        let after: f64 = sets[i + 1..].iter().map(open).sum();
+        let here = match zero {
+            0 => r,
+            1 => r.max(p) * (1.0 + 1.0 / n),
+            2 => (before + r).max(after + r * (2.0 + 1.0 / n)),
+            _ => (before + p * (2.0 + 1.0 / n)).max(after + r * (2.0 + 1.0 / n)),
+        };
+        worst = worst.max(here);
+    }
+    worst
+}
+
+/// The largest tensor one device of `stage` holds (elements): a block's widest projection (its
+/// attention's, its MLP's or an expert's), the embedding table (first stage) or the output layer
+/// (last). From the shape alone: the search prices thousands of layouts.
+fn largest_tensor_params(cfg: &ModelConfig, l: &Layout, stage: usize) -> f64 {
+    let (h, t) = (cfg.hidden_size as f64, l.tp as f64);
+    let w = cfg.attention_widths(l.tp);
+    let experts = cfg
+        .moe
+        .as_ref()
+        .map_or(0.0, |m| m.expert_size.max(m.shared_expert_size) as f64 / t);
+    let widest = [
+        w.q,
+        w.k,
+        w.v,
+        w.out,
+        cfg.intermediate_size as f64 / t,
+        experts,
+    ]
+    .into_iter()
+    .fold(0.0, f64::max);
+    let mut largest = h * widest;
+    if stage == 0 || stage + 1 == l.pp {
+        largest = largest.max(padded_vocab(cfg, l.tp) as f64 * h / t);
+    }
+    largest
 }
 
 /// What one layer's deferred weight-gradient jobs keep for one micro-batch on one device, in bytes

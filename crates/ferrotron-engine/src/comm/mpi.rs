@@ -161,6 +161,8 @@ impl MpiComm {
         let mut count: c_int = 0;
         // SAFETY: `status` comes from a successful probe.
         unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT64_T, &mut count) };
+        // The transport's receive buffer (see `post`).
+        let _transport = crate::memory::scope(crate::memory::Term::Other);
         let mut buf = std::mem::take(&mut self.recv_buf);
         buf.clear();
         buf.resize(count.max(0) as usize, 0);
@@ -270,7 +272,12 @@ impl Transport for MpiComm {
     ) -> CommResult<()> {
         let bytes = std::mem::size_of_val(data);
         let words = bytes.div_ceil(8);
-        let mut buf = vec![0u64; HEADER_WORDS + words];
+        // The transport's copy, held until MPI has sent it: this process's memory, but MPI's (as a
+        // collective library's staging buffers are), not one of the planner's terms.
+        let mut buf = {
+            let _transport = crate::memory::scope(crate::memory::Term::Other);
+            vec![0u64; HEADER_WORDS + words]
+        };
         buf[..HEADER_WORDS].copy_from_slice(&[
             MAGIC,
             tag,

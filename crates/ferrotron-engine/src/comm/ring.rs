@@ -478,9 +478,13 @@ impl<X: Transport> Comm for X {
         check_shards(g, input.len(), output.len())?;
         // Work on a reused copy of the input: allocating (and faulting in) a fresh one per call costs
         // more than the transfer.
+        // Grown to exactly the largest input (not by doubling): the copy is a communication buffer
+        // that stays, and the planner prices it as the largest input reduce-scattered.
         let mut storage = std::mem::take(self.scratch());
         storage.clear();
-        storage.resize(std::mem::size_of_val(input).div_ceil(8), 0);
+        let words = std::mem::size_of_val(input).div_ceil(8);
+        storage.reserve_exact(words);
+        storage.resize(words, 0);
         // SAFETY: 8-byte aligned storage of at least size_of_val(input) bytes; any bits are a valid `T`.
         let work =
             unsafe { std::slice::from_raw_parts_mut(storage.as_mut_ptr() as *mut T, input.len()) };

@@ -68,11 +68,12 @@ type Pool = Arc<Mutex<Vec<Vec<u64>>>>;
 
 /// Copies `data` into a buffer from `pool` (the smallest that holds it), or a new one. When none
 /// holds it, the pool's largest is freed first: a buffer too small for the messages now passing
-/// would only linger. A pooled buffer counts as its receiver's `other` (reserve) while idle and as
-/// the sender's communication buffer while it carries a message.
+/// would only linger. A pooled buffer counts as its receiver's `other` (reserve) while idle; while
+/// it carries a message it is the link's, no device's (`memory::on_the_link`).
 fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
     let bytes = std::mem::size_of_val(data);
     let words = bytes.div_ceil(8);
+    let _link = crate::memory::on_the_link();
     let mut v = {
         let mut free = pool.lock().expect("pool lock");
         let fits = (0..free.len())
@@ -81,7 +82,7 @@ fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
         match fits {
             Some(i) => {
                 let v = free.swap_remove(i);
-                crate::memory::charge_to_this_device(&v, crate::memory::Term::CommBuffers);
+                crate::memory::charge_to_link(&v);
                 v
             }
             None => {

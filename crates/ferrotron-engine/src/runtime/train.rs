@@ -441,6 +441,20 @@ pub fn train(cfg: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<
         let outcome = match world.run(&run, metrics, &metrics_path, on_step) {
             // The planner's estimate was short for this layout: measured, it does not fit.
             Err(e @ (EngineError::RunOutOfMemory(_) | EngineError::PeerOutOfMemory(_))) if auto => {
+                if world.reporter() {
+                    // Said as it happens: the choice printed above is not the layout that trains.
+                    let next = candidates
+                        .iter()
+                        .take(AUTO_ATTEMPTS)
+                        .skip(tried.len() + 1)
+                        .map(|p| p.layout.to_string())
+                        .next()
+                        .unwrap_or_else(|| "none left to try".into());
+                    eprintln!(
+                        "layout auto: {layout} went out of memory when run, over the planner's \
+                         estimate:\n{e}\nlayout auto: trying the next fastest that fits: {next}"
+                    );
+                }
                 tried.push(format!("{layout}: {e}"));
                 continue;
             }
