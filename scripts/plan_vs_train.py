@@ -9,7 +9,8 @@ unless told). Prints one markdown table of step time
 `metrics.jsonl` — device time, what one device of the priced cluster takes; the wall time on a small
 machine is every device sharing its cores — against `plan`'s `step_time_s`) and, per layout, the worst memory term of at least 5% of a device's total (measured
 peak against `predicted_memory_bytes`, each device of `metrics.jsonl`'s last line), and whether
-`plan`'s pick among the layouts is within 3% of the measured fastest.
+`plan`'s pick among the layouts is within 3% of the measured fastest, in each round and over the
+rounds (medians).
 
 On a shared VM the machine's speed moves by 20-30% from one minute to the next, so that one
 calibration and one training can disagree by that much whatever the model: the script runs ROUNDS
@@ -133,7 +134,13 @@ def main():
         print(f"\nround {k + 1}: plan's pick {pick[0]} trains at {1e3 * pick[2]:.1f} ms, "
               f"{pick[2] / fastest[2] - 1:+.1%} against the measured fastest {fastest[0]} "
               f"({1e3 * fastest[2]:.1f} ms)", end="")
-    print()
+    # Over the rounds: each layout's median plan and median step (the machine's speed moves from
+    # one round to the next by more than the three fastest layouts differ).
+    pick = min(rows, key=lambda r: r[1])
+    fastest = min(rows, key=lambda r: r[2])
+    print(f"\n\nover the rounds (medians): plan's pick {pick[0]} trains at {1e3 * pick[2]:.1f} ms, "
+          f"{pick[2] / fastest[2] - 1:+.1%} against the measured fastest {fastest[0]} "
+          f"({1e3 * fastest[2]:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -189,27 +189,13 @@ unsafe impl GlobalAlloc for TrackingAllocator {
 #[global_allocator]
 static GLOBAL: TrackingAllocator = TrackingAllocator;
 
-/// Moves `v`'s allocation to `term` on the calling thread's device (or on the device it is
-/// charged to, from a thread of none): a buffer that passes between devices counts where it is now
-/// held. The threads backend's pooled message buffers: idle in a receiver's pool, that receiver's
-/// `other`, reserved and not in use, as a caching allocator's reserve is.
-pub fn charge_to_this_device<T>(v: &Vec<T>, term: Term) {
-    let here = CURRENT.try_with(Cell::get).map_or(NO_DEVICE, |(d, _)| d);
-    recharge(v, (here != NO_DEVICE).then_some(here), term);
-}
-
-/// Counts `v`'s allocation on no device from now on: a message of the threads backend on the
-/// simulated link (see [`on_the_link`]).
-pub fn charge_to_link<T>(v: &Vec<T>) {
-    recharge(v, Some(NO_DEVICE), Term::Other);
-}
-
 /// While the guard lives, this thread's allocations count on no device: the threads backend's
-/// message copies, which stand for the bytes on a wire or in a switch, no device's memory. (Counted
-/// on the sender until its receiver took them, they made a device's peak depend on how far in wall
-/// time its thread ran ahead of its receiver's on a machine with fewer cores than devices: a queue
-/// that devices in step never build. A GPU's collective library stages through fixed buffers of
-/// its own, reserved once, outside the planner's terms as the runtime's context is.)
+/// message buffers, which stand for the bytes on a wire or in a switch and for the transport's
+/// buffers, no device's memory. (Counted on the sender until its receiver took them, messages made
+/// a device's peak depend on how far in wall time its thread ran ahead of its receiver's on a
+/// machine with fewer cores than devices: a queue devices in step never build; and the pool of
+/// idle ones on the receiver grew with it. A GPU's collective library stages through fixed buffers
+/// of its own, reserved once, outside the planner's terms as the runtime's context is.)
 pub fn on_the_link() -> LinkGuard {
     LinkGuard(CURRENT.with(|c| c.replace((NO_DEVICE, Term::Other as u8))))
 }
@@ -221,29 +207,6 @@ impl Drop for LinkGuard {
     fn drop(&mut self) {
         let before = self.0;
         CURRENT.with(|c| c.set(before));
-    }
-}
-
-/// Moves `v`'s allocation to (`device`, `term`); `None` keeps its device.
-fn recharge<T>(v: &Vec<T>, device: Option<u16>, term: Term) {
-    let bytes = v.capacity() * std::mem::size_of::<T>();
-    if bytes == 0 {
-        return;
-    }
-    // SAFETY: a vector with capacity owns an allocation of exactly `bytes` from the global
-    // allocator, which is this module's: its header (device, term) lies in front of the data. The
-    // caller owns `v`, so nothing frees it meanwhile.
-    unsafe {
-        let p = v.as_ptr() as *mut u8;
-        let (old_device, old_term) = ((p.sub(4) as *const u16).read_unaligned(), p.sub(2).read());
-        let device = device.unwrap_or(old_device);
-        if (old_device, old_term) == (device, term as u8) {
-            return;
-        }
-        charge(old_device, old_term, -(bytes as i64));
-        (p.sub(4) as *mut u16).write_unaligned(device);
-        p.sub(2).write(term as u8);
-        charge(device, term as u8, bytes as i64);
     }
 }
 
@@ -537,46 +500,14 @@ mod tests {
             let m = device_memory(d);
             assert_eq!(m.live[0] - before.live[0], 1 << 20);
             assert!(m.live[4] - before.live[4] >= 400_000);
-            // A buffer moved to another term (a pooled message idle in its cache) counts there;
-            // taken up on another device's thread (a sender's message), it counts on that
-            // device, and is freed from there, whichever thread frees it.
-            let pooled = {
-                let _g = scope(Term::CommBuffers);
-                vec![0u64; 1000]
-            };
-            charge_to_this_device(&pooled, Term::Other);
-            let m = device_memory(d);
-            assert_eq!(m.live[5], before.live[5]);
-            assert_eq!(m.live[6] - before.live[6], 8000);
-            let other = MAX_DEVICES - 2;
-            let other_before = device_memory(other);
-            let pooled = std::thread::spawn(move || {
-                set_device(other);
-                charge_to_this_device(&pooled, Term::CommBuffers);
-                clear_device();
-                pooled
-            })
-            .join()
-            .unwrap();
-            assert_eq!(device_memory(d).live[6], before.live[6]);
-            assert_eq!(device_memory(other).live[5] - other_before.live[5], 8000);
-            drop(pooled);
-            assert_eq!(device_memory(other).live, other_before.live);
-            // A message on the link counts on no device: allocated there, or moved there from a
-            // device (and freed from there).
+            // What is allocated on the link counts on no device, and freeing it changes nothing.
             let before_link = device_memory(d);
             let on_link = {
                 let _link = on_the_link();
                 vec![0u64; 1000]
             };
-            let moved = {
-                let _g = scope(Term::CommBuffers);
-                vec![0u64; 1000]
-            };
-            assert_eq!(device_memory(d).live[5] - before_link.live[5], 8000);
-            charge_to_link(&moved);
             assert_eq!(device_memory(d).live, before_link.live);
-            drop((on_link, moved));
+            drop(on_link);
             assert_eq!(device_memory(d).live, before_link.live);
             drop(w);
             drop(a);

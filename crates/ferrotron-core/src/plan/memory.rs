@@ -565,11 +565,17 @@ fn engine_comm_buffers(
 ///   replica's pieces, the gathered block, the tensors filed from it); closing as ZeRO-2, the later
 ///   sets' parameters open too.
 fn grouped_f32_buffers(sets: &[(f64, f64)], zero: u8, (g, w): (f64, f64)) -> f64 {
-    // A set held by one replica alone (experts no other replica holds) is never reduced.
-    let sets: Vec<(f64, f64)> = sets.iter().copied().filter(|&(_, n)| n > 1.0).collect();
+    // A set held by one replica alone (experts no other replica holds) is never reduced, nor
+    // opened per unit.
+    let open = |&(x, n): &(f64, f64)| {
+        if n > 1.0 {
+            x * (g + if zero == 3 { w } else { 0.0 })
+        } else {
+            0.0
+        }
+    };
     let mut worst: f64 = 0.0;
-    let open = |&(x, _): &(f64, f64)| x * (g + if zero == 3 { w } else { 0.0 });
-    for (i, &(x, n)) in sets.iter().enumerate() {
+    for (i, &(x, n)) in sets.iter().enumerate().filter(|(_, s)| s.1 > 1.0) {
         let (r, p) = (x * g, x * w);
         let before: f64 = sets[..i].iter().map(open).sum();
         let after: f64 = sets[i + 1..].iter().map(open).sum();

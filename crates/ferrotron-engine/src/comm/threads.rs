@@ -68,8 +68,8 @@ type Pool = Arc<Mutex<Vec<Vec<u64>>>>;
 
 /// Copies `data` into a buffer from `pool` (the smallest that holds it), or a new one. When none
 /// holds it, the pool's largest is freed first: a buffer too small for the messages now passing
-/// would only linger. A pooled buffer counts as its receiver's `other` (reserve) while idle; while
-/// it carries a message it is the link's, no device's (`memory::on_the_link`).
+/// would only linger. Message buffers, pooled or carrying a message, are the link's, no device's
+/// (`memory::on_the_link`): allocated there, and never charged to a device.
 fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
     let bytes = std::mem::size_of_val(data);
     let words = bytes.div_ceil(8);
@@ -80,11 +80,7 @@ fn pack<T: Element>(pool: &Pool, data: &[T]) -> Vec<u64> {
             .filter(|&i| free[i].capacity() >= words)
             .min_by_key(|&i| free[i].capacity());
         match fits {
-            Some(i) => {
-                let v = free.swap_remove(i);
-                crate::memory::charge_to_link(&v);
-                v
-            }
+            Some(i) => free.swap_remove(i),
             None => {
                 if let Some(i) = (0..free.len()).max_by_key(|&i| free[i].capacity()) {
                     drop(free.swap_remove(i));
@@ -294,9 +290,7 @@ impl ThreadComm {
         }
         t.s.bytes_received += msg.bytes as u64;
         let result = consume(view::<T>(&msg.payload, msg.len));
-        // Idle in this receiver's pool, the buffer is its reserve (`other`) until a sender takes
-        // it again.
-        crate::memory::charge_to_this_device(&msg.payload, crate::memory::Term::Other);
+        // Back to this receiver's pool, still the link's (no device's) until a sender fills it.
         self.pools[self.rank]
             .lock()
             .expect("pool lock")
