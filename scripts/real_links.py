@@ -13,9 +13,11 @@ build with `--features mpi`.
 
     scripts/real_links.py [RATE]
 """
+import atexit
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,8 @@ SELFTEST = os.path.join(ROOT, "target", "release", "ferrotron-mpi-selftest")
 SEQ, BATCH, STEPS = 128, 8, 10
 RATE = sys.argv[1] if len(sys.argv) > 1 else "1gbit"
 OUT = tempfile.mkdtemp(prefix="ferrotron-real-links.")
+# The trainings' checkpoints and models are not needed once their metrics are read.
+atexit.register(shutil.rmtree, OUT, ignore_errors=True)
 
 
 def run(*args, **kw):
