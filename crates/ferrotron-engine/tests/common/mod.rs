@@ -3,6 +3,7 @@
 
 #[allow(dead_code)]
 mod run_metrics;
+mod stale_dirs;
 use ferrotron_core::model::ModelConfig;
 use ferrotron_engine::hf;
 use ferrotron_engine::kernels::CpuBackend;
@@ -12,13 +13,12 @@ pub use run_metrics::{metric_losses, metrics_records};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-/// A fresh, empty directory for test `tag` of this test binary and process.
+/// A fresh, empty directory for test `tag` of this test binary and process (the directories of
+/// earlier runs of this binary removed first: see `stale_dirs.rs`).
 pub fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "ferrotron-{}-{tag}-{}",
-        env!("CARGO_CRATE_NAME"),
-        std::process::id()
-    ));
+    let prefix = format!("ferrotron-{}-", env!("CARGO_CRATE_NAME"));
+    stale_dirs::remove_stale(&prefix);
+    let d = std::env::temp_dir().join(format!("{prefix}{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d

@@ -4,8 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// A fresh, empty directory for test `tag` of this test process.
+/// A fresh, empty directory for test `tag` of this test process (the directories of earlier runs
+/// removed first: see `stale_dirs.rs`).
 pub fn temp_dir(tag: &str) -> PathBuf {
+    stale_dirs::remove_stale("ferrotron-cli-");
     let d = std::env::temp_dir().join(format!("ferrotron-cli-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -76,6 +78,8 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 pub mod readme;
 #[path = "../../../ferrotron-engine/tests/common/run_metrics.rs"]
 mod run_metrics;
+#[path = "../../../ferrotron-engine/tests/common/stale_dirs.rs"]
+mod stale_dirs;
 #[allow(unused_imports)]
 pub use run_metrics::{metric_losses, metrics_records};
 
