@@ -465,8 +465,9 @@ fn comm_buffers(
 ///
 /// In 16 bits (mixed precision) nothing is bucketed: ZeRO-0 all-reduces each gradient in place;
 /// ZeRO-1 reduce-scatters and re-gathers one tensor T at a time, T(1 + 1/n); ZeRO-2/3 reduce-
-/// scatter a unit's gradients as the backward finishes it, R(1 + 1/n), and ZeRO-3 gathers a unit's
-/// weights, P(2 + 1/n) with the pieces and the gathered copy. Beside all of these stays the blocking
+/// scatter a unit's gradients as the backward finishes it, R(1 + 1/n), ZeRO-2 re-gathers the
+/// updated weights a tensor at a time (T(1 + 1/n)), and ZeRO-3 gathers a unit's weights,
+/// P(2 + 1/n) with the pieces and the gathered copy. Beside all of these stays the blocking
 /// reduce-scatter's working copy, as large as its largest input: sequence parallelism's rows (a
 /// boundary) and the 16-bit gradients' (T or R).
 fn engine_comm_buffers(
