@@ -149,12 +149,42 @@ fn assert_terms_near(
 /// Communication buffers within 10% of the planner's where either is at least 5% of the device's
 /// `total`.
 fn assert_comm_near(what: &str, got: u64, want: u64, total: u64) {
-    if got.max(want) as f64 >= 0.05 * total as f64 {
-        let e = (got as f64 / want.max(1) as f64 - 1.0).abs();
-        assert!(
-            e <= 0.10,
-            "{what}: comm_buffers measured {got} vs predicted {want}"
-        );
+    assert_term_near(what, "comm_buffers", (got, want), total);
+}
+
+/// `scripts/plan_vs_train.py`'s seven layouts of llama-small (8 devices, batch 8 × 128, f32),
+/// trained for two steps: on every device every memory term of at least 5% of its total within 10%
+/// of the planner's, the communication buffers included (the script measures step time beside
+/// this, which only a quiet machine can).
+#[test]
+fn the_plan_vs_train_layouts_hold_every_large_term_within_ten_percent() {
+    use ferrotron_core::plan::evaluate;
+    use ferrotron_core::precision::MixedPrecision;
+    let cfg = ferrotron_core::model::preset("llama-small").unwrap();
+    let params = ferrotron_engine::transformer::ParamStore::init_random(&cfg, 1);
+    let (seq, b) = (128, 8);
+    let batch = TokenBatch {
+        ids: (0..b * seq).map(|i| (i * 7 % 2048) as u32).collect(),
+        batch: b,
+        seq,
+    };
+    let input = f32_plan_input(&cfg, seq, b);
+    for spec in [
+        "dp=8,mbs=1",
+        "tp=4,dp=2,mbs=2",
+        "pp=4,dp=2,mbs=1",
+        "dp=8,zero=3,mbs=1",
+        "dp=2,tp=2,pp=2,mbs=2",
+        "dp=2,tp=2,pp=2,zero=1,mbs=2",
+        "tp=2,pp=4,mbs=1",
+    ] {
+        let l = LayoutSpec::parse(spec).unwrap().layout;
+        let peaks = trained_peaks(&cfg, &params, &batch, &l, MixedPrecision::F32);
+        let plan = evaluate(&input, &l).unwrap();
+        for (d, (got, _)) in peaks.into_iter().enumerate() {
+            let want = plan.memory_bytes_per_stage[d / (l.tp * l.dp)];
+            assert_large_terms_near(&format!("{spec} device {d}"), &got, &want);
+        }
     }
 }
 

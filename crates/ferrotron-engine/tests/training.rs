@@ -390,6 +390,9 @@ fn a_capacity_below_the_need_is_an_out_of_memory_error_and_auto_finds_a_layout_t
     for d in &summary.devices {
         assert!(d.peak_memory_bytes.total <= 40_000_000, "{d:?}");
         assert!(d.predicted_memory_bytes.total > 0, "{d:?}");
+        // What `auto` chose holds what the planner said of it (#43).
+        let what = format!("{} device {}", summary.layout, d.device);
+        assert_large_terms_near(&what, &d.peak_memory_bytes, &d.predicted_memory_bytes);
     }
 }
 

@@ -24,6 +24,29 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// Term `term` measured (`got`) within 10% of the planner's (`want`) where either is at least 5%
+/// of the device's `total` (#43's rule: the terms that decide whether a layout fits).
+pub fn assert_term_near(what: &str, term: &str, (got, want): (u64, u64), total: u64) {
+    if got.max(want) as f64 >= 0.05 * total as f64 {
+        let e = (got as f64 / want.max(1) as f64 - 1.0).abs();
+        assert!(
+            e <= 0.10,
+            "{what}: {term} measured {got} vs predicted {want}"
+        );
+    }
+}
+
+/// Every term of a device's measured peaks against the planner's by [`assert_term_near`].
+pub fn assert_large_terms_near(
+    what: &str,
+    got: &ferrotron_core::plan::MemoryTerms,
+    want: &ferrotron_core::plan::MemoryTerms,
+) {
+    for ((term, a), (_, w)) in got.terms().into_iter().zip(want.terms()) {
+        assert_term_near(what, term, (a, w), got.total);
+    }
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
