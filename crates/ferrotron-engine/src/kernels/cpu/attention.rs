@@ -7,6 +7,7 @@
 //! a query head reads its KV head in place (grouped-query heads share it, nothing is repeated).
 //! Tiles wholly above the causal diagonal, or wholly before a sliding window, are never computed.
 
+use super::bf16_gemm::PackedA;
 use super::exp2_rows;
 use super::small_gemm::{self, Causal};
 use super::threads::SendPtr;
@@ -296,6 +297,43 @@ pub(super) unsafe fn product<T: Real>(
     }
 }
 
+/// [`product`] whose left operand `a` was also [packed](PackedA) as it was
+/// computed (`packed`, where it was): on a packed right operand the bf16 GEMM reads those panels,
+/// the same products in the same order as packing `a` itself.
+///
+/// # Safety
+/// As [`gemm_raw`]; `packed` holds `a`'s values.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_of_packed<T: Real>(
+    mnk: (usize, usize, usize),
+    a: (*const T, usize, usize),
+    packed: Option<&PackedA>,
+    b: Right<'_, T>,
+    c: (*mut T, usize, usize),
+    accumulate: bool,
+    mask: Causal,
+    bf16: bool,
+) {
+    if let (Some(pa), Right::PackedBf16(pb, row0, col0)) = (packed, b) {
+        let (ptr, rs) = (c.0.cast::<f32>(), c.1);
+        let b = (pb, row0, col0);
+        if c.2 == 1 && super::bf16_gemm::gemm_packed_ab(mnk, pa, b, ptr, rs, accumulate, mask) {
+            return;
+        }
+    }
+    product(mnk, a, b, c, accumulate, mask, bf16)
+}
+
+/// `x` as the f32 values it is: the bf16 GEMM's operands (T is f32 wherever it runs).
+fn f32s<T: Real>(x: &[T]) -> &[f32] {
+    assert!(
+        std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>(),
+        "attention: f32 values expected"
+    );
+    // SAFETY: T is f32 (asserted).
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
+}
+
 /// Query rows and key columns of a tile: large enough that each tile's products amortise the GEMM's
 /// packing and dispatch (measured on `bench attention`: 64×64 tiles ran the 4096-token backward
 /// 20% slower than 256×512; 128×256 and 64×256 ran within noise of it on the AVX2 kernel), small
@@ -444,10 +482,48 @@ fn check_lengths(b: &AttnBlock, q: usize, k: usize, v: usize, out: usize, lse: u
     );
 }
 
+/// The left operands of forward's products, packed for the bf16 GEMM.
+struct ForwardLeft {
+    q: PackedA,
+    probs: PackedA,
+}
+
+/// The left operands of backward's products, packed for the bf16 GEMM: the row tile's Q and dO
+/// once for all its key tiles; a tile's Pᵀ, dS and dSᵀ as the rows of P and dS are made.
+struct BackwardLeft {
+    q: PackedA,
+    dout: PackedA,
+    probs_t: PackedA,
+    dscores: PackedA,
+    dscores_t: PackedA,
+}
+
+/// The `rows × d` head rows of `x` from `off` (row stride `width`) packed as a left operand.
+fn pack_rows<T: Real>(
+    packed: &mut PackedA,
+    x: &[T],
+    (off, width): (usize, usize),
+    (rows, d): (usize, usize),
+) {
+    packed.by_rows(rows, d);
+    for i in 0..rows {
+        simd::prefetch(
+            x[off..].as_ptr().wrapping_add((i + AHEAD) * width),
+            d,
+            false,
+        );
+        packed.set_row(i, f32s(&x[off + i * width..][..d]));
+    }
+}
+
+/// Rows of a token-major tensor asked for ([`simd::prefetch`]) ahead of the one in hand.
+const AHEAD: usize = 8;
 /// Per task: a tile of scores, the output rows being accumulated, each row's running maximum and
-/// sum, and the head's Kᵀ and V as right operands.
+/// sum, and the head's Kᵀ and V as right operands; on packed bf16 products, the left operands
+/// packed: the row tile's Q once for all its key tiles, and each tile's P as its rows are made.
 struct ForwardScratch<T> {
     scores: Vec<T>,
+    packed: Option<ForwardLeft>,
     acc: Vec<T>,
     max: Vec<T>,
     sum: Vec<T>,
@@ -474,8 +550,13 @@ pub(crate) fn forward<T: Real>(
     let (br, bc) = tile(&b);
     let (bf16, path) = (products == Products::Bf16, product_path::<T>(products));
     let (out_p, lse_p) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
+    let packing = path == ProductPath::Bf16Packed;
     let scratch = || ForwardScratch {
         scores: vec![T::ZERO; br * bc],
+        packed: packing.then(|| ForwardLeft {
+            q: PackedA::new(),
+            probs: PackedA::new(),
+        }),
         acc: vec![T::ZERO; br * d],
         max: vec![T::ZERO; br],
         sum: vec![T::ZERO; br],
@@ -493,6 +574,9 @@ pub(crate) fn forward<T: Real>(
         for r0 in (0..tq).step_by(br) {
             let r1 = (r0 + br).min(tq);
             let m = r1 - r0;
+            if let Some(packed) = &mut w.packed {
+                pack_rows(&mut packed.q, q, (qo + r0 * qw, qw), (m, d));
+            }
             w.acc[..m * d].fill(T::ZERO);
             w.max[..m].fill(T::ZERO);
             w.sum[..m].fill(T::ZERO);
@@ -503,9 +587,10 @@ pub(crate) fn forward<T: Real>(
                 // checked above); scores and acc are this task's scratch.
                 unsafe {
                     // S = Q·Kᵀ over the tile.
-                    product(
+                    product_of_packed(
                         (m, n, d),
                         (q.as_ptr().add(qo + r0 * qw), qw, 1),
+                        w.packed.as_ref().map(|p| &p.q),
                         w.kt.at(0, c0),
                         (w.scores.as_mut_ptr(), n, 1),
                         false,
@@ -513,21 +598,29 @@ pub(crate) fn forward<T: Real>(
                         bf16,
                     );
                 }
+                if let Some(packed) = &mut w.packed {
+                    packed.probs.by_rows(m, n);
+                }
                 for i in 0..m {
+                    let row = &mut w.scores[i * n..(i + 1) * n];
                     online_softmax_row(
-                        &mut w.scores[i * n..(i + 1) * n],
+                        row,
                         visible(&b, r0 + i, (c0, c1)),
                         scale2,
                         &mut w.max[i],
                         &mut w.sum[i],
                         &mut w.acc[i * d..(i + 1) * d],
                     );
+                    if let Some(packed) = &mut w.packed {
+                        packed.probs.set_row(i, f32s(row));
+                    }
                 }
                 unsafe {
                     // O += P·V over the tile.
-                    product(
+                    product_of_packed(
                         (m, d, n),
                         (w.scores.as_ptr(), n, 1),
+                        w.packed.as_ref().map(|p| &p.probs),
                         w.v.at(c0, 0),
                         (w.acc.as_mut_ptr(), d, 1),
                         true,
@@ -540,6 +633,8 @@ pub(crate) fn forward<T: Real>(
             // log-sum-exp row, at the block's queries.
             unsafe {
                 for i in 0..m {
+                    let ahead = out_p.get().wrapping_add(qo + (r0 + i + AHEAD) * qw);
+                    simd::prefetch(ahead, d, true);
                     let o = std::slice::from_raw_parts_mut(out_p.get().add(qo + (r0 + i) * qw), d);
                     let lse_i = lse_p.get().add(lo + r0 + i);
                     if w.sum[i] == T::ZERO {
@@ -624,6 +719,8 @@ struct BackwardScratch<T> {
     stride: usize,
     delta: Vec<T>,
     lse2: Vec<T>,
+    /// On packed bf16 products, the left operands packed.
+    packed: Option<BackwardLeft>,
     /// The KV head's Kᵀ, Vᵀ and K, and the row tile's Q and dO, as right operands.
     kt: HeadOperand<T>,
     vt: HeadOperand<T>,
@@ -666,7 +763,15 @@ pub(crate) fn backward_block<T: Real>(
         SendPtr(dv.as_mut_ptr()),
     );
     let stride = bc + ROW_PAD;
+    let packing = path == ProductPath::Bf16Packed;
     let scratch = || BackwardScratch {
+        packed: packing.then(|| BackwardLeft {
+            q: PackedA::new(),
+            dout: PackedA::new(),
+            probs_t: PackedA::new(),
+            dscores: PackedA::new(),
+            dscores_t: PackedA::new(),
+        }),
         probs: vec![T::ZERO; br * stride],
         dprobs: vec![T::ZERO; br * stride],
         stride,
@@ -712,6 +817,10 @@ pub(crate) fn backward_block<T: Real>(
                 let rows = (qo + r0 * qw, qw);
                 w.q_rows.set(path, q, rows, (r1 - r0, d), false);
                 w.dout_rows.set(path, dout, rows, (r1 - r0, d), false);
+                if let Some(packed) = &mut w.packed {
+                    pack_rows(&mut packed.q, q, rows, (r1 - r0, d));
+                    pack_rows(&mut packed.dout, dout, rows, (r1 - r0, d));
+                }
                 for keys in key_tiles(&b, (r0, r1), bc) {
                     // SAFETY: this task alone writes the kvh columns of dK and dV and its query
                     // heads' columns of dQ, for sequence `seq`; the tile's rows lie inside the
@@ -735,9 +844,9 @@ struct HeadViews<T> {
     dv: *mut T,
 }
 
-/// One backward tile, query rows `[r0, r1)` against keys `[c0, c1)` of the block: P recomputed
-/// (S = Q·Kᵀ, then exp(scale·S − lse)), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − D)·scale,
-/// dQ += dS·K, dK += dSᵀ·Q.
+/// One backward tile, query rows `[r0, r1)` against keys `[c0, c1)` of the block: S = Q·Kᵀ and
+/// dP = dO·Vᵀ; row by row P recomputed (exp(scale·S − lse)) and dS = P ⊙ (dP − D)·scale (packed as
+/// they are made, on packed bf16 products); then dV += Pᵀ·dO, dQ += dS·K, dK += dSᵀ·Q.
 ///
 /// # Safety
 /// The views name rows inside their tensors, and no other thread writes the gradients' rows.
@@ -754,56 +863,88 @@ unsafe fn backward_tile<T: Real>(
     let (qw, kw, ps) = (h.qw, h.kw, w.stride);
     let (dor, qr) = (h.dout.add(r0 * qw), h.q.add(r0 * qw));
     let [columns, depth_up_to, depth_from] = tile_masks(b, r0, c0);
-    product(
+    product_of_packed(
         (m, n, d),
         (qr, qw, 1),
+        w.packed.as_ref().map(|p| &p.q),
         w.kt.at(0, c0),
         (w.probs.as_mut_ptr(), ps, 1),
         false,
         columns,
         bf16,
     );
-    for i in 0..m {
-        let row = &mut w.probs[i * ps..i * ps + n];
-        probabilities_row(row, visible(b, r0 + i, (c0, c1)), scale2, w.lse2[r0 + i]);
-    }
-    let (dv, dk) = (h.dv.add(c0 * kw), h.dk.add(c0 * kw));
-    product(
-        (n, d, m),
-        (w.probs.as_ptr(), 1, ps),
-        w.dout_rows.at(0, 0),
-        (dv, kw, 1),
-        true,
-        depth_from,
-        bf16,
-    );
-    product(
+    product_of_packed(
         (m, n, d),
         (dor, qw, 1),
+        w.packed.as_ref().map(|p| &p.dout),
         w.vt.at(0, c0),
         (w.dprobs.as_mut_ptr(), ps, 1),
         false,
         columns,
         bf16,
     );
-    for i in 0..m {
-        let row = i * ps..i * ps + n;
-        let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
-        score_gradient_row(dp, p, visible(b, r0 + i, (c0, c1)), w.delta[r0 + i], scale);
+    if let Some(packed) = &mut w.packed {
+        packed.probs_t.by_depth_pairs(n, m);
+        packed.dscores.by_rows(m, n);
+        packed.dscores_t.by_depth_pairs(n, m);
     }
-    let ds = w.dprobs.as_ptr();
-    product(
+    // Two rows at a time: a depth pair of Pᵀ and dSᵀ.
+    for i in (0..m).step_by(2) {
+        let pair = i..(i + 2).min(m);
+        for r in pair.clone() {
+            let row = r * ps..r * ps + n;
+            let seen = visible(b, r0 + r, (c0, c1));
+            probabilities_row(&mut w.probs[row.clone()], seen, scale2, w.lse2[r0 + r]);
+            let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
+            score_gradient_row(dp, p, seen, w.delta[r0 + r], scale);
+            if let Some(packed) = &mut w.packed {
+                packed.dscores.set_row(r, f32s(dp));
+            }
+        }
+        if let Some(packed) = &mut w.packed {
+            let pairs = [
+                (&mut packed.probs_t, &w.probs),
+                (&mut packed.dscores_t, &w.dprobs),
+            ];
+            for (packed, x) in pairs {
+                let first = f32s(&x[i * ps..i * ps + n]);
+                let second = (pair.len() == 2).then(|| f32s(&x[(i + 1) * ps..(i + 1) * ps + n]));
+                packed.set_depth_pair(i / 2, first, second);
+            }
+        }
+    }
+    let packed = w.packed.as_ref();
+    let [pt, ds, dst] = [
+        packed.map(|p| &p.probs_t),
+        packed.map(|p| &p.dscores),
+        packed.map(|p| &p.dscores_t),
+    ];
+    let (dv, dk) = (h.dv.add(c0 * kw), h.dk.add(c0 * kw));
+    product_of_packed(
+        (n, d, m),
+        (w.probs.as_ptr(), 1, ps),
+        pt,
+        w.dout_rows.at(0, 0),
+        (dv, kw, 1),
+        true,
+        depth_from,
+        bf16,
+    );
+    let ds_view = w.dprobs.as_ptr();
+    product_of_packed(
         (m, d, n),
-        (ds, ps, 1),
+        (ds_view, ps, 1),
+        ds,
         w.k.at(c0, 0),
         (h.dq.add(r0 * qw), qw, 1),
         true,
         depth_up_to,
         bf16,
     );
-    product(
+    product_of_packed(
         (n, d, m),
-        (ds, 1, ps),
+        (ds_view, 1, ps),
+        dst,
         w.q_rows.at(0, 0),
         (dk, kw, 1),
         true,

@@ -75,15 +75,29 @@ impl Threads {
     }
 
     /// Runs `f(scratch, task)` for `task in 0..n`, in parallel when `threads > 1`, with a scratch
-    /// buffer made by `init` once per run of tasks on a thread (not once per task), its contents
-    /// left by the previous task.
+    /// buffer made by `init` at most once per thread (not once per task), its contents left by the
+    /// previous task. The threads take tasks in order as they come free, so a slowed one takes
+    /// fewer; and each makes one scratch (rayon's `for_each_init` makes one per piece it splits
+    /// off, and attention's scratch is tiles of a megabyte, zeroed anew each time).
     pub(crate) fn for_tasks_with<S, I, F>(&self, n: usize, init: I, f: F)
     where
         I: Fn() -> S + Sync + Send,
         F: Fn(&mut S, usize) + Sync + Send,
     {
         if self.threads > 1 && n > 1 {
-            (0..n).into_par_iter().for_each_init(init, f)
+            use std::sync::atomic::{AtomicUsize, Ordering};
+            let next = AtomicUsize::new(0);
+            (0..self.threads.min(n)).into_par_iter().for_each(|_| {
+                // Made with the first task this worker takes: none where the others took all.
+                let mut scratch = None;
+                loop {
+                    let task = next.fetch_add(1, Ordering::Relaxed);
+                    if task >= n {
+                        break;
+                    }
+                    f(scratch.get_or_insert_with(&init), task)
+                }
+            })
         } else {
             let mut scratch = init();
             (0..n).for_each(|task| f(&mut scratch, task))

@@ -3,7 +3,7 @@
 //! how they claim rows of `c`.
 
 use super::pack::pack;
-use super::{Operand, Tiles};
+use super::{APanel, Operand, Tiles};
 use crate::kernels::cpu::small_gemm::Causal;
 use crate::kernels::cpu::threads::SendPtr;
 use std::cell::RefCell;
@@ -158,7 +158,7 @@ pub(super) unsafe fn blocked<P: Tiles>(
                     // SAFETY: the threads write disjoint rows of `c`, all inside it.
                     while let Some(rows) = claim_rows(&next_row, m, mr, parts) {
                         rows_against::<P>(
-                            a,
+                            Left::View(a),
                             rows,
                             m,
                             (pc, kp, k),
@@ -224,6 +224,24 @@ pub(super) fn needed<P: Tiles>(
     }
 }
 
+/// The left operand of [`rows_against`]: a view, whose blocks are packed there, or panels packed
+/// before the product ([`super::PackedA`]).
+#[derive(Clone, Copy)]
+pub(super) enum Left<'a> {
+    View(Operand<'a>),
+    Packed(APanels),
+}
+
+/// Panels of `a` packed before a product, from its first row and pair: the panel of rows
+/// `MR·i..MR·(i + 1)` from `at + i·panel`, laid out as `layout` says; every panel whole (`MR` rows
+/// readable, those past the product's rows never stored).
+#[derive(Clone, Copy)]
+pub(super) struct APanels {
+    pub at: *const u32,
+    pub panel: usize,
+    pub layout: APanel,
+}
+
 /// Packed panels of `b`, `NR` columns each: panel `j`'s pair `p` from `at + (j·pairs + p)·NR`. A
 /// block packed for one product, or a part of an operand packed once for many
 /// ([`super::PackedB`]), whose panels are deeper than the product.
@@ -235,7 +253,7 @@ pub(super) struct BPanels {
 
 /// `c[rows, jc..jc + nc] (+)= a[rows, pairs] · b-block` on this thread: `pb` holds the block of `b`
 /// packed (`kp` pairs from pair `pc`, of `k` values, in panels `pb.pairs` deep: `kp` for a block
-/// packed for this product), the rows' blocks of `a` packed here. Under a causal `mask`, the
+/// packed for this product), the rows' blocks of `a` packed here (or before: [`Left::Packed`]). Under a causal `mask`, the
 /// micro-tiles past its edge are skipped, and those along it run over the pairs they need (packed
 /// alone, panel by panel).
 ///
@@ -243,7 +261,7 @@ pub(super) struct BPanels {
 /// As [`blocked`]; no one else touches these rows of `c`.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn rows_against<P: Tiles>(
-    a: Operand,
+    a: Left,
     rows: std::ops::Range<usize>,
     m: usize,
     (pc, kp, k): (usize, usize, usize),
@@ -263,20 +281,30 @@ pub(super) unsafe fn rows_against<P: Tiles>(
         let mut tile: Option<Box<EdgeTile>> = None;
         for ic in rows.clone().step_by(P::MC) {
             let mc = P::MC.min(rows.end - ic);
-            let pa = aligned(&mut buffer, mc.div_ceil(mr) * mr * kp);
             let (panels_a, panels_b) = (mc.div_ceil(mr), nc.div_ceil(nr));
             let panel_rows = |im: usize| mr.min(m - (ic + im * mr));
-            if depth_masked {
-                // Each panel's pairs alone: a panel is `[pair][MR]`, so pairs `s..e` are a run.
-                for im in 0..panels_a {
-                    let (_, pairs) = needed::<P>(mask, ic + im * mr, panel_rows(im), (pc, kp, k));
-                    let run = &mut pa[(im * kp + pairs.start) * mr..(im * kp + pairs.end) * mr];
-                    let k0 = 2 * (pc + pairs.start);
-                    P::pack_a(a, ic + im * mr, mr, m, k0, k, pairs.len(), run);
+            // The panels of this block of rows: packed here, or before the product.
+            let packed_here = match a {
+                Left::View(a) => {
+                    let pa = aligned(&mut buffer, mc.div_ceil(mr) * mr * kp);
+                    if depth_masked {
+                        // Each panel's pairs alone: a panel is `[pair][MR]`, so pairs `s..e` are
+                        // a run.
+                        for im in 0..panels_a {
+                            let (_, pairs) =
+                                needed::<P>(mask, ic + im * mr, panel_rows(im), (pc, kp, k));
+                            let run =
+                                &mut pa[(im * kp + pairs.start) * mr..(im * kp + pairs.end) * mr];
+                            let k0 = 2 * (pc + pairs.start);
+                            P::pack_a(a, ic + im * mr, mr, m, k0, k, pairs.len(), run);
+                        }
+                    } else {
+                        P::pack_a(a, ic, mc, m, 2 * pc, k, kp, pa);
+                    }
+                    pa.as_ptr()
                 }
-            } else {
-                P::pack_a(a, ic, mc, m, 2 * pc, k, kp, pa);
-            }
+                Left::Packed(_) => std::ptr::null(),
+            };
             for block in 0..panels_a * panels_b {
                 let (im, jn) = if P::A_PANEL_OUTER {
                     (block / panels_b, block % panels_b)
@@ -290,10 +318,20 @@ pub(super) unsafe fn rows_against<P: Tiles>(
                     continue;
                 }
                 let bp = pb.at.add((jn * pb.pairs + pairs.start) * nr);
-                // The panel's pairs from the first needed: packed alone (depth-masked: a run of
-                // `pairs.len()`), or the panel whole (from pair 0).
-                let ap = pa.as_ptr().add((im * kp + pairs.start) * mr);
-                let layout = P::a_panel(a, if depth_masked { pairs.len() } else { kp });
+                let (ap, layout) = match a {
+                    // The panel's pairs from the first needed: packed alone (depth-masked: a run
+                    // of `pairs.len()`), or the panel whole (from pair 0).
+                    Left::View(a) => (
+                        packed_here.add((im * kp + pairs.start) * mr),
+                        P::a_panel(a, if depth_masked { pairs.len() } else { kp }),
+                    ),
+                    Left::Packed(p) => (
+                        p.at.add(
+                            (ic + im * mr) / mr * p.panel + (pc + pairs.start) * p.layout.pair,
+                        ),
+                        p.layout,
+                    ),
+                };
                 let dst = c.add(i * c_rs + j);
                 if (rows == mr && cols == nr) || P::PART_BLOCKS {
                     P::micro(pairs.len(), ap, layout, bp, dst, c_rs, add, rows, cols);

@@ -35,7 +35,7 @@ use super::small_gemm::Causal;
 use avx512::Avx512;
 use blocked::blocked;
 use half::bf16;
-pub(crate) use packed::{gemm_packed_b, PackedB};
+pub(crate) use packed::{gemm_packed_ab, gemm_packed_b, PackedA, PackedB};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 

@@ -105,7 +105,7 @@ pub(super) fn pack_rows(
 /// `o` (a last odd value pairs with zero).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn round_row(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
+pub(super) unsafe fn round_row(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
     for (i, run) in o.chunks_mut(16).enumerate() {
         let values = (kmax - 32 * i).min(32);
         let v = load_pairs(x, start + 32 * i, values);
@@ -114,7 +114,7 @@ unsafe fn round_row(x: Operand, start: usize, kmax: usize, o: &mut [u32]) {
     }
 }
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn round_row(_: Operand, _: usize, _: usize, _: &mut [u32]) {
+pub(super) unsafe fn round_row(_: Operand, _: usize, _: usize, _: &mut [u32]) {
     unreachable!("available() is false off x86_64")
 }
 
@@ -159,6 +159,10 @@ pub(super) unsafe fn pack_along_k(
     for panel in (0..tmax).step_by(w) {
         for g in (panel..(panel + w).min(tmax)).step_by(16) {
             let lanes = 16.min(panel + w - g).min(tmax - g);
+            // The next group's rows, while this one's are transposed.
+            for r in g + 16..(g + 32).min(tmax) {
+                prefetch(x, (t0 + r) * ts + k0, kmax);
+            }
             let lane_mask: __mmask16 = (((1u32 << lanes) - 1) & 0xffff) as u16;
             // Where pair `p` of this group's first row lies.
             let first = |p: usize| (panel / w) * kp * w + p * w + (g - panel);
@@ -279,11 +283,6 @@ pub(super) unsafe fn pack_across_k(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(lanes_apart as i32),
     );
-    // [row0 0..16, row1 0..16] → [row0 0, row1 0, row0 1, row1 1, …]
-    let interleave = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-        19, 3, 18, 2, 17, 1, 16, 0,
-    );
     // The runs of rows: (first row, rows, where its pair 0 lands, lane mask).
     let mut runs = Vec::with_capacity(tmax.div_ceil(16) + tmax.div_ceil(segment));
     let mut t = 0;
@@ -306,6 +305,13 @@ pub(super) unsafe fn pack_across_k(
     );
     for p in 0..pairs {
         let r0 = (k0 + 2 * p) * ks + t0;
+        // Rows some pairs ahead: where k is a token-major tensor's rows (a head of V or dO),
+        // each pair's rows lie a whole row of the tensor apart.
+        if 2 * (p + PAIRS_AHEAD) + 1 < kmax {
+            let ahead = r0 + 2 * PAIRS_AHEAD * ks;
+            prefetch(x, ahead, tmax);
+            prefetch(x, ahead + ks, tmax);
+        }
         let second = 2 * p + 1 < kmax;
         let r1 = if second { r0 + ks } else { r0 };
         let pair = pair_at(p);
@@ -330,7 +336,7 @@ pub(super) unsafe fn pack_across_k(
                     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
                 }
             };
-            let v = _mm512_permutexvar_epi16(interleave, v);
+            let v = interleaved(v);
             let dst = o.as_mut_ptr().add(at + pair);
             if lanes_apart == 1 {
                 _mm512_mask_storeu_epi32(dst.cast(), mask, v);
@@ -339,6 +345,77 @@ pub(super) unsafe fn pack_across_k(
             }
         }
     }
+}
+
+/// Pairs of rows [`pack_across_k`] asks for ahead of the one in hand.
+const PAIRS_AHEAD: usize = 4;
+
+/// Asks for `len` elements of an operand from `at` ahead of their packing ([`simd::prefetch`]).
+fn prefetch(x: Operand, at: usize, len: usize) {
+    use crate::kernels::simd;
+    match x {
+        Operand::F32(v, ..) => simd::prefetch(v.as_ptr().wrapping_add(at), len, false),
+        Operand::Bf16(v, ..) => simd::prefetch(v.as_ptr().wrapping_add(at), len, false),
+    }
+}
+
+/// 16 bf16 values of one row (the low half of `v`) and 16 of the next (the high half) as 16 pairs:
+/// `[a0..a16, b0..b16]` → `[a0, b0, a1, b1, …]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn interleaved(v: __m512i) -> __m512i {
+    let order = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+        19, 3, 18, 2, 17, 1, 16, 0,
+    );
+    _mm512_permutexvar_epi16(order, v)
+}
+
+/// Pair `p` of every row of a block of panels `w` rows wide and `kp` pairs deep (`[panel][pair][w]`,
+/// as [`pack`] lays them out): row `t`'s pair holds `first[t]` (low half) and `second[t]`, rounded
+/// to bf16 (zero without `second`), for the `first.len()` rows. One depth pair of a left operand
+/// whose depth is produced a row at a time (attention's probabilities, as the left operand Pᵀ):
+/// packed while those two rows are still in L1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn pack_depth_pair(
+    (first, second): (&[f32], Option<&[f32]>),
+    p: usize,
+    (kp, w): (usize, usize),
+    o: &mut [u32],
+) {
+    let t_end = first.len();
+    assert!(
+        second.is_none_or(|s| s.len() == t_end) && p < kp && w <= 16,
+        "bf16 gemm: a depth pair's rows"
+    );
+    assert!(
+        t_end.div_ceil(w) * kp * w <= o.len(),
+        "bf16 gemm: packed panel out of bounds"
+    );
+    // Each panel's `w` rows are one run (a panel is at most 16 wide).
+    let mut at = p * w;
+    for t in (0..t_end).step_by(w) {
+        let mask = ((1u32 << w.min(t_end - t)) - 1) as __mmask16;
+        let lo = _mm512_maskz_loadu_ps(mask, first.as_ptr().add(t));
+        let hi = match second {
+            Some(s) => _mm512_maskz_loadu_ps(mask, s.as_ptr().add(t)),
+            None => _mm512_setzero_ps(),
+        };
+        let halves = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_mask_storeu_epi32(o.as_mut_ptr().add(at).cast(), mask, interleaved(halves));
+        at += kp * w;
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn pack_depth_pair(
+    _: (&[f32], Option<&[f32]>),
+    _: usize,
+    _: (usize, usize),
+    _: &mut [u32],
+) {
+    unreachable!("available() is false off x86_64")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
