@@ -296,7 +296,10 @@ fn backward_working_set(
 /// by 16), each query row's D and log-sum-exp, and the products' right operands packed in panels
 /// of 16 columns: its KV head's Kᵀ, Vᵀ and K, and a row tile's Q and dO. The block is the device's
 /// whole sequence without context parallelism; the ring's load-balanced blocks are chunks (half a
-/// device's tokens); all-to-all's attention sees whole sequences.
+/// device's tokens); all-to-all's attention sees whole sequences. Not priced: on a CPU with
+/// AVX512_BF16, bf16 products' left operands packed before their products (a row tile's Q and dO,
+/// a tile's P, dS, Pᵀ, dSᵀ in bf16: under 1 MB a kernel thread at 256 × 512 tiles), which other
+/// CPUs do not allocate; the planner does not know the CPU.
 fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
     let keys = match (l.cp > 1, l.cp_comm) {
         (false, _) => local,

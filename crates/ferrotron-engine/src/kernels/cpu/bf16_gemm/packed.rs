@@ -223,29 +223,52 @@ pub(crate) unsafe fn gemm_packed_b(
     accumulate: bool,
     mask: Causal,
 ) -> bool {
-    let Some(panels) = panels_from(b, k, n, (row0, col0)) else {
-        return false;
-    };
-    if m == 0 || n == 0 {
-        return true;
-    }
     assert!(
         super::extent(m, k, a.strides()) <= a.len(),
         "bf16 gemm: lhs view out of bounds"
     );
-    let kp = k.div_ceil(2);
-    rows_against::<Avx512>(
+    against_packed_b(
         Left::View(a),
-        0..m,
-        m,
-        (0, kp, k),
-        panels,
-        (0, n, n),
+        (m, n, k),
+        (b, row0, col0),
         c,
         c_rs,
         accumulate,
         mask,
-    );
+    )
+}
+
+/// The product of [`gemm_packed_b`] and [`gemm_packed_ab`] once their left operand is checked.
+///
+/// # Safety
+/// As [`gemm_packed_b`].
+unsafe fn against_packed_b(
+    a: Left,
+    (m, n, k): (usize, usize, usize),
+    (b, row0, col0): (&PackedB, usize, usize),
+    c: *mut f32,
+    c_rs: usize,
+    accumulate: bool,
+    mask: Causal,
+) -> bool {
+    let Some(panels) = panels_from(b, k, n, (row0, col0)) else {
+        return false;
+    };
+    if m > 0 && n > 0 {
+        let depth = (0, k.div_ceil(2), k);
+        rows_against::<Avx512>(
+            a,
+            0..m,
+            m,
+            depth,
+            panels,
+            (0, n, n),
+            c,
+            c_rs,
+            accumulate,
+            mask,
+        );
+    }
     true
 }
 
@@ -270,27 +293,8 @@ pub(crate) unsafe fn gemm_packed_ab(
         a.m,
         a.k
     );
-    let Some(panels) = panels_from(b, k, n, (row0, col0)) else {
-        return false;
-    };
-    if m == 0 || n == 0 {
-        return true;
-    }
-    let kp = k.div_ceil(2);
     let left = Left::Packed(a.panels());
-    rows_against::<Avx512>(
-        left,
-        0..m,
-        m,
-        (0, kp, k),
-        panels,
-        (0, n, n),
-        c,
-        c_rs,
-        accumulate,
-        mask,
-    );
-    true
+    against_packed_b(left, (m, n, k), (b, row0, col0), c, c_rs, accumulate, mask)
 }
 
 #[cfg(test)]
