@@ -297,9 +297,9 @@ pub(super) unsafe fn product<T: Real>(
     }
 }
 
-/// [`product`] whose left operand `a` was also [packed](PackedA) as it was
-/// computed (`packed`, where it was): on a packed right operand the bf16 GEMM reads those panels,
-/// the same products in the same order as packing `a` itself.
+/// [`product`] whose left operand `a` was also [packed](PackedA) as it was computed (`packed`,
+/// where it was): on a packed right operand the bf16 GEMM reads those panels, the same products in
+/// the same order as packing `a` itself.
 ///
 /// # Safety
 /// As [`gemm_raw`]; `packed` holds `a`'s values.
@@ -518,6 +518,7 @@ fn pack_rows<T: Real>(
 
 /// Rows of a token-major tensor asked for ([`simd::prefetch`]) ahead of the one in hand.
 const AHEAD: usize = 8;
+
 /// Per task: a tile of scores, the output rows being accumulated, each row's running maximum and
 /// sum, and the head's Kᵀ and V as right operands; on packed bf16 products, the left operands
 /// packed: the row tile's Q once for all its key tiles, and each tile's P as its rows are made.
