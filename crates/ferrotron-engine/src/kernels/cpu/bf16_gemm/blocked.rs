@@ -253,9 +253,10 @@ pub(super) struct BPanels {
 
 /// `c[rows, jc..jc + nc] (+)= a[rows, pairs] · b-block` on this thread: `pb` holds the block of `b`
 /// packed (`kp` pairs from pair `pc`, of `k` values, in panels `pb.pairs` deep: `kp` for a block
-/// packed for this product), the rows' blocks of `a` packed here (or before: [`Left::Packed`]). Under a causal `mask`, the
-/// micro-tiles past its edge are skipped, and those along it run over the pairs they need (packed
-/// alone, panel by panel).
+/// packed for this product), the rows' blocks of `a` packed here (or before: [`Left::Packed`],
+/// whose panels start at row 0, so `rows` starts on one). Under a causal `mask`, the micro-tiles
+/// past its edge are skipped, and those along it run over the pairs they need (packed alone, panel
+/// by panel).
 ///
 /// # Safety
 /// As [`blocked`]; no one else touches these rows of `c`.
