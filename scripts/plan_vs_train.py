@@ -48,6 +48,8 @@ def count_arg(i, default, least, what):
 STEPS = count_arg(1, 12, 3, "STEPS")
 ROUNDS = count_arg(2, 3, 1, "ROUNDS")
 SEQ, BATCH, PRECISION = 128, 8, "f32"
+# crates/ferrotron-engine/tests/memory.rs (the_plan_vs_train_layouts_hold_every_large_term_within_ten_percent)
+# trains these seven layouts too, for the memory terms alone: change both together.
 LAYOUTS = [
     "dp=8,mbs=1",
     "tp=4,dp=2,mbs=2",

@@ -326,12 +326,7 @@ unsafe fn product_of_packed<T: Real>(
 
 /// `x` as the f32 values it is: the bf16 GEMM's operands (T is f32 wherever it runs).
 fn f32s<T: Real>(x: &[T]) -> &[f32] {
-    assert!(
-        std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>(),
-        "attention: f32 values expected"
-    );
-    // SAFETY: T is f32 (asserted).
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
+    T::as_f32(x).expect("attention: packed bf16 operands are made from f32 values")
 }
 
 /// Query rows and key columns of a tile: large enough that each tile's products amortise the GEMM's
@@ -499,7 +494,7 @@ struct BackwardLeft {
 }
 
 /// The `rows × d` head rows of `x` from `off` (row stride `width`) packed as a left operand.
-fn pack_rows<T: Real>(
+fn pack_head_rows<T: Real>(
     packed: &mut PackedA,
     x: &[T],
     (off, width): (usize, usize),
@@ -576,7 +571,7 @@ pub(crate) fn forward<T: Real>(
             let r1 = (r0 + br).min(tq);
             let m = r1 - r0;
             if let Some(packed) = &mut w.packed {
-                pack_rows(&mut packed.q, q, (qo + r0 * qw, qw), (m, d));
+                pack_head_rows(&mut packed.q, q, (qo + r0 * qw, qw), (m, d));
             }
             w.acc[..m * d].fill(T::ZERO);
             w.max[..m].fill(T::ZERO);
@@ -819,8 +814,8 @@ pub(crate) fn backward_block<T: Real>(
                 w.q_rows.set(path, q, rows, (r1 - r0, d), false);
                 w.dout_rows.set(path, dout, rows, (r1 - r0, d), false);
                 if let Some(packed) = &mut w.packed {
-                    pack_rows(&mut packed.q, q, rows, (r1 - r0, d));
-                    pack_rows(&mut packed.dout, dout, rows, (r1 - r0, d));
+                    pack_head_rows(&mut packed.q, q, rows, (r1 - r0, d));
+                    pack_head_rows(&mut packed.dout, dout, rows, (r1 - r0, d));
                 }
                 for keys in key_tiles(&b, (r0, r1), bc) {
                     // SAFETY: this task alone writes the kvh columns of dK and dV and its query

@@ -350,8 +350,17 @@ pub(super) unsafe fn pack_across_k(
 /// Pairs of rows [`pack_across_k`] asks for ahead of the one in hand.
 const PAIRS_AHEAD: usize = 4;
 
-/// Asks for `len` elements of an operand from `at` ahead of their packing ([`simd::prefetch`]).
+/// Runs of an operand's rows this long or shorter are asked for ahead of their packing: a head of a
+/// token-major tensor (64–128 values every few KiB), which the hardware prefetchers do not follow.
+/// Longer runs (a linear layer's rows) they do, and asking would only add instructions.
+const SHORT_RUN: usize = 256;
+
+/// Asks for `len` elements of an operand from `at` ahead of their packing ([`simd::prefetch`]),
+/// where they are a [short run](SHORT_RUN).
 fn prefetch(x: Operand, at: usize, len: usize) {
+    if len > SHORT_RUN {
+        return;
+    }
     use crate::kernels::simd;
     match x {
         Operand::F32(v, ..) => simd::prefetch(v.as_ptr().wrapping_add(at), len, false),
