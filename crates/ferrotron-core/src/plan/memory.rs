@@ -299,7 +299,8 @@ fn backward_working_set(
 /// device's tokens); all-to-all's attention sees whole sequences. Not priced: on a CPU with
 /// AVX512_BF16, bf16 products' left operands packed before their products (a row tile's Q and dO,
 /// a tile's P, dS, Pᵀ, dSᵀ in bf16: under 1 MB a kernel thread at 256 × 512 tiles), which other
-/// CPUs do not allocate; the planner does not know the CPU.
+/// CPUs do not allocate; the planner does not know the CPU. The engine files them under `other`,
+/// the kernels' workspace, with the bf16 GEMM's other packing buffers.
 fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 {
     let keys = match (l.cp > 1, l.cp_comm) {
         (false, _) => local,
