@@ -329,16 +329,22 @@ fn f32s<T: Real>(x: &[T]) -> &[f32] {
     T::as_f32(x).expect("attention: packed bf16 operands are made from f32 values")
 }
 
-/// Query rows and key columns of a tile: large enough that each tile's products amortise the GEMM's
-/// packing and dispatch (measured on `bench attention`: 64×64 tiles ran the 4096-token backward
-/// 20% slower than 256×512; 128×256 and 64×256 ran within noise of it on the AVX2 kernel), small
-/// enough that a tile of scores (512 KiB) stays in a core's L2 on most CPUs.
-const TILE: (usize, usize) = (256, 512);
+/// Query rows and key columns of a backward tile: large enough that each tile's products amortise
+/// the GEMM's packing and dispatch (measured on `bench attention`: 64×64 tiles ran the 4096-token
+/// backward 20% slower than 256×512; 128×256 and 64×256 ran within noise of it on the AVX2
+/// kernel), small enough that a tile of scores (512 KiB) stays in a core's L2 on most CPUs.
+const BACKWARD_TILE: (usize, usize) = (256, 512);
 
-/// The tile of a block: [`TILE`], or the block's whole queries or keys where they are fewer (so a
+/// The forward's tile: fewer query rows (eight panels of the AVX512_BF16 micro-kernel's 14), so
+/// that its scores and their rounded copy (about 340 KiB) leave more of L2 to the head's K and V
+/// (measured: bf16 forward 3% faster at 2048 tokens on 2 threads, in 15 of 20 alternated runs; f32
+/// unchanged). The backward's tile needs the most scratch, which the planner prices.
+const FORWARD_TILE: (usize, usize) = (112, 512);
+
+/// The tile of a block: `sizes`, or the block's whole queries or keys where they are fewer (so a
 /// short sequence's scratch is no larger than it needs).
-pub(crate) fn tile(b: &AttnBlock) -> (usize, usize) {
-    (TILE.0.min(b.q.len).max(1), TILE.1.min(b.k.len).max(1))
+fn tile(b: &AttnBlock, sizes: (usize, usize)) -> (usize, usize) {
+    (sizes.0.min(b.q.len).max(1), sizes.1.min(b.k.len).max(1))
 }
 
 /// The key tiles `[c0, c1)` (rows of the block's keys) the block's query rows `[r0, r1)` see: from
@@ -394,7 +400,8 @@ simd_kernel! {
     /// running maximum `m` (in the same units) and sum `l` (the output row `acc`, accumulated so far
     /// against the old maximum, is rescaled to the new one), and leaves the tile's probabilities
     /// against the new maximum in `row` (0 outside the visible keys, so the product with V adds
-    /// nothing there).
+    /// nothing there), and rounded to bf16 in `rounded` where given (the row packed for that
+    /// product: its values, then zero to its whole pairs).
     fn online_softmax_row<T: Real>(
         row: &mut [T],
         seen: (usize, usize),
@@ -402,19 +409,28 @@ simd_kernel! {
         m: &mut T,
         l: &mut T,
         acc: &mut [T],
+        rounded: Option<&mut [u16]>,
     ) {
         let ((lo, hi), n) = (seen, row.len());
         row[..lo].fill(T::ZERO);
         row[hi..n].fill(T::ZERO);
+        let rounded = rounded.map(|r| {
+            r[..lo].fill(0);
+            r[hi..].fill(0);
+            &mut r[lo..hi]
+        });
         if lo == hi {
             return;
         }
         let seen = &mut row[lo..hi];
         // The scale is positive, so the largest scaled score is the largest score scaled.
-        let tile_max = simd::max(seen) * scale2;
+        let tile_max = exp2_rows::max(seen) * scale2;
         // The first keys this row sees set its maximum; later ones raise it.
         let new_max = if *l == T::ZERO { tile_max } else { tile_max.max(*m) };
-        let sum = exp2_rows::affine_sum(seen, scale2, new_max);
+        let sum = match rounded {
+            Some(r) => exp2_rows::affine_sum_rounded(seen, scale2, new_max, r),
+            None => exp2_rows::affine_sum(seen, scale2, new_max),
+        };
         if *l == T::ZERO {
             // Nothing accumulated yet (acc is zero).
             *l = sum;
@@ -425,6 +441,34 @@ simd_kernel! {
         }
         *m = new_max;
     }
+}
+
+/// One query row of a backward tile: the probabilities `P` of its scores `s` (in place) and the
+/// scores' gradients `dS = P ⊙ (dP − D) · scale` (in place of `dp`), over its visible keys; 0
+/// elsewhere. In one pass where the values are f32.
+fn probabilities_and_gradients<T: Real>(
+    s: &mut [T],
+    dp: &mut [T],
+    seen: (usize, usize),
+    (scale2, lse2): (T, T),
+    (d, scale): (T, T),
+) {
+    let (lo, hi) = seen;
+    if let (Some(sv), Some(dpv)) = (
+        T::as_f32_mut(&mut s[lo..hi]),
+        T::as_f32_mut(&mut dp[lo..hi]),
+    ) {
+        let f = |x: T| x.to_f64() as f32;
+        exp2_rows::probabilities_and_gradients(sv, dpv, (f(scale2), f(lse2)), (f(d), f(scale)));
+        let n = s.len();
+        for x in [s, dp] {
+            x[..lo].fill(T::ZERO);
+            x[hi..n].fill(T::ZERO);
+        }
+        return;
+    }
+    probabilities_row(s, seen, scale2, lse2);
+    score_gradient_row(dp, s, seen, d, scale);
 }
 
 simd_kernel! {
@@ -543,7 +587,7 @@ pub(crate) fn forward<T: Real>(
     let s = b.shape;
     let (tq, tk, d, qw, kw) = (b.q.len, b.k.len, s.head_dim, s.q_width(), s.kv_width());
     let scale2 = T::of(std::f64::consts::LOG2_E / (d as f64).sqrt());
-    let (br, bc) = tile(&b);
+    let (br, bc) = tile(&b, FORWARD_TILE);
     let (bf16, path) = (products == Products::Bf16, product_path::<T>(products));
     let (out_p, lse_p) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
     let packing = path == ProductPath::Bf16Packed;
@@ -598,18 +642,15 @@ pub(crate) fn forward<T: Real>(
                     packed.probs.by_rows(m, n);
                 }
                 for i in 0..m {
-                    let row = &mut w.scores[i * n..(i + 1) * n];
                     online_softmax_row(
-                        row,
+                        &mut w.scores[i * n..(i + 1) * n],
                         visible(&b, r0 + i, (c0, c1)),
                         scale2,
                         &mut w.max[i],
                         &mut w.sum[i],
                         &mut w.acc[i * d..(i + 1) * d],
+                        w.packed.as_mut().map(|p| p.probs.row_bf16_mut(i)),
                     );
-                    if let Some(packed) = &mut w.packed {
-                        packed.probs.set_row(i, f32s(row));
-                    }
                 }
                 unsafe {
                     // O += P·V over the tile.
@@ -707,13 +748,12 @@ pub(crate) fn merge<T: Real>(
 }
 
 /// Per task: a tile of probabilities and one of their gradients, per query row of the head in hand
-/// D = rowsum(dO ⊙ O) and the log-sum-exp in units of log2(e), and the right operands.
+/// the log-sum-exp in units of log2(e), and the right operands.
 struct BackwardScratch<T> {
     probs: Vec<T>,
     dprobs: Vec<T>,
     /// The row stride of `probs` and `dprobs`: a tile's columns and [`ROW_PAD`].
     stride: usize,
-    delta: Vec<T>,
     lse2: Vec<T>,
     /// On packed bf16 products, the left operands packed.
     packed: Option<BackwardLeft>,
@@ -751,7 +791,7 @@ pub(crate) fn backward_block<T: Real>(
     let group = s.heads / s.kv_heads;
     let scale = T::ONE / T::of(d as f64).sqrt();
     let scale2 = T::of(std::f64::consts::LOG2_E / (d as f64).sqrt());
-    let (br, bc) = tile(&b);
+    let (br, bc) = tile(&b, BACKWARD_TILE);
     let (bf16, path) = (products == Products::Bf16, product_path::<T>(products));
     let (dq_p, dk_p, dv_p) = (
         SendPtr(dq.as_mut_ptr()),
@@ -771,7 +811,6 @@ pub(crate) fn backward_block<T: Real>(
         probs: vec![T::ZERO; br * stride],
         dprobs: vec![T::ZERO; br * stride],
         stride,
-        delta: vec![T::ZERO; tq],
         lse2: vec![T::ZERO; tq],
         kt: HeadOperand::empty(),
         vt: HeadOperand::empty(),
@@ -779,6 +818,7 @@ pub(crate) fn backward_block<T: Real>(
         q_rows: HeadOperand::empty(),
         dout_rows: HeadOperand::empty(),
     };
+    let delta = row_deltas(threads, &b, dout, out);
     // One task per (sequence, KV head): the query heads that share a KV head accumulate into its
     // dK/dV one after another, so no two tasks write the same element.
     threads.for_tasks_with(s.batch * s.kv_heads, scratch, |w, task| {
@@ -791,14 +831,11 @@ pub(crate) fn backward_block<T: Real>(
             let h = kvh * group + j;
             let qo = (seq * b.q.rows + b.q.first) * qw + h * d;
             let lse = &lse[(seq * s.heads + h) * b.q.rows + b.q.first..][..tq];
-            for (i, delta) in w.delta.iter_mut().enumerate() {
-                let row = qo + i * qw;
-                *delta = simd::dot(&dout[row..row + d], &out[row..row + d]);
-            }
             for (lse2, &lse) in w.lse2.iter_mut().zip(lse) {
                 *lse2 = T::of(lse.to_f64() * std::f64::consts::LOG2_E);
             }
             let head = HeadViews {
+                delta: &delta[(seq * s.heads + h) * tq..][..tq],
                 q: q[qo..].as_ptr(),
                 dout: dout[qo..].as_ptr(),
                 qw,
@@ -828,9 +865,43 @@ pub(crate) fn backward_block<T: Real>(
     });
 }
 
-/// One head of a backward task: its query-side rows (from row 0 of the block, row stride `qw`), the
-/// key-side row stride `kw`, and where its gradients go.
-struct HeadViews<T> {
+/// D = rowsum(dO ⊙ O) of every query row of the block, per (sequence, head, row): `[batch][heads][tq]`.
+/// Token row by token row, every head of a row at once: the tensors read front to back (a head
+/// at a time, each row a 256-byte run two kilobytes from the last, measured slower: 2.5% of the
+/// backward at 2048 tokens).
+fn row_deltas<T: Real>(threads: &Threads, b: &AttnBlock, dout: &[T], out: &[T]) -> Vec<T> {
+    let s = b.shape;
+    let (tq, d, qw) = (b.q.len, s.head_dim, s.q_width());
+    let mut delta = vec![T::ZERO; s.batch * s.heads * tq];
+    let delta_p = SendPtr(delta.as_mut_ptr());
+    // Runs of rows, so that a task's reads are long.
+    const ROWS: usize = 64;
+    let runs = tq.div_ceil(ROWS);
+    threads.for_tasks_with(
+        s.batch * runs,
+        || (),
+        |_, task| {
+            let (seq, run) = (task / runs, task % runs);
+            for i in run * ROWS..((run + 1) * ROWS).min(tq) {
+                let row = (seq * b.q.rows + b.q.first + i) * qw;
+                for h in 0..s.heads {
+                    let at = row + h * d;
+                    // SAFETY: this task alone writes rows `run` of sequence `seq`, every head.
+                    unsafe {
+                        *delta_p.get().add((seq * s.heads + h) * tq + i) =
+                            simd::dot(&dout[at..at + d], &out[at..at + d]);
+                    }
+                }
+            }
+        },
+    );
+    delta
+}
+
+/// One head of a backward task: D = rowsum(dO ⊙ O) of its query rows, its query-side rows (from
+/// row 0 of the block, row stride `qw`), the key-side row stride `kw`, and where its gradients go.
+struct HeadViews<'a, T> {
+    delta: &'a [T],
     q: *const T,
     dout: *const T,
     qw: usize,
@@ -890,9 +961,14 @@ unsafe fn backward_tile<T: Real>(
         for r in pair.clone() {
             let row = r * ps..r * ps + n;
             let seen = visible(b, r0 + r, (c0, c1));
-            probabilities_row(&mut w.probs[row.clone()], seen, scale2, w.lse2[r0 + r]);
-            let (dp, p) = (&mut w.dprobs[row.clone()], &w.probs[row]);
-            score_gradient_row(dp, p, seen, w.delta[r0 + r], scale);
+            let (p, dp) = (&mut w.probs[row.clone()], &mut w.dprobs[row]);
+            probabilities_and_gradients(
+                p,
+                dp,
+                seen,
+                (scale2, w.lse2[r0 + r]),
+                (h.delta[r0 + r], scale),
+            );
             if let Some(packed) = &mut w.packed {
                 packed.dscores.set_row(r, f32s(dp));
             }

@@ -11,6 +11,7 @@
 //! bits, sum included: element `i` is added to lane `i % 16` of the sum in every copy.
 
 use crate::kernels::float::{exp2_fused, Real};
+use crate::kernels::simd;
 
 /// Lanes of an AVX2 vector of f32.
 const LANES: usize = 8;
@@ -34,6 +35,68 @@ pub(super) fn affine_sum<T: Real>(xs: &mut [T], scale: T, shift: T) -> T {
         *x = (*x * scale - shift).exp2_fused();
         sum + *x
     })
+}
+
+/// [`affine_sum`], the new values also rounded to bf16 into `rounded` (one per value, as the
+/// AVX512_BF16 conversion rounds them: to nearest even): a softmax row and the left operand of its
+/// product with V made in one pass. Only on a CPU with AVX512_BF16 (where that operand is packed).
+pub(super) fn affine_sum_rounded<T: Real>(
+    xs: &mut [T],
+    scale: T,
+    shift: T,
+    rounded: &mut [u16],
+) -> T {
+    let xs = T::as_f32_mut(xs).expect("attention: bf16 operands are made from f32 values");
+    assert_eq!(
+        xs.len(),
+        rounded.len(),
+        "attention: a row and its rounded copy"
+    );
+    let (scale, shift) = (scale.to_f64() as f32, shift.to_f64() as f32);
+    let mut sums = [0f32; SUMS];
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16") {
+        // SAFETY: the CPU has the features, checked just above.
+        unsafe { avx512::affine_sums_rounded(xs, scale, shift, &mut sums, rounded) };
+        return T::of(total(&sums) as f64);
+    }
+    panic!("attention: bf16 rounding asked for on a CPU without AVX512_BF16")
+}
+
+/// One row of attention's backward in one pass: `p[i] ← 2^(scale2·p[i] − lse2)` (the scores in,
+/// the probabilities out, as [`affine_sum`] makes them) and `dp[i] ← p[i]·(dp[i] − delta)·scale`
+/// (the probabilities' gradients in, the scores' out), each rounding as those two loops round, so
+/// the same bits. On AVX-512 the second is done while the first's vectors are in registers.
+pub(super) fn probabilities_and_gradients(
+    p: &mut [f32],
+    dp: &mut [f32],
+    (scale2, lse2): (f32, f32),
+    (delta, scale): (f32, f32),
+) {
+    assert_eq!(p.len(), dp.len(), "attention: a row's scores and gradients");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F, checked just above.
+        unsafe { avx512::probabilities_and_gradients(p, dp, (scale2, lse2), (delta, scale)) };
+        return;
+    }
+    affine_sum_f32(p, scale2, lse2);
+    for (x, &p) in dp.iter_mut().zip(p.iter()) {
+        *x = p * (*x - delta) * scale;
+    }
+}
+
+/// The largest of `xs` (−∞ if empty; NaNs passed over), as [`simd::max`] gives it: the maximum a
+/// softmax row's exponentials are taken against. On AVX-512, in sixteen lanes of four registers.
+pub(super) fn max<T: Real>(xs: &[T]) -> T {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        if let Some(xs) = T::as_f32(xs) {
+            // SAFETY: the CPU has AVX-512F, checked just above.
+            return T::of(unsafe { avx512::max(xs) } as f64);
+        }
+    }
+    simd::max(xs)
 }
 
 fn affine_sum_f32(xs: &mut [f32], scale: f32, shift: f32) -> f32 {
@@ -197,6 +260,104 @@ mod avx512 {
             acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, y));
         }
         _mm512_storeu_ps(sums.as_mut_ptr(), acc);
+    }
+
+    /// [`super::max`] on AVX-512F: `max(x, m)` is `x > m ? x : m` lane by lane, as the portable
+    /// copy compares.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn max(xs: &[f32]) -> f32 {
+        let lowest = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut m = [lowest; VECTORS];
+        let mut blocks = xs.chunks_exact(VECTORS * LANES);
+        for block in &mut blocks {
+            for (v, m) in m.iter_mut().enumerate() {
+                *m = _mm512_max_ps(_mm512_loadu_ps(block.as_ptr().add(v * LANES)), *m);
+            }
+        }
+        for chunk in blocks.remainder().chunks(LANES) {
+            let mask = ((1u32 << chunk.len()) - 1) as __mmask16;
+            let x = _mm512_mask_loadu_ps(lowest, mask, chunk.as_ptr());
+            m[0] = _mm512_max_ps(x, m[0]);
+        }
+        let m = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+        _mm512_reduce_max_ps(m)
+    }
+
+    /// [`affine_sums`], each new vector also rounded to bf16 into `rounded`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn affine_sums_rounded(
+        xs: &mut [f32],
+        scale: f32,
+        shift: f32,
+        sums: &mut [f32; SUMS],
+        rounded: &mut [u16],
+    ) {
+        let (scale, neg_shift) = (_mm512_set1_ps(scale), _mm512_set1_ps(-shift));
+        let mut acc = _mm512_setzero_ps();
+        let n = xs.len();
+        let (xp, rp) = (xs.as_mut_ptr(), rounded.as_mut_ptr());
+        let round = |y: __m512| std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(y));
+        let whole = n / (VECTORS * LANES) * (VECTORS * LANES);
+        for at in (0..whole).step_by(VECTORS * LANES) {
+            let x: [__m512; VECTORS] = std::array::from_fn(|v| {
+                _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(at + v * LANES)), scale, neg_shift)
+            });
+            let y = exp2_vectors(x);
+            for (v, &y) in y.iter().enumerate() {
+                let i = at + v * LANES;
+                _mm512_storeu_ps(xp.add(i), y);
+                _mm256_storeu_si256(rp.add(i).cast(), round(y));
+                acc = _mm512_add_ps(acc, y);
+            }
+        }
+        for at in (whole..n).step_by(LANES) {
+            let mask = ((1u32 << (n - at).min(LANES)) - 1) as __mmask16;
+            let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, xp.add(at)), scale, neg_shift);
+            let [y] = exp2_vectors([x]);
+            _mm512_mask_storeu_ps(xp.add(at), mask, y);
+            _mm256_mask_storeu_epi16(rp.add(at).cast(), mask, round(y));
+            acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, y));
+        }
+        _mm512_storeu_ps(sums.as_mut_ptr(), acc);
+    }
+
+    /// [`super::probabilities_and_gradients`] on AVX-512F: blocks of four vectors as in
+    /// [`affine_sums`], then the last under a mask.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn probabilities_and_gradients(
+        p: &mut [f32],
+        dp: &mut [f32],
+        (scale2, lse2): (f32, f32),
+        (delta, scale): (f32, f32),
+    ) {
+        let (scale2, neg_lse2) = (_mm512_set1_ps(scale2), _mm512_set1_ps(-lse2));
+        let (delta, scale) = (_mm512_set1_ps(delta), _mm512_set1_ps(scale));
+        // dp ← p·(dp − delta)·scale, rounded after each operation as the portable loop rounds.
+        let gradient = |p: __m512, dp: __m512| {
+            _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp, delta)), scale)
+        };
+        let n = p.len();
+        let (pp, dpp) = (p.as_mut_ptr(), dp.as_mut_ptr());
+        let whole = n / (VECTORS * LANES) * (VECTORS * LANES);
+        for at in (0..whole).step_by(VECTORS * LANES) {
+            let x: [__m512; VECTORS] = std::array::from_fn(|v| {
+                _mm512_fmadd_ps(_mm512_loadu_ps(pp.add(at + v * LANES)), scale2, neg_lse2)
+            });
+            let y = exp2_vectors(x);
+            for (v, &y) in y.iter().enumerate() {
+                let i = at + v * LANES;
+                _mm512_storeu_ps(pp.add(i), y);
+                _mm512_storeu_ps(dpp.add(i), gradient(y, _mm512_loadu_ps(dpp.add(i))));
+            }
+        }
+        for at in (whole..n).step_by(LANES) {
+            let mask = ((1u32 << (n - at).min(LANES)) - 1) as __mmask16;
+            let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pp.add(at)), scale2, neg_lse2);
+            let [y] = exp2_vectors([x]);
+            _mm512_mask_storeu_ps(pp.add(at), mask, y);
+            let g = gradient(y, _mm512_maskz_loadu_ps(mask, dpp.add(at)));
+            _mm512_mask_storeu_ps(dpp.add(at), mask, g);
+        }
     }
 
     /// 2^x of `N` vectors ([`crate::kernels::float::exp2_fused`]'s steps), each step over all

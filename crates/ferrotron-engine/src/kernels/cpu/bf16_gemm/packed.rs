@@ -150,6 +150,23 @@ impl PackedA {
         unsafe { round_row(Operand::F32(row, self.k, 1), 0, self.k, o) };
     }
 
+    /// Row `i`'s values as bf16, for a kernel that rounds them itself: `k` rounded up to whole
+    /// pairs (value `2j` the low half of pair `j`), every one to be written (a last odd value's
+    /// pair holds zero above it).
+    pub(crate) fn row_bf16_mut(&mut self, i: usize) -> &mut [u16] {
+        assert!(
+            self.layout.pair == 1 && i < self.m,
+            "bf16 gemm: row {i} of a packed left operand ({} × {})",
+            self.m,
+            self.k
+        );
+        let at = self.start + i * self.layout.row;
+        let pairs = &mut self.data[at..at + self.k.div_ceil(2)];
+        // SAFETY: two u16 in each u32, less aligned; on little-endian x86-64 (the only CPUs with
+        // this path) the first is the low half.
+        unsafe { std::slice::from_raw_parts_mut(pairs.as_mut_ptr().cast(), 2 * pairs.len()) }
+    }
+
     /// Lays out `m × k`, to be set a depth pair at a time ([`PackedA::set_depth_pair`]).
     pub(crate) fn by_depth_pairs(&mut self, m: usize, k: usize) {
         let kp = k.div_ceil(2);
