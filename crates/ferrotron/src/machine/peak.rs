@@ -33,7 +33,8 @@ pub fn best_time(reps: usize, f: impl FnMut()) -> f64 {
     sorted_times(Clock::Wall, reps, f)[0]
 }
 
-fn sorted_times(clock: Clock, reps: usize, mut f: impl FnMut()) -> Vec<f64> {
+/// The times of `reps` runs of `f` (after one to warm up) on `clock`, fastest first.
+pub fn sorted_times(clock: Clock, reps: usize, mut f: impl FnMut()) -> Vec<f64> {
     f();
     let epoch = Instant::now();
     let mut t: Vec<f64> = (0..reps.max(1))
