@@ -291,10 +291,11 @@ fn backward_working_set(
     (4.0 * (mlp + mlp_widened) - freed).max(attention_half - freed_before_attention)
 }
 
-/// The memory-efficient kernel's f32 scratch on its thread for the largest block it is given: a
+/// The memory-efficient kernel's f32 scratch for the largest block it is given: on its thread a
 /// tile of probabilities and one of their gradients (256 queries × 512 keys at most, rows padded
-/// by 16), each query row's D and log-sum-exp, and the products' right operands packed in panels
-/// of 16 columns: its KV head's Kᵀ, Vᵀ and K, and a row tile's Q and dO. The block is the device's
+/// by 16), each query row's log-sum-exp, and the products' right operands packed in panels of 16
+/// columns: its KV head's Kᵀ, Vᵀ and K, and a row tile's Q and dO; and D = rowsum(dO ⊙ O) of every
+/// query row of every sequence and head of the device. The block is the device's
 /// whole sequence without context parallelism; the ring's load-balanced blocks are chunks (half a
 /// device's tokens); all-to-all's attention sees whole sequences. Not priced: on a CPU with
 /// AVX512_BF16, bf16 products' left operands packed before their products (a row tile's Q and dO,
@@ -311,7 +312,13 @@ fn attention_kernel_scratch(cfg: &ModelConfig, l: &Layout, local: usize) -> f64 
     let panels = |n: usize| n.div_ceil(16) as f64 * 16.0;
     let (d, d16, keys16) = (cfg.head_dim as f64, panels(cfg.head_dim), panels(keys));
     let operands = 2.0 * keys16 * d + keys as f64 * d16 + 2.0 * br * d16;
-    4.0 * (2.0 * br * (bc + 16.0) + 2.0 * keys as f64 + operands)
+    // All-to-all gives a device whole sequences of its share of the heads.
+    let heads = match (l.cp > 1, l.cp_comm) {
+        (true, CpComm::A2a) => cfg.num_heads / (l.tp * l.cp),
+        _ => cfg.num_heads / l.tp,
+    };
+    let deltas = (l.micro_batch_size * heads.max(1) * keys) as f64;
+    4.0 * (2.0 * br * (bc + 16.0) + keys as f64 + operands + deltas)
 }
 
 /// Context parallelism's f32 working buffers on one device for `local` tokens per sequence, beside
