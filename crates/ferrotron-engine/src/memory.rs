@@ -74,9 +74,9 @@ pub struct TrackingAllocator;
 /// such an output).
 const LINE_ALIGNED_FROM: usize = 4096;
 
-/// Allocations of at least this many bytes (activations, weights, gradients: tensors) are blocks
-/// on huge pages where Linux has them (transparent huge pages, asked for per block): the kernels
-/// read a head or a column of such a tensor a row stride apart, one 4 KiB page per row or two, and
+/// A device's allocations of at least this many bytes (activations, weights, gradients: tensors)
+/// are blocks on huge pages where Linux has them (transparent huge pages, asked for per block): the
+/// kernels read a head or a column of such a tensor a row stride apart, one 4 KiB page per row or two, and
 /// on 4 KiB pages attention's eight tensors of 2048 tokens span more pages than the TLB holds
 /// (measured on `bench attention`, bf16, 2048 tokens: 4–5% faster, faster in 15 of 16 alternated
 /// runs). `FERROTRON_HUGE_PAGES=0` turns this off.
@@ -85,9 +85,14 @@ const HUGE_FROM: usize = HUGE_PAGE;
 /// The size (and alignment) of an x86-64 or AArch64 Linux huge page.
 const HUGE_PAGE: usize = 2 << 20;
 
-/// Whether an allocation of `size` bytes goes on huge pages.
-fn huge(size: usize) -> bool {
-    size >= HUGE_FROM && huge_pages_wanted()
+/// Whether an allocation of `size` bytes made for `device` goes on huge pages: a device's tensors
+/// only. Not what no device owns — the link's messages and the backends' helper threads' buffers,
+/// copied through once front to back (no TLB to spare), whose times are the link's: faulting in
+/// whole huge pages as each message was made left the threads backend's overlap of transfers with
+/// compute erratic (a started all-gather's margin over the blocking one 0.056–0.257 s in eight
+/// runs, 0.099–0.103 s with devices' blocks alone on huge pages).
+fn huge(size: usize, device: u16) -> bool {
+    size >= HUGE_FROM && (device as usize) < MAX_DEVICES && huge_pages_wanted()
 }
 
 /// Whether huge pages are on ([`HUGE_FROM`]): unless `FERROTRON_HUGE_PAGES` is `0`, on Linux. Read
@@ -117,9 +122,10 @@ fn huge_pages_wanted() -> bool {
     false
 }
 
-/// The alignment of the block behind an allocation of `layout`: its header's, or a huge page's.
-fn block_align(layout: Layout) -> usize {
-    if huge(layout.size()) {
+/// The alignment of the block behind an allocation of `layout` for `device`: its header's, or a
+/// huge page's.
+fn block_align(layout: Layout, device: u16) -> usize {
+    if huge(layout.size(), device) {
         header(layout).max(HUGE_PAGE)
     } else {
         header(layout)
@@ -184,10 +190,11 @@ impl TrackingAllocator {
     /// [`TrackingAllocator::allocate`] charged to `device` and `term`.
     unsafe fn allocate_for(&self, layout: Layout, zeroed: bool, device: u16, term: u8) -> *mut u8 {
         let h = header(layout);
-        let Ok(full) = Layout::from_size_align(layout.size() + h, block_align(layout)) else {
+        let Ok(full) = Layout::from_size_align(layout.size() + h, block_align(layout, device))
+        else {
             return std::ptr::null_mut();
         };
-        let huge = huge(layout.size());
+        let huge = huge(layout.size(), device);
         // A block on huge pages is zeroed after the advice, so that zeroing makes huge pages.
         let base = if zeroed && !huge {
             System.alloc_zeroed(full)
@@ -227,7 +234,8 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         let device = (p.sub(4) as *const u16).read_unaligned();
         let term = p.sub(2).read();
         charge(device, term, -(layout.size() as i64));
-        let full = Layout::from_size_align_unchecked(layout.size() + h, block_align(layout));
+        let full =
+            Layout::from_size_align_unchecked(layout.size() + h, block_align(layout, device));
         System.dealloc(p.sub(h), full)
     }
 
@@ -236,7 +244,8 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         let device = (p.sub(4) as *const u16).read_unaligned();
         let term = p.sub(2).read();
         let new_layout = Layout::from_size_align_unchecked(new_size, layout.align());
-        if block_align(new_layout) != block_align(layout) || huge(new_size) {
+        if block_align(new_layout, device) != block_align(layout, device) || huge(new_size, device)
+        {
             // Across the line-alignment threshold the block's alignment (and the header) change,
             // and a block on huge pages is advised before it is touched: a new block, keeping the
             // device and term.
@@ -247,7 +256,8 @@ unsafe impl GlobalAlloc for TrackingAllocator {
             }
             return q;
         }
-        let full = Layout::from_size_align_unchecked(layout.size() + h, block_align(layout));
+        let full =
+            Layout::from_size_align_unchecked(layout.size() + h, block_align(layout, device));
         let base = System.realloc(p.sub(h), full, new_size + h);
         if base.is_null() {
             return base;

@@ -85,6 +85,15 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 /// Times `reps` forward and backward passes (after an untimed one each): their medians and the
 /// fastest.
 pub fn measure(be: &CpuBackend, s: AttnShape, reps: usize) -> AttentionTimes {
+    // The tensors are allocated as a device thread allocates training's (on huge pages, where
+    // the allocator puts a device's tensors), and let go of it after.
+    ferrotron_engine::memory::set_device(0);
+    let times = measure_on_device(be, s, reps);
+    ferrotron_engine::memory::clear_device();
+    times
+}
+
+fn measure_on_device(be: &CpuBackend, s: AttnShape, reps: usize) -> AttentionTimes {
     let rows = s.batch * s.seq;
     let (q, k, v, dout) = (
         random(rows * s.q_width(), 1),

@@ -225,9 +225,40 @@ mod avx512 {
     const LANES: usize = 16;
     const VECTORS: usize = 4;
 
-    /// [`super::portable_affine_sums`] on AVX-512F: blocks of four vectors, each step over all four
-    /// before the next, every vector added into the one vector of sums (element `i` into lane
-    /// `i % 16`, in order); then the last vectors under a mask.
+    /// The exponentials 2^(scale·xᵢ − shift) of the `n` values from `x`, a vector at a time:
+    /// blocks of four vectors, each step over all four before the next ([`exp2_vectors`]), then
+    /// the last vectors under a mask. Each is handed to `each(i, y, lanes)`, `i` its first element
+    /// and `lanes` those inside the row where it is the last (`None`: all sixteen), after its
+    /// values were read (so `each` may overwrite them).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn exponentials(
+        x: *const f32,
+        n: usize,
+        scale: f32,
+        shift: f32,
+        mut each: impl FnMut(usize, __m512, Option<__mmask16>),
+    ) {
+        let (scale, neg_shift) = (_mm512_set1_ps(scale), _mm512_set1_ps(-shift));
+        let whole = n / (VECTORS * LANES) * (VECTORS * LANES);
+        for at in (0..whole).step_by(VECTORS * LANES) {
+            let x: [__m512; VECTORS] = std::array::from_fn(|v| {
+                _mm512_fmadd_ps(_mm512_loadu_ps(x.add(at + v * LANES)), scale, neg_shift)
+            });
+            for (v, y) in exp2_vectors(x).into_iter().enumerate() {
+                each(at + v * LANES, y, None);
+            }
+        }
+        for at in (whole..n).step_by(LANES) {
+            let mask = ((1u32 << (n - at).min(LANES)) - 1) as __mmask16;
+            let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x.add(at)), scale, neg_shift);
+            let [y] = exp2_vectors([x]);
+            each(at, y, Some(mask));
+        }
+    }
+
+    /// [`super::portable_affine_sums`] on AVX-512F ([`exponentials`]): every vector added into the
+    /// one vector of sums (element `i` into lane `i % 16`, in order; lanes past the row add zero).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn affine_sums(
         xs: &mut [f32],
@@ -236,29 +267,18 @@ mod avx512 {
         sums: &mut [f32; SUMS],
     ) {
         const { assert!(LANES == SUMS) };
-        let (scale, neg_shift) = (_mm512_set1_ps(scale), _mm512_set1_ps(-shift));
         let mut acc = _mm512_setzero_ps();
-        let mut blocks = xs.chunks_exact_mut(VECTORS * LANES);
-        for block in &mut blocks {
-            let at = block.as_mut_ptr();
-            let x: [__m512; VECTORS] = std::array::from_fn(|v| {
-                _mm512_fmadd_ps(_mm512_loadu_ps(at.add(v * LANES)), scale, neg_shift)
-            });
-            let y = exp2_vectors(x);
-            for (v, y) in y.into_iter().enumerate() {
-                _mm512_storeu_ps(at.add(v * LANES), y);
+        let xp = xs.as_mut_ptr();
+        exponentials(xp, xs.len(), scale, shift, |i, y, lanes| match lanes {
+            None => {
+                _mm512_storeu_ps(xp.add(i), y);
                 acc = _mm512_add_ps(acc, y);
             }
-        }
-        for chunk in blocks.into_remainder().chunks_mut(LANES) {
-            let mask = ((1u32 << chunk.len()) - 1) as __mmask16;
-            let at = chunk.as_mut_ptr();
-            let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, at), scale, neg_shift);
-            // Lanes past the row add zero (their exponentials are discarded).
-            let [y] = exp2_vectors([x]);
-            _mm512_mask_storeu_ps(at, mask, y);
-            acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, y));
-        }
+            Some(mask) => {
+                _mm512_mask_storeu_ps(xp.add(i), mask, y);
+                acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, y));
+            }
+        });
         _mm512_storeu_ps(sums.as_mut_ptr(), acc);
     }
 
@@ -292,37 +312,25 @@ mod avx512 {
         sums: &mut [f32; SUMS],
         rounded: &mut [u16],
     ) {
-        let (scale, neg_shift) = (_mm512_set1_ps(scale), _mm512_set1_ps(-shift));
         let mut acc = _mm512_setzero_ps();
-        let n = xs.len();
         let (xp, rp) = (xs.as_mut_ptr(), rounded.as_mut_ptr());
         let round = |y: __m512| std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(y));
-        let whole = n / (VECTORS * LANES) * (VECTORS * LANES);
-        for at in (0..whole).step_by(VECTORS * LANES) {
-            let x: [__m512; VECTORS] = std::array::from_fn(|v| {
-                _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(at + v * LANES)), scale, neg_shift)
-            });
-            let y = exp2_vectors(x);
-            for (v, &y) in y.iter().enumerate() {
-                let i = at + v * LANES;
+        exponentials(xp, xs.len(), scale, shift, |i, y, lanes| match lanes {
+            None => {
                 _mm512_storeu_ps(xp.add(i), y);
                 _mm256_storeu_si256(rp.add(i).cast(), round(y));
                 acc = _mm512_add_ps(acc, y);
             }
-        }
-        for at in (whole..n).step_by(LANES) {
-            let mask = ((1u32 << (n - at).min(LANES)) - 1) as __mmask16;
-            let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, xp.add(at)), scale, neg_shift);
-            let [y] = exp2_vectors([x]);
-            _mm512_mask_storeu_ps(xp.add(at), mask, y);
-            _mm256_mask_storeu_epi16(rp.add(at).cast(), mask, round(y));
-            acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, y));
-        }
+            Some(mask) => {
+                _mm512_mask_storeu_ps(xp.add(i), mask, y);
+                _mm256_mask_storeu_epi16(rp.add(i).cast(), mask, round(y));
+                acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, y));
+            }
+        });
         _mm512_storeu_ps(sums.as_mut_ptr(), acc);
     }
 
-    /// [`super::probabilities_and_gradients`] on AVX-512F: blocks of four vectors as in
-    /// [`affine_sums`], then the last under a mask.
+    /// [`super::probabilities_and_gradients`] on AVX-512F ([`exponentials`]).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn probabilities_and_gradients(
         p: &mut [f32],
@@ -330,34 +338,23 @@ mod avx512 {
         (scale2, lse2): (f32, f32),
         (delta, scale): (f32, f32),
     ) {
-        let (scale2, neg_lse2) = (_mm512_set1_ps(scale2), _mm512_set1_ps(-lse2));
         let (delta, scale) = (_mm512_set1_ps(delta), _mm512_set1_ps(scale));
         // dp ← p·(dp − delta)·scale, rounded after each operation as the portable loop rounds.
         let gradient = |p: __m512, dp: __m512| {
             _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp, delta)), scale)
         };
-        let n = p.len();
         let (pp, dpp) = (p.as_mut_ptr(), dp.as_mut_ptr());
-        let whole = n / (VECTORS * LANES) * (VECTORS * LANES);
-        for at in (0..whole).step_by(VECTORS * LANES) {
-            let x: [__m512; VECTORS] = std::array::from_fn(|v| {
-                _mm512_fmadd_ps(_mm512_loadu_ps(pp.add(at + v * LANES)), scale2, neg_lse2)
-            });
-            let y = exp2_vectors(x);
-            for (v, &y) in y.iter().enumerate() {
-                let i = at + v * LANES;
+        exponentials(pp, p.len(), scale2, lse2, |i, y, lanes| match lanes {
+            None => {
                 _mm512_storeu_ps(pp.add(i), y);
                 _mm512_storeu_ps(dpp.add(i), gradient(y, _mm512_loadu_ps(dpp.add(i))));
             }
-        }
-        for at in (whole..n).step_by(LANES) {
-            let mask = ((1u32 << (n - at).min(LANES)) - 1) as __mmask16;
-            let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pp.add(at)), scale2, neg_lse2);
-            let [y] = exp2_vectors([x]);
-            _mm512_mask_storeu_ps(pp.add(at), mask, y);
-            let g = gradient(y, _mm512_maskz_loadu_ps(mask, dpp.add(at)));
-            _mm512_mask_storeu_ps(dpp.add(at), mask, g);
-        }
+            Some(mask) => {
+                _mm512_mask_storeu_ps(pp.add(i), mask, y);
+                let g = gradient(y, _mm512_maskz_loadu_ps(mask, dpp.add(i)));
+                _mm512_mask_storeu_ps(dpp.add(i), mask, g);
+            }
+        });
     }
 
     /// 2^x of `N` vectors ([`crate::kernels::float::exp2_fused`]'s steps), each step over all
@@ -429,6 +426,66 @@ mod tests {
             }
             let exact: f64 = fast.iter().map(|&y| y as f64).sum();
             assert!((fast_sum as f64 - exact).abs() <= 1e-6 * exact.max(1e-30));
+        }
+    }
+
+    /// Rows of the lengths [`every_copy_agrees_bit_for_bit`] tries, values around a softmax's.
+    fn rows() -> impl Iterator<Item = Vec<f32>> {
+        [0, 1, 15, 16, 17, 63, 64, 65, 100, 512, 517]
+            .into_iter()
+            .map(|len| (0..len).map(|i| ((i * 37) % 101) as f32 * -0.31).collect())
+    }
+
+    /// The backward's one pass gives the bits of its two loops: the exponentials, then dS.
+    #[test]
+    fn one_pass_backward_rows_equal_the_two_loops() {
+        let ((scale2, lse2), (delta, scale)) = ((0.18, 1.5), (0.07, 0.125));
+        for p in rows() {
+            let dp: Vec<f32> = (0..p.len()).map(|i| (i % 7) as f32 * 0.3 - 1.0).collect();
+            let (mut p1, mut dp1) = (p.clone(), dp.clone());
+            probabilities_and_gradients(&mut p1, &mut dp1, (scale2, lse2), (delta, scale));
+            let (mut p2, mut dp2) = (p.clone(), dp);
+            affine_sum_f32(&mut p2, scale2, lse2);
+            for (x, &p) in dp2.iter_mut().zip(&p2) {
+                *x = p * (*x - delta) * scale;
+            }
+            assert_eq!(p1, p2, "length {}", p.len());
+            assert_eq!(dp1, dp2, "length {}", p.len());
+        }
+    }
+
+    /// The forward's rounded copy is each new value rounded to the nearest bf16 (ties to even),
+    /// and the values and their sum are [`affine_sum`]'s.
+    #[test]
+    fn rounded_rows_are_the_rows_rounded() {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16") {
+            let (scale, shift) = (0.18f32, 1.5f32);
+            for xs in rows() {
+                let (mut a, mut b) = (xs.clone(), xs.clone());
+                let mut rounded = vec![0u16; xs.len()];
+                let sum = affine_sum_rounded(&mut a, scale, shift, &mut rounded);
+                assert_eq!(sum.to_bits(), affine_sum(&mut b, scale, shift).to_bits());
+                assert_eq!(a, b, "length {}", xs.len());
+                for (&x, &r) in b.iter().zip(&rounded) {
+                    let bits = x.to_bits();
+                    let nearest = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+                    assert_eq!(r as u32, nearest, "{x}");
+                }
+            }
+        }
+    }
+
+    /// The row maximum is [`simd::max`]'s, NaNs passed over, at every length of tail.
+    #[test]
+    fn row_maxima_are_the_portable_ones() {
+        for mut xs in rows() {
+            assert_eq!(max(&xs).to_bits(), simd::max(&xs).to_bits());
+            let middle = xs.len() / 2;
+            if let Some(x) = xs.get_mut(middle) {
+                *x = f32::NAN;
+            }
+            assert_eq!(max(&xs).to_bits(), simd::max(&xs).to_bits());
         }
     }
 }
