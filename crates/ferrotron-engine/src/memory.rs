@@ -76,10 +76,10 @@ const LINE_ALIGNED_FROM: usize = 4096;
 
 /// A device's allocations of at least this many bytes (activations, weights, gradients: tensors)
 /// are blocks on huge pages where Linux has them (transparent huge pages, asked for per block): the
-/// kernels read a head or a column of such a tensor a row stride apart, one 4 KiB page per row or two, and
-/// on 4 KiB pages attention's eight tensors of 2048 tokens span more pages than the TLB holds
-/// (measured on `bench attention`, bf16, 2048 tokens: 4–5% faster, faster in 15 of 16 alternated
-/// runs). `FERROTRON_HUGE_PAGES=0` turns this off.
+/// kernels read a head or a column of such a tensor a row stride apart, a 4 KiB page every row or
+/// two, and on 4 KiB pages attention's eight tensors of 2048 tokens span more pages than the TLB
+/// holds (measured on `bench attention`, bf16, 2048 tokens: 4–5% faster, faster in 15 of 16
+/// alternated runs). `FERROTRON_HUGE_PAGES=0` turns this off.
 const HUGE_FROM: usize = HUGE_PAGE;
 
 /// The size (and alignment) of an x86-64 or AArch64 Linux huge page.
