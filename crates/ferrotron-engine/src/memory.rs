@@ -122,6 +122,24 @@ fn huge_pages_wanted() -> bool {
     false
 }
 
+/// `FERROTRON_HUGE_PAGES` as given, checked (the allocator cannot say what it does not understand,
+/// and reads anything but `0` as on): unset, `0` or `1`, or an error naming the value and the two
+/// it takes. The CLI checks it before it runs anything.
+pub fn check_huge_pages_setting() -> Result<(), String> {
+    match std::env::var("FERROTRON_HUGE_PAGES") {
+        Err(std::env::VarError::NotPresent) => Ok(()),
+        Ok(v) if v == "0" || v == "1" => Ok(()),
+        Ok(v) => Err(format!(
+            "FERROTRON_HUGE_PAGES={v}: give 0 (small pages) or 1 (huge pages for a device's \
+             tensors, the default)"
+        )),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!(
+            "FERROTRON_HUGE_PAGES={v:?}: give 0 (small pages) or 1 (huge pages for a device's \
+             tensors, the default)"
+        )),
+    }
+}
+
 /// The alignment of the block behind an allocation of `layout` for `device`: its header's, or a
 /// huge page's.
 fn block_align(layout: Layout, device: u16) -> usize {

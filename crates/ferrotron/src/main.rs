@@ -99,6 +99,10 @@ fn main() {
     // The matches are kept: `train` asks them which settings were given as flags.
     let matches = accept_negative_numbers(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = ferrotron_engine::memory::check_huge_pages_setting() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     let result = match cli.command {
         Command::Train(a) => cmd::train::run(
             *a,

@@ -94,6 +94,23 @@ fn token_batches_that_cannot_be_a_step_are_refused_by_grads_and_verify() {
     }
 }
 
+/// A setting read from the environment that the engine does not understand is an error naming it,
+/// not a silent default.
+#[test]
+fn an_unknown_huge_pages_setting_is_named() {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["plan", "--model", "llama-small", "--global-batch", "8"])
+        .env("FERROTRON_HUGE_PAGES", "yes")
+        .output()
+        .expect("runs");
+    let err = stderr(&o);
+    assert!(!o.status.success() && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("FERROTRON_HUGE_PAGES=yes: give 0 (small pages) or 1"),
+        "{err}"
+    );
+}
+
 #[test]
 fn flags_and_specs_name_what_is_wrong() {
     for (args, want) in [

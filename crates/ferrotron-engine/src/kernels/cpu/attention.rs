@@ -401,7 +401,8 @@ simd_kernel! {
     /// against the old maximum, is rescaled to the new one), and leaves the tile's probabilities
     /// against the new maximum in `row` (0 outside the visible keys, so the product with V adds
     /// nothing there), and rounded to bf16 in `rounded` where given (the row packed for that
-    /// product: its values, then zero to its whole pairs).
+    /// product: its values, then zero to its whole pairs; `row` is kept as well, for a product
+    /// that cannot read the packed panels and multiplies the rows themselves).
     fn online_softmax_row<T: Real>(
         row: &mut [T],
         seen: (usize, usize),

@@ -55,8 +55,8 @@ pub(super) fn affine_sum_rounded<T: Real>(
     let (scale, shift) = (scale.to_f64() as f32, shift.to_f64() as f32);
     let mut sums = [0f32; SUMS];
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16") {
-        // SAFETY: the CPU has the features, checked just above.
+    if crate::kernels::cpu::bf16_gemm::available() {
+        // SAFETY: the CPU has AVX-512 F, BW, VL and BF16 (what `available` checks).
         unsafe { avx512::affine_sums_rounded(xs, scale, shift, &mut sums, rounded) };
         return T::of(total(&sums) as f64);
     }
@@ -459,7 +459,7 @@ mod tests {
     #[test]
     fn rounded_rows_are_the_rows_rounded() {
         #[cfg(target_arch = "x86_64")]
-        if has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16") {
+        if crate::kernels::cpu::bf16_gemm::available() {
             let (scale, shift) = (0.18f32, 1.5f32);
             for xs in rows() {
                 let (mut a, mut b) = (xs.clone(), xs.clone());
